@@ -1,0 +1,1 @@
+"""Dataset recipes (chat template, loss masks), target regeneration and hidden-state capture."""

@@ -1,0 +1,1 @@
+"""Tree-based verification, baselines and reports."""

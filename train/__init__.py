@@ -1,0 +1,1 @@
+"""torchrun entry points that train draft heads (`torchrun train/eagle.py --config configs/...`)."""
