@@ -1,1 +1,53 @@
-"""Draft-head modules: EAGLE-1/2, EAGLE-3 and Medusa (built on the shared core only)."""
+"""Draft-head modules: EAGLE-1/2, EAGLE-3 and Medusa (built on the shared core only).
+
+head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model)
+head.save_pretrained("runs/x/head")
+head = load_head("runs/x/head", target_model)   # checks the head fits this target
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from heads.common import DraftHead, KVCache, check_compatible, read_head_config
+from heads.eagle import EagleHead
+from heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
+from heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
+
+HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead)}
+
+__all__ = [
+    "HEADS",
+    "DraftHead",
+    "Eagle3Head",
+    "EagleHead",
+    "KVCache",
+    "MedusaHead",
+    "build_head",
+    "build_vocab_mapping",
+    "check_compatible",
+    "load_head",
+    "medusa2_wrap",
+    "medusa_loss",
+    "medusa_weight_at",
+    "ttt_attention_mask",
+]
+
+
+def _head_class(head_type: str) -> type[DraftHead]:
+    if head_type not in HEADS:
+        raise ValueError(f"unknown head type {head_type!r}; known: {sorted(HEADS)}")
+    return HEADS[head_type]
+
+
+def build_head(head_cfg: dict[str, Any], target_model: nn.Module) -> DraftHead:
+    """A fresh head of ``head_cfg["type"]`` for ``target_model``; the other keys are that head's options."""
+    return _head_class(head_cfg["type"]).build(head_cfg, target_model)
+
+
+def load_head(head_dir: str | Path, target_model: nn.Module) -> DraftHead:
+    """The head saved in ``head_dir`` (any type), checked against and attached to ``target_model``."""
+    return _head_class(read_head_config(head_dir)["type"]).from_pretrained(head_dir, target_model)

@@ -1,0 +1,326 @@
+"""Hidden-state capture: run the frozen target over the samples and keep what the heads learn from.
+
+    python -m data_recipes.capture --config configs/demo-eagle3.yaml [key=value ...]
+
+Offline, the states go to safetensors shards (``data_recipes.shards``); online, ``OnlineCapture``
+computes the very same tensors inside the training step. Both call ``capture_hidden_states``.
+
+Resumable: samples are ordered deterministically (longest first, so batches pad little) and cut
+into shards of ``shard_samples``; each shard is written atomically and stamped with a fingerprint
+of everything that determines its contents. A re-run skips shards that exist with the same
+fingerprint, so a killed capture continues where it died and ends byte-identical to an
+uninterrupted one. Before it starts, the run prints its storage estimate and refuses to start
+when the disk is short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from core.config import load_config, save_config
+from core.runtime import resolve_device, resolve_dtype
+from data_recipes.recipes import Sample, load_samples
+from data_recipes.shards import MANIFEST, read_manifest, shard_fingerprint, shard_name, write_manifest, write_shard
+
+
+class DiskFullError(OSError):
+    """Not enough free disk for the capture: says how much is needed and how much is free."""
+
+
+def default_aux_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high layers (2, L//2, L-3), as vLLM and SpecForge pick them.
+
+    Layer id i is the residual stream entering decoder layer i (HF ``hidden_states[i]``).
+    """
+    layers = sorted({2, num_hidden_layers // 2, num_hidden_layers - 3})
+    if len(layers) < 3 or layers[0] < 1:
+        raise ValueError(
+            f"the target has {num_hidden_layers} layers, too few for EAGLE-3's default layers (2, L//2, L-3): "
+            f"name three distinct layers in capture.aux_layers"
+        )
+    return layers
+
+
+def resolve_aux_layers(setting: Any, num_hidden_layers: int) -> list[int]:
+    """``auto`` -> EAGLE-3 defaults; a list -> sorted, de-duplicated and range-checked; ``[]`` -> none."""
+    if setting == "auto":
+        return default_aux_layers(num_hidden_layers)
+    layers = sorted(set(setting or []))
+    bad = [i for i in layers if not 0 <= i < num_hidden_layers]
+    if bad:
+        raise ValueError(f"capture.aux_layers {bad} out of range: the target has layers 0..{num_hidden_layers - 1}")
+    return layers
+
+
+@torch.no_grad()
+def capture_hidden_states(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layers: list[int]
+) -> dict[str, torch.Tensor]:
+    """One forward of the target's decoder; returns ``last_hidden`` [B,S,H] and ``aux_hidden`` [B,S,k*H].
+
+    ``aux_hidden`` holds the inputs of the decoder layers in ``aux_layers`` (ascending), caught with
+    pre-hooks so that only those layers are kept, not all L+1 hidden states. The decoder is run
+    without ``lm_head``: the logits are not needed and cost a vocab-sized matmul.
+    """
+    decoder = model.get_decoder()
+    caught: dict[int, torch.Tensor] = {}
+
+    def hook(index: int):
+        def keep_input(_module, args, kwargs):
+            caught[index] = args[0] if args else kwargs["hidden_states"]
+
+        return keep_input
+
+    handles = [decoder.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in aux_layers]
+    try:
+        last = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = {"last_hidden": last}
+    if aux_layers:
+        out["aux_hidden"] = torch.cat([caught[i] for i in aux_layers], dim=-1)
+    return out
+
+
+class OnlineCapture:
+    """Hidden states computed inside the training step, equal to what offline capture stores."""
+
+    def __init__(self, model: PreTrainedModel, aux_layers: list[int], store_dtype: torch.dtype):
+        self.model, self.aux_layers, self.store_dtype = model, aux_layers, store_dtype
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        states = capture_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], self.aux_layers)
+        keep = batch["attention_mask"].bool()[..., None]
+        # Padded positions are zero, exactly as the shard collator pads them.
+        return {**batch, **{k: v.to(self.store_dtype).masked_fill(~keep, 0) for k, v in states.items()}}
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group consecutive (length-sorted) samples so that batch_size x longest <= ``batch_tokens``."""
+    batches: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        if batches and (len(batches[-1]) + 1) * max(lengths[batches[-1][0]], length) <= batch_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def capture_shard(
+    model: PreTrainedModel,
+    samples: list[Sample],
+    sample_ids: list[int],
+    aux_layers: list[int],
+    store_dtype: torch.dtype,
+    batch_tokens: int,
+    pad_id: int,
+) -> dict[str, torch.Tensor]:
+    """Capture one shard's samples in padded batches and concatenate them along the token axis."""
+    lengths = [len(s.input_ids) for s in samples]
+    pieces: dict[str, list[torch.Tensor]] = {"last_hidden": [], "aux_hidden": []}
+    for batch in length_batches(lengths, batch_tokens):
+        longest = max(lengths[i] for i in batch)
+        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[i]] = torch.tensor(samples[i].input_ids)
+            mask[row, : lengths[i]] = 1
+        states = capture_hidden_states(model, ids.to(model.device), mask.to(model.device), aux_layers)
+        for key, value in states.items():
+            pieces[key] += [value[row, : lengths[i]].to("cpu", store_dtype) for row, i in enumerate(batch)]
+    tensors = {
+        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8),
+        "sample_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+        "sample_ids": torch.tensor(sample_ids, dtype=torch.int64),
+    }
+    return tensors | {key: torch.cat(chunks) for key, chunks in pieces.items() if chunks}
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Vocabulary, merges, special tokens and chat template: what decides the ids a head sees."""
+    backend = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab())
+    return hashlib.sha256((backend + str(tokenizer.chat_template)).encode()).hexdigest()[:16]
+
+
+def weights_hash(model: PreTrainedModel) -> str:
+    """A cheap fingerprint of the weights: names, shapes and a strided sample of every tensor's values."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().flatten()
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def samples_hash(samples: list[Sample]) -> str:
+    digest = hashlib.sha256()
+    for s in samples:
+        digest.update(torch.tensor(s.input_ids, dtype=torch.int32).numpy().tobytes())
+        digest.update(bytes(s.loss_mask))
+    return digest.hexdigest()[:16]
+
+
+def storage_estimate(tokens: int, hidden_size: int, n_aux: int, store_dtype: torch.dtype) -> int:
+    """Bytes on disk: hidden states (k aux layers + the last one) plus 5 bytes of ids and mask per token."""
+    return tokens * (hidden_size * (n_aux + 1) * store_dtype.itemsize + 5)
+
+
+def check_free_disk(out_dir: Path, needed: int) -> None:
+    free = shutil.disk_usage(out_dir if out_dir.exists() else out_dir.parent).free
+    if needed > free:
+        raise DiskFullError(
+            f"capture needs {needed / 1e9:.2f} GB more in {out_dir} but only {free / 1e9:.2f} GB is free: "
+            f"free space, capture fewer samples (data.limit), store bf16 (capture.store_dtype), or train online "
+            f"(train.online_capture: true) without shards"
+        )
+
+
+def load_target(cfg: dict[str, Any]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    device, dtype = resolve_device(cfg.get("device", "auto")), resolve_dtype(cfg.get("dtype", "fp32"))
+    tokenizer = AutoTokenizer.from_pretrained(cfg["path"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["path"], dtype=dtype, attn_implementation="sdpa")
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def run_capture(cfg: dict[str, Any]) -> Path:
+    """Capture every sample of ``cfg['data']`` from ``cfg['target']`` into ``cfg['capture']['out_dir']``."""
+    model, tokenizer = load_target(cfg["target"])
+    data, cap = cfg["data"], cfg["capture"]
+    out_dir = Path(cap["out_dir"])
+    samples, _report = load_samples(
+        data["source"],
+        data["format"],
+        tokenizer,
+        data["max_length"],
+        data.get("on_error", "raise"),
+        limit=data.get("limit"),
+    )
+    if not samples:
+        raise ValueError(f"{data['source']}: no usable samples to capture")
+    num_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    aux_layers = resolve_aux_layers(cap.get("aux_layers", "auto"), num_layers)
+    store_dtype = resolve_dtype(cap.get("store_dtype", "bf16"))
+    settings = {
+        "target": str(cfg["target"]["path"]),
+        "target_config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16],
+        "target_weights_hash": weights_hash(model),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "store_dtype": str(store_dtype).removeprefix("torch."),
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "aux_layers": aux_layers,
+        "samples_hash": samples_hash(samples),
+        "shard_samples": cap["shard_samples"],
+        "batch_tokens": cap["batch_tokens"],
+    }
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == fingerprint:
+        print(f"{out_dir}: capture complete with these settings; nothing to do")
+        return out_dir
+
+    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
+    plan = [order[i : i + cap["shard_samples"]] for i in range(0, len(order), cap["shard_samples"])]
+    done = _finished_shards(out_dir, len(plan), fingerprint)
+    total_tokens = sum(len(s.input_ids) for s in samples)
+    todo_tokens = sum(len(samples[i].input_ids) for k, shard in enumerate(plan) if k not in done for i in shard)
+    estimate = storage_estimate(total_tokens, hidden, len(aux_layers), store_dtype)
+    print(
+        f"capture: {len(samples)} samples, {total_tokens:,} tokens, layers {aux_layers} + last, {store_dtype} -> "
+        f"{estimate / 1e9:.2f} GB in {len(plan)} shards under {out_dir}"
+        + (f" ({len(done)} already complete, resuming)" if done else "")
+    )
+    check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "capture_config.yaml")
+
+    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="capture")
+    start = time.perf_counter()
+    for k, shard in enumerate(plan):
+        if k in done:
+            continue
+        tensors = capture_shard(
+            model,
+            [samples[i] for i in shard],
+            shard,
+            aux_layers,
+            store_dtype,
+            cap["batch_tokens"],
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        )
+        write_shard(out_dir / shard_name(k), tensors, fingerprint)
+        bar.update(len(tensors["input_ids"]))
+    bar.close()
+    shards = [_shard_entry(out_dir, k, len(plan[k]), samples, plan[k]) for k in range(len(plan))]
+    write_manifest(
+        out_dir,
+        {
+            **settings,
+            "fingerprint": fingerprint,
+            "source": str(data["source"]),
+            "format": data["format"],
+            "max_length": data["max_length"],
+            "samples": len(samples),
+            "tokens": total_tokens,
+            "loss_tokens": sum(sum(s.loss_mask) for s in samples),
+            "bytes": sum(entry["bytes"] for entry in shards),
+            "shards": shards,
+        },
+    )
+    seconds = time.perf_counter() - start
+    print(f"capture: wrote {out_dir / MANIFEST} ({todo_tokens / max(seconds, 1e-9):,.0f} tokens/s this run)")
+    return out_dir
+
+
+def _finished_shards(out_dir: Path, n_shards: int, fingerprint: str) -> set[int]:
+    """Shards already on disk from a run with the same settings; a foreign capture is an error."""
+    done = set()
+    for k in range(n_shards):
+        path = out_dir / shard_name(k)
+        if not path.exists():
+            continue
+        if shard_fingerprint(path) != fingerprint:
+            raise FileExistsError(
+                f"{path} was captured with other settings (target, data, layers or dtype): "
+                f"choose a new capture.out_dir or delete {out_dir}"
+            )
+        done.add(k)
+    return done
+
+
+def _shard_entry(out_dir: Path, k: int, n: int, samples: list[Sample], shard: list[int]) -> dict[str, Any]:
+    path = out_dir / shard_name(k)
+    return {
+        "file": path.name,
+        "samples": n,
+        "tokens": sum(len(samples[i].input_ids) for i in shard),
+        "bytes": path.stat().st_size,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--on-error", choices=["raise", "skip"], help="bad input records: stop (default) or skip")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    args = parser.parse_args(argv)
+    overrides = args.overrides + ([f"data.on_error={args.on_error}"] if args.on_error else [])
+    run_capture(load_config(args.config, overrides))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The dataset formats: each maps one raw record to chat messages ``{"role", "content"}``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from data_recipes.errors import DataError
+from data_recipes.formats import alpaca, gsm8k, messages, sharegpt, text
+
+FORMATS: dict[str, Callable[[dict], list[dict[str, str]]]] = {
+    "alpaca": alpaca.to_messages,
+    "gsm8k": gsm8k.to_messages,
+    "messages": messages.to_messages,
+    "sharegpt": sharegpt.to_messages,
+    "text": text.to_messages,
+}
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def get_format(name: str) -> Callable[[dict], list[dict[str, str]]]:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown data format {name!r}; known formats: {', '.join(sorted(FORMATS))}") from None
+
+
+def check_messages(messages: list[dict[str, str]]) -> None:
+    """Raise DataError unless ``messages`` is a chat with an assistant turn or a single ``text`` message."""
+    if not messages:
+        raise DataError("conversation is empty")
+    is_text = len(messages) == 1 and messages[0]["role"] == "text"
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role not in CHAT_ROLES and not is_text:
+            raise DataError(f"message {i}: unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
+        if not message["content"].strip():
+            raise DataError(f"message {i} ({role}): content is empty")
+    if not is_text and not any(message["role"] == "assistant" for message in messages):
+        raise DataError("conversation has no assistant turn (nothing to train on)")

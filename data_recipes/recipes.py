@@ -1,0 +1,201 @@
+"""Dataset recipes: raw records -> chat messages -> token ids with an assistant-only loss mask.
+
+The conversation is rendered with the target's own chat template, so the draft head trains on exactly
+the token sequences the target sees at inference. The loss mask is 1 on the assistant contents and the
+end-of-turn token that closes them (the model must learn to stop), 0 on system/user turns and on the
+template's own headers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from data_recipes.errors import DataError
+from data_recipes.formats import check_messages, get_format
+from data_recipes.sources import read_records
+
+# The marker transformers looks for before it can compute ``return_assistant_tokens_mask``.
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    source: str  # the record's location, e.g. "data.jsonl:17"
+
+
+@dataclass
+class RecipeReport:
+    read: int = 0
+    kept: int = 0
+    truncated: int = 0  # kept samples cut to max_length
+    dropped_empty_mask: int = 0  # no assistant token left after truncation: nothing to learn from
+    skipped: int = 0  # bad records under on_error="skip"
+    skipped_locations: list[str] = field(default_factory=list)  # the first 20, each also printed with its reason
+
+    def skip(self, err: DataError) -> None:
+        self.skipped += 1
+        if len(self.skipped_locations) < 20:
+            self.skipped_locations.append(err.location)
+            print(f"skipping {err}")
+
+    def summary(self) -> str:
+        return (
+            f"read {self.read}, kept {self.kept}, truncated {self.truncated}, "
+            f"dropped {self.dropped_empty_mask} (no assistant tokens left), skipped {self.skipped} bad records"
+        )
+
+
+def tokenize_messages(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int
+) -> tuple[list[int], list[int], bool]:
+    """Token ids and loss mask of one conversation, cut to ``max_length`` (the head is kept).
+
+    Returns ``(input_ids, loss_mask, truncated)``. A single ``text`` message is tokenized raw with every
+    token in the loss; a chat uses the template's ``{% generation %}`` blocks when it has them, else the
+    character spans of the assistant contents in the rendered text.
+    """
+    if messages[0]["role"] == "text":
+        input_ids = list(tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"])
+        loss_mask = [1] * len(input_ids)
+    elif _GENERATION_BLOCK.search(tokenizer.get_chat_template()):
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        input_ids, loss_mask = list(out["input_ids"]), list(out["assistant_masks"])
+    else:
+        input_ids, loss_mask = _mask_from_spans(tokenizer, messages)
+    truncated = len(input_ids) > max_length
+    return input_ids[:max_length], loss_mask[:max_length], truncated
+
+
+def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """Loss mask for templates without generation blocks (Llama-3, Qwen, Mistral, ...).
+
+    A token is masked when its characters lie inside an assistant content; so is the special token that
+    starts right where the content ends (``<|im_end|>``, ``<|eot_id|>``, ``</s>``): the end of turn.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    # The same call apply_chat_template(tokenize=True) makes: the template writes its own BOS.
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+    end_of_turn = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} | {tokenizer.eos_token_id}
+    loss_mask = [0] * len(input_ids)
+    for begin, end in _assistant_spans(tokenizer, messages, text):
+        for k, (start, stop) in enumerate(offsets):
+            if begin <= start < stop <= end or (start == end and input_ids[k] in end_of_turn):
+                loss_mask[k] = 1
+    return input_ids, loss_mask
+
+
+def _assistant_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], text: str
+) -> list[tuple[int, int]]:
+    """Character spans ``[begin, end)`` of the assistant contents in ``text``, the rendered conversation."""
+    spans, cursor = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        # The history rendered with a generation prompt ends where turn i's content may start, so a user turn
+        # that repeats the answer is never matched. Content can still come later (Qwen3 inserts an empty
+        # <think> block first), hence the search. transformers refuses to render an empty history.
+        prefix = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False) if i else ""
+        start = max(cursor, len(prefix) if text.startswith(prefix) else 0)
+        content = message["content"]
+        begin = text.find(content, start)
+        if begin < 0:  # templates such as Llama-3's trim the content
+            content = content.strip()
+            begin = text.find(content, start)
+        if begin < 0:
+            raise DataError(f"message {i}: the chat template does not render the assistant content verbatim")
+        cursor = begin + len(content)
+        spans.append((begin, cursor))
+    return spans
+
+
+def read_conversations(
+    source: str,
+    format: str,
+    on_error: str = "raise",
+    split: str = "train",
+    limit: int | None = None,
+    report: RecipeReport | None = None,
+) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """Yield ``(location, messages)`` for every record of ``source`` that maps to a valid conversation.
+
+    A bad record raises DataError naming its location, or with ``on_error="skip"`` is counted in ``report``
+    (the first ones printed) and passed over. ``limit`` stops after that many conversations.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    to_messages = get_format(format)
+    report = RecipeReport() if report is None else report
+
+    def skip_unreadable(err: DataError) -> None:
+        report.read += 1
+        report.skip(err)
+
+    count = 0
+    for location, record in read_records(source, split, skip_unreadable if on_error == "skip" else None):
+        report.read += 1
+        try:
+            messages = to_messages(record)
+            check_messages(messages)
+        except DataError as err:
+            _bad_record(err.at(location), err, on_error, report)
+            continue
+        yield location, messages
+        count += 1
+        if limit is not None and count >= limit:
+            return
+
+
+def load_samples(
+    source: str,
+    format: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    on_error: str = "raise",
+    split: str = "train",
+    limit: int | None = None,
+) -> tuple[list[Sample], RecipeReport]:
+    """Read ``source`` as ``format`` and tokenize every record with the target's chat template.
+
+    ``on_error="raise"`` stops at the first bad record with a DataError naming its location; ``"skip"``
+    counts it and goes on. ``limit`` stops once that many samples are kept. The report is printed: nothing
+    is truncated, dropped or skipped silently.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be positive, got {max_length}")
+    report = RecipeReport()
+    samples = []
+    for location, messages in read_conversations(source, format, on_error, split, report=report):
+        try:
+            input_ids, loss_mask, truncated = tokenize_messages(tokenizer, messages, max_length)
+        except (DataError, TemplateError) as err:
+            # Templates reject what they cannot render (roles, alternation) with jinja's raise_exception.
+            message = err.message if isinstance(err, DataError) else f"chat template rejected the conversation: {err}"
+            _bad_record(DataError(message, location), err, on_error, report)
+            continue
+        if not any(loss_mask):
+            report.dropped_empty_mask += 1
+            continue
+        samples.append(Sample(input_ids, loss_mask, location))
+        report.kept += 1
+        report.truncated += truncated
+        if limit is not None and report.kept >= limit:
+            break
+    print(f"{source}: {report.summary()}")
+    return samples, report
+
+
+def _bad_record(err: DataError, cause: Exception, on_error: str, report: RecipeReport) -> None:
+    if on_error == "raise":
+        raise err from cause
+    report.skip(err)

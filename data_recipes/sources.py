@@ -1,0 +1,89 @@
+"""Where records come from: local JSON Lines, JSON and Parquet files, or a Hugging Face hub dataset.
+
+Every record is yielded with its location (``data.jsonl:17``, ``data.json:[3]``, ``data.parquet:row 5``,
+``org/name[train]:row 5``; lines count from 1, indices and rows from 0) so that an error can name it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from data_recipes.errors import DataError
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def read_records(
+    source: str, split: str = "train", on_bad_record: Callable[[DataError], None] | None = None
+) -> Iterator[tuple[str, dict]]:
+    """Yield ``(location, record)`` from ``source``: a local file, else a hub dataset id.
+
+    A JSONL line that is not valid JSON raises DataError, or is handed to ``on_bad_record`` and skipped
+    when one is given (a generator cannot go on after raising, so the caller decides here).
+    """
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if path.is_file():
+        if suffix == ".jsonl":
+            yield from _read_jsonl(source, path, on_bad_record)
+        elif suffix == ".json":
+            yield from _read_json(source, path)
+        elif suffix == ".parquet":
+            yield from _read_parquet(source, path)
+        else:
+            raise ValueError(f"{source}: unsupported file type; expected one of {', '.join(FILE_SUFFIXES)}")
+    elif path.exists():
+        raise ValueError(f"{source} is not a file; name a {', '.join(FILE_SUFFIXES)} file or a hub dataset id")
+    elif suffix in FILE_SUFFIXES or source.startswith(("/", "./", "../", "~")):
+        # A missing local file must not fall through to the hub: that would turn a typo into a network call.
+        raise FileNotFoundError(f"data file not found: {source}")
+    else:
+        yield from _read_hub(source, split)
+
+
+def _read_jsonl(
+    source: str, path: Path, on_bad_record: Callable[[DataError], None] | None
+) -> Iterator[tuple[str, dict]]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            location = f"{source}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                bad = DataError(f"not valid JSON ({err.msg} at column {err.colno})", location)
+                if on_bad_record is None:
+                    raise bad from err
+                on_bad_record(bad)
+                continue
+            yield location, record
+
+
+def _read_json(source: str, path: Path) -> Iterator[tuple[str, dict]]:
+    with path.open(encoding="utf-8") as f:
+        try:
+            records = json.load(f)
+        except json.JSONDecodeError as err:
+            raise DataError(f"not valid JSON ({err.msg} at column {err.colno})", f"{source}:{err.lineno}") from err
+    if not isinstance(records, list):
+        raise DataError(f"expected a JSON list of records, got {type(records).__name__}", source)
+    for index, record in enumerate(records):
+        yield f"{source}:[{index}]", record
+
+
+def _read_parquet(source: str, path: Path) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq  # imported here: only Parquet sources pay for it
+
+    rows = (record for batch in pq.ParquetFile(path).iter_batches() for record in batch.to_pylist())
+    for row, record in enumerate(rows):
+        yield f"{source}:row {row}", record
+
+
+def _read_hub(source: str, split: str) -> Iterator[tuple[str, dict]]:
+    import datasets  # imported here: the hub is the only source that may use the network
+
+    for row, record in enumerate(datasets.load_dataset(source, split=split)):
+        yield f"{source}[{split}]:row {row}", record

@@ -1,0 +1,102 @@
+"""EAGLE-1/2 feature predictor: fc(cat(embedding, feature)) -> one Llama decoder layer -> next feature.
+
+Matches vLLM's ``llama_eagle.py`` (``EagleLlamaForCausalLM``): ``fc`` reads the token embedding first,
+then the target feature; the layer lives at ``layers.0`` and has no ``input_layernorm``; there is no
+final norm, and logits come from the target's own (frozen) ``lm_head``. EAGLE-2 is the same head
+drafting a dynamic tree, which is the eval engine's business.
+
+Alignment (the same in training and drafting): the feature f_i is the target's last hidden state
+(after its final norm, what ``lm_head`` reads) at position i, computed from input_ids[:i+1]. The head
+pairs f_i with the embedding of input_ids[i+1], at rotary position i, and predicts f_{i+1}, whose
+``lm_head`` distribution is the one over input_ids[i+2].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.common import DecoderLayer, DraftHead, KVCache, RotaryEmbedding, default_positions, label_mask, shift_left
+
+
+class EagleHead(DraftHead):
+    head_type = "eagle"
+    # EAGLE-1's loss weights: 1.0 * feature regression (smooth L1) + 0.1 * token cross-entropy.
+    # vLLM's fc has no bias (a bias in the checkpoint would be silently skipped there).
+    defaults = {"vloss_weight": 1.0, "ploss_weight": 0.1, "fc_bias": False}
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        arch = config["arch"]
+        hidden = arch["hidden_size"]
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config["fc_bias"])
+        self.layers = nn.ModuleList([DecoderLayer(arch, input_norm=False)])
+        self.rotary = RotaryEmbedding(arch["rope"], arch["head_dim"])
+
+    def first_features(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input features from the target's states: its last (post-norm) hidden state."""
+        return last_hidden.to(self.fc.weight.dtype)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Target-vocab logits (fp32) of features, through the target's frozen ``lm_head``."""
+        lm_head = self.target.lm_head
+        return lm_head(features.to(lm_head.weight.dtype)).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B,n,V], predicted features [B,n,H]) for tokens ``input_ids`` [B,n] paired with ``features``.
+
+        ``position_ids`` default to continuing the cache; ``mask`` (bool or additive, [B,1,n,past+n])
+        defaults to causal.
+        """
+        dtype = self.fc.weight.dtype
+        if position_ids is None:
+            past = cache.length if cache is not None else 0
+            position_ids = default_positions(input_ids.shape[0], input_ids.shape[1], input_ids.device, past)
+        embeds = self.target.embed_tokens(input_ids).to(dtype)
+        x = self.fc(torch.cat((embeds, features.to(dtype)), dim=-1))
+        cos, sin = self.rotary(position_ids, dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache)
+        return self.logits(x), x
+
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step: (log-probs over target ids [B,n,V], new features [B,n,H]); appends to ``cache``."""
+        logits, features = self(input_ids, features, position_ids, tree_mask, cache)
+        return logits.log_softmax(-1), features
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """EAGLE-1 training loss on one batch (keys ``input_ids``, ``loss_mask``, ``attention_mask``, ``last_hidden``).
+
+        Position i reads (f_i, input_ids[i+1]) and is scored on f_{i+1} (smooth L1) and on the target's
+        distribution over input_ids[i+2] (soft cross-entropy); it counts when input_ids[i+2] is a label.
+        Metrics are detached 0-d tensors: vloss, ploss, acc (argmax agreement with the target).
+        """
+        features = self.first_features(batch["last_hidden"])
+        logits, predicted = self(shift_left(batch["input_ids"], 1), features)
+        target_features = shift_left(features, 1)
+        with torch.no_grad():
+            target_logits = self.logits(target_features)
+        mask = label_mask(batch, 2).float()
+        count = mask.sum().clamp(min=1)
+        vloss = F.smooth_l1_loss(predicted.float(), target_features.float(), reduction="none").mean(-1)
+        ploss = -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        vloss, ploss = (vloss * mask).sum() / count, (ploss * mask).sum() / count
+        loss = self.config["vloss_weight"] * vloss + self.config["ploss_weight"] * ploss
+        agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(mask.dtype)
+        metrics = {"vloss": vloss.detach(), "ploss": ploss.detach(), "acc": (agree * mask).sum() / count}
+        return loss, metrics

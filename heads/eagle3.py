@@ -1,0 +1,262 @@
+"""EAGLE-3: fuse three target layers, one decoder layer over (embedding, feature), a reduced draft vocab.
+
+Weight names follow the EAGLE repo's layout (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``,
+``t2d``), which vLLM (``llama_eagle3.py``, ``midlayer.`` -> ``layers.0.``) and SGLang load as-is.
+
+The layer (EAGLE repo ``traineagle3/cnets.py``, SpecForge ``llama3_eagle.py``, vLLM's default
+``norm_before_residual=False``): q/k/v read cat(input_layernorm(embedding), hidden_norm(feature))
+(2H wide); the residual around attention is the feature itself, un-normed; then the usual
+post_attention_layernorm + MLP residual. Its output, before ``norm``, is the feature fed to the
+next draft step; ``lm_head(norm(output))`` gives draft-vocab logits.
+
+Alignment: at step 0, position i pairs fc(aux_hidden_i) with the embedding of input_ids[i+1] at
+rotary position i and predicts input_ids[i+2] (as EAGLE-1). Training-time test step j keeps index i
+on the chain that started there: it pairs the head's own step-(j-1) output at i (its guess of the
+feature at i+j) with the embedding of input_ids[i+j+1], at rotary position i+j, and predicts
+input_ids[i+j+2]. The chain's attention is what drafting sees: the true prefix (step-0 keys 0..i)
+plus its own keys from steps 1..j (``ttt_attention_mask``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from heads.common import (
+    MLP,
+    Attention,
+    DraftHead,
+    KVCache,
+    RMSNorm,
+    RotaryEmbedding,
+    causal_mask,
+    default_positions,
+    label_mask,
+    shift_left,
+)
+
+
+def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft vocabulary = the ``draft_vocab_size`` most frequent target ids (ties: lower id), kept in id order.
+
+    Returns ``d2t`` [draft_vocab] int64 OFFSETS (target id = draft id + d2t[draft id], as vLLM and SGLang
+    read it) and ``t2d`` [V] bool, True for the target ids in the draft vocabulary.
+    """
+    vocab = token_counts.numel()
+    size = min(draft_vocab_size, vocab)
+    order = torch.argsort(token_counts.cpu(), descending=True, stable=True)
+    kept = order[:size].sort().values
+    d2t = kept - torch.arange(size)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d
+
+
+def ttt_step_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """Bool [S, (step+1)*S] (True = attend) for the queries of training-time-test step ``step``.
+
+    Columns are the keys of steps 0..step, S per step. Query i sees step-0 keys k <= i (the true
+    prefix, causal) and, at each step 1..step, only the key its own chain wrote there (index i).
+    """
+    idx = torch.arange(seq_len, device=device)
+    causal = idx[None, :] <= idx[:, None]
+    own = idx[None, :] == idx[:, None]
+    return torch.cat([causal] + [own] * step, dim=1)
+
+
+def ttt_attention_mask(seq_len: int, steps: int, device: torch.device | None = None) -> torch.Tensor:
+    """The whole step-wise causal mask, bool [steps*S, steps*S]: rows (step j, index i), columns (step m, index k).
+
+    Block (j, m) is causal for m == 0, diagonal for 1 <= m <= j, empty for m > j. Training builds one
+    block row at a time (``ttt_step_mask``); this full form is for inspection and tests.
+    """
+    rows = [ttt_step_mask(seq_len, j, device) for j in range(steps)]
+    return torch.cat([F.pad(r, (0, steps * seq_len - r.shape[1]), value=False) for r in rows], dim=0)
+
+
+class Eagle3Layer(nn.Module):
+    """The ``midlayer``: attention over the normed (embedding, feature) pair, residual on the raw feature."""
+
+    def __init__(self, arch: dict):
+        super().__init__()
+        hidden, eps = arch["hidden_size"], arch["rms_norm_eps"]
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(arch, 2 * hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(arch)
+
+    def qkv(
+        self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(features)), dim=-1)
+        return self.self_attn.project(x, cos, sin)
+
+    def finish(self, features: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        x = features + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(embeds, features, cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)
+        if mask is None:
+            mask = causal_mask(embeds.shape[1], past, embeds.device)
+        return self.finish(features, self.self_attn.attend(q, k, v, mask))
+
+
+class Eagle3Head(DraftHead):
+    head_type = "eagle3"
+    # layer_ids None -> (2, L//2, L-3) as vLLM and SpecForge pick them; the capture must use the same.
+    defaults = {"layer_ids": None, "draft_vocab_size": 32000, "ttt_steps": 7, "ttt_decay": 0.8}
+
+    @classmethod
+    def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
+        config = super().make_config(head_cfg, target_config)
+        layers = target_config.num_hidden_layers
+        ids = config["layer_ids"] or [2, layers // 2, layers - 3]
+        config["layer_ids"] = sorted(set(ids))
+        if len(config["layer_ids"]) != 3:
+            raise ValueError(
+                f"EAGLE-3 fuses three distinct target layers, got {ids} for a {layers}-layer target: set layer_ids"
+            )
+        config["draft_vocab_size"] = min(config["draft_vocab_size"], config["vocab_size"])
+        return config
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        arch = config["arch"]
+        hidden, vocab, draft_vocab = arch["hidden_size"], config["vocab_size"], config["draft_vocab_size"]
+        self.fc = nn.Linear(len(config["layer_ids"]) * config["target_hidden_size"], hidden, bias=False)
+        self.midlayer = Eagle3Layer(arch)
+        self.norm = RMSNorm(hidden, arch["rms_norm_eps"])
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.rotary = RotaryEmbedding(arch["rope"], arch["head_dim"])
+        # Until set_vocab_mapping: the first draft_vocab target ids.
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(vocab) < draft_vocab)
+
+    def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
+        """Pick the draft vocabulary from target-token frequencies in the training data ([V] counts)."""
+        d2t, t2d = build_vocab_mapping(token_counts, self.config["draft_vocab_size"])
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target-vocab ids of draft-vocab ids."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def to_target_vocab(self, draft_scores: torch.Tensor) -> torch.Tensor:
+        """[..., draft_vocab] -> [..., V]; target ids outside the draft vocabulary get -inf."""
+        out = draft_scores.new_full((*draft_scores.shape[:-1], self.config["vocab_size"]), float("-inf"))
+        out[..., self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))] = draft_scores
+        return out
+
+    def first_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The head's step-0 features: fc over the fused target layers ``aux_hidden`` [B,S,3H] (ascending)."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.target.embed_tokens(input_ids).to(self.fc.weight.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-vocab logits [B,n,draft_vocab], output features before ``norm`` [B,n,H])."""
+        if position_ids is None:
+            past = cache.length if cache is not None else 0
+            position_ids = default_positions(input_ids.shape[0], input_ids.shape[1], input_ids.device, past)
+        dtype = self.fc.weight.dtype
+        cos, sin = self.rotary(position_ids, dtype)
+        out = self.midlayer(self.embed(input_ids), features.to(dtype), cos, sin, mask, cache)
+        return self.lm_head(self.norm(out)), out
+
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step: (log-probs over TARGET ids [B,n,V], -inf off the draft vocab; new features)."""
+        logits, features = self(input_ids, features, position_ids, tree_mask, cache)
+        return self.to_target_vocab(logits.float().log_softmax(-1)), features
+
+    def ttt_features(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+        """Yield the midlayer's output features [B,S,H] for training-time-test steps 0..steps-1.
+
+        ``features`` are the step-0 inputs (``first_features``). All steps share one growing list of
+        keys; step j attends with ``ttt_step_mask`` (its block row of ``ttt_attention_mask``).
+        """
+        batch, seq = input_ids.shape
+        dtype = self.fc.weight.dtype
+        positions = default_positions(batch, seq, input_ids.device)
+        keys, values = [], []
+        for j in range(steps):
+            cos, sin = self.rotary(positions + j, dtype)
+            q, k, v = self.midlayer.qkv(self.embed(shift_left(input_ids, j + 1)), features, cos, sin)
+            keys.append(k)
+            values.append(v)
+            mask = ttt_step_mask(seq, j, input_ids.device)
+            attn = self.midlayer.self_attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+            features = self.midlayer.finish(features, attn)
+            yield features
+
+    def loss(
+        self, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training-time-test loss: sum_j ttt_decay**j * soft cross-entropy to the target's draft-vocab distribution.
+
+        (Soft cross-entropy is the forward KL plus the target's entropy: the same gradient.)
+
+        Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, and ``last_hidden``
+        unless ``target_logits`` [B,S,V] (the target's logits at each position) are given. Step j at index i
+        is scored on the target's distribution at position i+j+1 (over input_ids[i+j+2]); it counts when that
+        token is a label and, as in EAGLE-3, the target's argmax is in the draft vocab (else the draft cannot
+        match it). Each step's loss is averaged over the positions with a label at that step. Metrics
+        (detached 0-d tensors): loss_j and acc_j (draft argmax == target argmax, over the same positions,
+        out-of-vocab targets counting as misses) for each step j.
+        """
+        if target_logits is None:
+            with torch.no_grad():
+                lm_head = self.target.lm_head
+                target_logits = lm_head(batch["last_hidden"].to(lm_head.weight.dtype))
+        with torch.no_grad():
+            draft_in_target = self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
+            target_logp = target_logits[..., draft_in_target].float().log_softmax(-1)
+            in_vocab = self.t2d[target_logits.argmax(-1)]
+        features = self.first_features(batch["aux_hidden"])
+        total, metrics = 0.0, {}
+        for j, out in enumerate(self.ttt_features(features, batch["input_ids"], self.config["ttt_steps"])):
+            logp = self.lm_head(self.norm(out)).float().log_softmax(-1)
+            with torch.no_grad():
+                labelled = label_mask(batch, j + 2)
+                counted = (labelled & shift_left(in_vocab, j + 1, False)).float()
+                count = labelled.sum().clamp(min=1)
+                target = shift_left(target_logp, j + 1)
+            step_loss = (-(target.exp() * logp).sum(-1) * counted).sum() / count
+            total = total + self.config["ttt_decay"] ** j * step_loss
+            agree = (logp.argmax(-1) == target.argmax(-1)).float()
+            metrics[f"loss_{j}"] = step_loss.detach()
+            metrics[f"acc_{j}"] = ((agree * counted).sum() / count).detach()
+        return total, metrics

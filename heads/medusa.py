@@ -1,0 +1,127 @@
+"""Medusa heads: K heads on the target's last hidden state, head k guessing the token k+2 ahead.
+
+Layout of the Medusa repo (``medusa/model/medusa_model.py``): ``medusa_head.{k}`` is a Sequential of
+``num_layers`` residual blocks x + SiLU(Linear(x)) (weight zero-initialised, so a fresh head starts
+near the target's own next-token guess) and a bias-free ``Linear(H -> V)`` initialised from the
+target's ``lm_head``. Unlike the repo, each block has its own weights (the repo repeats one block
+object, so its checkpoints only represent num_layers > 1 when all blocks are equal).
+
+Alignment: the last hidden state at position i comes from input_ids[:i+1]; the target's lm_head there
+predicts input_ids[i+1] and head k predicts input_ids[i+k+2].
+
+Medusa-1 trains the heads on a frozen target (``MedusaHead.loss``). Medusa-2 trains them together with
+the target through LoRA (``medusa2_wrap``): base LM loss + medusa_weight * sum_k decay**k * head loss,
+with ``medusa_weight`` warming up from 0 (``medusa_weight_at``) so the fresh heads' large gradients
+do not wreck the target early on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+from heads.common import DraftHead, ResBlock, label_mask, shift_left
+
+
+class MedusaHead(DraftHead):
+    head_type = "medusa"
+    defaults = {"num_heads": 4, "num_layers": 1, "decay": 0.8}
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        hidden, vocab = config["target_hidden_size"], config["vocab_size"]
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(
+                *[ResBlock(hidden) for _ in range(config["num_layers"])], nn.Linear(hidden, vocab, bias=False)
+            )
+            for _ in range(config["num_heads"])
+        )
+
+    @classmethod
+    def build(cls, head_cfg: dict[str, Any], target_model: nn.Module) -> MedusaHead:
+        """Fresh heads whose lm_heads start as copies of the target's (then trained, and saved with the head)."""
+        head = super().build(head_cfg, target_model)
+        weight = target_model.get_output_embeddings().weight
+        with torch.no_grad():
+            for seq in head.medusa_head:
+                seq[-1].weight.copy_(weight)
+        return head
+
+    def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [B,S,K,V] of every head at every position of ``last_hidden`` [B,S,H]."""
+        x = last_hidden.to(self.medusa_head[0][-1].weight.dtype)
+        return torch.stack([head(x) for head in self.medusa_head], dim=2)
+
+    def draft(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probs [B,K,V] from the last hidden state [B,H] of the newest verified token."""
+        return self(last_hidden[:, None])[:, 0].float().log_softmax(-1)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Medusa-1 loss on a batch with ``input_ids``, ``loss_mask``, ``attention_mask``, ``last_hidden``."""
+        return medusa_loss(self(batch["last_hidden"]), batch, self.config["decay"])
+
+
+def _token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: int) -> tuple[torch.Tensor, ...]:
+    """Mean cross-entropy and top-1 accuracy of ``logits`` [B,S,V] at position i against input_ids[i+offset]."""
+    labels = shift_left(batch["input_ids"], offset)
+    mask = label_mask(batch, offset).float()
+    count = mask.sum().clamp(min=1)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(mask)
+    acc = ((logits.argmax(-1) == labels).float() * mask).sum() / count
+    return (ce * mask).sum() / count, acc.detach()
+
+
+def medusa_loss(
+    head_logits: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    decay: float = 0.8,
+    lm_logits: torch.Tensor | None = None,
+    medusa_weight: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """medusa_weight * sum_k decay**k * CE(head k) [+ the base LM loss when ``lm_logits`` are given: Medusa-2].
+
+    ``head_logits`` [B,S,K,V] from ``MedusaHead.forward``; ``lm_logits`` [B,S,V] from the (LoRA) target.
+    A position counts for a head when its label token has loss_mask 1 (see ``label_mask``).
+    Metrics (detached): loss_k, acc_k per head, and lm_loss for Medusa-2.
+    """
+    total, metrics = 0.0, {}
+    for k in range(head_logits.shape[2]):
+        loss_k, metrics[f"acc_{k}"] = _token_loss(head_logits[:, :, k], batch, k + 2)
+        metrics[f"loss_{k}"] = loss_k.detach()
+        total = total + decay**k * loss_k
+    total = medusa_weight * total
+    if lm_logits is not None:
+        lm_loss, _ = _token_loss(lm_logits, batch, 1)
+        metrics["lm_loss"] = lm_loss.detach()
+        total = total + lm_loss
+    return total, metrics
+
+
+def medusa_weight_at(step: int, warmup_steps: int, final_weight: float = 1.0) -> float:
+    """Medusa-2's head-loss weight: rises linearly from 0 to ``final_weight`` over ``warmup_steps``."""
+    if warmup_steps <= 0:
+        return final_weight
+    return final_weight * min(step / warmup_steps, 1.0)
+
+
+def medusa2_wrap(target: nn.Module, lora_cfg: dict[str, Any]) -> PeftModel:
+    """The target with LoRA adapters (peft): only the adapters train; the base weights stay frozen.
+
+    ``lora_cfg`` keys: r (16), alpha (32), dropout (0.05), target_modules (the attention projections).
+    The target is modified in place, as peft does.
+    """
+    unknown = sorted(set(lora_cfg) - {"r", "alpha", "dropout", "target_modules"})
+    if unknown:
+        raise ValueError(f"unknown lora options {unknown}; known: alpha, dropout, r, target_modules")
+    config = LoraConfig(
+        r=lora_cfg.get("r", 16),
+        lora_alpha=lora_cfg.get("alpha", 32),
+        lora_dropout=lora_cfg.get("dropout", 0.05),
+        target_modules=lora_cfg.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(target, config)

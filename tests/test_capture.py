@@ -1,0 +1,169 @@
+"""Hidden-state capture: equal to a fresh forward, resumable after SIGKILL, shards read back lazily."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data_recipes.capture import (
+    DiskFullError,
+    OnlineCapture,
+    check_free_disk,
+    default_aux_layers,
+    length_batches,
+    resolve_aux_layers,
+    run_capture,
+    tokenizer_hash,
+)
+from data_recipes.recipes import load_samples
+from data_recipes.shards import ManifestMismatch, ShardDataset, check_manifest, pad_collate, read_manifest
+
+
+def capture_config(target_dir, data_file, out_dir, **capture):
+    return {
+        "target": {"path": str(target_dir), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": str(data_file), "format": "gsm8k", "max_length": 64},
+        "capture": {
+            "out_dir": str(out_dir),
+            "aux_layers": [1, 3, 4],
+            "store_dtype": "fp32",
+            "shard_samples": 8,
+            "batch_tokens": 256,
+            **capture,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_target_dir, gsm8k_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("capture") / "shards"
+    run_capture(capture_config(tiny_target_dir, gsm8k_file, out))
+    return out
+
+
+def test_default_layers_follow_eagle3_and_refuse_collisions():
+    assert default_aux_layers(32) == [2, 16, 29]
+    assert default_aux_layers(10) == [2, 5, 7]
+    with pytest.raises(ValueError, match="too few"):
+        default_aux_layers(4)
+    assert resolve_aux_layers([7, 2, 2], 10) == [2, 7]
+    with pytest.raises(ValueError, match=r"out of range.*0\.\.9"):
+        resolve_aux_layers([10], 10)
+
+
+def test_length_batches_respect_token_budget():
+    assert length_batches([10, 8, 8, 5, 5, 5, 2], 20) == [[0, 1], [2, 3], [4, 5, 6]]
+    assert length_batches([50, 3], 20) == [[0], [1]]
+
+
+@torch.no_grad()
+def test_captured_states_equal_a_fresh_forward(captured, tiny_target_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    dataset = ShardDataset(captured)
+    assert len(dataset) == 48 and sorted(int(dataset[i]["sample_id"]) for i in range(48)) == list(range(48))
+    for index in [0, 17, 47]:
+        sample = dataset[index]
+        fresh = model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
+        expected_aux = torch.cat([fresh[i][0] for i in (1, 3, 4)], dim=-1)
+        # Batched (padded) capture vs a lone forward: same math, different BLAS blocking.
+        torch.testing.assert_close(sample["aux_hidden"], expected_aux, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(sample["last_hidden"], fresh[-1][0], atol=1e-5, rtol=1e-4)
+        assert sample["loss_mask"].sum() > 0 and sample["loss_mask"][0] == 0
+
+
+def test_manifest_describes_the_capture(captured, tiny_target_dir):
+    manifest = read_manifest(captured)
+    assert manifest["samples"] == 48 and manifest["aux_layers"] == [1, 3, 4]
+    assert manifest["hidden_size"] == 32 and manifest["num_hidden_layers"] == 6
+    assert len(manifest["shards"]) == 6 and sum(s["samples"] for s in manifest["shards"]) == 48
+    assert manifest["bytes"] == sum((captured / s["file"]).stat().st_size for s in manifest["shards"])
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    check_manifest(
+        manifest, hidden_size=32, num_hidden_layers=6, tokenizer_hash=tokenizer_hash(tok), aux_layers=[4, 1, 3]
+    )
+    with pytest.raises(ManifestMismatch, match="hidden size 32 in the shards, 64 in the target"):
+        check_manifest(manifest, hidden_size=64, num_hidden_layers=6, tokenizer_hash=tokenizer_hash(tok))
+    with pytest.raises(ManifestMismatch, match="tokenizer differs"):
+        check_manifest(manifest, hidden_size=32, num_hidden_layers=6, tokenizer_hash="x")
+    with pytest.raises(ManifestMismatch, match=r"captured layers \[1, 3, 4\], the head needs \[2, 5, 7\]"):
+        check_manifest(
+            manifest, hidden_size=32, num_hidden_layers=6, tokenizer_hash=tokenizer_hash(tok), aux_layers=[2, 5, 7]
+        )
+
+
+def test_rerun_is_a_no_op_and_other_settings_are_refused(captured, tiny_target_dir, gsm8k_file, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in captured.iterdir()}
+    run_capture(capture_config(tiny_target_dir, gsm8k_file, captured))
+    assert "nothing to do" in capsys.readouterr().out
+    assert before == {p.name: p.stat().st_mtime_ns for p in captured.iterdir()}
+    with pytest.raises(FileExistsError, match="captured with other settings"):
+        run_capture(capture_config(tiny_target_dir, gsm8k_file, captured, aux_layers=[2, 3, 4]))
+
+
+@torch.no_grad()
+def test_online_capture_yields_the_stored_tensors(captured, tiny_target_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    dataset = ShardDataset(captured)
+    batch = pad_collate([dataset[i] for i in (3, 20, 40)], pad_id=3)
+    online = OnlineCapture(model, [1, 3, 4], torch.float32)(
+        {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+    )
+    for key in ("aux_hidden", "last_hidden"):
+        torch.testing.assert_close(online[key], batch[key], atol=1e-5, rtol=1e-4)
+        assert online[key].dtype == batch[key].dtype
+
+
+def test_storage_check_refuses_and_names_the_shortfall(tmp_path):
+    free = __import__("shutil").disk_usage(tmp_path).free
+    with pytest.raises(DiskFullError, match=r"needs .* GB more in .* but only .* GB is free"):
+        check_free_disk(tmp_path, free + 10**9)
+    check_free_disk(tmp_path, 1)
+
+
+def test_sigkilled_capture_resumes_to_identical_shards(tiny_target_dir, tmp_path):
+    # Real GSM8K rows in shards of 4 samples: enough shards that the kill lands mid-run.
+    settings = capture_config(
+        tiny_target_dir, REPO / "assets/data/gsm8k_train.jsonl", tmp_path / "reference", shard_samples=4
+    )
+    settings["data"].update(limit=200, max_length=160)
+    run_capture(settings)
+    names = sorted(p.name for p in (tmp_path / "reference").glob("*.safetensors")) + ["manifest.json"]
+    assert len(names) == 51
+
+    out = tmp_path / "shards"
+    settings["capture"]["out_dir"] = str(out)
+    config = tmp_path / "capture.yaml"
+    config.write_text(json.dumps(settings))
+    cmd = [sys.executable, "-m", "data_recipes.capture", "--config", str(config)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(out.glob("shard-*.safetensors")) and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    written = list(out.glob("shard-*.safetensors"))
+    assert 0 < len(written) < 50 and not (out / "manifest.json").exists()
+    resumed = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    assert f"({len(written)} already complete, resuming)" in resumed.stdout
+
+    for name in names:
+        assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"
+
+
+def test_shard_dataset_needs_a_finished_capture(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a finished capture"):
+        ShardDataset(tmp_path)
+
+
+def test_recipe_samples_feed_capture(tiny_target_dir, gsm8k_file):
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    samples, report = load_samples(str(gsm8k_file), "gsm8k", tok, 64)
+    assert report.kept == len(samples) == 48

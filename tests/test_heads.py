@@ -1,0 +1,322 @@
+"""Draft heads: shapes, the EAGLE-3 vocab mapping and TTT mask, save/load, compatibility, incremental drafting."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from heads import (
+    Eagle3Head,
+    EagleHead,
+    KVCache,
+    build_head,
+    build_vocab_mapping,
+    load_head,
+    medusa2_wrap,
+    medusa_loss,
+    medusa_weight_at,
+    ttt_attention_mask,
+)
+from heads.common import DecoderLayer, RotaryEmbedding, arch_from_target, label_mask, rope_inv_freq
+
+V, H, LAYER_IDS = 300, 32, [1, 3, 5]
+
+
+def tiny_target(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    arch = dict(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(LlamaConfig(**{**arch, **overrides})).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def make_batch(target, batch=2, seq=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (batch, seq), generator=gen)
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    return {
+        "input_ids": ids,
+        "loss_mask": torch.ones(batch, seq),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "last_hidden": states[-1],
+        "aux_hidden": torch.cat([states[i] for i in LAYER_IDS], dim=-1),
+    }
+
+
+def eagle3(target, **options):
+    return build_head({"type": "eagle3", "layer_ids": LAYER_IDS, "draft_vocab_size": 200, **options}, target)
+
+
+def test_decoder_layer_matches_hf_llama_layer():
+    # Our rotary attention (GQA) + SwiGLU layer, given the target's layer-0 weights, is the target's layer 0.
+    target = tiny_target(num_hidden_layers=2)
+    layer = DecoderLayer(arch_from_target(target.config))
+    layer.load_state_dict(target.model.layers[0].state_dict())
+    ids = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        expected = target(ids, output_hidden_states=True).hidden_states[1]  # output of layer 0
+        cos, sin = RotaryEmbedding(arch_from_target(target.config)["rope"], 8)(
+            torch.arange(9).expand(2, 9), torch.float32
+        )
+        ours = layer(target.model.embed_tokens(ids), cos, sin)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_llama3_rope_matches_transformers_and_unknown_types_are_refused():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072, rope_parameters=rope)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(arch_from_target(cfg)["rope"], 128), expected.float())
+    with pytest.raises(NotImplementedError, match="'yarn'"):
+        rope_inv_freq({"rope_type": "yarn", "rope_theta": 1e4}, 128)
+
+
+def test_eagle_shapes(target):
+    head = build_head({"type": "eagle"}, target)
+    batch = make_batch(target)
+    logits, features = head(batch["input_ids"], head.first_features(batch["last_hidden"]))
+    assert logits.shape == (2, 16, V) and logits.dtype == torch.float32
+    assert features.shape == (2, 16, H) and features.dtype == torch.float32
+    assert "input_layernorm" not in str(head.layers[0].input_layernorm)  # Identity, as vLLM's first EAGLE layer
+    loss, metrics = head.loss(batch)
+    assert loss.dim() == 0 and set(metrics) == {"vloss", "ploss", "acc"}
+    assert all(not k.startswith(("embed", "lm_head", "model.")) for k in head.state_dict())
+
+
+def test_eagle3_shapes_and_target_vocab_log_probs(target):
+    head = eagle3(target)
+    batch = make_batch(target)
+    features = head.first_features(batch["aux_hidden"])
+    assert features.shape == (2, 16, H)
+    logits, out = head(batch["input_ids"], features)
+    assert logits.shape == (2, 16, 200) and out.shape == (2, 16, H)
+    assert head.midlayer.self_attn.q_proj.in_features == 2 * H and head.fc.in_features == 3 * H
+    logp, _ = head.draft_step(batch["input_ids"][:, :4], features[:, :4], torch.arange(4).expand(2, 4), KVCache())
+    assert logp.shape == (2, 4, V)
+    assert torch.isinf(logp[..., ~head.t2d]).all() and torch.isfinite(logp[..., head.t2d]).all()
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, 4))
+    loss, metrics = head.loss(batch)
+    assert set(metrics) == {f"{m}_{j}" for m in ("loss", "acc") for j in range(7)}
+    assert sorted(head.state_dict()) == sorted(
+        ["d2t", "t2d", "fc.weight", "norm.weight", "lm_head.weight"]
+        + [f"midlayer.{n}" for n in head.midlayer.state_dict()]
+    )
+
+
+def test_medusa_shapes_and_init(target):
+    head = build_head({"type": "medusa"}, target)
+    batch = make_batch(target)
+    assert head(batch["last_hidden"]).shape == (2, 16, 4, V)
+    logp = head.draft(batch["last_hidden"][:, -1])
+    assert logp.shape == (2, 4, V)
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, 4))
+    for seq in head.medusa_head:
+        assert torch.equal(seq[-1].weight, target.lm_head.weight) and not seq[0].linear.weight.any()
+
+
+def test_vocab_mapping_keeps_most_frequent_and_round_trips():
+    counts = torch.tensor([5, 0, 9, 1, 7, 7, 0, 3])
+    d2t, t2d = build_vocab_mapping(counts, 4)
+    targets = torch.arange(4) + d2t
+    assert targets.tolist() == [0, 2, 4, 5]  # counts 9, 7, 7, 5: the four most frequent, in id order
+    assert d2t.dtype == torch.int64 and d2t.tolist() == [0, 1, 2, 2]
+    assert t2d.tolist() == [True, False, True, False, True, True, False, False]
+    assert t2d[targets].all() and t2d.sum() == 4
+    d2t, t2d = build_vocab_mapping(counts, 32000)  # larger than the vocab: the whole vocab, zero offsets
+    assert not d2t.any() and d2t.numel() == 8 and t2d.all()
+
+
+def test_eagle3_head_uses_the_mapping(target):
+    head = eagle3(target)
+    counts = torch.zeros(V)
+    counts[100:300] = 1.0
+    head.set_vocab_mapping(counts)
+    assert head.target_ids(torch.tensor([0, 199])).tolist() == [100, 299]
+    logp = head.to_target_vocab(torch.zeros(1, 200))
+    assert torch.isinf(logp[0, :100]).all() and not logp[0, 100:].any()
+
+
+def test_ttt_mask_matches_hand_built_reference():
+    c = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]  # causal over the true prefix
+    d = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]  # the chain's own key at its index
+    z = [[0] * 4] * 4
+    blocks = [[c, z, z], [c, d, z], [c, d, d]]  # row: query step j; column: key step m
+    reference = torch.tensor([sum((blocks[j][m][i] for m in range(3)), []) for j in range(3) for i in range(4)])
+    assert torch.equal(ttt_attention_mask(4, 3), reference.bool())
+
+
+def test_ttt_steps_equal_drafting_a_chain(target):
+    # What TTT trains at step j, index i is exactly what drafting computes: prefix 0..i with true
+    # features, then j draft steps feeding back the head's own features and the next real tokens.
+    head = eagle3(target)
+    batch = make_batch(target, batch=1, seq=10)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        features = head.first_features(batch["aux_hidden"])
+        steps = list(head.ttt_features(features, ids, 3))
+        i = 5
+        cache = KVCache()
+        _, out = head(ids[:, 1 : i + 2], features[:, : i + 1], cache=cache)
+        chain = out[:, -1:]
+        torch.testing.assert_close(chain, steps[0][:, i : i + 1], atol=1e-5, rtol=1e-5)
+        for j in (1, 2):
+            _, chain = head(ids[:, i + j + 1 : i + j + 2], chain, torch.tensor([[i + j]]), cache=cache)
+            torch.testing.assert_close(chain, steps[j][:, i : i + 1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_draft_step_with_cache_equals_full_forward(target, kind):
+    head = build_head({"type": "eagle"}, target) if kind == "eagle" else eagle3(target)
+    batch = make_batch(target, seq=12)
+    source = batch["last_hidden"] if kind == "eagle" else batch["aux_hidden"]
+    with torch.no_grad():
+        features = head.first_features(source)
+        ids = batch["input_ids"]
+        full_logits, full_features = head(ids, features)
+        full_logp = head.draft_step(ids, features, torch.arange(12).expand(2, 12), KVCache())[0]
+        cache, logps, outs = KVCache(), [], []
+        for start, end in [(0, 5), (5, 6), (6, 7), (7, 12)]:
+            positions = torch.arange(start, end).expand(2, -1)
+            logp, out = head.draft_step(ids[:, start:end], features[:, start:end], positions, cache)
+            logps.append(logp)
+            outs.append(out)
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(outs, 1), full_features, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(logps, 1), full_logp, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(full_logits).all()
+
+
+def test_tree_mask_and_keep_commit_a_branch(target):
+    # Prefix of 6, then a tree a -> {b1, b2} drafted in one step; b2's output equals drafting a, b2 in a line,
+    # and keeping the prefix + a + b2 slots leaves the cache a linear drafting would have.
+    head = build_head({"type": "eagle"}, target)
+    batch = make_batch(target, batch=1, seq=9)
+    ids, feats = batch["input_ids"], head.first_features(batch["last_hidden"])
+    with torch.no_grad():
+        tree = KVCache()
+        head.draft_step(ids[:, :6], feats[:, :6], torch.arange(6)[None], tree)
+        allowed = torch.ones(3, 9, dtype=torch.bool)
+        allowed[0, 7:] = False  # a sees the prefix and itself
+        allowed[1, 8] = False  # b1 sees prefix, a, b1
+        allowed[2, 7] = False  # b2 sees prefix, a, b2
+        mask = torch.zeros(1, 1, 3, 9).masked_fill(~allowed, float("-inf"))
+        tree_ids, tree_feats = ids[:, 6:9], feats[:, 6:9]
+        tree_logp, _ = head.draft_step(tree_ids, tree_feats, torch.tensor([[6, 7, 7]]), tree, mask)
+        line = KVCache()
+        head.draft_step(ids[:, :6], feats[:, :6], torch.arange(6)[None], line)
+        line_logp, _ = head.draft_step(tree_ids[:, [0, 2]], tree_feats[:, [0, 2]], torch.tensor([[6, 7]]), line)
+        torch.testing.assert_close(tree_logp[:, [0, 2]], line_logp, atol=1e-5, rtol=1e-5)
+        tree.keep(torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]))
+        torch.testing.assert_close(tree.k, line.k)
+        tree.crop(6)
+        assert tree.length == 6 and torch.equal(tree.v, line.v[:, :, :6])
+
+
+@pytest.mark.parametrize("cfg", [{"type": "eagle"}, {"type": "eagle3"}, {"type": "medusa", "num_layers": 2}])
+def test_save_load_round_trip(target, tmp_path, cfg):
+    head = eagle3(target) if cfg["type"] == "eagle3" else build_head(cfg, target)
+    for p in head.parameters():  # make every weight matter (Medusa's blocks start at zero)
+        p.data.normal_(0, 0.1)
+    if cfg["type"] == "eagle3":
+        head.set_vocab_mapping(torch.arange(V, dtype=torch.float))
+    head.save_pretrained(tmp_path / "head")
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["config.json", "model.safetensors"]
+    loaded = load_head(tmp_path / "head", target)
+    assert type(loaded) is type(head) and loaded.config == head.config
+    batch = make_batch(target, seq=8)
+    with torch.no_grad():
+        if cfg["type"] == "medusa":
+            assert torch.equal(loaded(batch["last_hidden"]), head(batch["last_hidden"]))
+        else:
+            source = batch["aux_hidden"] if cfg["type"] == "eagle3" else batch["last_hidden"]
+            a = head.draft_step(
+                batch["input_ids"], head.first_features(source), torch.arange(8).expand(2, 8), KVCache()
+            )
+            b = loaded.draft_step(
+                batch["input_ids"], loaded.first_features(source), torch.arange(8).expand(2, 8), KVCache()
+            )
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    config = head.config
+    assert config["type"] == cfg["type"] and config["target_hidden_size"] == H and config["vocab_size"] == V
+    if cfg["type"] == "eagle3":
+        assert config["layer_ids"] == LAYER_IDS and config["draft_vocab_size"] == 200
+        assert torch.equal(loaded.d2t, head.d2t) and loaded.d2t[0] == 100
+
+
+def test_loading_on_the_wrong_target_names_the_mismatch(target, tmp_path):
+    eagle3(target).save_pretrained(tmp_path / "e3")
+    build_head({"type": "eagle"}, target).save_pretrained(tmp_path / "e1")
+    with pytest.raises(ValueError, match="hidden size 32 vs 64"):
+        load_head(tmp_path / "e1", tiny_target(hidden_size=64))
+    with pytest.raises(ValueError, match="vocab size 300 vs 320"):
+        load_head(tmp_path / "e3", tiny_target(vocab_size=320))
+    with pytest.raises(ValueError, match="head type 'eagle3' vs 'eagle'"):
+        EagleHead.from_pretrained(tmp_path / "e3", target)
+    with pytest.raises(ValueError, match=r"layer ids \[5\] outside the target's 4 layers"):
+        Eagle3Head.from_pretrained(tmp_path / "e3", tiny_target(num_hidden_layers=4))
+    with pytest.raises(ValueError, match="three distinct target layers"):
+        build_head({"type": "eagle3"}, target)  # (2, L//2, L-3) collide for 6 layers
+    with pytest.raises(ValueError, match="unknown eagle head options"):
+        build_head({"type": "eagle", "ttt_steps": 3}, target)
+
+
+def test_medusa2_trains_only_lora_and_heads():
+    target = tiny_target()
+    head = build_head({"type": "medusa"}, target)
+    model = medusa2_wrap(target, {"r": 4, "alpha": 8})
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.requires_grad for p in head.parameters())
+    batch = make_batch(target, seq=8)
+    out = model(input_ids=batch["input_ids"], output_hidden_states=True)
+    weight = medusa_weight_at(step=5, warmup_steps=10, final_weight=0.2)
+    loss, metrics = medusa_loss(head(out.hidden_states[-1]), batch, lm_logits=out.logits, medusa_weight=weight)
+    heads_only, _ = medusa_loss(head(out.hidden_states[-1]), batch)
+    torch.testing.assert_close(loss, metrics["lm_loss"] + 0.1 * heads_only)
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_B" in n)
+    assert head.medusa_head[3][0].linear.weight.grad is not None
+    assert [medusa_weight_at(s, 10, 0.2) for s in (0, 5, 10, 50)] == [0.0, 0.1, 0.2, 0.2]
+
+
+def test_label_mask_counts_a_label_by_its_own_position():
+    batch = {"loss_mask": torch.tensor([[0, 0, 1, 1, 1, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0]])}
+    assert label_mask(batch, 1).int().tolist() == [[0, 1, 1, 1, 0, 0]]  # position i predicts token i+1
+    assert label_mask(batch, 2).int().tolist() == [[1, 1, 1, 0, 0, 0]]  # EAGLE step 0 / Medusa head 0
+
+
+@pytest.mark.parametrize("cfg", [{"type": "eagle"}, {"type": "eagle3", "ttt_steps": 3}, {"type": "medusa"}])
+def test_right_padding_does_not_change_the_loss(target, cfg):
+    head = eagle3(target, ttt_steps=3) if cfg["type"] == "eagle3" else build_head(cfg, target)
+    batch = make_batch(target, seq=12)
+    batch["loss_mask"][:, :3] = 0
+    padded = {
+        k: torch.cat((v, torch.randn_like(v[:, :4]) if v.is_floating_point() else v[:, :4]), 1)
+        for k, v in batch.items()
+    }
+    padded["attention_mask"][:, 12:] = 0
+    padded["loss_mask"][:, 12:] = 1  # even a stray loss_mask on padding must not count
+    with torch.no_grad():
+        loss, metrics = head.loss(batch)
+        padded_loss, padded_metrics = head.loss(padded)
+    torch.testing.assert_close(padded_loss, loss)
+    torch.testing.assert_close(padded_metrics, metrics)
