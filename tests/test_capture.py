@@ -167,3 +167,34 @@ def test_recipe_samples_feed_capture(tiny_target_dir, gsm8k_file):
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     samples, report = load_samples(str(gsm8k_file), "gsm8k", tok, 64)
     assert report.kept == len(samples) == 48
+
+
+FORMAT_RECORDS = {
+    "sharegpt": {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "2+2 = 4"}]},
+    "messages": {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "3+4?"},
+            {"role": "assistant", "content": "3+4 = 7\n#### 7"},
+        ]
+    },
+    "alpaca": {"instruction": "Add the numbers.", "input": "5 and 6", "output": "5+6 = 11"},
+    "text": {"text": "Ann has 3 apples. She buys 4 more, so she has 7."},
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_RECORDS))
+@torch.no_grad()
+def test_each_format_captures_the_fresh_forward(fmt, tiny_target_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(FORMAT_RECORDS[fmt]) + "\n")
+    config = capture_config(tiny_target_dir, data, tmp_path / "shards")
+    config["data"]["format"] = fmt
+    sample = ShardDataset(run_capture(config))[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    fresh = model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(
+        sample["aux_hidden"], torch.cat([fresh[i][0] for i in (1, 3, 4)], -1), atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(sample["last_hidden"], fresh[-1][0], atol=1e-5, rtol=1e-4)
+    assert sample["loss_mask"].all() if fmt == "text" else 0 < sample["loss_mask"].sum() < len(sample["loss_mask"])

@@ -1,0 +1,100 @@
+"""Capture throughput as a ratio to a bare target forward over the same batches (goal: >= 0.9x).
+
+    python -m scripts.bench_capture --config configs/demo-eagle3.yaml [--samples 256] [--repeats 3]
+
+Both sides run on the same length-sorted, padded batches in one process, alternating, best of
+``repeats``: the bare side is ``target(input_ids, attention_mask)`` (what any user would run); the
+capture side is what ``data_recipes.capture`` does per shard: the decoder forward with layer hooks,
+the copy into the store dtype and the atomic shard write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from core.config import load_config
+from core.runtime import resolve_dtype
+from data_recipes.capture import capture_shard, length_batches, load_target, resolve_aux_layers
+from data_recipes.recipes import load_samples
+from data_recipes.shards import write_shard
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/demo-eagle3.yaml")
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config)
+    model, tokenizer = load_target(cfg["target"])
+    data, cap = cfg["data"], cfg["capture"]
+    samples, _ = load_samples(data["source"], data["format"], tokenizer, data["max_length"], limit=args.samples)
+    samples.sort(key=lambda s: -len(s.input_ids))
+    aux_layers = resolve_aux_layers(cap.get("aux_layers", "auto"), model.config.num_hidden_layers)
+    store_dtype = resolve_dtype(cap.get("store_dtype", "bf16"))
+    pad_id = tokenizer.pad_token_id or 0
+    tokens = sum(len(s.input_ids) for s in samples)
+    lengths = [len(s.input_ids) for s in samples]
+    batches = length_batches(lengths, cap["batch_tokens"])
+
+    @torch.no_grad()
+    def bare() -> None:
+        for batch in batches:
+            longest = max(lengths[i] for i in batch)
+            ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(batch):
+                ids[row, : lengths[i]] = torch.tensor(samples[i].input_ids)
+                mask[row, : lengths[i]] = 1
+            model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device))
+
+    def capture(out: Path) -> None:
+        step = cap["shard_samples"]
+        for k in range(0, len(samples), step):
+            shard = samples[k : k + step]
+            tensors = capture_shard(
+                model, shard, list(range(k, k + len(shard))), aux_layers, store_dtype, cap["batch_tokens"], pad_id
+            )
+            write_shard(out / f"shard-{k:05d}.safetensors", tensors, "bench")
+
+    def timed(fn, *fn_args) -> float:
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        start = time.perf_counter()
+        fn(*fn_args)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        return time.perf_counter() - start
+
+    bare_s, capture_s = [], []
+    with tempfile.TemporaryDirectory(
+        dir=Path(cap["out_dir"]).parent if Path(cap["out_dir"]).parent.exists() else None
+    ) as tmp:
+        for _ in range(args.repeats):
+            bare_s.append(timed(bare))
+            capture_s.append(timed(capture, Path(tmp)))
+    bare_tps, capture_tps = tokens / min(bare_s), tokens / min(capture_s)
+    device = (
+        torch.cuda.get_device_name(model.device)
+        if model.device.type == "cuda"
+        else (f"CPU, {torch.get_num_threads()} threads")
+    )
+    print(
+        f"target {cfg['target']['path']} ({model.dtype}), {len(samples)} samples, {tokens:,} tokens, "
+        f"{len(batches)} batches of <= {cap['batch_tokens']} tokens, layers {aux_layers} + last -> {store_dtype}, "
+        f"{device}"
+    )
+    print("| side | tokens/s (best of %d) |\n|---|---|" % args.repeats)
+    print(
+        f"| bare target forward | {bare_tps:,.0f} |\n| capture (forward + hooks + shard write) | {capture_tps:,.0f} |"
+    )
+    print(f"capture / bare = {capture_tps / bare_tps:.2f}x (goal >= 0.9x)")
+
+
+if __name__ == "__main__":
+    main()
