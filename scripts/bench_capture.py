@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(batches)} batches of <= {cap['batch_tokens']} tokens, layers {aux_layers} + last -> {store_dtype}, "
         f"{device}"
     )
-    print("| side | tokens/s (best of %d) |\n|---|---|" % args.repeats)
+    print(f"| side | tokens/s (best of {args.repeats}) |\n|---|---|")
     print(
         f"| bare target forward | {bare_tps:,.0f} |\n| capture (forward + hooks + shard write) | {capture_tps:,.0f} |"
     )
