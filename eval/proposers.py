@@ -1,0 +1,185 @@
+"""Proposers: every drafting method behind one small interface (``eval.verify.Proposer``).
+
+    tokens, stats = generate(target, Eagle(head), input_ids, 128, Sampling(temperature=0.7))
+
+- ``Vanilla``: the empty tree, i.e. plain autoregressive decoding through the same loop.
+- ``NGram``: prompt lookup, no model: the continuation of the latest earlier match of the last n tokens.
+- ``DraftModel``: a small LM with the target's tokenizer and its own KV cache; a chain of k by default,
+  or an EAGLE-2-style dynamic tree (``top_k`` > 1) drafted with tree attention over that cache.
+- ``Eagle``: EAGLE-1/2 and EAGLE-3 heads drafting a dynamic EAGLE-2 tree from the target's features.
+- ``Medusa``: Medusa heads filling a static tree from their per-head candidates.
+
+Greedy runs propose top-k tokens (point masses for the verifier). Sampling runs draw from the draft
+distribution q (the draft's logits through the same temperature / top-k / top-p as the target) and
+hand q to the verifier, which needs it to stay lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from eval.tree import SMALL_CHOICES, Tree, additive_mask, chain, dynamic_tree, empty_tree, pick_children, static_tree
+from eval.verify import Sampling, probabilities
+from heads import DraftHead, KVCache
+
+
+def draft_logq(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The draft's log-probs to rank (greedy) or sample (otherwise) proposals from."""
+    if sampling.greedy:
+        return logits.float().log_softmax(-1)
+    return probabilities(logits, sampling).log()
+
+
+class Vanilla:
+    hidden_layers: tuple[int, ...] = ()
+
+    def reset(self, sampling: Sampling) -> None:
+        pass
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        return empty_tree(tokens.device)
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        pass
+
+
+class NGram(Vanilla):
+    """Prompt lookup decoding: find the last ``n`` tokens earlier in the context (longest n first, latest
+    match) and propose the ``k`` tokens that followed them."""
+
+    def __init__(self, k: int = 5, max_n: int = 3, min_n: int = 1):
+        self.k, self.max_n, self.min_n = k, max_n, min_n
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # Windows that end before the last token, so the suffix does not match itself.
+            hits = (tokens[:-1].unfold(0, n, 1) == tokens[-n:]).all(1).nonzero()
+            if len(hits):
+                start = int(hits[-1]) + n
+                return chain(tokens[start : start + self.k])
+        return empty_tree(tokens.device)
+
+
+class DraftModel:
+    """A small causal LM sharing the target's vocabulary. Its cache holds the committed tokens it has read;
+    drafted entries are cropped after each step and accepted drafts are re-read with the next pending token
+    (same forward, so no extra call)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: nn.Module, k: int = 4, top_k: int = 1, total_tokens: int | None = None):
+        self.model, self.k, self.top_k = model, k, top_k
+        self.total_tokens = total_tokens or k * top_k
+
+    def reset(self, sampling: Sampling) -> None:
+        self.sampling, self.cache, self.read = sampling, DynamicCache(config=self.model.config), 0
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        out = self.model(tokens[None, self.read :], past_key_values=self.cache, use_cache=True)
+        self.read = len(tokens)
+        root_logq = draft_logq(out.logits[0, -1], self.sampling)
+        return dynamic_tree(root_logq, self._expand, self.top_k, self.k, self.total_tokens, not self.sampling.greedy)
+
+    def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
+        prefix = torch.ones(len(tokens), self.read, dtype=torch.bool, device=tokens.device)
+        out = self.model(
+            tokens[None],
+            attention_mask=additive_mask(torch.cat((prefix, visible), 1), self.model.dtype),
+            # The pending root sits at position read - 1, a depth-d node at read - 1 + d.
+            position_ids=torch.full((1, len(tokens)), self.read - 1 + depth, device=tokens.device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return draft_logq(out.logits[0], self.sampling)
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.cache.crop(self.read - self.cache.get_seq_length())
+
+
+class Eagle:
+    """EAGLE-1/2 or EAGLE-3 head drafting a dynamic EAGLE-2 tree.
+
+    The head pairs the target's feature at position i with the token at i + 1. ``update`` reads the
+    pairs the last verification committed (the root and accepted rows' features, with the tokens that
+    followed them, the last being the new pending root) into the head's own cache; the last pair's
+    output is the root of the next tree. Drafted slots are cropped at the next ``update``.
+    """
+
+    def __init__(self, head: DraftHead, top_k: int = 8, depth: int = 5, total_tokens: int = 48):
+        self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
+        config = head.config
+        if config["type"] == "eagle3":
+            self.hidden_layers = tuple(config["layer_ids"])
+        else:  # the final normed state, what lm_head reads
+            self.hidden_layers = (config["arch"]["num_hidden_layers"],)
+
+    def reset(self, sampling: Sampling) -> None:
+        self.sampling, self.cache, self.root, self.committed = sampling, KVCache(), None, 0
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.cache.crop(self.committed)
+        if hidden is None or len(hidden) == 0:
+            return
+        m = len(hidden)
+        positions = torch.arange(self.committed, self.committed + m, device=tokens.device)[None]
+        features = self.head.first_features(hidden)[None]
+        logp, out = self.head.draft_step(tokens[None, -m:], features, positions, self.cache)
+        self.committed += m
+        self.root = (logp[0, -1], out[0, -1:])
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        if self.root is None:  # a one-token prompt: no target feature yet
+            return empty_tree(tokens.device)
+        logp, feature = self.root
+        self.slot_features = [feature]  # row s + 1: output feature of drafted slot s; row 0: the root's
+        root_logq = draft_logq(logp, self.sampling)
+        return dynamic_tree(
+            root_logq, self._expand, self.top_k, self.depth, self.total_tokens, not self.sampling.greedy
+        )
+
+    def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
+        prefix = torch.ones(len(tokens), self.committed, dtype=torch.bool, device=tokens.device)
+        features = torch.cat(self.slot_features)[parent_slots + 1]
+        positions = torch.full((1, len(tokens)), self.committed - 1 + depth, device=tokens.device)
+        mask = torch.cat((prefix, visible), 1)[None, None]
+        logp, out = self.head.draft_step(tokens[None], features[None], positions, self.cache, mask)
+        self.slot_features.append(out[0])
+        return draft_logq(logp[0], self.sampling)
+
+
+class Medusa:
+    """Medusa heads on the target's last hidden state, filling a static tree (``choices``).
+
+    The newest cached row is the token before the pending root, so head j's guess is the token at depth
+    j + 1 below the root. Greedy and typical-acceptance runs take each head's top candidates; exact
+    sampling draws them without replacement from each head's q.
+    """
+
+    def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES):
+        self.head, self.choices = head, [list(c) for c in choices]
+        self.depth = max(len(c) for c in self.choices)
+        self.width = max(c[-1] for c in self.choices) + 1
+        if self.depth > head.config["num_heads"]:
+            raise ValueError(f"tree depth {self.depth} needs more than the head's {head.config['num_heads']} heads")
+        self.hidden_layers = (head.config["arch"]["num_hidden_layers"],)
+
+    def reset(self, sampling: Sampling) -> None:
+        self.sampling, self.last_hidden = sampling, None
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        if hidden is not None and len(hidden):
+            self.last_hidden = hidden[-1:]
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        if self.last_hidden is None:
+            return empty_tree(tokens.device)
+        logp = self.head.draft(self.last_hidden)[0, : self.depth]
+        if self.sampling.greedy or self.sampling.acceptance == "typical":
+            return static_tree(self.choices, logp.topk(self.width, dim=-1).indices)
+        q = probabilities(logp, self.sampling)
+        candidates, _ = pick_children(torch.zeros(self.depth, device=q.device), q.log(), self.width, True)
+        return static_tree(self.choices, candidates, q)

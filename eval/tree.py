@@ -1,0 +1,218 @@
+"""Draft trees: what every proposer hands the verifier, and the attention layout that verifies them.
+
+A tree hangs below the ROOT, the newest committed token (the "pending" one, whose KV is not yet in the
+target's cache). Nodes are stored in topological order (a parent before its children) and siblings in
+the order they were drawn: the sampling verifier walks them in that order. A chain is a tree whose
+node i has parent i - 1; the empty tree is plain autoregressive decoding.
+
+Draft distributions, for lossless sampling: ``dists`` [g, V] holds each sibling group's draft
+probabilities ONCE (the distribution a parent's children were drawn from, without replacement, in
+their stored order) and ``dist_index`` [n] points every node to its group's row. ``dists=None`` means
+the tokens are deterministic proposals (n-gram lookup, greedy top-k): each is a point mass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+# Medusa's default 63-node tree for Vicuna-7B (medusa/model/medusa_choices.py, ``mc_sim_7b_63``): a path
+# [i, j] is the j-th candidate of head 2 below the i-th candidate of head 1.
+MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5],
+    [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9],
+    [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1],
+    [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0],
+    [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0],
+    [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip
+# A small default for tiny heads: 2 candidates at depth 1, then narrowing.
+SMALL_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [n] long
+    parents: torch.Tensor  # [n] long, index of the parent node; -1 = child of the root
+    depths: torch.Tensor  # [n] long, 1 for children of the root
+    draft_logprobs: torch.Tensor  # [n] float, log q(token | parent)
+    dists: torch.Tensor | None = None  # [g, V] draft probabilities per sibling group; None = point masses
+    dist_index: torch.Tensor | None = None  # [n] row of ``dists`` each node was drawn from
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def ancestors(self) -> torch.Tensor:
+        """Bool [n, n]: [i, j] when node j is node i or one of its ancestors."""
+        n = len(self)
+        eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
+        anc = eye
+        has_parent = (self.parents >= 0)[:, None]
+        for _ in range(int(self.depths.max()) - 1 if n else 0):
+            anc = eye | (anc[self.parents.clamp(min=0)] & has_parent)
+        return anc
+
+    def children(self) -> list[list[int]]:
+        """Children of the root (entry 0) and of every node i (entry i + 1), in their stored order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
+
+
+def empty_tree(device: torch.device) -> Tree:
+    none = torch.empty(0, dtype=torch.long, device=device)
+    return Tree(none, none, none, torch.empty(0, device=device))
+
+
+def chain(tokens: torch.Tensor, dists: torch.Tensor | None = None) -> Tree:
+    """A chain of ``tokens`` [k]; ``dists`` [k, V] when token i was sampled from row i."""
+    k = tokens.numel()
+    steps = torch.arange(k, device=tokens.device)
+    if dists is None:
+        return Tree(tokens, steps - 1, steps + 1, torch.zeros(k, device=tokens.device))
+    return Tree(tokens, steps - 1, steps + 1, dists[steps, tokens].log(), dists, steps)
+
+
+@lru_cache(maxsize=16)
+def _static_shape(choices: tuple[tuple[int, ...], ...]) -> tuple[list[int], list[int], list[int]]:
+    """(parents, depths, candidate rank) of a Medusa choice list, sorted by depth then path."""
+    paths = sorted(choices, key=lambda path: (len(path), path))
+    index = {path: i for i, path in enumerate(paths)}
+    missing = [p for p in paths if len(p) > 1 and p[:-1] not in index]
+    if missing:
+        raise ValueError(f"tree choices {missing} lack their parent path")
+    parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+    return parents, [len(p) for p in paths], [p[-1] for p in paths]
+
+
+def static_tree(choices: Sequence[Sequence[int]], candidates: torch.Tensor, dists: torch.Tensor | None = None) -> Tree:
+    """A Medusa tree: path [.., j] at depth d holds ``candidates[d - 1, j]`` ([D, K] per-depth candidate lists).
+
+    ``dists`` [D, V]: the per-depth draft distributions, given when the candidates were sampled (without
+    replacement, in rank order); every node at depth d was drawn from row d - 1.
+    """
+    parents, depths, ranks = _static_shape(tuple(tuple(c) for c in choices))
+    device = candidates.device
+    depths_t = torch.tensor(depths, device=device)
+    tokens = candidates[depths_t - 1, torch.tensor(ranks, device=device)]
+    rows = depths_t - 1
+    logprobs = torch.zeros(len(depths), device=device) if dists is None else dists[rows, tokens].log()
+    return Tree(
+        tokens, torch.tensor(parents, device=device), depths_t, logprobs, dists, rows if dists is not None else None
+    )
+
+
+# expand(tokens [k], parent_slots [k], depth, visible [k, E]) -> draft log-probs [k, V] of the k frontier
+# nodes. Frontier nodes take cache slots E - k .. E - 1 of the drafter (after its committed prefix);
+# parent_slots index the earlier slots (-1 = the root); visible[i, s] is True when slot s holds node i
+# itself or one of its ancestors (the drafter's tree attention mask over its drafted slots).
+Expand = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
+def pick_children(scores: torch.Tensor, logq: torch.Tensor, k: int, sample: bool) -> tuple[torch.Tensor, ...]:
+    """Top-k children of each row by score (greedy), or k draws without replacement (Gumbel-top-k).
+
+    Returns (token ids [r, k], their scores [r, k]). Sampled scores are Kool et al.'s top-down
+    stochastic beam search keys: a child's key is a Gumbel, truncated at its parent's key, whose value
+    given the earlier siblings does not depend on which token it is. Ranking, frontier choice and
+    pruning on these keys therefore never select a node for being a particular token, which keeps the
+    sibling-by-sibling rejection sampling in ``verify`` exact.
+    """
+    if not sample:
+        top = (scores[:, None] + logq).topk(k, dim=-1)
+        return top.indices, top.values
+    perturbed = scores[:, None] + logq - torch.empty_like(logq).exponential_().log()
+    z = perturbed.max(-1, keepdim=True).values
+    gap = perturbed - z  # <= 0; log(1 - exp(gap)) written stably
+    log1mexp = torch.where(gap > -math.log(2), torch.log(-torch.expm1(gap)), torch.log1p(-torch.exp(gap)))
+    v = scores[:, None] - perturbed + log1mexp
+    keys = scores[:, None] - v.clamp(min=0) - torch.log1p(torch.exp(-v.abs()))
+    keys = keys.masked_fill(perturbed == -math.inf, -math.inf)  # never drawable (also avoids -inf - -inf)
+    top = perturbed.topk(k, dim=-1)
+    return top.indices, keys.gather(-1, top.indices)
+
+
+def dynamic_tree(
+    root_logq: torch.Tensor, expand: Expand, top_k: int, depth: int, total_tokens: int, sample: bool = False
+) -> Tree:
+    """EAGLE-2's dynamic tree from the root's draft log-probs [V].
+
+    Each level gives every frontier node its top_k children by cumulative draft log-probability (or
+    k sampled children, see ``pick_children``); the top_k best new nodes form the next frontier, for
+    ``depth`` levels. The best ``total_tokens`` nodes overall are kept, with their ancestors, in
+    topological order. With ``sample`` every node's sibling group keeps the distribution it was drawn from.
+    """
+    device = root_logq.device
+    kids, scores = pick_children(torch.zeros(1, device=device), root_logq[None], top_k, sample)
+    tokens, scores = kids[0], scores[0]
+    parents = torch.full((top_k,), -1, device=device)
+    depths = torch.ones(top_k, dtype=torch.long, device=device)
+    logq_rows, dist_index = [root_logq[None]], torch.zeros(top_k, dtype=torch.long, device=device)
+    frontier = torch.arange(top_k, device=device)
+    slot_of = torch.full((top_k,), -1, device=device)  # drafter cache slot of each expanded node
+    # Row s + 1: the expanded slots that are slot s or its ancestors; row 0 (the root) sees none of them.
+    slot_anc = torch.zeros(1, 0, dtype=torch.bool, device=device)
+    for level in range(2, depth + 1):
+        e, k = slot_anc.shape[1], len(frontier)
+        parent_slots = torch.where(parents[frontier] >= 0, slot_of[parents[frontier].clamp(min=0)], -1)
+        own = torch.cat((slot_anc[parent_slots + 1], torch.eye(k, dtype=torch.bool, device=device)), 1)
+        slot_anc = torch.cat((torch.cat((slot_anc, slot_anc.new_zeros(e + 1, k)), 1), own))
+        slot_of[frontier] = torch.arange(e, e + k, device=device)
+        logq = expand(tokens[frontier], parent_slots, level - 1, own)
+        kids, kid_scores = pick_children(scores[frontier], logq, top_k, sample)
+        n = len(tokens)
+        tokens, scores = torch.cat((tokens, kids.flatten())), torch.cat((scores, kid_scores.flatten()))
+        parents = torch.cat((parents, frontier.repeat_interleave(top_k)))
+        depths = torch.cat((depths, torch.full((kids.numel(),), level, device=device)))
+        group = sum(len(rows) for rows in logq_rows) + torch.arange(k, device=device).repeat_interleave(top_k)
+        dist_index = torch.cat((dist_index, group))
+        logq_rows.append(logq)
+        slot_of = torch.cat((slot_of, torch.full((kids.numel(),), -1, device=device)))
+        frontier = n + kid_scores.flatten().topk(top_k).indices
+    finite = scores.isfinite()
+    keep = torch.zeros(len(tokens), dtype=torch.bool, device=device)
+    keep[scores.masked_fill(~finite, -math.inf).topk(min(total_tokens, len(tokens))).indices] = True
+    keep &= finite  # a token the drafter gives probability 0 was never drawn
+    for _ in range(depth - 1):  # a kept node keeps its ancestors
+        keep[parents[keep & (parents >= 0)]] = True
+    new_index = keep.long().cumsum(0) - 1
+    kept_parents = parents[keep]
+    dists = torch.cat(logq_rows).exp()
+    return Tree(
+        tokens[keep],
+        torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1),
+        depths[keep],
+        dists[dist_index[keep], tokens[keep]].log(),
+        dists if sample else None,
+        dist_index[keep] if sample else None,
+    )
+
+
+def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive float mask [1, 1, n + 1, prefix_len + n + 1] for the queries [root, nodes...].
+
+    Every query sees the cached prefix and the root; a node also sees its ancestors and itself.
+    """
+    n, device = len(tree), tree.tokens.device
+    allowed = torch.zeros(n + 1, prefix_len + n + 1, dtype=torch.bool, device=device)
+    allowed[:, : prefix_len + 1] = True
+    allowed[1:, prefix_len + 1 :] = tree.ancestors()
+    return additive_mask(allowed, dtype)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool [q, k] (True = attend) -> the additive float [1, 1, q, k] mask HF models take."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)[
+        None, None
+    ]
+
+
+def tree_position_ids(tree: Tree, prefix_len: int) -> torch.Tensor:
+    """Position ids [1, n + 1] of [root, nodes...]: the root sits at ``prefix_len``, a node at prefix_len + depth."""
+    root = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
+    return (prefix_len + torch.cat((root, tree.depths)))[None]

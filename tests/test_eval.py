@@ -1,0 +1,238 @@
+"""Tree verification: tree layout, KV compaction, greedy speculative decoding == the target's greedy decoding."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
+from eval.tree import (
+    MC_SIM_7B_63,
+    SMALL_CHOICES,
+    Tree,
+    chain,
+    dynamic_tree,
+    static_tree,
+    tree_attention_mask,
+    tree_position_ids,
+)
+from eval.verify import Sampling, accept, generate, verify
+from heads import KVCache, build_head
+
+V, NEW = 300, 16
+
+
+def tiny_llama(seed: int, layers: int = 4) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    # A prompt of one token, a short one and one with a repeat (so prompt lookup finds matches).
+    repeated = torch.randint(3, V, (6,), generator=gen)
+    return [
+        torch.tensor([[7]]),
+        torch.randint(3, V, (1, 5), generator=gen),
+        torch.cat((repeated, torch.randint(3, V, (4,), generator=gen), repeated))[None],
+    ]
+
+
+def reference(target, prompt, new=NEW):
+    eos = target.config.eos_token_id
+    return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+
+
+class Oracle:
+    """Proposes the target's own greedy continuation as a chain of k: every proposal is right."""
+
+    hidden_layers = ()
+
+    def __init__(self, continuation: torch.Tensor, k: int):
+        self.continuation, self.k = continuation.flatten(), k
+
+    def reset(self, sampling):
+        pass
+
+    def propose(self, tokens):
+        return chain(self.continuation[len(tokens) : len(tokens) + self.k])
+
+    def update(self, tokens, hidden):
+        pass
+
+
+def test_tree_mask_and_positions_match_hand_built_reference():
+    # root -> a, b;  a -> c;  c -> d
+    tree = Tree(
+        torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 2]), torch.tensor([1, 1, 2, 3]), torch.zeros(4)
+    )
+    allowed = torch.tensor(
+        [  # prefix 0, 1 | root | a b c d
+            [1, 1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 1, 0, 0],
+            [1, 1, 1, 1, 0, 1, 0],
+            [1, 1, 1, 1, 0, 1, 1],
+        ]
+    ).bool()
+    mask = tree_attention_mask(tree, 2, torch.float32)
+    assert mask.shape == (1, 1, 5, 7)
+    assert torch.equal(mask[0, 0] == 0, allowed)
+    assert (mask[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
+    assert tree_position_ids(tree, 2).tolist() == [[2, 3, 3, 4, 5]]
+
+
+def test_static_tree_shapes():
+    candidates = torch.arange(40).view(4, 10)
+    tree = static_tree(SMALL_CHOICES, candidates)
+    # Sorted by depth then path: [0] [1] [0,0] [0,1] [1,0] [0,0,0] [0,0,0,0]
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2, 5]
+    assert tree.tokens.tolist() == [0, 1, 10, 11, 10, 20, 30]
+    big = static_tree(MC_SIM_7B_63, candidates)
+    assert len(big) == 63 and int(big.depths.max()) == 4
+    assert (big.parents < torch.arange(63)).all()  # topological
+    with pytest.raises(ValueError, match="parent"):
+        static_tree([[0, 1]], candidates)
+
+
+def test_dynamic_tree_keeps_best_nodes_with_ancestors():
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 50, generator=gen).log_softmax(-1)  # log q(next | token)
+
+    def expand(tokens, parent_slots, depth, visible):
+        assert visible.shape == (len(tokens), visible.shape[1]) and visible[:, -len(tokens) :].diagonal().all()
+        return table[tokens]
+
+    tree = dynamic_tree(table[0], expand, top_k=3, depth=4, total_tokens=10)
+    assert len(tree) == 10 and (tree.parents < torch.arange(10)).all()
+    parent_depth = torch.where(tree.parents >= 0, tree.depths[tree.parents.clamp(min=0)], 0)
+    assert torch.equal(tree.depths, parent_depth + 1)
+    prev = torch.where(tree.parents >= 0, tree.tokens[tree.parents.clamp(min=0)], 0)
+    assert torch.allclose(tree.draft_logprobs, table[prev, tree.tokens])
+    # The three best first tokens are all kept (nothing below them scores higher), in rank order.
+    assert tree.tokens[tree.depths == 1].tolist() == table[0].topk(3).indices.tolist()
+
+
+def test_kv_compaction_equals_recomputing_the_accepted_prefix(target):
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, V, (1, 6), generator=gen)
+    greedy = reference(target, prompt, new=3)[0, 6:]
+    # Tree: a junk first child, then the true chain greedy[0] -> greedy[1] with a junk sibling, then junk.
+    tokens = torch.tensor([int(greedy[0]) + 1, int(greedy[0]), 5, int(greedy[1]), 9])
+    tree = Tree(tokens, torch.tensor([-1, -1, 1, 1, 3]), torch.tensor([1, 1, 2, 2, 3]), torch.zeros(5))
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(prompt[:, :-1], past_key_values=cache, use_cache=True)
+        path, bonus, _ = verify(target, cache, prompt[0, -1:], tree, Sampling())
+        assert path.tolist() == [1, 3] and int(bonus) == int(greedy[2])
+        fresh = DynamicCache(config=target.config)
+        committed = torch.cat((prompt[0], tokens[path]))
+        target(committed[None], past_key_values=fresh, use_cache=True)
+    assert cache.get_seq_length() == fresh.get_seq_length() == 8
+    for mine, ref in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def proposers(target):
+    return {
+        "vanilla": Vanilla(),
+        "ngram": NGram(k=4),
+        "draft_model": DraftModel(tiny_llama(1, layers=2), k=3),
+        "draft_model_tree": DraftModel(tiny_llama(1, layers=2), k=3, top_k=3, total_tokens=8),
+        "eagle": Eagle(build_head({"type": "eagle"}, target), top_k=3, depth=3, total_tokens=10),
+        "eagle3": Eagle(
+            build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target),
+            top_k=3,
+            depth=3,
+            total_tokens=10,
+        ),
+        "medusa": Medusa(build_head({"type": "medusa", "num_heads": 4}, target)),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    return [reference(target, prompt) for prompt in prompts]
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ngram", "draft_model", "draft_model_tree", "eagle", "eagle3", "medusa"])
+def test_greedy_output_equals_target_greedy(target, prompts, references, name):
+    proposer = proposers(target)[name]
+    for prompt, expected in zip(prompts, references):
+        out, stats = generate(target, proposer, prompt, NEW, eos_token_id=target.config.eos_token_id)
+        assert torch.equal(out, expected)
+        assert sum(stats.accepted_lengths) >= out.shape[1] - prompt.shape[1]
+        assert stats.target_forwards == len(stats.accepted_lengths)
+    if name == "vanilla":
+        assert stats.tau == 1.0
+
+
+def test_correct_proposals_give_long_acceptance_and_the_same_output(target, prompts):
+    prompt = prompts[1]
+    expected = reference(target, prompt)
+    # (proposer, fewest drafts it must get accepted per step). A chain of the target's own choices is
+    # accepted whole. An EAGLE-2 tree drafted by the target itself expands both depth-1 nodes, so the
+    # right depth-2 token is always there; deeper, the frontier follows the draft's cumulative
+    # probability, which need not be the greedy path.
+    cases = [
+        (Oracle(expected, 4), 4),
+        (DraftModel(target, k=3), 3),
+        (DraftModel(target, 3, top_k=2, total_tokens=10), 2),
+    ]
+    for proposer, fewest in cases:
+        out, stats = generate(target, proposer, prompt, NEW)
+        assert torch.equal(out, expected)
+        # Every step but the last (cut by max_new_tokens) commits >= fewest drafts + the bonus.
+        assert min(stats.accepted_lengths[:-1]) >= fewest + 1
+        assert stats.tau > 2 and stats.depth_accepts[1] >= stats.target_forwards - 1
+
+
+def test_eagle_tree_drafts_what_a_chain_of_head_steps_computes(target, prompts):
+    # Each node's draft log-prob equals running the head down that node's path one step at a time.
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
+    proposer = Eagle(head, top_k=3, depth=3, total_tokens=8)
+    tokens = prompts[2][0]
+    proposer.reset(Sampling())
+    with torch.no_grad():
+        states = target(tokens[None, :-1], output_hidden_states=True).hidden_states
+        hidden = torch.cat([states[i][0] for i in proposer.hidden_layers], -1)
+        proposer.update(tokens, hidden)
+        tree = proposer.propose(tokens)
+        anc = tree.ancestors()
+        for node in range(len(tree)):
+            cache, n = KVCache(), len(tokens) - 1
+            features = head.first_features(hidden)[None]
+            logp, out = head.draft_step(tokens[None, 1:], features, torch.arange(n)[None], cache)
+            logp, out = logp[0, -1], out[:, -1:]
+            for step, ancestor in enumerate(anc[node].nonzero().flatten().tolist()):
+                if ancestor == node:
+                    break
+                logp, out = head.draft_step(tree.tokens[ancestor].view(1, 1), out, torch.tensor([[n + step]]), cache)
+                logp = logp[0, -1]
+            torch.testing.assert_close(tree.draft_logprobs[node], logp[tree.tokens[node]], atol=1e-4, rtol=1e-4)
+
+
+def test_typical_acceptance_keeps_plausible_paths():
+    # Medusa's lossy rule: accept x when p(x) > min(threshold, alpha * exp(-entropy(p))).
+    tree = chain(torch.tensor([0, 1, 2]))
+    logits = torch.full((4, 5), -10.0)
+    logits[0, 0] = logits[1, 1] = 10.0  # root is sure of 0, node 0 sure of 1
+    logits[2, 3] = 10.0  # node 1 is sure of 3, so 2 is implausible
+    path, bonus = accept(tree, logits, Sampling(temperature=1.0, acceptance="typical"))
+    assert path.tolist() == [0, 1] and bonus.tolist() == [3]
+    with pytest.raises(ValueError, match="acceptance"):
+        Sampling(acceptance="lossy")

@@ -1,0 +1,122 @@
+"""Speculative sampling is lossless: the first two generated tokens follow the target's exact distribution.
+
+The models are bigram lookup tables (logits depend only on the current token) behind the slice of the HF
+interface the loop uses, so the exact two-token distribution is a V x V enumeration and thousands of
+seeded runs take seconds. Attention and the KV cache are covered by the greedy tests in test_eval.py.
+Each test is a chi-square goodness-of-fit test at significance 0.001 (fixed seeds: deterministic).
+"""
+
+import math
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+from eval.proposers import DraftModel, NGram
+from eval.tree import pick_children, static_tree
+from eval.verify import Sampling, accept, generate, probabilities
+
+V = 4
+PROMPT = torch.tensor([[1, 2, 3, 2]])  # ends in 2; NGram finds "2" earlier and proposes [3, 2]
+
+
+class Bigram(nn.Module):
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table, self.dtype = table, table.dtype
+        self.config = LlamaConfig(vocab_size=V, hidden_size=4, num_attention_heads=1, num_hidden_layers=1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def forward(self, input_ids, past_key_values, attention_mask=None, position_ids=None, **_):
+        rows = torch.zeros(1, 1, input_ids.shape[1], 1)
+        past_key_values.update(rows, rows, 0)  # keeps the cache length honest for crop / commit
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def tables():
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(V, V, generator=gen) * 0.7
+    draft = torch.randn(V, V, generator=gen) * 1.5  # deliberately different
+    return target, draft
+
+
+def exact_two_tokens(table: torch.Tensor, last: int, sampling: Sampling) -> torch.Tensor:
+    """P(x1, x2) as a [V * V] vector: p(x1 | last) * p(x2 | x1)."""
+    p = probabilities(table, sampling)
+    return (p[last][:, None] * p).flatten()
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is the 0.999 normal quantile."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def assert_matches(counts: torch.Tensor, probs: torch.Tensor, wrong: torch.Tensor) -> None:
+    n = counts.sum()
+    expected = n * probs
+    assert expected.min() >= 5, "too few samples for a chi-square test"
+    critical = chi_square_critical(len(probs) - 1)
+    assert float(((counts - expected) ** 2 / expected).sum()) < critical
+    # The test has power: a sampler that returned the draft's distribution would fail it by far.
+    assert float(n * ((wrong - probs) ** 2 / probs).sum()) > 3 * critical
+
+
+def sample_pairs(target, proposer, sampling, runs):
+    counts = torch.zeros(V * V)
+    for _ in range(runs):
+        out, _ = generate(target, proposer, PROMPT, 2, sampling)
+        counts[out[0, -2] * V + out[0, -1]] += 1
+    return counts
+
+
+def run_loop_test(proposer_for, runs=1000):
+    torch.manual_seed(0)
+    target_table, draft_table = tables()
+    sampling = Sampling(temperature=1.0)
+    counts = sample_pairs(Bigram(target_table), proposer_for(Bigram(draft_table)), sampling, runs)
+    wrong = exact_two_tokens(draft_table, 2, sampling)
+    assert_matches(counts, exact_two_tokens(target_table, 2, sampling), wrong)
+
+
+def test_sampled_chain_is_lossless():
+    run_loop_test(lambda draft: DraftModel(draft, k=2))
+
+
+def test_sampled_dynamic_tree_with_siblings_is_lossless():
+    # 3 sampled children per node, 2 levels, pruned to 5 of 12 nodes by the stochastic-beam keys.
+    run_loop_test(lambda draft: DraftModel(draft, k=2, top_k=3, total_tokens=5))
+
+
+def test_fixed_proposals_are_lossless():
+    # Prompt lookup proposes the same chain every time: point-mass drafts.
+    run_loop_test(lambda draft: NGram(k=2))
+
+
+def test_static_tree_with_shared_per_depth_draws_is_lossless():
+    # Medusa-shaped: depth-d candidates drawn once (without replacement) from one q per depth and
+    # shared by every parent; verified straight through ``accept`` with top-k and temperature applied.
+    torch.manual_seed(1)
+    target_table, draft_table = tables()
+    sampling = Sampling(temperature=0.8, top_k=3)
+    choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0]]
+    q = probabilities(draft_table[[2, 0]], Sampling(temperature=1.0))  # per-depth draft distributions
+    p = probabilities(target_table, sampling)
+    counts = torch.zeros(V * V)
+    for _ in range(3000):
+        candidates, _ = pick_children(torch.zeros(2), q.log(), 3, True)
+        tree = static_tree(choices, candidates, q)
+        logits = target_table[torch.cat((torch.tensor([2]), tree.tokens))]
+        path, bonus = accept(tree, logits, sampling)
+        tokens = torch.cat((tree.tokens[path], bonus))
+        if len(tokens) == 1:  # the next step's first token, itself drawn from the target
+            tokens = torch.cat((tokens, torch.multinomial(p[tokens[0]], 1)))
+        counts[tokens[0] * V + tokens[1]] += 1
+    exact = exact_two_tokens(target_table, 2, sampling)
+    support = exact > 0  # top-k leaves cells with probability 0: they must stay empty
+    assert counts[~support].sum() == 0
+    wrong = (q[0][:, None] * q[1][None]).flatten()[support]
+    assert_matches(counts[support], exact[support], wrong / wrong.sum())
