@@ -1,0 +1,83 @@
+"""Head-training throughput (tokens/s) of each head type on a config's target.
+
+    python -m scripts.bench_train [--config configs/demo-eagle3.yaml] [--steps 10] [--batch-size 4]
+
+Times what one training step costs the head alone: forward, loss (EAGLE-3's includes the target
+lm_head over last_hidden), backward and an AdamW step, on real samples of the config's data. The
+target's hidden states are captured once beforehand (as offline shards would hold them), so the
+number is the trainer's ceiling on one process, without DeepSpeed's communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from core.config import load_config
+from core.runtime import resolve_dtype
+from data_recipes.capture import OnlineCapture, load_target, resolve_aux_layers
+from data_recipes.recipes import load_samples
+from data_recipes.shards import pad_collate
+from heads import HEADS, build_head
+from train.data import SampleDataset
+
+
+def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:
+    """The config's own head options when it trains this type, else the head's defaults."""
+    options = dict(cfg.get("head", {})) if cfg.get("head", {}).get("type") == head_type else {"type": head_type}
+    if head_type == "eagle3":
+        options["layer_ids"] = aux_layers
+    return options
+
+
+def bench(head, batches: list[dict[str, torch.Tensor]], steps: int) -> float:
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
+    tokens, seconds = 0, 0.0
+    for step in range(steps + 1):  # step 0 warms up (allocations, kernel choice) and is not timed
+        batch = batches[step % len(batches)]
+        start = time.perf_counter()
+        loss, _ = head.loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if batch["input_ids"].device.type == "cuda":
+            torch.cuda.synchronize()
+        if step:
+            seconds += time.perf_counter() - start
+            tokens += int(batch["attention_mask"].sum())
+    return tokens / seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/demo-eagle3.yaml")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--heads", nargs="+", default=sorted(HEADS), choices=sorted(HEADS))
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config)
+    target, tokenizer = load_target(cfg["target"])
+    data = cfg["data"]
+    samples, _ = load_samples(
+        data["source"], data["format"], tokenizer, data["max_length"], limit=args.batch_size * min(args.steps, 8)
+    )
+    aux_layers = resolve_aux_layers(cfg.get("capture", {}).get("aux_layers", "auto"), target.config.num_hidden_layers)
+    store_dtype = resolve_dtype(cfg.get("capture", {}).get("store_dtype", "bf16"))
+    capture = OnlineCapture(target, aux_layers, store_dtype)
+    dataset = SampleDataset(samples)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = []
+    for k in range(0, len(dataset) - args.batch_size + 1, args.batch_size):
+        batch = pad_collate([dataset[i] for i in range(k, k + args.batch_size)], pad_id)
+        batches.append(capture({key: v.to(target.device) for key, v in batch.items()}))
+    print(f"target {cfg['target']['path']} ({target.dtype}, {target.device}), batches of {args.batch_size} samples")
+    for head_type in args.heads:
+        torch.manual_seed(0)
+        head = build_head(head_options(cfg, head_type, aux_layers), target)
+        print(f"{head_type:>7}: {bench(head, batches, args.steps):,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

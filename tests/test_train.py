@@ -1,0 +1,243 @@
+"""The torchrun recipes end to end on a tiny target: 2 processes equal 1, SIGKILL + resume is exact, NaN stops.
+
+In-process runs call the recipe's ``main`` as a world of one (saves the ~7 s of imports a subprocess
+pays); 2-process runs go through ``torchrun --nproc_per_node 2``, all on the CPU with ZeRO stage 2.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from conftest import REPO
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data_recipes.capture import run_capture
+from data_recipes.shards import ShardDataset, shard_fingerprint
+from heads import load_head
+from train import eagle, medusa
+from train.checkpoint import MARKER, complete_steps
+from train.data import epoch_order, split_heldout
+from train.loop import NonFiniteLoss
+
+TRAINERS = {"eagle": eagle, "eagle3": eagle, "medusa": medusa}
+HEADS = {
+    "eagle": {"type": "eagle"},
+    "eagle3": {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3},
+    "medusa": {"type": "medusa", "num_heads": 2},
+}
+SAMPLES, HELDOUT, BATCH = 16, 4, 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls on cores shared with other jobs: one thread each is fastest and keeps runs comparable.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def sharp_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with a peaked lm_head: a fresh random Llama predicts near-uniformly, leaving little to learn."""
+    out = tmp_path_factory.mktemp("sharp-target")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    model.lm_head.weight.data *= 30
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(out)
+    return out
+
+
+def base_config(target_dir, data_file, shards, out_dir, head_type, **train):
+    return {
+        "target": {"path": str(target_dir), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": str(data_file), "format": "gsm8k", "max_length": 64, "limit": SAMPLES},
+        "capture": {
+            "out_dir": str(shards),
+            "aux_layers": [1, 3, 4],
+            "store_dtype": "fp32",
+            "shard_samples": 8,
+            "batch_tokens": 512,
+        },
+        "head": HEADS[head_type],
+        "train": {
+            "out_dir": str(out_dir),
+            "seed": 3,
+            "batch_size": BATCH,
+            "micro_batch_size": 2,
+            "max_steps": 6,
+            "lr": 1e-2,
+            "warmup_steps": 1,
+            "zero_stage": 2,
+            "heldout_samples": HELDOUT,
+            "eval_every": 3,
+            **train,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def shards(sharp_target_dir, gsm8k_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "shards"
+    run_capture(base_config(sharp_target_dir, gsm8k_file, out, out, "eagle3"))
+    return out
+
+
+@pytest.fixture
+def make_config(sharp_target_dir, gsm8k_file, shards, tmp_path):
+    def make(head_type, name="run", **train):
+        path = tmp_path / f"{name}.yaml"
+        cfg = base_config(sharp_target_dir, gsm8k_file, shards, tmp_path / name, head_type, **train)
+        path.write_text(yaml.safe_dump(cfg))
+        return path, tmp_path / name
+
+    return make
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run_here(monkeypatch, trainer, config, *overrides):
+    """The recipe's main() in this process, as rank 0 of a world of one."""
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", free_port())
+    trainer.main(["--config", str(config), *overrides])
+
+
+def subprocess_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def head_weights(out_dir):
+    return load_file(str(out_dir / "head" / "model.safetensors"))
+
+
+def records(out_dir, split="train"):
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle", "medusa"])
+def test_two_processes_train_the_same_head_as_one(head_type, make_config, sharp_target_dir, monkeypatch):
+    config, _ = make_config(head_type)
+    two, one = config.parent / "two", config.parent / "one"
+    script = REPO / "train" / f"{TRAINERS[head_type].__name__.split('.')[-1]}.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    done = subprocess.run(
+        [*cmd, str(script), "--config", str(config), f"train.out_dir={two}"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_here(monkeypatch, TRAINERS[head_type], config, f"train.out_dir={one}")
+
+    # Same micro-batches, gradients averaged by all-reduce instead of accumulated: equal up to fp32
+    # summation order (max |diff| ~2e-7 after 6 Adam steps here), asserted to atol 1e-5.
+    for name, weight in head_weights(one).items():
+        torch.testing.assert_close(head_weights(two)[name], weight, atol=1e-5, rtol=0, msg=name)
+    steps = records(two)
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert [r["tokens"] for r in steps] == [r["tokens"] for r in records(one)]
+    # The soft losses cannot fall below the target's entropy: judge the drop, not a level.
+    assert steps[-1]["loss"] < 0.9 * steps[0]["loss"], [r["loss"] for r in steps]
+    expected = {"eagle": {"acc"}, "eagle3": {"acc_0", "acc_1", "acc_2"}, "medusa": {"acc_0", "acc_1"}}[head_type]
+    assert {k for k in steps[0] if k.startswith("acc")} == expected
+    heldout = records(two, "heldout")
+    assert [r["step"] for r in heldout] == [3, 6] and heldout[-1]["loss"] < heldout[0]["loss"]
+    head = load_head(two / "head", AutoModelForCausalLM.from_pretrained(sharp_target_dir))
+    if head_type == "eagle3":  # the draft vocabulary came from the training tokens, not the default first ids
+        assert head.t2d.sum() == 256 and head.d2t.any()
+    assert yaml.safe_load((two / "config.yaml").read_text())["train"]["out_dir"] == str(two)
+
+
+def test_medusa2_trains_lora_and_heads_together(make_config, monkeypatch):
+    config, out = make_config("medusa", online_capture=True)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["lora"] = {"r": 4, "alpha": 8, "head_weight": 0.5, "head_weight_warmup": 2}
+    config.write_text(yaml.safe_dump(cfg))
+    run_here(monkeypatch, medusa, config)
+    steps = records(out)
+    # The total rises while the heads' weight warms up from 0: judge each part.
+    assert steps[-1]["lm_loss"] < steps[0]["lm_loss"]  # the target itself trains (through LoRA)
+    assert steps[-1]["loss_0"] < 0.9 * steps[0]["loss_0"], [r["loss_0"] for r in steps]
+    adapter = load_file(str(out / "lora" / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in name for name in adapter)
+    assert (out / "head" / "model.safetensors").is_file()
+
+
+def kill_when(proc, condition, timeout=120):
+    deadline = time.time() + timeout
+    while not condition() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_to_the_same_head(make_config, monkeypatch, capsys):
+    settings = dict(max_steps=30, save_every=3, eval_every=0)
+    config, out = make_config("eagle3", **settings)
+    cmd = [sys.executable, str(REPO / "train" / "eagle.py"), "--config", str(config)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt_dir = out / "checkpoints"
+    kill_when(proc, lambda: complete_steps(ckpt_dir))
+    killed_at = complete_steps(ckpt_dir)
+    assert killed_at and killed_at[-1] < 30, killed_at
+    # What a kill during DeepSpeed's save leaves: a tag with some files, and `latest` already naming it.
+    (ckpt_dir / "step-00000099").mkdir()
+    (ckpt_dir / "step-00000099" / "mp_rank_00_model_states.pt").write_bytes(b"half a file")
+    (ckpt_dir / "latest").write_text("step-00000099")
+
+    run_here(monkeypatch, eagle, config)
+    assert f"resumed from step {killed_at[-1]}" in capsys.readouterr().out
+    reference_config, reference = make_config("eagle3", name="reference", **settings)
+    run_here(monkeypatch, eagle, reference_config)
+
+    # One thread, the same ops in the same order on the same data: bit for bit.
+    resumed, uninterrupted = head_weights(out), head_weights(reference)
+    assert resumed.keys() == uninterrupted.keys()
+    for name in resumed:
+        assert torch.equal(resumed[name], uninterrupted[name]), name
+    assert [r["step"] for r in records(out)] == list(range(1, 31))
+    assert [r["loss"] for r in records(out)] == [r["loss"] for r in records(reference)]
+    assert complete_steps(ckpt_dir) == [27, 30]
+    assert sorted(p.name for p in ckpt_dir.glob("step-*")) == ["step-00000027", "step-00000030"]
+    assert all((p / MARKER).is_file() for p in ckpt_dir.glob("step-*"))
+
+
+def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_state(make_config, shards, tmp_path, monkeypatch):
+    # A real NaN in the data: one training sample's captured state, placed so it is the 8th sample of
+    # the seeded order, i.e. the second micro-batch of step 2 (after the first one's backward).
+    train_ids, _ = split_heldout(SAMPLES, HELDOUT, seed=3)
+    bad = epoch_order(train_ids, seed=3, epoch=0)[7]
+    corrupt = tmp_path / "shards"
+    shutil.copytree(shards, corrupt)
+    ref = ShardDataset(corrupt).refs[bad]
+    tensors = load_file(str(corrupt / ref.shard))
+    tensors["last_hidden"][ref.start + 1] = float("nan")
+    save_file(tensors, str(corrupt / ref.shard), metadata={"fingerprint": shard_fingerprint(corrupt / ref.shard)})
+
+    config, out = make_config("eagle3", save_every=0)
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss \(nan\) at step 2.*last good state .*step-00000001"):
+        run_here(monkeypatch, eagle, config, f"capture.out_dir={corrupt}")
+    assert complete_steps(out / "checkpoints") == [1]
+    assert all(torch.isfinite(w).all() for w in head_weights(out).values())
+    assert [r["step"] for r in records(out)] == [1]

@@ -1,0 +1,175 @@
+"""Training data: offline shards or online samples, a held-out slice, and the order batches come in.
+
+The order is a pure function of (seed, epoch, step): a resumed run asks for step N and gets exactly
+the samples the uninterrupted run saw at step N, with no sampler state to save.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import DataLoader, Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from core.runtime import resolve_dtype
+from data_recipes.capture import OnlineCapture, resolve_aux_layers, tokenizer_hash
+from data_recipes.recipes import Sample, load_samples
+from data_recipes.shards import ShardDataset, check_manifest, pad_collate
+
+
+class SampleDataset(Dataset):
+    """Tokenized samples for online capture: the hidden states are computed inside the step."""
+
+    def __init__(self, samples: list[Sample]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = self.samples[index]
+        return {
+            "input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
+            "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.long),
+            "sample_id": torch.tensor(index),
+        }
+
+
+@dataclass
+class TrainData:
+    dataset: Dataset
+    train_ids: list[int]
+    heldout_ids: list[int]
+    aux_layers: list[int]  # the target layers the head fuses (EAGLE-3), [] otherwise
+    capture: OnlineCapture | None  # set when the states are computed in the step
+    pad_id: int
+
+
+def load_data(
+    cfg: dict[str, Any], target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, aux: bool, online_states: bool
+) -> TrainData:
+    """The samples to train on, split into train and held-out ids; shards are checked against the target first.
+
+    ``aux``: the head reads fused target layers (EAGLE-3). ``online_states``: compute hidden states in the
+    step with ``OnlineCapture`` (Medusa-2 runs the target itself and passes False).
+    """
+    data, cap, train = cfg["data"], cfg["capture"], cfg["train"]
+    num_layers = target.config.num_hidden_layers
+    aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers) if aux else []
+    capture = None
+    if train["online_capture"]:
+        samples, _report = load_samples(
+            data["source"], data["format"], tokenizer, data["max_length"], data["on_error"], limit=data["limit"]
+        )
+        dataset: Dataset = SampleDataset(samples)
+        if online_states:
+            capture = OnlineCapture(target, aux_layers, resolve_dtype(cap["store_dtype"]))
+    else:
+        dataset = ShardDataset(cap["out_dir"])
+        check_manifest(
+            dataset.manifest,
+            hidden_size=target.config.hidden_size,
+            num_hidden_layers=num_layers,
+            tokenizer_hash=tokenizer_hash(tokenizer),
+            aux_layers=aux_layers if aux else None,
+        )
+        if not aux:  # EAGLE-1/2 and Medusa read only the last layer: skip reading the fused ones
+            dataset.keys = [key for key in dataset.keys if key != "aux_hidden"]
+    train_ids, heldout_ids = split_heldout(len(dataset), train["heldout_samples"], train["seed"])
+    if len(train_ids) < train["batch_size"]:
+        raise ValueError(
+            f"{len(train_ids)} training samples ({len(dataset)} minus {len(heldout_ids)} held out) "
+            f"do not fill one batch of train.batch_size={train['batch_size']}"
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TrainData(dataset, train_ids, heldout_ids, aux_layers, capture, pad_id)
+
+
+def split_heldout(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]]:
+    """A seeded random held-out slice (shards are stored longest first, so a plain tail would be biased)."""
+    if not 0 <= heldout < n:
+        raise ValueError(f"train.heldout_samples={heldout} must be in [0, {n}) for {n} samples")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[heldout:]), sorted(order[:heldout])
+
+
+def epoch_order(train_ids: list[int], seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1)
+    return [train_ids[i] for i in torch.randperm(len(train_ids), generator=generator).tolist()]
+
+
+def rank_micro_batches(
+    order: list[int], step: int, batch_size: int, micro_batch_size: int, rank: int, world: int
+) -> list[list[int]]:
+    """This rank's micro-batches of optimizer step ``step`` (within the epoch), in accumulation order.
+
+    The step's batch is cut into chunks of ``micro_batch_size``; micro-step m on rank r takes chunk
+    m * world + r. Chunk c holds the same samples whatever the world size, so one process accumulating
+    over all chunks and N processes averaging their shares see identical micro-batches.
+    """
+    batch = order[step * batch_size : (step + 1) * batch_size]
+    chunks = [batch[i : i + micro_batch_size] for i in range(0, batch_size, micro_batch_size)]
+    return chunks[rank::world]
+
+
+def step_batches(
+    data: TrainData, train: dict[str, Any], start: int, total: int, rank: int, world: int
+) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
+    """Yield (step, this rank's collated micro-batches) for global steps start..total-1 over the epochs."""
+    per_epoch = len(data.train_ids) // train["batch_size"]  # the last partial batch of an epoch is dropped
+    step = start
+    while step < total:
+        epoch, first = divmod(step, per_epoch)
+        order = epoch_order(data.train_ids, train["seed"], epoch)
+        steps = range(first, min(per_epoch, first + total - step))
+        size, micro = train["batch_size"], train["micro_batch_size"]
+        plan = [mb for s in steps for mb in rank_micro_batches(order, s, size, micro, rank, world)]
+        accum = size // (micro * world)
+        batches = iter(_loader(data, plan, train["num_workers"]))
+        for _ in steps:
+            yield step, [next(batches) for _ in range(accum)]
+            step += 1
+
+
+def heldout_batches(data: TrainData, micro_batch_size: int, rank: int, world: int) -> DataLoader:
+    """This rank's share of the held-out samples, in micro-batches."""
+    ids = data.heldout_ids
+    chunks = [ids[i : i + micro_batch_size] for i in range(0, len(ids), micro_batch_size)]
+    return _loader(data, chunks[rank::world], 0)
+
+
+def _loader(data: TrainData, plan: list[list[int]], num_workers: int) -> DataLoader:
+    collate = partial(pad_collate, pad_id=data.pad_id)
+    return DataLoader(data.dataset, batch_sampler=plan, collate_fn=collate, num_workers=num_workers)
+
+
+def loss_token_counts(dataset: Dataset, indices: list[int], vocab_size: int) -> torch.Tensor:
+    """[V] counts of the loss-masked tokens of samples ``indices``: what EAGLE-3's draft vocabulary is cut from."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for input_ids, loss_mask in _token_rows(dataset, indices):
+        counts += torch.bincount(input_ids[loss_mask.bool()].long(), minlength=vocab_size)
+    return counts
+
+
+def _token_rows(dataset: Dataset, indices: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    if not isinstance(dataset, ShardDataset):
+        for i in indices:
+            sample = dataset[i]
+            yield sample["input_ids"], sample["loss_mask"]
+        return
+    # Only ids and masks: going through dataset[i] would read every sample's hidden states as well.
+    by_shard = defaultdict(list)
+    for i in indices:
+        by_shard[dataset.refs[i].shard].append(dataset.refs[i])
+    for shard, refs in by_shard.items():
+        with safe_open(str(Path(dataset.dir) / shard), framework="pt") as f:
+            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+        for ref in refs:
+            yield ids[ref.start : ref.end], mask[ref.start : ref.end]

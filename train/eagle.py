@@ -1,0 +1,56 @@
+"""Train an EAGLE-1/2 (``head.type: eagle``) or EAGLE-3 (``head.type: eagle3``) head on a frozen target.
+
+    python -m data_recipes.capture --config configs/demo-eagle3.yaml          # shards (or train.online_capture)
+    torchrun --nproc_per_node 2 train/eagle.py --config configs/demo-eagle3.yaml [--resume] [key=value ...]
+
+Multi-node: torchrun's usual --nnodes/--node_rank/--rdzv_* flags; the ``deepspeed`` launcher works too.
+Writes ``<train.out_dir>/head`` (load with ``heads.load_head``), DeepSpeed checkpoints under
+``<train.out_dir>/checkpoints``, ``metrics.jsonl`` and the resolved ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from core.runtime import seed_everything
+from data_recipes.capture import load_target
+from heads import DraftHead, build_head
+from train.config import parse_args
+from train.data import load_data, loss_token_counts
+from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+
+
+def head_settings(head_cfg: dict[str, Any], aux_layers: list[int]) -> dict[str, Any]:
+    """The head's options; EAGLE-3 fuses exactly the layers the capture recorded."""
+    if head_cfg["type"] != "eagle3":
+        return head_cfg
+    given = head_cfg.get("layer_ids")
+    if given is not None and sorted(set(given)) != aux_layers:
+        raise ValueError(f"head.layer_ids {given} differ from the captured layers {aux_layers} (capture.aux_layers)")
+    return {**head_cfg, "layer_ids": aux_layers}
+
+
+def save_head(head: DraftHead, out_dir: Path) -> None:
+    head.save_pretrained(out_dir / "head")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args("eagle", argv)  # unknown keys, wrong types, a Medusa config: fail here, before any work
+    proc = init_distributed(cfg["target"]["device"])
+    target, tokenizer = load_target(target_settings(cfg, proc.device))
+    eagle3 = cfg["head"]["type"] == "eagle3"
+    data = load_data(cfg, target, tokenizer, aux=eagle3, online_states=True)  # shards checked vs target
+
+    seed_everything(cfg["train"]["seed"])
+    head = build_head(head_settings(cfg["head"], data.aux_layers), target)
+    if eagle3:  # the draft vocabulary: the most frequent loss tokens of the training samples
+        head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
+
+    module = HeadLoss(head, data.capture)
+    engine = build_engine(module, cfg["train"], proc.world, total_steps(cfg["train"], data))
+    train(engine, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The training loop every recipe shares: processes, the DeepSpeed engine, steps, evaluation, checkpoints.
+
+A recipe builds a module whose ``forward(batch, step)`` returns ``(loss, metrics)`` and hands it to
+``build_engine`` and ``train``. Only that module is wrapped by DeepSpeed: the frozen target is
+reached through plain attributes (``head.target``, ``OnlineCapture``), so ZeRO never partitions it,
+the optimizer never sees it and checkpoints never store it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from core.config import save_config
+from core.runtime import resolve_device
+from data_recipes.capture import OnlineCapture
+from heads import DraftHead
+from train.checkpoint import all_finite, checkpoint_dir, complete_steps, resume, save_checkpoint, tag_for
+from train.data import TrainData, heldout_batches, step_batches
+from train.metrics import MetricsLog
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss (or the weights) went NaN/inf: the run stops, naming the step and the last good checkpoint."""
+
+
+@dataclass(frozen=True)
+class Process:
+    """This process's place in the job: its rank among ``world`` processes and its device."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+
+def init_distributed(device_name: str) -> Process:
+    """Join the process group torchrun (or the deepspeed launcher) describes; a world of one without one."""
+    if "RANK" not in os.environ:  # python train/eagle.py ... (or a test calling main())
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
+    device = resolve_device(device_name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the progress bar
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        # Destroyed at exit, not when main() returns: DeepSpeed caches groups made from this one, so a
+        # second main() in the same process (the tests) must find the same group.
+        atexit.register(_shutdown)
+    return Process(dist.get_rank(), dist.get_world_size(), device)
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def target_settings(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The target section with this rank's own device (``cuda`` alone would put every rank on GPU 0)."""
+    return {**cfg["target"], "device": str(device)}
+
+
+class HeadLoss(nn.Module):
+    """The engine's module for a head on a frozen target: ``head.loss`` on the batch's hidden states.
+
+    With online capture the states are computed here from the batch's tokens; ``OnlineCapture`` is a
+    plain attribute, so the target it runs stays outside the engine.
+    """
+
+    def __init__(self, head: DraftHead, capture: OnlineCapture | None):
+        super().__init__()
+        self.head = head
+        self.capture = capture
+
+    def forward(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.capture is not None:
+            batch = self.capture(batch)
+        # EAGLE-3 scores against the target's distribution: head.loss runs the frozen target lm_head over
+        # the batch's last_hidden (no grad), which is exactly the target's logits at each position.
+        return self.head.loss(batch)
+
+
+def total_steps(train: dict[str, Any], data: TrainData) -> int:
+    per_epoch = len(data.train_ids) // train["batch_size"]
+    return train["max_steps"] if train["max_steps"] is not None else train["epochs"] * per_epoch
+
+
+def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """lr multiplier for optimizer step ``step`` (0-based): linear warm-up, then cosine down to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min((step - warmup) / max(1, total - warmup), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def deepspeed_config(train: dict[str, Any], world: int) -> dict[str, Any]:
+    micro = train["micro_batch_size"]
+    if train["batch_size"] % (micro * world):
+        raise ValueError(
+            f"train.batch_size={train['batch_size']} is not a multiple of micro_batch_size x processes "
+            f"= {micro} x {world}"
+        )
+    return {
+        "train_batch_size": train["batch_size"],
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": train["batch_size"] // (micro * world),
+        "gradient_clipping": train["max_grad_norm"],
+        "zero_optimization": {"stage": train["zero_stage"]},
+        "bf16": {"enabled": train["dtype"] == "bf16"},
+        # The optimizer is torch's AdamW, which ZeRO handles fine but does not list as tested.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def build_engine(module: nn.Module, train: dict[str, Any], world: int, total: int) -> deepspeed.DeepSpeedEngine:
+    """DeepSpeed over ``module``'s trainable parameters: AdamW, cosine schedule with warm-up, clipping, ZeRO."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=train["lr"], betas=tuple(train["betas"]), weight_decay=train["weight_decay"]
+    )
+    multiplier = partial(cosine_with_warmup, warmup=train["warmup_steps"], total=total, min_ratio=train["min_lr_ratio"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(train, world)
+    )
+    return engine
+
+
+def _micro_seed(seed: int, step: int, chunk: int) -> int:
+    # Dropout (Medusa-2's LoRA) draws from a generator set per micro-batch chunk: the same numbers for
+    # a resumed run and for any number of processes.
+    return (seed * 1_000_003 + step) * 4099 + chunk
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _reduce_mean(values: list[torch.Tensor], count: int) -> list[float]:
+    """Sum across ranks and divide by the number of micro-batches that contributed (all ranks)."""
+    packed = torch.stack([v.detach().float().cpu() for v in values])
+    dist.all_reduce(packed)
+    return (packed / max(count, 1)).tolist()
+
+
+def train_step(
+    engine: deepspeed.DeepSpeedEngine, batches: list[dict[str, torch.Tensor]], step: int, seed: int, proc: Process
+) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches; metrics are averaged over all ranks."""
+    start = time.perf_counter()
+    lr = engine.get_lr()[0]  # the rate this step's update uses (the schedule advances in engine.step)
+    sums: dict[str, torch.Tensor] = {}
+    tokens = torch.zeros(())
+    for m, batch in enumerate(batches):
+        torch.manual_seed(_micro_seed(seed, step, m * proc.world + proc.rank))
+        batch = _to(batch, proc.device)
+        loss, metrics = engine(batch, step)
+        finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            raise NonFiniteLoss(f"non-finite loss ({loss.item()}) at step {step + 1}")
+        engine.backward(loss)
+        engine.step()
+        for key, value in {"loss": loss, **metrics}.items():
+            sums[key] = sums.get(key, 0) + value.detach().float().cpu()
+        tokens += batch["attention_mask"].sum().cpu()
+    means = _reduce_mean(list(sums.values()), len(batches) * proc.world)
+    total_tokens = _reduce_mean([tokens], 1)[0]
+    seconds = time.perf_counter() - start
+    return {
+        "step": step + 1,
+        "split": "train",
+        "lr": lr,
+        **dict(zip(sums, means)),
+        "tokens": int(total_tokens),
+        "tokens_per_s": total_tokens / seconds,
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    engine: deepspeed.DeepSpeedEngine, data: TrainData, train: dict[str, Any], step: int, proc: Process
+) -> dict:
+    """Loss and per-position accuracy on the held-out samples (each rank scores its share), averaged per batch."""
+    engine.eval()
+    sums: dict[str, float] = {}
+    count = 0
+    for batch in heldout_batches(data, train["micro_batch_size"], proc.rank, proc.world):
+        loss, metrics = engine(_to(batch, proc.device), step)
+        for key, value in {"loss": loss, **metrics}.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+        count += 1
+    engine.train()
+    # A rank may hold no held-out batch at all (fewer batches than ranks): gather dicts, not fixed tensors.
+    shares: list[Any] = [None] * proc.world
+    dist.all_gather_object(shares, (count, sums))
+    batches = sum(n for n, _ in shares)
+    keys = next(s for _, s in shares if s)
+    return {"step": step, "split": "heldout", **{k: sum(s.get(k, 0.0) for _, s in shares) / batches for k in keys}}
+
+
+def train(
+    engine: deepspeed.DeepSpeedEngine,
+    data: TrainData,
+    cfg: dict[str, Any],
+    proc: Process,
+    save_artifacts: Callable[[Path], None],
+) -> None:
+    """Resume, then step to the end: log every step, evaluate and checkpoint on schedule, stop on NaN/inf."""
+    train_cfg = cfg["train"]
+    out_dir = Path(train_cfg["out_dir"])
+    total = total_steps(train_cfg, data)
+    start = resume(engine, out_dir, train_cfg["resume"])
+    if proc.rank == 0:
+        save_config(cfg, out_dir / "config.yaml")
+        if start:
+            print(f"{out_dir}: resumed from step {start} of {total}")
+    log = MetricsLog(cfg, proc.rank, start, total)
+    save = partial(save_checkpoint, engine, out_dir, save_artifacts=save_artifacts, keep=train_cfg["keep_checkpoints"])
+    done = start
+    try:
+        for step, batches in step_batches(data, train_cfg, start, total, proc.rank, proc.world):
+            log.log(train_step(engine, batches, step, train_cfg["seed"], proc))
+            done = step + 1
+            if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:
+                log.log(evaluate(engine, data, train_cfg, done, proc))
+            if _due(done, train_cfg["save_every"], total):
+                if not all_finite(engine):
+                    raise NonFiniteLoss(f"the weights became non-finite at step {done}")
+                save(step=done)
+    except NonFiniteLoss as err:
+        raise NonFiniteLoss(f"{err}; stopped. {_last_good(engine, out_dir, done, save)}") from None
+    finally:
+        log.close()
+
+
+def _due(done: int, every: int, total: int) -> bool:
+    return done == total or (every > 0 and done % every == 0)
+
+
+def _last_good(engine: deepspeed.DeepSpeedEngine, out_dir: Path, done: int, save: Callable[..., Path]) -> str:
+    """Checkpoint the state after step ``done`` if its weights are finite; name the newest good checkpoint."""
+    ckpt_dir = checkpoint_dir(out_dir)
+    if done not in complete_steps(ckpt_dir) and all_finite(engine):
+        save(step=done)
+    steps = complete_steps(ckpt_dir)
+    if not steps:
+        return "No checkpoint holds a good state (the weights were non-finite before the first save)."
+    return f"The last good state is {ckpt_dir / tag_for(steps[-1])} (step {steps[-1]})."
