@@ -10,6 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path`` in one rename.
@@ -20,6 +26,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result should look like any new file
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -42,6 +49,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700
     try:
         yield tmp
         if path.exists():

@@ -179,7 +179,8 @@ def storage_estimate(tokens: int, hidden_size: int, n_aux: int, store_dtype: tor
 
 
 def check_free_disk(out_dir: Path, needed: int) -> None:
-    free = shutil.disk_usage(out_dir if out_dir.exists() else out_dir.parent).free
+    existing = next(p for p in [out_dir, *out_dir.absolute().parents] if p.exists())
+    free = shutil.disk_usage(existing).free
     if needed > free:
         raise DiskFullError(
             f"capture needs {needed / 1e9:.2f} GB more in {out_dir} but only {free / 1e9:.2f} GB is free: "

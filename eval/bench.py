@@ -1,0 +1,131 @@
+"""Benchmark prompts: Spec-Bench, GSM8K, or any JSONL of chats or prompts, rendered with the target's chat template.
+
+One JSON object per line, in any of these shapes (told apart by their keys):
+
+- Spec-Bench: ``{"question_id", "category", "turns": [str, ...]}``; multi-turn: each turn is asked after
+  the model's own answer to the previous one;
+- GSM8K: ``{"question", "answer"}``, category ``gsm8k`` (the answer is the reference, never shown);
+- chat: ``{"messages": [{"role", "content"}, ...]}``; trailing assistant messages (reference answers)
+  are dropped and the conversation must then end with a user message;
+- prompt: ``{"prompt": str}``.
+
+Chats and prompts take an optional ``category``, else the file's name. Errors name ``file:line``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+class BenchError(ValueError):
+    """A bad benchmark record, with the ``file:line`` it came from."""
+
+    def __init__(self, message: str, location: str):
+        super().__init__(f"{location}: {message}")
+        self.location = location
+
+
+@dataclass
+class BenchItem:
+    id: str
+    category: str
+    turns: list[str]  # user messages, asked one after another
+    history: list[dict[str, str]] = field(default_factory=list)  # earlier messages (system, past turns)
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            location = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise BenchError(f"not valid JSON ({err.msg} at column {err.colno})", location) from err
+            if not isinstance(record, dict):
+                raise BenchError(f"expected a JSON object, got {type(record).__name__}", location)
+            yield location, record
+
+
+def _text(record: dict, key: str, location: str) -> str:
+    value = record[key]
+    if not isinstance(value, str) or not value.strip():
+        raise BenchError(f"{key!r} must be a non-empty string", location)
+    return value
+
+
+def _chat_item(record: dict, location: str, default_category: str) -> BenchItem:
+    messages = record["messages"]
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise BenchError("'messages' must be a list of {'role': str, 'content': str}", location)
+    while messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not messages or messages[-1]["role"] != "user":
+        raise BenchError("'messages' must contain a user message after any system/assistant ones", location)
+    category = record.get("category", default_category)
+    return BenchItem(location, str(category), [messages[-1]["content"]], list(messages[:-1]))
+
+
+def parse_record(record: dict, location: str, default_category: str) -> BenchItem:
+    """One benchmark item from one JSONL record (any supported shape)."""
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise BenchError("'turns' must be a non-empty list of non-empty strings", location)
+        if "category" not in record:
+            raise BenchError("a Spec-Bench record needs 'category'", location)
+        return BenchItem(str(record.get("question_id", location)), str(record["category"]), turns)
+    if "question" in record:
+        return BenchItem(location, "gsm8k", [_text(record, "question", location)])
+    if "messages" in record:
+        return _chat_item(record, location, default_category)
+    if "prompt" in record:
+        category = str(record.get("category", default_category))
+        return BenchItem(location, category, [_text(record, "prompt", location)])
+    raise BenchError(
+        f"unknown record shape (keys {sorted(record)}); expected 'turns' (Spec-Bench), 'question' (GSM8K), "
+        "'messages' or 'prompt'",
+        location,
+    )
+
+
+def load_bench(path: str | Path, limit: int | None = None) -> list[BenchItem]:
+    """The items of a benchmark JSONL file; with ``limit``, that many taken round-robin over categories.
+
+    Round-robin (file order within a category) so that a small run of Spec-Bench, whose file is sorted
+    by category, still covers every category instead of only the first one.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark file not found: {path}")
+    items = [parse_record(record, location, path.stem) for location, record in _read_jsonl(path)]
+    if not items:
+        raise BenchError("no benchmark records", str(path))
+    if limit is None or limit >= len(items):
+        return items
+    by_category: dict[str, list[BenchItem]] = {}
+    for item in items:
+        by_category.setdefault(item.category, []).append(item)
+    picked: list[BenchItem] = []
+    for rank in range(len(items)):
+        for group in by_category.values():
+            if rank < len(group) and len(picked) < limit:
+                picked.append(group[rank])
+    return picked
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Token ids [1, S] of ``messages`` through the tokenizer's chat template, ready for the assistant's reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template to render prompts with")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already writes every special token it wants (a BOS included).
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids

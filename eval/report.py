@@ -1,0 +1,137 @@
+"""Write an acceptance report: report.json (stable keys), report.md (tables) and PNG plots.
+
+report.json, as ``eval.acceptance`` builds it:
+
+    target, draft, heads, bench, limit, prompts, max_new_tokens, temperature, top_p, top_k, tree, seed,
+    device, dtype, machine, torch, transformers,
+    methods.<name>: requested, tau, acceptance_by_depth [rate of depth d given d - 1; null: never tried],
+        alpha, mean_accepted, target_forwards, new_tokens, wall_s, tokens_per_s, speedup_vs_vanilla, predicted_speedup,
+        draft_depth (k), draft_cost_ratio (c), target_forward_ms,
+        peak_memory_mb (CUDA: max allocated during the method; CPU: the process's peak RSS so far),
+        greedy_identical (bool; null when sampling), mismatched_prompts, per_category.<cat>: tau, target_forwards
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from core.io import atomic_path, atomic_write_text  # noqa: E402
+
+PLOTS = ("tau_per_category.png", "acceptance_by_depth.png")
+
+
+def _identical(entry: dict) -> str:
+    if entry["greedy_identical"] is None:
+        return "n/a (sampling)"
+    return "yes" if entry["greedy_identical"] else "**NO**"
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown: settings, the per-method table, per-category tau, warnings first."""
+    methods = report["methods"]
+    lines = [f"# Acceptance report: {report['target']}", ""]
+    broken = [m for m, e in methods.items() if e["greedy_identical"] is False]
+    if broken:
+        lines += [
+            f"> **WARNING: {', '.join(broken)} did NOT reproduce vanilla greedy decoding token for token** "
+            "(see mismatched_prompts in report.json). Their speedups are not comparable.",
+            "",
+        ]
+    if not methods["vanilla"]["requested"]:
+        lines += ["Vanilla was not requested; it ran anyway as the speedup baseline.", ""]
+    tree = report["tree"]
+    lines += [
+        f"- bench: `{report['bench']}`, {report['prompts']} prompts (limit {report['limit']}), "
+        f"{report['max_new_tokens']} new tokens per turn",
+        f"- sampling: temperature {report['temperature']}, top-p {report['top_p']}, top-k {report['top_k']}; "
+        f"tree {tree['shape'] or 'per method'} (top-k {tree['top_k_draft']}, depth {tree['depth']}, "
+        f"{tree['total']} nodes); seed {report['seed']}",
+        f"- machine: {report['machine']} ({report['device']}, {report['dtype']}); "
+        f"torch {report['torch']}, transformers {report['transformers']}",
+        "",
+        "| method | tau | alpha | mean accepted | target forwards | tokens/s | speedup | predicted (k, c) "
+        "| peak MB | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, e in methods.items():
+        lines.append(
+            f"| {name} | {e['tau']:.3f} | {e['alpha']:.3f} | {e['mean_accepted']:.3f} | {e['target_forwards']} "
+            f"| {e['tokens_per_s']:.1f} | {e['speedup_vs_vanilla']:.3f} | {e['predicted_speedup']:.3f} "
+            f"({e['draft_depth']}, {e['draft_cost_ratio']:.3f}) | {e['peak_memory_mb']:.0f} | {_identical(e)} |"
+        )
+    categories = sorted({c for e in methods.values() for c in e["per_category"]})
+    lines += ["", "## tau per category", "", "| method | " + " | ".join(categories) + " |"]
+    lines.append("|---" * (len(categories) + 1) + "|")
+    for name, e in methods.items():
+        cells = [f"{e['per_category'][c]['tau']:.3f}" if c in e["per_category"] else "" for c in categories]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## acceptance rate by draft depth (depth d accepted, given d - 1 was)", ""]
+    for name, e in methods.items():
+        if e["acceptance_by_depth"]:
+            rates = ["-" if r is None else f"{r:.3f}" for r in e["acceptance_by_depth"]]
+            lines.append(f"- {name}: " + ", ".join(rates) + (" (- never tried)" if "-" in rates else ""))
+    lines += [
+        "",
+        "predicted = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)): the chain model (each draft accepted with "
+        "probability alpha once its parent was), k the draft depth, c one draft call's cost in target forwards.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _save(fig, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def plot_tau_per_category(report: dict, path: Path) -> None:
+    methods = report["methods"]
+    categories = sorted({c for e in methods.values() for c in e["per_category"]})
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) + 2), 4))
+    width = 0.8 / len(methods)
+    for i, (name, e) in enumerate(methods.items()):
+        taus = [e["per_category"].get(c, {"tau": 0.0})["tau"] for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], taus, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("Acceptance length per category")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_acceptance_by_depth(report: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, e in report["methods"].items():
+        rates = [float("nan") if r is None else r for r in e["acceptance_by_depth"]]  # never tried: a gap
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    ax.set_xlabel("draft depth d")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("P(depth d accepted | depth d - 1 accepted)")
+    ax.set_ylim(-0.03, 1.03)  # a rate of 0 stays visible
+    ax.set_title("Acceptance rate by draft depth")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def write_report(report: dict, out_dir: str | Path) -> str:
+    """Write report.json, report.md and the PNG plots into ``out_dir``; returns the Markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    md = markdown(report)
+    atomic_write_text(out / "report.md", md)
+    plot_tau_per_category(report, out / PLOTS[0])
+    plot_acceptance_by_depth(report, out / PLOTS[1])
+    return md

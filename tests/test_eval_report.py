@@ -1,0 +1,186 @@
+"""Acceptance reports: benchmark loaders, the speedup model, and a full report run on tiny models."""
+
+import json
+
+import pytest
+import torch
+from conftest import REPO
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from eval.acceptance import chain_acceptance, main, predicted_speedup
+from eval.bench import BenchError, load_bench, render
+from eval.report import markdown
+from heads import build_head
+
+SPEC_BENCH = [
+    {"question_id": 81, "category": "writing", "turns": ["Ann has 3 apples.", "Now she buys 4 more. How many?"]},
+    {"question_id": 82, "category": "writing", "turns": ["Tom has 5 pens."]},
+    {"question_id": 83, "category": "math", "turns": ["How many apples does Ann have if she buys 2?"]},
+    {"question_id": 84, "category": "math", "turns": ["She has 7 apples."]},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_spec_bench_is_multi_turn_and_limit_covers_every_category(tmp_path):
+    path = write_jsonl(tmp_path / "spec.jsonl", SPEC_BENCH)
+    items = load_bench(path)
+    assert [i.id for i in items] == ["81", "82", "83", "84"]
+    assert items[0].turns == SPEC_BENCH[0]["turns"] and items[0].category == "writing" and items[0].history == []
+    # The file is sorted by category; a limit still takes from each, round-robin in file order.
+    assert [i.id for i in load_bench(path, limit=3)] == ["81", "83", "82"]
+
+
+def test_bundled_benchmarks_load():
+    spec = load_bench(REPO / "assets" / "data" / "spec_bench_question.jsonl", limit=13)
+    assert len({i.category for i in spec}) == 13  # one prompt from each Spec-Bench category
+    assert spec[0].id == "81" and len(spec[0].turns) == 2
+    gsm8k = load_bench(REPO / "assets" / "data" / "gsm8k_test.jsonl", limit=5)
+    assert len(gsm8k) == 5 and {i.category for i in gsm8k} == {"gsm8k"}
+
+
+def test_gsm8k_messages_and_prompt_records(tmp_path):
+    gsm8k = load_bench(write_jsonl(tmp_path / "gsm.jsonl", [{"question": "What is 2+2?", "answer": "#### 4"}]))
+    assert gsm8k[0].category == "gsm8k" and gsm8k[0].turns == ["What is 2+2?"]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Add 1 and 1."},
+        {"role": "assistant", "content": "2"},  # a reference answer: dropped
+    ]
+    rows = [{"messages": chat, "category": "chat"}, {"prompt": "Tell me a story."}]
+    items = load_bench(write_jsonl(tmp_path / "mine.jsonl", rows))
+    assert items[0].turns == ["Add 1 and 1."] and items[0].history == chat[:3] and items[0].category == "chat"
+    assert items[1].turns == ["Tell me a story."] and items[1].category == "mine"  # the file's name
+    assert items[1].id == f"{tmp_path / 'mine.jsonl'}:2"
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("{not json", "not valid JSON"),
+        ({"turns": ["hi"]}, "needs 'category'"),
+        ({"category": "x", "turns": []}, "'turns' must be"),
+        ({"prompt": ""}, "'prompt' must be"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "user message"),
+        ({"text": "hi"}, "unknown record shape"),
+    ],
+)
+def test_bad_records_name_file_and_line(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, "", row])
+    with pytest.raises(BenchError, match=message) as err:
+        load_bench(path)
+    assert str(err.value).startswith(f"{path}:3: ")
+
+
+def test_render_uses_the_chat_template(tiny_target_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    ids = render(tokenizer, [{"role": "user", "content": "Hi"}])
+    assert tokenizer.decode(ids[0]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_predicted_speedup_known_values():
+    # (1 - 0.8^5) / 0.2 = 3.3616 tokens per forward; a step costs 4 * 0.1 + 1 = 1.4 forwards.
+    assert predicted_speedup(0.8, 0.0, 4) == pytest.approx(3.3616)
+    assert predicted_speedup(0.8, 0.1, 4) == pytest.approx(3.3616 / 1.4)
+    assert predicted_speedup(0.0, 0.5, 3) == pytest.approx(1 / 2.5)  # nothing accepted: pure overhead
+    assert predicted_speedup(1.0, 0.0, 4) == pytest.approx(5.0)
+    assert predicted_speedup(0.3, 0.0, 0) == pytest.approx(1.0)  # no drafting is vanilla
+
+
+def test_chain_acceptance_counts_tries_per_depth():
+    # Steps (tree depth, accepted drafts). Depth 1: tried 5 times, accepted 4. Depth 2: tried by the 4
+    # steps that accepted depth 1, accepted by 2. Depth 3: the depth-2 tree that accepted 2 has no depth 3,
+    # so tried once, accepted once.
+    by_depth, alpha = chain_acceptance([3, 3, 2, 3, 3], [0, 1, 2, 1, 3])
+    assert by_depth == pytest.approx([4 / 5, 2 / 4, 1 / 1])
+    assert alpha == pytest.approx(7 / 10)
+    assert chain_acceptance([2, 2], [0, 0]) == ([0.0, None], 0.0)  # depth 2 never reached
+    assert chain_acceptance([0, 0], [0, 0]) == ([], 0.0)  # vanilla: nothing drafted
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target_dir, tmp_path_factory):
+    """A tiny draft model (the target's tokenizer) and tiny random EAGLE-3 and Medusa heads, saved like real ones."""
+    out = tmp_path_factory.mktemp("models")
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    torch.manual_seed(1)
+    config = target.config.to_dict() | {"num_hidden_layers": 2}
+    LlamaForCausalLM(type(target.config)(**config)).save_pretrained(out / "draft")
+    head = build_head({"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100}, target)
+    head.save_pretrained(out / "eagle3")
+    build_head({"type": "medusa", "num_heads": 3}, target).save_pretrained(out / "medusa")
+    return out
+
+
+def test_report_run_on_tiny_models(tiny_target_dir, models, tmp_path):
+    bench = write_jsonl(tmp_path / "spec.jsonl", SPEC_BENCH)
+    out = tmp_path / "report"
+    argv = ["--target", str(tiny_target_dir), "--draft", str(models / "draft")]
+    argv += ["--head", str(models / "eagle3"), "--head", str(models / "medusa")]
+    argv += ["--method", "vanilla,ngram,draft_model,eagle3,medusa", "--bench", str(bench), "--limit", "3"]
+    argv += ["--max-new-tokens", "12", "--depth", "3", "--top-k-draft", "2", "--total-tokens", "6", "--out", str(out)]
+    main(argv)
+    report = json.loads((out / "report.json").read_text())
+    for key in ("machine", "target", "bench", "temperature", "limit", "max_new_tokens", "torch", "transformers"):
+        assert key in report
+    assert report["limit"] == 3 and report["prompts"] == 3 and report["temperature"] == 0.0
+    methods = report["methods"]
+    assert list(methods) == ["vanilla", "ngram", "draft_model", "eagle3", "medusa"]
+    for name, entry in methods.items():
+        assert entry["greedy_identical"] is True, name
+        assert isinstance(entry["acceptance_by_depth"], list)
+        assert all(r is None or 0.0 <= r <= 1.0 for r in entry["acceptance_by_depth"])
+        assert entry["tau"] == pytest.approx(1 + entry["mean_accepted"]) and entry["tau"] >= 1.0
+        assert entry["tokens_per_s"] > 0 and entry["predicted_speedup"] > 0 and entry["peak_memory_mb"] > 0
+        assert set(entry["per_category"]) == {"writing", "math"}
+        # Prompt 81 has two turns, each of 12 new tokens (a random target never says <|im_end|> this soon).
+        assert entry["new_tokens"] == 4 * 12
+    vanilla = methods["vanilla"]
+    assert vanilla["tau"] == 1.0 and vanilla["speedup_vs_vanilla"] == 1.0 and vanilla["acceptance_by_depth"] == []
+    assert vanilla["target_forwards"] == 4 * 12 and vanilla["requested"] is True
+    # Depth-limited drafters: chains of 3 (ngram, draft model), trees of depth <= 3 (EAGLE-3, 3 Medusa heads).
+    assert methods["draft_model"]["draft_depth"] == 3 and len(methods["draft_model"]["acceptance_by_depth"]) == 3
+    assert 1 <= methods["eagle3"]["draft_depth"] <= 3 and methods["medusa"]["draft_depth"] == 3
+    for plot in ("tau_per_category.png", "acceptance_by_depth.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "report.md").read_text()
+    assert "| method | tau |" in md and "| eagle3 |" in md and "WARNING" not in md
+    report["methods"]["eagle3"] |= {"greedy_identical": False, "mismatched_prompts": ["83"]}
+    assert "WARNING: eagle3 did NOT reproduce vanilla greedy decoding" in markdown(report)
+
+
+def test_vanilla_runs_as_baseline_when_not_requested(tiny_target_dir, models, tmp_path, capsys):
+    bench = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Ann has 3 apples."}])
+    argv = ["--target", str(tiny_target_dir), "--draft", str(models / "draft"), "--head", str(models / "medusa")]
+    argv += ["--method", "draft_model,medusa", "--bench", str(bench), "--tree", "dynamic", "--depth", "3"]
+    report = main(argv + ["--max-new-tokens", "6", "--temperature", "0.8", "--out", str(tmp_path / "r")])
+    methods = report["methods"]
+    assert list(methods) == ["vanilla", "draft_model", "medusa"] and methods["vanilla"]["requested"] is False
+    assert methods["medusa"]["greedy_identical"] is None  # sampling: no token-for-token claim
+    assert methods["draft_model"]["new_tokens"] == 6 and 1 <= methods["draft_model"]["draft_depth"] <= 3
+    assert "not requested" in capsys.readouterr().err
+    assert "Vanilla was not requested" in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "vanilla,eagle3"], "method 'eagle3' needs a --head whose config type is 'eagle3'"),
+        (["--method", "medusa", "--head", "HEAD"], "needs a --head whose config type is 'medusa'.*eagle3"),
+        (["--method", "eagle3", "--head", "HEAD,HEAD"], "both eagle3 heads"),
+        (["--method", "draft_model"], "needs --draft"),
+        (["--method", "vanilla", "--head", "HEAD"], "not in --method"),
+        (["--method", "beam"], "unknown method"),
+    ],
+)
+def test_missing_head_or_draft_fails_before_any_work(models, tmp_path, extra, message):
+    # The target and bench do not exist: the check must come before anything is loaded.
+    extra = [a.replace("HEAD", str(models / "eagle3")) for a in extra]
+    argv = ["--target", str(tmp_path / "none"), "--bench", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match=message):
+        main(argv + extra)
