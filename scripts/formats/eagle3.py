@@ -1,0 +1,151 @@
+"""EAGLE-3 heads <-> the EAGLE repo's layout (vLLM ``eagle3``, SGLang ``EAGLE3``) and the speculators format.
+
+Matched against vllm 0.33.0, sglang 0.5.23 and speculators 0.9.0 (docs/EXPORT.md has the details):
+- Weight names are ours already: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` (offsets), ``t2d``.
+  vLLM ``llama_eagle3.py`` renames ``midlayer.`` to ``layers.0.`` and reads ``d2t`` as
+  ``draft_id_to_target_id`` (target id = draft id + d2t); SGLang ``llama_eagle3.py`` does the same
+  rename and keeps ``d2t + arange`` as its hot token ids. speculators names the layer ``layers.0.``.
+- Layer ids. vLLM (``llama.py``: id idx+1 after layer idx) and speculators: id i is the residual stream
+  entering decoder layer i = HF ``hidden_states[i]`` = our ``layer_ids``; vLLM reads the top-level
+  ``eagle_aux_hidden_state_layer_ids`` first (``gpu_model_runner.py``). SGLang reads only
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures id + 1 (``llama.py``
+  ``set_eagle3_layers_to_capture``): its id is the decoder layer whose OUTPUT is taken, ours minus one.
+  The folder carries both, so one export serves both engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
+
+REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
+SPECULATORS_VERSION = "0.9.0"
+# Our Eagle3Layer is the paper's layer: the un-normed feature is the residual, one fc without norms,
+# the pre-norm output is fed back. The flags below select exactly that in vLLM, SGLang and speculators.
+# They are always written: vLLM defaults norm_before_residual to TRUE for speculators configs (algos.py).
+NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+DEFAULT_SPECULATIVE_TOKENS = 3
+
+
+def _vocab_tensors(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop d2t/t2d when the draft vocab is the whole target vocab: vLLM then has no ``draft_id_to_target_id``
+    parameter and a ``d2t`` in the checkpoint fails to load (llama_eagle3.py)."""
+    if config["draft_vocab_size"] != config["vocab_size"]:
+        return dict(state)
+    if state["d2t"].any():
+        raise ValueError("d2t has non-zero offsets although the draft vocab is the whole target vocab")
+    return {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+
+
+def repo_layout(config: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
+    """config.json + tensors in the EAGLE repo's layout, which vLLM and SGLang both load."""
+    layer_ids = list(config["layer_ids"])
+    engine_config = {
+        "architectures": [REPO_ARCHITECTURE],
+        **decoder_config(config["arch"], dtype_name(state)),
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": config["target_hidden_size"],
+        **NORM_FLAGS,
+        "eagle_aux_hidden_state_layer_ids": layer_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layer_ids], "use_aux_hidden_state": True},
+    }
+    return engine_config, _vocab_tensors(config, state)
+
+
+def speculators_layout(
+    config: dict[str, Any], state: dict[str, torch.Tensor], target: str, target_config: PretrainedConfig
+) -> tuple[dict[str, Any], dict]:
+    """config.json + tensors in speculators' Eagle3SpeculatorConfig layout (speculators/models/eagle3/config.py),
+    as vLLM's ``SpeculatorsConfig`` reads it (transformers_utils/configs/speculators/)."""
+    dtype = dtype_name(state)
+    engine_config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": decoder_config(config["arch"], dtype),
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": config["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": list(config["layer_ids"]),
+        **NORM_FLAGS,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            # vLLM takes num_speculative_tokens from the first proposal method.
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": DEFAULT_SPECULATIVE_TOKENS,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target, "architectures": list(target_config.architectures or [])},
+        },
+        "torch_dtype": dtype,
+    }
+    return engine_config, rename_prefixes(_vocab_tensors(config, state), {"midlayer.": "layers.0."})
+
+
+def _layer_ids(engine_config: dict[str, Any], target_layers: int) -> list[int]:
+    """Our layer ids from a published config: top-level ids (vLLM/speculators convention), else SGLang's
+    ``eagle_config`` ids (+1), else the default both engines use, (2, L//2, L-3)."""
+    if engine_config.get("eagle_aux_hidden_state_layer_ids"):
+        return list(engine_config["eagle_aux_hidden_state_layer_ids"])
+    nested = (engine_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return [i + 1 for i in nested]
+    return [2, target_layers // 2, target_layers - 3]
+
+
+def _check_norm_flags(engine_config: dict[str, Any], speculators: bool) -> None:
+    nested = engine_config.get("eagle_config") or {}
+    # vLLM's default for a missing norm_before_residual: true for speculators configs, false otherwise.
+    defaults = {**NORM_FLAGS, "norm_before_residual": speculators}
+    flags = {k: engine_config.get(k, defaults[k]) or nested.get(k, False) for k in NORM_FLAGS}
+    flags["fc_norm"] = flags["fc_norm"] or engine_config.get("use_aux_norm", False)  # SGLang's older name
+    if any(flags.values()):
+        raise ValueError(
+            f"this EAGLE-3 checkpoint sets {[k for k, v in flags.items() if v]} (as vLLM reads its config); "
+            "headstart's EAGLE-3 head implements the paper's layer only (all four norm flags false)"
+        )
+
+
+def import_files(
+    engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig, speculators: bool
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(head options, draft arch, our tensors) of an EAGLE-repo-layout or speculators EAGLE-3 checkpoint."""
+    if speculators and engine_config.get("speculators_model_type") != "eagle3":
+        raise ValueError(
+            f"speculators_model_type is {engine_config.get('speculators_model_type')!r}; only 'eagle3' maps to a "
+            "headstart head (speculators 0.9.0 has no EAGLE-1 type)"
+        )
+    _check_norm_flags(engine_config, speculators)
+    decoder = engine_config["transformer_layer_config"] if speculators else engine_config
+    if decoder.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"the draft has {decoder['num_hidden_layers']} decoder layers; headstart's EAGLE-3 has one")
+    layers = target_config.num_hidden_layers
+    state = rename_prefixes(state, {"layers.0.": "midlayer."})
+    # The target's embedding is used (as vLLM does when the checkpoint has none); speculators' verifier_* copies
+    # of the target's norm and lm_head are training-only.
+    state = {k: v for k, v in state.items() if k != "embed_tokens.weight" and not k.startswith("verifier_")}
+    draft_vocab = engine_config.get("draft_vocab_size") or state["lm_head.weight"].shape[0]
+    if "d2t" not in state:
+        if draft_vocab != target_config.vocab_size:
+            raise ValueError(f"no d2t in the checkpoint although its draft vocab {draft_vocab} is not the target's")
+        state["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+        state["t2d"] = torch.ones(draft_vocab, dtype=torch.bool)
+    if "t2d" not in state:  # vLLM and SGLang ignore t2d; it is d2t's inverse
+        t2d = torch.zeros(target_config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(draft_vocab) + state["d2t"]] = True
+        state["t2d"] = t2d
+    state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
+    options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
+    arch = arch_from_decoder(decoder, layers)
+    target_hidden = engine_config.get("target_hidden_size") or target_config.hidden_size
+    if target_hidden != target_config.hidden_size:
+        raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
+    return options, arch, state

@@ -1,0 +1,63 @@
+"""Medusa heads <-> the Medusa repo's layout (FasterDecoding/Medusa ``medusa/model/medusa_model.py``).
+
+``config.json`` of its ``MedusaConfig`` (``medusa_num_heads``, ``medusa_num_layers``,
+``base_model_name_or_path``) and ``medusa_lm_head.safetensors`` holding the ``medusa_head``
+ModuleList's state dict: ``{k}.{j}.linear.weight|bias`` for residual block j of head k and
+``{k}.{num_layers}.weight`` for its vocabulary projection. The repo repeats ONE block object
+``num_layers`` times, so a head with several different blocks has no faithful form there.
+
+vLLM 0.33 and SGLang 0.5.23 no longer serve Medusa (no ``medusa`` speculative method in vLLM's
+``config/speculative.py``, no ``MEDUSA`` algorithm in SGLang's ``speculative/spec_info.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from heads.common import arch_from_target
+from scripts.formats.common import dtype_name, rename_prefixes
+
+WEIGHTS_FILE = "medusa_lm_head.safetensors"
+NOT_SERVED = (
+    "vLLM (0.33) and SGLang (0.5.23) no longer serve Medusa heads: vLLM has no 'medusa' speculative method and "
+    "SGLang no MEDUSA algorithm. Export this head with --format medusa (the Medusa repo's layout, also read by "
+    "TensorRT-LLM's Medusa), or train an EAGLE-3 head (head.type: eagle3) to serve with vLLM or SGLang"
+)
+
+
+def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], target: str) -> tuple[dict[str, Any], dict]:
+    """config.json + tensors in the Medusa repo's layout."""
+    layers = config["num_layers"]
+    for k in range(config["num_heads"]):
+        blocks = [state[f"medusa_head.{k}.{j}.linear.weight"] for j in range(layers)]
+        biases = [state[f"medusa_head.{k}.{j}.linear.bias"] for j in range(layers)]
+        if any(not torch.equal(blocks[0], w) or not torch.equal(biases[0], b) for w, b in zip(blocks, biases)):
+            raise ValueError(
+                f"Medusa head {k} has {layers} different residual blocks; the Medusa repo repeats one block object "
+                "num_layers times, so it cannot hold them (train with num_layers: 1)"
+            )
+    engine_config = {
+        "medusa_num_heads": config["num_heads"],
+        "medusa_num_layers": layers,
+        "base_model_name_or_path": target,
+        "hidden_size": config["target_hidden_size"],
+        "vocab_size": config["vocab_size"],
+        "torch_dtype": dtype_name(state),
+    }
+    return engine_config, rename_prefixes(state, {"medusa_head.": ""})
+
+
+def import_files(
+    engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """(head options, arch, our tensors) of a Medusa-repo checkpoint."""
+    heads, layers = engine_config["medusa_num_heads"], engine_config.get("medusa_num_layers", 1)
+    state = {k if k.startswith("medusa_head.") else f"medusa_head.{k}": v for k, v in state.items()}
+    # Some Medusa checkpoints carry more heads than the config asks for; the repo loads non-strictly.
+    state = {k: v for k, v in state.items() if int(k.split(".")[1]) < heads}
+    vocab, hidden = state[f"medusa_head.0.{layers}.weight"].shape
+    arch = {**arch_from_target(target_config), "hidden_size": hidden, "vocab_size": vocab}
+    return {"type": "medusa", "num_heads": heads, "num_layers": layers}, arch, state

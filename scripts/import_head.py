@@ -1,0 +1,100 @@
+"""Import a published draft head into headstart's head format.
+
+    python -m scripts.import_head --from eagle3 SRC --out runs/imported/head --target PATH
+
+Sources: ``eagle`` (EAGLE-1/2, the EAGLE repo's layout), ``eagle3`` (the EAGLE repo's EAGLE-3 layout,
+as vLLM and SGLang load it), ``medusa`` (the Medusa repo's layout) and ``speculators`` (speculators'
+eagle3 format); weights as ``model.safetensors``, ``pytorch_model.bin`` (or sharded) or the Medusa
+repo's ``medusa_lm_head.safetensors|.pt``. Our own exports import back to the same weights. The head
+is checked against the target (hidden size, vocab, attention shape, layer ids) before it is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from heads import HEADS, DraftHead, check_compatible
+from scripts.formats import eagle, eagle3, medusa
+from scripts.formats.common import DRAFT_ARCH_KEYS, read_checkpoint, read_json, state_problems
+
+SOURCES = ("eagle", "eagle3", "medusa", "speculators")
+
+
+def read_source(kind: str, src: Path, target_config: PretrainedConfig) -> tuple[dict, dict, dict[str, torch.Tensor]]:
+    """(head options, draft arch, our tensors) of the checkpoint in ``src``."""
+    engine_config = read_json(src / "config.json")
+    if kind == "medusa":
+        names = (medusa.WEIGHTS_FILE, "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
+        return medusa.import_files(engine_config, read_checkpoint(src, names), target_config)
+    state = read_checkpoint(src)
+    if kind == "eagle":
+        return eagle.import_files(engine_config, state, target_config)
+    return eagle3.import_files(engine_config, state, target_config, speculators=kind == "speculators")
+
+
+def build_imported(
+    options: dict[str, Any],
+    arch: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    target: str,
+    target_config: PretrainedConfig,
+    source: str,
+) -> DraftHead:
+    """A head of our format holding ``state``, its config from the target plus the draft's own layer shape."""
+    cls = HEADS[options["type"]]
+    config = cls.make_config(options, target_config)
+    config["arch"].update({k: arch[k] for k in DRAFT_ARCH_KEYS})
+    # The published draft's attention shape, vocab and layer ids against the target's: a named mismatch.
+    check_compatible({**config, "arch": arch, "target": source}, target_config)
+    config["target"] = target
+    head = cls(config)
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    head.to(dtype)  # keep the checkpoint's precision: a bf16 head stays bf16
+    problems = state_problems(head.state_dict(), state)
+    if problems:
+        raise ValueError(f"the checkpoint's tensors do not fit a {options['type']} head: " + "; ".join(problems))
+    head.load_state_dict(state)
+    return head
+
+
+def import_head(kind: str, src: str | Path, out: str | Path, target: str) -> Path:
+    """Convert the ``kind`` checkpoint in ``src`` into a headstart head folder ``out`` for ``target``."""
+    if kind not in SOURCES:
+        raise ValueError(f"unknown source {kind!r}; known: {', '.join(SOURCES)}")
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a folder")
+    try:
+        target_config = AutoConfig.from_pretrained(target)
+    except OSError as err:
+        raise FileNotFoundError(f"cannot read the target's config from {target!r}: {err}") from err
+    try:
+        options, arch, state = read_source(kind, src, target_config)
+    except KeyError as err:
+        raise ValueError(f"the {kind} checkpoint in {src} has no {err}: is it a {kind} checkpoint?") from err
+    head = build_imported(options, arch, state, target, target_config, str(src))
+    head.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--from", dest="kind", required=True, choices=SOURCES, help="the checkpoint's layout")
+    parser.add_argument("src", help="the checkpoint folder")
+    parser.add_argument("--out", required=True, help="the head folder to write")
+    parser.add_argument("--target", required=True, help="the target model the head drafts for (path or hub id)")
+    args = parser.parse_args(argv)
+    try:
+        out = import_head(args.kind, args.src, args.out, args.target)
+    except (ValueError, FileNotFoundError) as err:
+        parser.exit(2, f"import failed: {err}\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

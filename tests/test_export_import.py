@@ -1,0 +1,183 @@
+"""Import: our exports come back as the same head (weights, config, draft outputs); published layouts import."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaForCausalLM
+
+from heads import KVCache, load_head
+from scripts.export import export_head
+from scripts.import_head import import_head, main
+from tests.test_export import LAYER_IDS, V, make_head, save_target
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_target(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return LlamaForCausalLM.from_pretrained(target_dir).eval()
+
+
+def draft_outputs(head, target, seed=0):
+    """Every output a proposer reads from the head, on fixed inputs."""
+    ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+        if head.config["type"] == "medusa":
+            return (head(states[-1]),)
+        source = torch.cat([states[i] for i in LAYER_IDS], -1) if head.config["type"] == "eagle3" else states[-1]
+        return head.draft_step(ids, head.first_features(source), torch.arange(8).expand(2, 8), KVCache())
+
+
+ROUND_TRIPS = [
+    ("eagle", "vllm", "eagle"),
+    ("eagle", "sglang", "eagle"),
+    ("eagle3", "vllm", "eagle3"),
+    ("eagle3", "sglang", "eagle3"),
+    ("eagle3", "speculators", "speculators"),
+    ("medusa", "medusa", "medusa"),
+]
+
+
+@pytest.mark.parametrize(("head_type", "fmt", "source"), ROUND_TRIPS)
+def test_export_then_import_gives_the_same_head(target, target_dir, tmp_path, head_type, fmt, source):
+    head_dir = make_head(target, tmp_path, head_type)
+    out = export_head(head_dir, fmt, tmp_path / "export")
+    back = import_head(source, out, tmp_path / "back", target_dir)
+    original, imported = load_head(head_dir, target), load_head(back, target)
+    assert imported.config == original.config
+    a, b = original.state_dict(), imported.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    for x, y in zip(draft_outputs(original, target), draft_outputs(imported, target)):
+        assert torch.equal(x, y)
+
+
+def test_bf16_head_round_trips_in_bf16(target, target_dir, tmp_path):
+    head_dir = make_head(target, tmp_path, "eagle3")
+    head = load_head(head_dir, target).to(torch.bfloat16)
+    head.save_pretrained(head_dir)
+    out = export_head(head_dir, "vllm", tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = load_head(import_head("eagle3", out, tmp_path / "back", target_dir), target)
+    assert back.fc.weight.dtype == torch.bfloat16 and torch.equal(back.fc.weight, head.fc.weight)
+
+
+def eagle_repo_config(**extra):
+    """A config.json as the EAGLE repo publishes it for this tiny target (Llama fields, one layer)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 48,  # a draft may use another MLP width than its target (64)
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": V,
+        **extra,
+    }
+
+
+def layer_tensors(prefix, in_features, inner=48):
+    g = torch.Generator().manual_seed(1)
+    shapes = {
+        "self_attn.q_proj.weight": (32, in_features),
+        "self_attn.k_proj.weight": (16, in_features),
+        "self_attn.v_proj.weight": (16, in_features),
+        "self_attn.o_proj.weight": (32, 32),
+        "post_attention_layernorm.weight": (32,),
+        "mlp.gate_proj.weight": (inner, 32),
+        "mlp.up_proj.weight": (inner, 32),
+        "mlp.down_proj.weight": (32, inner),
+    }
+    return {prefix + k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def test_eagle_repo_eagle3_checkpoint_in_pytorch_model_bin(target, target_dir, tmp_path):
+    # SGLang-style config: layer ids only under eagle_config (the decoder layer whose output is taken).
+    src = tmp_path / "published"
+    src.mkdir()
+    config = eagle_repo_config(
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=100,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 4]},
+    )
+    (src / "config.json").write_text(json.dumps(config))
+    state = layer_tensors("layers.0.", 64)
+    state |= {"layers.0.input_layernorm.weight": torch.ones(32), "layers.0.hidden_norm.weight": torch.ones(32)}
+    d2t = torch.full((100,), 200)  # draft ids 0..99 are target ids 200..299
+    state |= {"fc.weight": torch.randn(32, 96), "norm.weight": torch.ones(32), "lm_head.weight": torch.randn(100, 32)}
+    state |= {"d2t": d2t, "embed_tokens.weight": torch.randn(V, 32)}  # no t2d: rebuilt from d2t
+    torch.save(state, src / "pytorch_model.bin")
+    head = load_head(import_head("eagle3", src, tmp_path / "head", target_dir), target)
+    assert head.config["layer_ids"] == LAYER_IDS and head.config["draft_vocab_size"] == 100
+    assert head.config["arch"]["intermediate_size"] == 48 and head.config["target"] == target_dir
+    assert torch.equal(head.midlayer.self_attn.q_proj.weight, state["layers.0.self_attn.q_proj.weight"])
+    assert head.target_ids(torch.tensor([0, 99])).tolist() == [200, 299] and head.t2d.sum() == 100
+    logp, _ = draft_outputs(head, target)
+    assert torch.isinf(logp[..., :200]).all() and torch.isfinite(logp[..., 200:]).all()
+
+
+def test_eagle_repo_eagle1_checkpoint_with_bias_and_embedding(target, target_dir, tmp_path):
+    src = tmp_path / "published"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(eagle_repo_config()))
+    state = layer_tensors("layers.0.", 32) | {"fc.weight": torch.randn(32, 64), "fc.bias": torch.randn(32)}
+    save_file(state | {"embed_tokens.weight": torch.randn(V, 32)}, str(src / "model.safetensors"))
+    head = load_head(import_head("eagle", src, tmp_path / "head", target_dir), target)
+    assert head.config["fc_bias"] is True and torch.equal(head.fc.bias, state["fc.bias"])
+    assert all(torch.isfinite(t).all() for t in draft_outputs(head, target))
+
+
+def test_medusa_repo_checkpoint_in_pt(target, target_dir, tmp_path):
+    src = tmp_path / "published"
+    src.mkdir()
+    (src / "config.json").write_text(
+        json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1, "base_model_name_or_path": "x"})
+    )
+    state = {}
+    for k in range(2):
+        state |= {
+            f"{k}.0.linear.weight": torch.randn(32, 32),
+            f"{k}.0.linear.bias": torch.randn(32),
+            f"{k}.1.weight": torch.randn(V, 32),
+        }
+    torch.save(state, src / "medusa_lm_head.pt")
+    head = load_head(import_head("medusa", src, tmp_path / "head", target_dir), target)
+    assert head.config["num_heads"] == 2 and torch.equal(head.medusa_head[1][1].weight, state["1.1.weight"])
+
+
+def test_import_errors_name_the_problem(target, target_dir, tmp_path):
+    out = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "export")
+    with pytest.raises(ValueError, match="vocab size 300 vs 320"):
+        import_head("eagle3", out, tmp_path / "back", save_target(tmp_path / "t2", vocab_size=320))
+    with pytest.raises(ValueError, match="hidden size 32 vs 64"):
+        import_head("eagle3", out, tmp_path / "back", save_target(tmp_path / "t3", hidden_size=64))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "norm_before_residual": True}))
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        import_head("eagle3", out, tmp_path / "back", target_dir)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="do not fit a eagle head: missing layers.0.*unexpected midlayer"):
+        import_head("eagle", out, tmp_path / "back", target_dir)
+    with pytest.raises(ValueError, match="has no 'medusa_num_heads': is it a medusa checkpoint"):
+        import_head("medusa", out, tmp_path / "back", target_dir)
+    (out / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights in"):
+        import_head("eagle3", out, tmp_path / "back", target_dir)
+    assert not (tmp_path / "back").exists()
+
+
+def test_cli(target, target_dir, tmp_path, capsys):
+    out = export_head(make_head(target, tmp_path, "eagle3"), "speculators", tmp_path / "export")
+    main(["--from", "speculators", str(out), "--out", str(tmp_path / "back"), "--target", target_dir])
+    assert (tmp_path / "back" / "model.safetensors").is_file()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--from", "eagle3", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), "--target", target_dir])
+    assert exit_info.value.code == 2 and "is not a folder" in capsys.readouterr().err
