@@ -22,6 +22,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one thread is much faster than two fighting over cores shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def target():
     from transformers import AutoModelForCausalLM, AutoTokenizer

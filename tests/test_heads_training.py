@@ -6,14 +6,7 @@ import torch
 from heads import build_head
 from tests.test_heads import LAYER_IDS, make_batch, tiny_target
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls: one thread is ~10x faster than two fighting over cores shared with other jobs.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sharp_target():

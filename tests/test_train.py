@@ -37,13 +37,7 @@ HEADS = {
 SAMPLES, HELDOUT, BATCH = 16, 4, 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on cores shared with other jobs: one thread each is fastest and keeps runs comparable.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
