@@ -172,6 +172,12 @@ def test_medusa2_trains_lora_and_heads_together(make_config, monkeypatch):
     # The total rises while the heads' weight warms up from 0: judge each part.
     assert steps[-1]["lm_loss"] < steps[0]["lm_loss"]  # the target itself trains (through LoRA)
     assert steps[-1]["loss_0"] < 0.9 * steps[0]["loss_0"], [r["loss_0"] for r in steps]
+    # The last held-out evaluation (step 6) is kept in the head's config.json for the eval report.
+    last = records(out, "heldout")[-1]
+    training = json.loads((out / "head" / "config.json").read_text())["training"]
+    top1 = [last["acc_0"], last["acc_1"]]
+    assert training == {"heldout_top1": top1, "predicted_tau": last["predicted_tau"], "step": 6}
+    assert last["predicted_tau"] == pytest.approx(1 + last["acc_0"] + last["acc_0"] * last["acc_1"])
     adapter = load_file(str(out / "lora" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in name for name in adapter)
     assert (out / "head" / "model.safetensors").is_file()

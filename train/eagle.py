@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
 
     module = HeadLoss(head, data.capture)
     engine = build_engine(module, cfg["train"], proc.world, total_steps(cfg["train"], data))
-    train(engine, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
+    train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
 
 
 if __name__ == "__main__":

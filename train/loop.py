@@ -31,7 +31,7 @@ from data_recipes.capture import OnlineCapture
 from heads import DraftHead
 from train.checkpoint import all_finite, checkpoint_dir, complete_steps, resume, save_checkpoint, tag_for
 from train.data import TrainData, heldout_batches, step_batches
-from train.metrics import MetricsLog
+from train.metrics import MetricsLog, heldout_top1, predicted_tau, training_summary
 
 
 class NonFiniteLoss(RuntimeError):
@@ -217,17 +217,23 @@ def evaluate(
     dist.all_gather_object(shares, (count, sums))
     batches = sum(n for n, _ in shares)
     keys = next(s for _, s in shares if s)
-    return {"step": step, "split": "heldout", **{k: sum(s.get(k, 0.0) for _, s in shares) / batches for k in keys}}
+    record = {"step": step, "split": "heldout", **{k: sum(s.get(k, 0.0) for _, s in shares) / batches for k in keys}}
+    return record | {"predicted_tau": predicted_tau(heldout_top1(record))}
 
 
 def train(
     engine: deepspeed.DeepSpeedEngine,
+    head: DraftHead,
     data: TrainData,
     cfg: dict[str, Any],
     proc: Process,
     save_artifacts: Callable[[Path], None],
 ) -> None:
-    """Resume, then step to the end: log every step, evaluate and checkpoint on schedule, stop on NaN/inf."""
+    """Resume, then step to the end: log every step, evaluate and checkpoint on schedule, stop on NaN/inf.
+
+    Each held-out evaluation's accuracies and predicted acceptance go into ``head.config["training"]``,
+    so the head saved next (``save_artifacts``) carries them in its config.json.
+    """
     train_cfg = cfg["train"]
     out_dir = Path(train_cfg["out_dir"])
     total = total_steps(train_cfg, data)
@@ -244,7 +250,9 @@ def train(
             log.log(train_step(engine, batches, step, train_cfg["seed"], proc))
             done = step + 1
             if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:
-                log.log(evaluate(engine, data, train_cfg, done, proc))
+                record = evaluate(engine, data, train_cfg, done, proc)
+                log.log(record)
+                head.config["training"] = training_summary(record)
             if _due(done, train_cfg["save_every"], total):
                 if not all_finite(engine):
                     raise NonFiniteLoss(f"the weights became non-finite at step {done}")

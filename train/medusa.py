@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         module = Medusa2Loss(head, model, lora)
 
     engine = build_engine(module, cfg["train"], proc.world, total_steps(cfg["train"], data))
-    train(engine, data, cfg, proc, save_artifacts=lambda out_dir: save_medusa(head, model, out_dir))
+    train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_medusa(head, model, out_dir))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""Rank 0's record of a run: ``metrics.jsonl`` always, wandb when enabled, a tqdm bar on the terminal."""
+"""Rank 0's record of a run: ``metrics.jsonl`` always, wandb when enabled, a tqdm bar on the terminal.
+
+Each held-out evaluation also predicts the head's acceptance length from its per-position top-1
+accuracies (``predicted_tau``, docs/TRAINING.md), so a run shows early whether it is worth finishing.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,31 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+
+def heldout_top1(record: dict[str, Any]) -> list[float]:
+    """Per-position top-1 accuracies a_1..a_k of a held-out record: ``acc`` (EAGLE-1/2, one position) or
+    ``acc_0``..``acc_{k-1}`` (EAGLE-3's test-time-training steps, Medusa's heads), in position order."""
+    if "acc" in record:
+        return [record["acc"]]
+    positions = sorted(int(key.removeprefix("acc_")) for key in record if key.startswith("acc_"))
+    return [record[f"acc_{j}"] for j in positions]
+
+
+def predicted_tau(top1: list[float]) -> float:
+    """Expected tokens per verification of a k-token draft chain, 1 + a_1 + a_1 a_2 + ... + a_1...a_k,
+    assuming position j is accepted with probability a_j independently of the positions before it."""
+    tau, survive = 1.0, 1.0
+    for accuracy in top1:
+        survive *= accuracy
+        tau += survive
+    return tau
+
+
+def training_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """What a head's ``config.json`` keeps of its last held-out evaluation (key ``training``)."""
+    top1 = heldout_top1(record)
+    return {"heldout_top1": top1, "predicted_tau": predicted_tau(top1), "step": record["step"]}
 
 
 class MetricsLog:
