@@ -13,20 +13,32 @@ DeepSpeed writes its files in place and rank 0 writes ``latest`` before the othe
 ``latest`` naming it, that are not usable. Only a tag with ``COMPLETE`` counts: resume loads the
 newest one and deletes the others. Pruning removes the marker first, so a kill mid-delete leaves
 an incomplete directory, never a "complete" one with files missing.
+
+Another process count. ``COMPLETE`` records the world size, ZeRO stage and data-order settings the
+checkpoint was written under. ZeRO-0 keeps the whole optimizer state in ``mp_rank_00_model_states.pt``,
+so any world size loads it as is. ZeRO-1/2 split the optimizer state into one file per rank, which
+DeepSpeed 0.19.8 refuses to load under another data-parallel size ("Automatic adjustment of ZeRO's
+optimizer state partitioning ... is not currently supported"); resume then converts the tag with
+DeepSpeed's own ``ds_to_universal`` (the per-parameter "universal" layout, ``universal-<tag>``) and
+the engine is built with ``checkpoint.load_universal`` to read it. ZeRO-3 checkpoints are refused
+under another world size (their universal restore is not tested here).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint import ds_to_universal
 
-from core.io import atomic_write_text
+from core.io import atomic_dir, atomic_write_text
 
 MARKER = "COMPLETE"
 
@@ -42,6 +54,50 @@ def tag_for(step: int) -> str:
 def complete_steps(ckpt_dir: Path) -> list[int]:
     """Steps of the finished checkpoints under ``ckpt_dir``, oldest first."""
     return sorted(int(p.name.removeprefix("step-")) for p in ckpt_dir.glob("step-*") if (p / MARKER).is_file())
+
+
+def read_marker(ckpt_dir: Path, step: int) -> dict[str, Any]:
+    return json.loads((ckpt_dir / tag_for(step) / MARKER).read_text())
+
+
+def newest_marker(out_dir: Path) -> dict[str, Any] | None:
+    """The ``COMPLETE`` record of the checkpoint a resume would load, None when there is none."""
+    steps = complete_steps(checkpoint_dir(out_dir))
+    return read_marker(checkpoint_dir(out_dir), steps[-1]) if steps else None
+
+
+def loads_universal(marker: dict[str, Any] | None, world: int, zero_stage: int) -> bool:
+    """Whether resuming from ``marker`` with ``world`` processes goes through DeepSpeed's universal checkpoint
+    (ZeRO-1/2 saved under another world size); ValueError where it cannot resume at all."""
+    # Checkpoints written before the world size was recorded: DeepSpeed's own check applies.
+    if marker is None or marker.get("world", world) == world:
+        return False
+    if marker["zero_stage"] != zero_stage:
+        raise ValueError(
+            f"the checkpoint was written under ZeRO stage {marker['zero_stage']} and {marker['world']} processes; "
+            f"resuming with another process count ({world}) needs the same stage, not {zero_stage}"
+        )
+    if zero_stage == 3:
+        raise ValueError(
+            f"the checkpoint was written by {marker['world']} processes under ZeRO-3, whose weights and optimizer "
+            f"state are split per rank; resume it with {marker['world']} processes (or train with zero_stage 0-2, "
+            "which resume on any process count)"
+        )
+    return zero_stage > 0
+
+
+def check_data_order(marker: dict[str, Any] | None, order: dict[str, int]) -> None:
+    """The samples of step N depend on the seed, the global batch and the training samples, never on the
+    process count: a resume that changed one of them would repeat some samples and skip others."""
+    if marker is None:
+        return
+    changed = [f"{k} {marker[k]} -> {v}" for k, v in order.items() if marker.get(k, v) != v]
+    if changed:
+        raise ValueError(
+            f"cannot resume from step {marker['step']}: {', '.join(changed)} (checkpoint -> now) changes which "
+            "samples each step sees; keep train.seed, train.batch_size and the data as they were "
+            "(micro_batch_size and the process count may change)"
+        )
 
 
 def has_frozen_parameters(engine: deepspeed.DeepSpeedEngine) -> bool:
@@ -63,8 +119,10 @@ def save_checkpoint(
     step: int,
     save_artifacts: Callable[[Path], None],
     keep: int,
+    order: dict[str, int],
 ) -> Path:
-    """DeepSpeed's checkpoint of ``step`` (all ranks), then the head alone, then the completion marker."""
+    """DeepSpeed's checkpoint of ``step`` (all ranks), then the head alone, then the completion marker
+    (which records the world size, ZeRO stage and the data-order settings ``order``)."""
     ckpt_dir, tag = checkpoint_dir(out_dir), tag_for(step)
     frozen = has_frozen_parameters(engine)
     # Returns after DeepSpeed's closing barrier: every rank's files are written.
@@ -75,7 +133,8 @@ def save_checkpoint(
         if dist.get_rank() == 0:
             save_artifacts(out_dir)
     if dist.get_rank() == 0:
-        atomic_write_text(ckpt_dir / tag / MARKER, json.dumps({"step": step}) + "\n")
+        marker = {"step": step, "world": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(), **order}
+        atomic_write_text(ckpt_dir / tag / MARKER, json.dumps(marker) + "\n")
         _prune(ckpt_dir, keep)
     dist.barrier()
     return ckpt_dir / tag
@@ -88,8 +147,12 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(path)
 
 
-def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool) -> int:
-    """Load the newest complete checkpoint (``mode`` auto/true) and return its step; 0 for a fresh run."""
+def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, order: dict[str, int]) -> int:
+    """Load the newest complete checkpoint (``mode`` auto/true) and return its step; 0 for a fresh run.
+
+    A checkpoint from another process count is loaded through a universal copy (``loads_universal``);
+    the engine must then have been built with ``checkpoint.load_universal`` (``build_engine`` does).
+    """
     ckpt_dir = checkpoint_dir(out_dir)
     steps = complete_steps(ckpt_dir)
     if mode is True and not steps:
@@ -104,8 +167,41 @@ def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool) -
         for path in ckpt_dir.glob("step-*"):
             if path.is_dir() and not (path / MARKER).is_file():
                 shutil.rmtree(path)
+        for path in ckpt_dir.glob("*universal-step-*"):  # a conversion a kill interrupted
+            shutil.rmtree(path)
     if not steps:
         return 0
+    marker = read_marker(ckpt_dir, steps[-1])
+    check_data_order(marker, order)
+    tag = tag_for(steps[-1])
+    universal = loads_universal(marker, dist.get_world_size(), engine.zero_optimization_stage())
+    if universal:
+        if dist.get_rank() == 0:
+            to_universal(ckpt_dir / tag, ckpt_dir / f"universal-{tag}")
+        dist.barrier()
+        tag = f"universal-{tag}"
     strict = not has_frozen_parameters(engine)
-    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag_for(steps[-1]), load_module_strict=strict)
+    _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict)
+    dist.barrier()  # every rank has read the universal copy: it is not needed again
+    if universal and dist.get_rank() == 0:
+        shutil.rmtree(ckpt_dir / tag)
+        # ds_to_universal's pointer to what it wrote (the temporary name atomic_dir gave it).
+        (ckpt_dir / "latest_universal").unlink(missing_ok=True)
     return int(client["step"])
+
+
+def to_universal(src: Path, dst: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of one tag: per-parameter fp32 weights and optimizer moments that
+    any data-parallel size can re-partition (written atomically; a stale copy is replaced)."""
+    with atomic_dir(dst) as tmp:
+        args = argparse.Namespace(
+            input_folder=str(src),
+            output_folder=str(tmp),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            # Megatron-DeepSpeed writes this (tensor-parallel merge rules); a plain engine has none to give.
+            inject_missing_state=True,
+        )
+        ds_to_universal.main(args)

@@ -29,7 +29,16 @@ from core.config import save_config
 from core.runtime import resolve_device
 from data_recipes.capture import OnlineCapture
 from heads import DraftHead
-from train.checkpoint import all_finite, checkpoint_dir, complete_steps, resume, save_checkpoint, tag_for
+from train.checkpoint import (
+    all_finite,
+    checkpoint_dir,
+    complete_steps,
+    loads_universal,
+    newest_marker,
+    resume,
+    save_checkpoint,
+    tag_for,
+)
 from train.data import TrainData, heldout_batches, step_batches
 from train.metrics import MetricsLog, heldout_top1, predicted_tau, training_summary
 
@@ -113,12 +122,14 @@ def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def deepspeed_config(train: dict[str, Any], world: int) -> dict[str, Any]:
+def deepspeed_config(train: dict[str, Any], world: int, load_universal: bool = False) -> dict[str, Any]:
+    """The engine's config. ``batch_size`` is the global batch, fixed for the run: the process count only
+    changes how many micro-batches each rank accumulates (so a run may resume on another count)."""
     micro = train["micro_batch_size"]
     if train["batch_size"] % (micro * world):
         raise ValueError(
             f"train.batch_size={train['batch_size']} is not a multiple of micro_batch_size x processes "
-            f"= {micro} x {world}"
+            f"= {micro} x {world}: pick a process count (or micro_batch_size) that divides it"
         )
     return {
         "train_batch_size": train["batch_size"],
@@ -130,6 +141,7 @@ def deepspeed_config(train: dict[str, Any], world: int) -> dict[str, Any]:
         # The optimizer is torch's AdamW, which ZeRO handles fine but does not list as tested.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
+        "checkpoint": {"load_universal": load_universal},
     }
 
 
@@ -141,10 +153,17 @@ def build_engine(module: nn.Module, train: dict[str, Any], world: int, total: in
     )
     multiplier = partial(cosine_with_warmup, warmup=train["warmup_steps"], total=total, min_ratio=train["min_lr_ratio"])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    # A checkpoint from another process count is read in DeepSpeed's universal layout (train/checkpoint.py).
+    universal = loads_universal(newest_marker(Path(train["out_dir"])), world, train["zero_stage"])
     engine, *_ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(train, world)
+        model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(train, world, universal)
     )
     return engine
+
+
+def data_order(train: dict[str, Any], data: TrainData) -> dict[str, int]:
+    """What fixes the samples of every step (``step_batches``): checked on resume."""
+    return {"seed": train["seed"], "batch_size": train["batch_size"], "train_samples": len(data.train_ids)}
 
 
 def _micro_seed(seed: int, step: int, chunk: int) -> int:
@@ -237,13 +256,16 @@ def train(
     train_cfg = cfg["train"]
     out_dir = Path(train_cfg["out_dir"])
     total = total_steps(train_cfg, data)
-    start = resume(engine, out_dir, train_cfg["resume"])
+    order = data_order(train_cfg, data)
+    start = resume(engine, out_dir, train_cfg["resume"], order)
     if proc.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
         if start:
             print(f"{out_dir}: resumed from step {start} of {total}")
     log = MetricsLog(cfg, proc.rank, start, total)
-    save = partial(save_checkpoint, engine, out_dir, save_artifacts=save_artifacts, keep=train_cfg["keep_checkpoints"])
+    save = partial(
+        save_checkpoint, engine, out_dir, save_artifacts=save_artifacts, keep=train_cfg["keep_checkpoints"], order=order
+    )
     done = start
     try:
         for step, batches in step_batches(data, train_cfg, start, total, proc.rank, proc.world):
