@@ -26,25 +26,74 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
+# Target families whose EAGLE draft layer the engines build, and how (docs/EXPORT.md, "Target families").
+# Every EAGLE draft vLLM and SGLang serve for these targets is a Llama decoder layer sized from the target
+# (vLLM registry.py maps Eagle3Qwen3vlForCausalLM and the others to llama_eagle3.Eagle3LlamaForCausalLM);
+# only EAGLE-1's q/k/v biases follow the family (SGLang qwen2_eagle.py builds Qwen2DecoderLayer).
+# Qwen3's q/k RMSNorm exists in no engine's draft layer, so its heads have none.
+EAGLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Families refused by the EAGLE heads, with the reason. (Medusa reads only the last hidden state and the
+# target's lm_head, so it trains on any causal LM.)
+UNSERVED_FAMILIES = {
+    family: (
+        "no serving engine has an EAGLE draft for Gemma-style targets (vLLM's speculative registry and SGLang "
+        "have none), and a Llama draft layer would differ from Gemma's: embeddings scaled by sqrt(hidden), "
+        "(1 + w) RMSNorm, GELU MLP; train a Medusa head (head.type: medusa) instead"
+    )
+    for family in ("gemma", "gemma2", "gemma3", "gemma3_text")
+}
+
+
 def arch_from_target(cfg: PretrainedConfig) -> dict[str, Any]:
-    """The decoder-layer shape of a Llama/Qwen2/Mistral-style target, as a JSON-able dict."""
+    """The decoder-layer shape of the target, as a JSON-able dict (``family`` is its ``model_type``)."""
     rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
     # transformers < 5 kept rope_theta beside rope_scaling (whose type key was once "type").
     rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
     return {
+        "family": cfg.model_type,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "hidden_act": cfg.hidden_act,
+        # Gemma configs name it hidden_activation.
+        "hidden_act": getattr(cfg, "hidden_act", None) or cfg.hidden_activation,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rope": rope,
         "vocab_size": cfg.vocab_size,
         "num_hidden_layers": cfg.num_hidden_layers,
+        "qkv_bias": _qkv_bias(cfg),
     }
+
+
+def _qkv_bias(cfg: PretrainedConfig) -> bool:
+    """Whether the target's q/k/v projections have biases: always for Qwen2, else the config says so
+    (``qkv_bias``, as vLLM and SGLang's Llama layer read it, then Llama's ``attention_bias``)."""
+    if cfg.model_type == "qwen2":
+        return True
+    qkv_bias = getattr(cfg, "qkv_bias", None)
+    return bool(getattr(cfg, "attention_bias", False) if qkv_bias is None else qkv_bias)
+
+
+def check_eagle_family(cfg: PretrainedConfig, head_type: str) -> None:
+    """NotImplementedError naming the target's family when an EAGLE head cannot be built (and served) for it."""
+    family = cfg.model_type
+    if family in UNSERVED_FAMILIES:
+        raise NotImplementedError(
+            f"{head_type} heads for {family} targets are not supported: {UNSERVED_FAMILIES[family]}"
+        )
+    if family not in EAGLE_FAMILIES:
+        raise NotImplementedError(
+            f"{head_type} heads for {family} targets are not supported: "
+            f"the draft layer is known for {', '.join(EAGLE_FAMILIES)} targets only (docs/EXPORT.md); "
+            "Medusa heads (head.type: medusa) train on any causal LM"
+        )
+    if getattr(cfg, "attention_bias", False) and getattr(cfg, "qkv_bias", None) is None and family != "qwen2":
+        raise NotImplementedError(
+            f"{head_type} heads for a {family} target with attention_bias: true (an o_proj bias) are not supported"
+        )
 
 
 def check_compatible(
@@ -202,18 +251,19 @@ def causal_mask(n: int, past: int, device: torch.device) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Llama GQA self-attention; ``in_features`` is 2H for EAGLE-3's (embedding, feature) input."""
+    """Llama GQA self-attention; ``in_features`` is 2H for EAGLE-3's (embedding, feature) input.
+    ``qkv_bias``: biases on q/k/v (not o), as Qwen2's attention and vLLM's Llama layer with ``qkv_bias``."""
 
-    def __init__(self, arch: dict[str, Any], in_features: int):
+    def __init__(self, arch: dict[str, Any], in_features: int, qkv_bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (
             arch["num_attention_heads"],
             arch["num_key_value_heads"],
             arch["head_dim"],
         )
-        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, arch["hidden_size"], bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -268,14 +318,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A Llama decoder layer. EAGLE-1's only layer skips ``input_layernorm``: its input is ``fc``'s output,
-    and vLLM replaces that norm by Identity (llama_eagle.py), so a trained norm would be dropped on export."""
+    """A Llama decoder layer (q/k/v biases where the target family has them, ``arch["qkv_bias"]``).
+    EAGLE-1's only layer skips ``input_layernorm``: its input is ``fc``'s output, and vLLM replaces that
+    norm by Identity (llama_eagle.py), so a trained norm would be dropped on export."""
 
     def __init__(self, arch: dict[str, Any], input_norm: bool = True):
         super().__init__()
         eps = arch["rms_norm_eps"]
         self.input_layernorm = RMSNorm(arch["hidden_size"], eps) if input_norm else nn.Identity()
-        self.self_attn = Attention(arch, arch["hidden_size"])
+        # Heads saved before families were recorded are Llama heads without biases.
+        self.self_attn = Attention(arch, arch["hidden_size"], arch.get("qkv_bias", False))
         self.post_attention_layernorm = RMSNorm(arch["hidden_size"], eps)
         self.mlp = MLP(arch)
 

@@ -2,8 +2,9 @@
 
 Matches vLLM's ``llama_eagle.py`` (``EagleLlamaForCausalLM``): ``fc`` reads the token embedding first,
 then the target feature; the layer lives at ``layers.0`` and has no ``input_layernorm``; there is no
-final norm, and logits come from the target's own (frozen) ``lm_head``. EAGLE-2 is the same head
-drafting a dynamic tree, which is the eval engine's business.
+final norm, and logits come from the target's own (frozen) ``lm_head``. The layer has q/k/v biases
+when the target family does (Qwen2: SGLang's ``Qwen2ForCausalLMEagle``, vLLM's Llama layer with
+``qkv_bias``). EAGLE-2 is the same head drafting a dynamic tree, which is the eval engine's business.
 
 Alignment (the same in training and drafting): the feature f_i is the target's last hidden state
 (after its final norm, what ``lm_head`` reads) at position i, computed from input_ids[:i+1]. The head
@@ -16,8 +17,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
-from heads.common import DecoderLayer, DraftHead, KVCache, RotaryEmbedding, default_positions, label_mask, shift_left
+from heads.common import (
+    DecoderLayer,
+    DraftHead,
+    KVCache,
+    RotaryEmbedding,
+    check_eagle_family,
+    default_positions,
+    label_mask,
+    shift_left,
+)
 
 
 class EagleHead(DraftHead):
@@ -25,6 +36,11 @@ class EagleHead(DraftHead):
     # EAGLE-1's loss weights: 1.0 * feature regression (smooth L1) + 0.1 * token cross-entropy.
     # vLLM's fc has no bias (a bias in the checkpoint would be silently skipped there).
     defaults = {"vloss_weight": 1.0, "ploss_weight": 0.1, "fc_bias": False}
+
+    @classmethod
+    def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
+        check_eagle_family(target_config, cls.head_type)
+        return super().make_config(head_cfg, target_config)
 
     def __init__(self, config: dict):
         super().__init__(config)

@@ -34,6 +34,7 @@ from heads.common import (
     RMSNorm,
     RotaryEmbedding,
     causal_mask,
+    check_eagle_family,
     default_positions,
     label_mask,
     shift_left,
@@ -79,14 +80,18 @@ def ttt_attention_mask(seq_len: int, steps: int, device: torch.device | None = N
 
 
 class Eagle3Layer(nn.Module):
-    """The ``midlayer``: attention over the normed (embedding, feature) pair, residual on the raw feature."""
+    """The ``midlayer``: attention over the normed (embedding, feature) pair, residual on the raw feature.
+
+    No q/k/v biases for any target family: vLLM and SGLang's ``llama_eagle3.py`` replace the layer's
+    qkv projection by a 2H-wide one with ``bias=False``.
+    """
 
     def __init__(self, arch: dict):
         super().__init__()
         hidden, eps = arch["hidden_size"], arch["rms_norm_eps"]
         self.input_layernorm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(arch, 2 * hidden)
+        self.self_attn = Attention(arch, 2 * hidden, qkv_bias=False)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(arch)
 
@@ -126,6 +131,7 @@ class Eagle3Head(DraftHead):
 
     @classmethod
     def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
+        check_eagle_family(target_config, cls.head_type)
         config = super().make_config(head_cfg, target_config)
         layers = target_config.num_hidden_layers
         ids = config["layer_ids"] or [2, layers // 2, layers - 3]

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig
 
 from heads.common import arch_from_target
 
 # The draft's own layer shape: taken from a published checkpoint's config on import (an EAGLE head
 # may use another MLP width than its target); the attention shape must equal the target's.
-DRAFT_ARCH_KEYS = ("intermediate_size", "rms_norm_eps", "hidden_act", "rope", "max_position_embeddings")
+DRAFT_ARCH_KEYS = ("intermediate_size", "rms_norm_eps", "hidden_act", "rope", "max_position_embeddings", "qkv_bias")
 
 
 def dtype_name(state: dict[str, torch.Tensor]) -> str:
@@ -30,8 +30,13 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": rope["rope_theta"], "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
 
 
-def decoder_config(arch: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """A one-layer Llama config of the draft's decoder layer (vocab = the target's)."""
+def decoder_config(arch: dict[str, Any], dtype: str, qkv_bias: bool = False) -> dict[str, Any]:
+    """A one-layer Llama config of the draft's decoder layer (vocab = the target's).
+
+    ``qkv_bias``: biases on q/k/v only, spelled as vLLM's and SGLang's Llama layer read it (llama.py:
+    ``attention_bias`` sets the o_proj bias and, unless ``qkv_bias`` is given, the q/k/v ones).
+    """
+    bias = {"qkv_bias": True} if qkv_bias else {}
     return {
         "model_type": "llama",
         "hidden_size": arch["hidden_size"],
@@ -46,6 +51,7 @@ def decoder_config(arch: dict[str, Any], dtype: str) -> dict[str, Any]:
         **rope_fields(arch["rope"]),
         "vocab_size": arch["vocab_size"],
         "attention_bias": False,
+        **bias,
         "mlp_bias": False,
         # SGLang's LlamaForCausalLMEagle3 makes lm_head the embedding when this is true.
         "tie_word_embeddings": False,
@@ -53,11 +59,11 @@ def decoder_config(arch: dict[str, Any], dtype: str) -> dict[str, Any]:
     }
 
 
-def arch_from_decoder(config: dict[str, Any], target_layers: int) -> dict[str, Any]:
-    """Our ``arch`` dict read from a published draft's decoder config (``num_hidden_layers`` = the target's)."""
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "num_hidden_layers")}
-    arch = arch_from_target(LlamaConfig(**fields))
-    arch["num_hidden_layers"] = target_layers
+def arch_from_decoder(config: dict[str, Any], target_config: PretrainedConfig) -> dict[str, Any]:
+    """Our ``arch`` dict read from a published draft's decoder config (family and layer count: the target's)."""
+    skip = ("architectures", "auto_map", "num_hidden_layers", "model_type")
+    arch = arch_from_target(LlamaConfig(**{k: v for k, v in config.items() if k not in skip}))
+    arch["family"], arch["num_hidden_layers"] = target_config.model_type, target_config.num_hidden_layers
     return arch
 
 

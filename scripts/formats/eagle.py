@@ -22,6 +22,9 @@ from transformers import PretrainedConfig
 from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name
 
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
+# A head with q/k/v biases (Qwen2 targets): vLLM's Llama layer reads ``qkv_bias``; SGLang gets its
+# Qwen2 EAGLE class (qwen2_eagle.py: Qwen2DecoderLayer, q/k/v biases, no o_proj bias), the same layer.
+SGLANG_QKV_BIAS = {"architectures": ["Qwen2ForCausalLMEagle"], "model_type": "qwen2"}
 
 
 def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
@@ -35,7 +38,13 @@ def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: st
     if fmt == "sglang" and "fc.bias" not in tensors:
         weight = tensors["fc.weight"]
         tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
-    engine_config = {"architectures": [ARCHITECTURES[fmt]], **decoder_config(config["arch"], dtype_name(state))}
+    qkv_bias = config["arch"].get("qkv_bias", False)
+    engine_config = {
+        "architectures": [ARCHITECTURES[fmt]],
+        **decoder_config(config["arch"], dtype_name(state), qkv_bias=qkv_bias),
+    }
+    if fmt == "sglang" and qkv_bias:
+        engine_config |= SGLANG_QKV_BIAS
     return engine_config, tensors
 
 
@@ -56,4 +65,7 @@ def import_files(
     if bias is not None and not bias.any():  # an all-zero bias (our SGLang export) is no bias
         del state["fc.bias"]
     options = {"type": "eagle", "fc_bias": "fc.bias" in state}
-    return options, arch_from_decoder(engine_config, target_config.num_hidden_layers), state
+    arch = arch_from_decoder(engine_config, target_config)
+    # The weights say it, whatever the config spells (EAGLE repo Qwen2 heads, our SGLang Qwen2 export).
+    arch["qkv_bias"] = "layers.0.self_attn.q_proj.bias" in state
+    return options, arch, state

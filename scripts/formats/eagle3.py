@@ -144,7 +144,7 @@ def import_files(
         state["t2d"] = t2d
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
-    arch = arch_from_decoder(decoder, layers)
+    arch = arch_from_decoder(decoder, target_config)
     target_hidden = engine_config.get("target_hidden_size") or target_config.hidden_size
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")

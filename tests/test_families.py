@@ -1,0 +1,183 @@
+"""Heads for each Hugging Face decoder family: capture -> training -> greedy-identical decoding -> export.
+
+Tiny random targets of each family are built from their transformers configs with the tiny test
+tokenizer. The exported weight names are checked against the decoder layer the exported config
+describes, built by transformers itself (the layer vLLM and SGLang build from the same config).
+"""
+
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_train import base_config, records, run_here
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GemmaConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+from data_recipes.capture import run_capture
+from eval.proposers import Eagle, Medusa
+from eval.verify import generate
+from heads import build_head, load_head
+from heads.common import WEIGHTS_NAME
+from scripts.export import SUPPORTED, engine_files
+from train import eagle, medusa
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+FAMILIES = {
+    "llama": (LlamaConfig, {}),
+    "mistral": (MistralConfig, {"sliding_window": 64}),
+    "qwen2": (Qwen2Config, {}),  # q/k/v biases
+    "qwen3": (Qwen3Config, {"head_dim": 16, "tie_word_embeddings": True}),  # q/k norm, head_dim != hidden / heads
+    "gemma": (GemmaConfig, {"head_dim": 8}),  # scaled embeddings, (1 + w) RMSNorm, GELU
+}
+HEAD_TYPES = {"llama": ("eagle", "eagle3"), "mistral": ("eagle", "eagle3"), "qwen2": ("eagle", "eagle3", "medusa")}
+HEAD_TYPES |= {"qwen3": ("eagle", "eagle3"), "gemma": ("medusa",)}
+TRAINERS = {"eagle": eagle, "eagle3": eagle, "medusa": medusa}
+
+
+def save_family_target(out, family, tokenizer):
+    config_cls, extra = FAMILIES[family]
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        **SHAPE,
+        **ids,
+        pad_token_id=tokenizer.pad_token_id,
+        **{"tie_word_embeddings": False, **extra},
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.get_output_embeddings().weight.data *= 30  # peaked predictions: something to learn in 3 steps
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_run(request, tiny_target_dir, gsm8k_file, tmp_path_factory):
+    """(family, target folder, shards captured from it, a tmp folder) for each family."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    save_family_target(root / "target", family, AutoTokenizer.from_pretrained(tiny_target_dir))
+    run_capture(base_config(root / "target", gsm8k_file, root / "shards", root, "eagle3"))
+    return family, root / "target", root / "shards", root
+
+
+def train_head(monkeypatch, family_run, gsm8k_file, head_type):
+    _, target_dir, shards, root = family_run
+    out = root / head_type
+    cfg = base_config(target_dir, gsm8k_file, shards, out, head_type, max_steps=3, eval_every=3)
+    (root / f"{head_type}.yaml").write_text(yaml.safe_dump(cfg))
+    run_here(monkeypatch, TRAINERS[head_type], root / f"{head_type}.yaml")
+    return out
+
+
+def llama_layer_names(config, qkv_bias=False):
+    """Parameter names of the Llama decoder layer ``config`` describes (vLLM's llama.py: q/k/v biases
+    when the config's ``qkv_bias`` says so, o_proj bias only with ``attention_bias``)."""
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    names = {name for name, _ in LlamaDecoderLayer(LlamaConfig(**fields), 0).named_parameters()}
+    return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if qkv_bias else set())
+
+
+def layer(tensors, prefix):
+    return {k.removeprefix(prefix) for k in tensors if k.startswith(prefix)}
+
+
+def check_export(head_dir, family, target_dir):
+    config = json.loads((head_dir / "config.json").read_text())
+    state = load_file(str(head_dir / WEIGHTS_NAME))
+    target_config = AutoModelForCausalLM.from_pretrained(target_dir).config
+    for fmt in SUPPORTED[config["type"]]:
+        exported, tensors, _ = engine_files(config, state, fmt, str(target_dir), target_config)
+        if config["type"] == "eagle":
+            # EAGLE-1: the layer without input_layernorm (vLLM and SGLang drop it), biases as the family's.
+            if family == "qwen2" and fmt == "sglang":
+                assert exported["architectures"] == ["Qwen2ForCausalLMEagle"] and exported["model_type"] == "qwen2"
+                fields = {k: v for k, v in exported.items() if k not in ("architectures", "model_type")}
+                expected = {n for n, _ in Qwen2DecoderLayer(Qwen2Config(**fields), 0).named_parameters()}
+            else:
+                expected = llama_layer_names(exported, qkv_bias=exported.get("qkv_bias", False))
+            assert exported.get("qkv_bias", False) == (family == "qwen2")
+            assert layer(tensors, "layers.0.") == expected - {"input_layernorm.weight"}, fmt
+            fc = {"fc.weight", "fc.bias"} if fmt == "sglang" else {"fc.weight"}  # SGLang's fc always has a bias
+            assert set(tensors) - {f"layers.0.{n}" for n in expected} == fc
+        elif config["type"] == "eagle3":
+            # EAGLE-3 in every family: the Llama layer (no biases, no q/k norm) + hidden_norm, 2H-wide q/k/v.
+            decoder = exported.get("transformer_layer_config", exported)
+            prefix = "layers.0." if fmt == "speculators" else "midlayer."
+            assert "qkv_bias" not in decoder and decoder["model_type"] == "llama"
+            assert layer(tensors, prefix) == llama_layer_names(decoder) | {"hidden_norm.weight"}, fmt
+            q = tensors[f"{prefix}self_attn.q_proj.weight"]
+            assert q.shape == (decoder["num_attention_heads"] * decoder["head_dim"], 2 * decoder["hidden_size"])
+            assert set(tensors) - {prefix + n for n in layer(tensors, prefix)} == {
+                "fc.weight",
+                "norm.weight",
+                "lm_head.weight",
+                "d2t",
+                "t2d",
+            }
+        else:
+            assert exported["medusa_num_heads"] == config["num_heads"]
+            assert {k.split(".")[0] for k in tensors} == {"0", "1"}
+
+
+def test_heads_train_decode_greedily_and_export_for_each_family(family_run, gsm8k_file, monkeypatch):
+    family, target_dir, _, _ = family_run
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompt = tokenizer("Ann has 3 apples and buys 5 more.", return_tensors="pt").input_ids
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    for head_type in HEAD_TYPES[family]:
+        out = train_head(monkeypatch, family_run, gsm8k_file, head_type)
+        steps = records(out)
+        assert [r["step"] for r in steps] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+        assert json.loads((out / "head" / "config.json").read_text())["training"]["step"] == 3
+        head = load_head(out / "head", target)
+        assert head.config["arch"]["family"] == family
+        medusa_tree = [(0,), (1,), (0, 0), (0, 1), (1, 0)]  # two heads: a tree two deep
+        proposer = Medusa(head, medusa_tree) if head_type == "medusa" else Eagle(head, top_k=3, depth=3, total_tokens=8)
+        got, stats = generate(target, proposer, prompt, 12)
+        assert torch.equal(got, expected), (family, head_type)
+        assert stats.target_forwards == len(stats.accepted_lengths) <= 12
+        check_export(out / "head", family, target_dir)
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_eagle_heads_refuse_families_no_engine_serves(head_type, tiny_target_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    save_family_target(tmp_path / "gemma", "gemma", tokenizer)
+    gemma = AutoModelForCausalLM.from_pretrained(tmp_path / "gemma")
+    with pytest.raises(NotImplementedError, match=f"{head_type} heads for gemma targets are not supported: no serving"):
+        build_head({"type": head_type}, gemma)
+    torch.manual_seed(0)
+    phi3 = AutoModelForCausalLM.from_config(Phi3Config(vocab_size=64, **SHAPE, pad_token_id=0))
+    with pytest.raises(
+        NotImplementedError, match=r"phi3 targets are not supported: the draft layer is known for llama, mistral"
+    ):
+        build_head({"type": head_type}, phi3)
+    build_head({"type": "medusa", "num_heads": 2}, phi3)  # Medusa needs only the last hidden state
+
+
+def test_llama_heads_saved_before_families_load_as_bias_free_llama_heads(tiny_target_dir, tmp_path):
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    head = build_head({"type": "eagle"}, target)
+    head.save_pretrained(tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    del config["arch"]["family"], config["arch"]["qkv_bias"]
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    loaded = load_head(tmp_path / "head", target)
+    assert loaded.layers[0].self_attn.q_proj.bias is None
