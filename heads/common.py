@@ -26,11 +26,10 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-# Target families whose EAGLE draft layer the engines build, and how (docs/EXPORT.md, "Target families").
-# Every EAGLE draft vLLM and SGLang serve for these targets is a Llama decoder layer sized from the target
-# (vLLM registry.py maps Eagle3Qwen3vlForCausalLM and the others to llama_eagle3.Eagle3LlamaForCausalLM);
-# only EAGLE-1's q/k/v biases follow the family (SGLang qwen2_eagle.py builds Qwen2DecoderLayer).
-# Qwen3's q/k RMSNorm exists in no engine's draft layer, so its heads have none.
+# Target families whose EAGLE draft layer the engines build (docs/EXPORT.md, "Target families"): a Llama
+# decoder layer sized from the target, with the family's q/k/v biases (Qwen2) or q/k RMSNorm (Qwen3)
+# where an engine builds them: ``arch["qkv_bias"]`` and ``arch["qk_norm"]`` describe the draft's layer,
+# and each head keeps only what its engines have (``EagleHead``/``Eagle3Head.make_config``).
 EAGLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Families refused by the EAGLE heads, with the reason. (Medusa reads only the last hidden state and the
 # target's lm_head, so it trains on any causal LM.)
@@ -65,6 +64,7 @@ def arch_from_target(cfg: PretrainedConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "num_hidden_layers": cfg.num_hidden_layers,
         "qkv_bias": _qkv_bias(cfg),
+        "qk_norm": cfg.model_type == "qwen3",  # RMSNorm over each head's q and k, before rotary
     }
 
 
@@ -252,25 +252,35 @@ def causal_mask(n: int, past: int, device: torch.device) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Llama GQA self-attention; ``in_features`` is 2H for EAGLE-3's (embedding, feature) input.
-    ``qkv_bias``: biases on q/k/v (not o), as Qwen2's attention and vLLM's Llama layer with ``qkv_bias``."""
 
-    def __init__(self, arch: dict[str, Any], in_features: int, qkv_bias: bool = False):
+    ``arch["qkv_bias"]``: biases on q/k/v, not o (Qwen2's attention; vLLM's Llama layer with ``qkv_bias``).
+    ``arch["qk_norm"]``: RMSNorm over each head's query and key before rotary (Qwen3's attention).
+    Heads saved before these flags existed are plain Llama layers.
+    """
+
+    def __init__(self, arch: dict[str, Any], in_features: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (
             arch["num_attention_heads"],
             arch["num_key_value_heads"],
             arch["head_dim"],
         )
+        qkv_bias = arch.get("qkv_bias", False)
         self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, arch["hidden_size"], bias=False)
+        if arch.get("qk_norm", False):
+            self.q_norm = RMSNorm(self.head_dim, arch["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, arch["rms_norm_eps"])
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated queries and keys, and values, each [B, heads, n, head_dim]."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
@@ -318,16 +328,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A Llama decoder layer (q/k/v biases where the target family has them, ``arch["qkv_bias"]``).
-    EAGLE-1's only layer skips ``input_layernorm``: its input is ``fc``'s output, and vLLM replaces that
-    norm by Identity (llama_eagle.py), so a trained norm would be dropped on export."""
+    """A Llama decoder layer (with the family's attention options, see ``Attention``). EAGLE-1's only
+    layer skips ``input_layernorm``: its input is ``fc``'s output, and vLLM replaces that norm by
+    Identity (llama_eagle.py), so a trained norm would be dropped on export."""
 
     def __init__(self, arch: dict[str, Any], input_norm: bool = True):
         super().__init__()
         eps = arch["rms_norm_eps"]
         self.input_layernorm = RMSNorm(arch["hidden_size"], eps) if input_norm else nn.Identity()
-        # Heads saved before families were recorded are Llama heads without biases.
-        self.self_attn = Attention(arch, arch["hidden_size"], arch.get("qkv_bias", False))
+        self.self_attn = Attention(arch, arch["hidden_size"])
         self.post_attention_layernorm = RMSNorm(arch["hidden_size"], eps)
         self.mlp = MLP(arch)
 

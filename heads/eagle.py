@@ -40,7 +40,10 @@ class EagleHead(DraftHead):
     @classmethod
     def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
         check_eagle_family(target_config, cls.head_type)
-        return super().make_config(head_cfg, target_config)
+        config = super().make_config(head_cfg, target_config)
+        # No engine's EAGLE-1 layer has Qwen3's q/k norm: vLLM serves EagleLlamaForCausalLM only.
+        config["arch"]["qk_norm"] = False
+        return config
 
     def __init__(self, config: dict):
         super().__init__(config)

@@ -82,8 +82,9 @@ def ttt_attention_mask(seq_len: int, steps: int, device: torch.device | None = N
 class Eagle3Layer(nn.Module):
     """The ``midlayer``: attention over the normed (embedding, feature) pair, residual on the raw feature.
 
-    No q/k/v biases for any target family: vLLM and SGLang's ``llama_eagle3.py`` replace the layer's
-    qkv projection by a 2H-wide one with ``bias=False``.
+    Its attention follows the target family where vLLM has that family's EAGLE-3 layer: Qwen3's q/k
+    norm (``qwen3_eagle3.py``, ``Eagle3Qwen3ForCausalLM``). Never q/k/v biases: vLLM and SGLang replace
+    the layer's qkv projection by a 2H-wide one without (``llama_eagle3.py``, ``attention_bias`` false).
     """
 
     def __init__(self, arch: dict):
@@ -91,7 +92,7 @@ class Eagle3Layer(nn.Module):
         hidden, eps = arch["hidden_size"], arch["rms_norm_eps"]
         self.input_layernorm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(arch, 2 * hidden, qkv_bias=False)
+        self.self_attn = Attention(arch, 2 * hidden)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(arch)
 
@@ -133,6 +134,7 @@ class Eagle3Head(DraftHead):
     def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
         check_eagle_family(target_config, cls.head_type)
         config = super().make_config(head_cfg, target_config)
+        config["arch"]["qkv_bias"] = False  # see Eagle3Layer
         layers = target_config.num_hidden_layers
         ids = config["layer_ids"] or [2, layers // 2, layers - 3]
         config["layer_ids"] = sorted(set(ids))

@@ -76,7 +76,7 @@ def engine_files(
         return (*eagle.export_files(config, state, fmt), WEIGHTS_NAME)
     if fmt == "speculators":
         return (*eagle3.speculators_layout(config, state, target, target_config), WEIGHTS_NAME)
-    return (*eagle3.repo_layout(config, state), WEIGHTS_NAME)
+    return (*eagle3.repo_layout(config, state, fmt), WEIGHTS_NAME)
 
 
 def check_out(out: Path, head_dir: Path) -> None:

@@ -5,6 +5,7 @@ tokenizer. The exported weight names are checked against the decoder layer the e
 describes, built by transformers itself (the layer vLLM and SGLang build from the same config).
 """
 
+import importlib
 import json
 
 import pytest
@@ -25,12 +26,13 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from data_recipes.capture import run_capture
 from eval.proposers import Eagle, Medusa
 from eval.verify import generate
 from heads import build_head, load_head
-from heads.common import WEIGHTS_NAME
+from heads.common import WEIGHTS_NAME, DecoderLayer, RotaryEmbedding, arch_from_target
 from scripts.export import SUPPORTED, engine_files
 from train import eagle, medusa
 
@@ -85,16 +87,49 @@ def train_head(monkeypatch, family_run, gsm8k_file, head_type):
     return out
 
 
-def llama_layer_names(config, qkv_bias=False):
-    """Parameter names of the Llama decoder layer ``config`` describes (vLLM's llama.py: q/k/v biases
-    when the config's ``qkv_bias`` says so, o_proj bias only with ``attention_bias``)."""
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-    names = {name for name, _ in LlamaDecoderLayer(LlamaConfig(**fields), 0).named_parameters()}
-    return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if qkv_bias else set())
+LAYERS = {"llama": (LlamaConfig, LlamaDecoderLayer), "qwen2": (Qwen2Config, Qwen2DecoderLayer)}
+LAYERS["qwen3"] = (Qwen3Config, Qwen3DecoderLayer)
+
+
+def engine_layer_names(decoder):
+    """Parameter names of the decoder layer an exported config describes, built by transformers from
+    it; plus q/k/v biases where vLLM's Llama layer reads ``qkv_bias`` (llama.py), which HF's has not."""
+    config_cls, layer_cls = LAYERS[decoder["model_type"]]
+    config = config_cls(**{k: v for k, v in decoder.items() if k not in ("architectures", "model_type")})
+    names = {name for name, _ in layer_cls(config, 0).named_parameters()}
+    return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if decoder.get("qkv_bias") else set())
 
 
 def layer(tensors, prefix):
     return {k.removeprefix(prefix) for k in tensors if k.startswith(prefix)}
+
+
+def check_eagle_export(exported, tensors, fmt, family):
+    """EAGLE-1: the family's layer without input_layernorm (both engines drop it); q/k/v biases for Qwen2."""
+    if family == "qwen2" and fmt == "sglang":
+        assert exported["architectures"] == ["Qwen2ForCausalLMEagle"] and exported["model_type"] == "qwen2"
+    else:
+        assert exported["model_type"] == "llama"  # no engine has an EAGLE-1 layer with Qwen3's q/k norm
+    assert exported.get("qkv_bias", False) == (family == "qwen2")
+    expected = engine_layer_names(exported)
+    assert layer(tensors, "layers.0.") == expected - {"input_layernorm.weight"}, fmt
+    fc = {"fc.weight", "fc.bias"} if fmt == "sglang" else {"fc.weight"}  # SGLang's fc always has a bias
+    assert set(tensors) - {f"layers.0.{n}" for n in expected} == fc
+
+
+def check_eagle3_export(exported, tensors, fmt, family):
+    """EAGLE-3: the family's layer (Qwen3: q/k norm; never biases) + hidden_norm, 2H-wide q/k/v."""
+    decoder = exported.get("transformer_layer_config", exported)
+    prefix = "layers.0." if fmt == "speculators" else "midlayer."
+    assert decoder["model_type"] == ("qwen3" if family == "qwen3" else "llama") and "qkv_bias" not in decoder
+    if fmt == "vllm":
+        arch = "Eagle3Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLMEagle3"
+        assert exported["architectures"] == [arch]
+    assert layer(tensors, prefix) == engine_layer_names(decoder) | {"hidden_norm.weight"}, fmt
+    q = tensors[f"{prefix}self_attn.q_proj.weight"]
+    assert q.shape == (decoder["num_attention_heads"] * decoder["head_dim"], 2 * decoder["hidden_size"])
+    rest = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert set(tensors) - {prefix + n for n in layer(tensors, prefix)} == rest
 
 
 def check_export(head_dir, family, target_dir):
@@ -102,34 +137,15 @@ def check_export(head_dir, family, target_dir):
     state = load_file(str(head_dir / WEIGHTS_NAME))
     target_config = AutoModelForCausalLM.from_pretrained(target_dir).config
     for fmt in SUPPORTED[config["type"]]:
+        if config["type"] == "eagle3" and family == "qwen3" and fmt == "sglang":
+            with pytest.raises(ValueError, match="q/k norm, which no SGLang EAGLE-3 draft has"):
+                engine_files(config, state, fmt, str(target_dir), target_config)
+            continue
         exported, tensors, _ = engine_files(config, state, fmt, str(target_dir), target_config)
         if config["type"] == "eagle":
-            # EAGLE-1: the layer without input_layernorm (vLLM and SGLang drop it), biases as the family's.
-            if family == "qwen2" and fmt == "sglang":
-                assert exported["architectures"] == ["Qwen2ForCausalLMEagle"] and exported["model_type"] == "qwen2"
-                fields = {k: v for k, v in exported.items() if k not in ("architectures", "model_type")}
-                expected = {n for n, _ in Qwen2DecoderLayer(Qwen2Config(**fields), 0).named_parameters()}
-            else:
-                expected = llama_layer_names(exported, qkv_bias=exported.get("qkv_bias", False))
-            assert exported.get("qkv_bias", False) == (family == "qwen2")
-            assert layer(tensors, "layers.0.") == expected - {"input_layernorm.weight"}, fmt
-            fc = {"fc.weight", "fc.bias"} if fmt == "sglang" else {"fc.weight"}  # SGLang's fc always has a bias
-            assert set(tensors) - {f"layers.0.{n}" for n in expected} == fc
+            check_eagle_export(exported, tensors, fmt, family)
         elif config["type"] == "eagle3":
-            # EAGLE-3 in every family: the Llama layer (no biases, no q/k norm) + hidden_norm, 2H-wide q/k/v.
-            decoder = exported.get("transformer_layer_config", exported)
-            prefix = "layers.0." if fmt == "speculators" else "midlayer."
-            assert "qkv_bias" not in decoder and decoder["model_type"] == "llama"
-            assert layer(tensors, prefix) == llama_layer_names(decoder) | {"hidden_norm.weight"}, fmt
-            q = tensors[f"{prefix}self_attn.q_proj.weight"]
-            assert q.shape == (decoder["num_attention_heads"] * decoder["head_dim"], 2 * decoder["hidden_size"])
-            assert set(tensors) - {prefix + n for n in layer(tensors, prefix)} == {
-                "fc.weight",
-                "norm.weight",
-                "lm_head.weight",
-                "d2t",
-                "t2d",
-            }
+            check_eagle3_export(exported, tensors, fmt, family)
         else:
             assert exported["medusa_num_heads"] == config["num_heads"]
             assert {k.split(".")[0] for k in tensors} == {"0", "1"}
@@ -181,3 +197,27 @@ def test_llama_heads_saved_before_families_load_as_bias_free_llama_heads(tiny_ta
     (tmp_path / "head" / "config.json").write_text(json.dumps(config))
     loaded = load_head(tmp_path / "head", target)
     assert loaded.layers[0].self_attn.q_proj.bias is None
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_draft_layer_with_the_family_options_computes_the_family_layer(family):
+    """Our decoder layer, built from arch_from_target, equals transformers' own layer of that family
+    (Qwen2: q/k/v biases; Qwen3: q/k norm, head_dim != hidden / heads) on the same weights."""
+    config_cls, extra = FAMILIES[family]
+    config = config_cls(vocab_size=64, **SHAPE, **extra, attn_implementation="sdpa")
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    theirs = getattr(module, f"{prefix}DecoderLayer")(config, 0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # norms start at 1 and biases at 0: randomise all
+            p.normal_(0, 0.2)
+    arch = arch_from_target(config)
+    ours = DecoderLayer(arch)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(2, 7, config.hidden_size)
+    positions = torch.arange(7).expand(2, -1)
+    position_embeddings = getattr(module, f"{prefix}RotaryEmbedding")(config)(x, positions)
+    expected = theirs(x, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    cos, sin = RotaryEmbedding(arch["rope"], arch["head_dim"])(positions, x.dtype)
+    torch.testing.assert_close(ours(x, cos, sin), expected, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,15 @@ from heads.common import arch_from_target
 
 # The draft's own layer shape: taken from a published checkpoint's config on import (an EAGLE head
 # may use another MLP width than its target); the attention shape must equal the target's.
-DRAFT_ARCH_KEYS = ("intermediate_size", "rms_norm_eps", "hidden_act", "rope", "max_position_embeddings", "qkv_bias")
+DRAFT_ARCH_KEYS = (
+    "intermediate_size",
+    "rms_norm_eps",
+    "hidden_act",
+    "rope",
+    "max_position_embeddings",
+    "qkv_bias",
+    "qk_norm",
+)
 
 
 def dtype_name(state: dict[str, torch.Tensor]) -> str:
@@ -30,15 +38,16 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": rope["rope_theta"], "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
 
 
-def decoder_config(arch: dict[str, Any], dtype: str, qkv_bias: bool = False) -> dict[str, Any]:
-    """A one-layer Llama config of the draft's decoder layer (vocab = the target's).
+def decoder_config(arch: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """A one-layer config of the draft's decoder layer (vocab = the target's): Llama's, or Qwen3's when
+    the layer has q/k norm (``model_type`` picks the engine's layer class).
 
-    ``qkv_bias``: biases on q/k/v only, spelled as vLLM's and SGLang's Llama layer read it (llama.py:
-    ``attention_bias`` sets the o_proj bias and, unless ``qkv_bias`` is given, the q/k/v ones).
+    q/k/v biases (``arch["qkv_bias"]``) are spelled as vLLM's and SGLang's Llama layer read them
+    (llama.py: ``attention_bias`` sets the o_proj bias and, unless ``qkv_bias`` is given, the q/k/v ones).
     """
-    bias = {"qkv_bias": True} if qkv_bias else {}
+    bias = {"qkv_bias": True} if arch.get("qkv_bias", False) else {}
     return {
-        "model_type": "llama",
+        "model_type": "qwen3" if arch.get("qk_norm", False) else "llama",
         "hidden_size": arch["hidden_size"],
         "intermediate_size": arch["intermediate_size"],
         "num_hidden_layers": 1,

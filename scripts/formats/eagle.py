@@ -38,12 +38,8 @@ def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: st
     if fmt == "sglang" and "fc.bias" not in tensors:
         weight = tensors["fc.weight"]
         tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
-    qkv_bias = config["arch"].get("qkv_bias", False)
-    engine_config = {
-        "architectures": [ARCHITECTURES[fmt]],
-        **decoder_config(config["arch"], dtype_name(state), qkv_bias=qkv_bias),
-    }
-    if fmt == "sglang" and qkv_bias:
+    engine_config = {"architectures": [ARCHITECTURES[fmt]], **decoder_config(config["arch"], dtype_name(state))}
+    if fmt == "sglang" and config["arch"].get("qkv_bias", False):
         engine_config |= SGLANG_QKV_BIAS
     return engine_config, tensors
 

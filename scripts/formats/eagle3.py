@@ -23,6 +23,9 @@ from transformers import PretrainedConfig
 from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
 
 REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
+# A layer with Qwen3's q/k norm: vLLM's qwen3_eagle3.py (registry.py; the speculators reader maps a qwen3
+# transformer_layer_config to it, algos.py). SGLang has no such class: its EAGLE-3 drafts are Llama layers.
+QK_NORM_ARCHITECTURE = "Eagle3Qwen3ForCausalLM"
 SPECULATORS_VERSION = "0.9.0"
 # Our Eagle3Layer is the paper's layer: the un-normed feature is the residual, one fc without norms,
 # the pre-norm output is fed back. The flags below select exactly that in vLLM, SGLang and speculators.
@@ -41,11 +44,19 @@ def _vocab_tensors(config: dict[str, Any], state: dict[str, torch.Tensor]) -> di
     return {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
 
 
-def repo_layout(config: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
-    """config.json + tensors in the EAGLE repo's layout, which vLLM and SGLang both load."""
+def repo_layout(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
+    """config.json + tensors in the EAGLE repo's layout, which vLLM and SGLang both load (``fmt``), but for
+    a layer with q/k norm (Qwen3 targets), which only vLLM has."""
+    qk_norm = config["arch"].get("qk_norm", False)
+    if qk_norm and fmt == "sglang":
+        raise ValueError(
+            "this EAGLE-3 head has Qwen3's q/k norm, which no SGLang EAGLE-3 draft has (SGLang serves "
+            "LlamaForCausalLMEagle3 only): export it with --format vllm or speculators (vLLM's "
+            "Eagle3Qwen3ForCausalLM)"
+        )
     layer_ids = list(config["layer_ids"])
     engine_config = {
-        "architectures": [REPO_ARCHITECTURE],
+        "architectures": [QK_NORM_ARCHITECTURE if qk_norm else REPO_ARCHITECTURE],
         **decoder_config(config["arch"], dtype_name(state)),
         "draft_vocab_size": config["draft_vocab_size"],
         "target_hidden_size": config["target_hidden_size"],
@@ -145,6 +156,7 @@ def import_files(
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
     arch = arch_from_decoder(decoder, target_config)
+    arch["qk_norm"] = "midlayer.self_attn.q_norm.weight" in state  # vLLM's Eagle3Qwen3ForCausalLM layer
     target_hidden = engine_config.get("target_hidden_size") or target_config.hidden_size
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
