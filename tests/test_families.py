@@ -33,7 +33,8 @@ from eval.proposers import Eagle, Medusa
 from eval.verify import generate
 from heads import build_head, load_head
 from heads.common import WEIGHTS_NAME, DecoderLayer, RotaryEmbedding, arch_from_target
-from scripts.export import SUPPORTED, engine_files
+from scripts.export import SUPPORTED, engine_files, export_head
+from scripts.import_head import import_head
 from train import eagle, medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -170,6 +171,12 @@ def test_heads_train_decode_greedily_and_export_for_each_family(family_run, gsm8
         assert torch.equal(got, expected), (family, head_type)
         assert stats.target_forwards == len(stats.accepted_lengths) <= 12
         check_export(out / "head", family, target_dir)
+        if head_type != "medusa":  # vLLM's folder imports back to the same head (q/k/v biases, q/k norm kept)
+            exported = export_head(out / "head", "vllm", out / "export", str(target_dir))
+            imported = import_head(head_type, exported, out / "imported", str(target_dir))
+            again = load_file(str(imported / WEIGHTS_NAME))
+            assert again.keys() == head.state_dict().keys()
+            assert all(torch.equal(again[k], v) for k, v in head.state_dict().items())
 
 
 @pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
