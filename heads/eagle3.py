@@ -128,13 +128,20 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(DraftHead):
     head_type = "eagle3"
     # layer_ids None -> (2, L//2, L-3) as vLLM and SpecForge pick them; the capture must use the same.
-    defaults = {"layer_ids": None, "draft_vocab_size": 32000, "ttt_steps": 7, "ttt_decay": 0.8}
+    # draft_layer "target": the target family's layer where vLLM has one (Qwen3: q/k norm, served as
+    # Eagle3Qwen3ForCausalLM); "llama": a plain Llama layer, which every engine serves (SGLang included).
+    defaults = {"layer_ids": None, "draft_vocab_size": 32000, "ttt_steps": 7, "ttt_decay": 0.8, "draft_layer": "target"}
+    draft_layers = ("target", "llama")
 
     @classmethod
     def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
         check_eagle_family(target_config, cls.head_type)
         config = super().make_config(head_cfg, target_config)
         config["arch"]["qkv_bias"] = False  # see Eagle3Layer
+        if config["draft_layer"] not in cls.draft_layers:
+            raise ValueError(f"head.draft_layer must be one of {list(cls.draft_layers)}, got {config['draft_layer']!r}")
+        if config["draft_layer"] == "llama":
+            config["arch"]["qk_norm"] = False
         layers = target_config.num_hidden_layers
         ids = config["layer_ids"] or [2, layers // 2, layers - 3]
         config["layer_ids"] = sorted(set(ids))

@@ -228,3 +228,24 @@ def test_draft_layer_with_the_family_options_computes_the_family_layer(family):
     expected = expected[0] if isinstance(expected, tuple) else expected
     cos, sin = RotaryEmbedding(arch["rope"], arch["head_dim"])(positions, x.dtype)
     torch.testing.assert_close(ours(x, cos, sin), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_eagle3_head_with_a_llama_layer_exports_for_sglang(tiny_target_dir, tmp_path):
+    """draft_layer: llama drops Qwen3's q/k norm: the plain Llama layer SGLang's LlamaForCausalLMEagle3 builds."""
+    save_family_target(tmp_path / "qwen3", "qwen3", AutoTokenizer.from_pretrained(tiny_target_dir))
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3")
+    with pytest.raises(ValueError, match=r"head.draft_layer must be one of \['target', 'llama'\], got 'qwen3'"):
+        build_head({"type": "eagle3", "draft_layer": "qwen3"}, target)
+    head = build_head({"type": "eagle3", "layer_ids": [1, 3, 4], "draft_layer": "llama"}, target)
+    assert not any("q_norm" in name for name in head.state_dict())
+    state = {k: v.contiguous() for k, v in head.state_dict().items()}
+    for fmt in ("vllm", "sglang"):
+        exported, tensors, _ = engine_files(head.config, state, fmt, str(tmp_path / "qwen3"), target.config)
+        assert exported["architectures"] == ["LlamaForCausalLMEagle3"] and exported["model_type"] == "llama"
+        assert layer(tensors, "midlayer.") == engine_layer_names(exported) | {"hidden_norm.weight"}
+    # A published Llama-layer Qwen3 head (SpecForge's kind) imports as one: draft_layer llama, no q/k norm.
+    head.save_pretrained(tmp_path / "head")
+    exported = export_head(tmp_path / "head", "sglang", tmp_path / "export", str(tmp_path / "qwen3"))
+    imported = load_head(import_head("eagle3", exported, tmp_path / "imported", str(tmp_path / "qwen3")), target)
+    assert imported.config["draft_layer"] == "llama" and not imported.config["arch"]["qk_norm"]
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in state.items())

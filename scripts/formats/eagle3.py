@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from heads.common import arch_from_target
 from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
 
 REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
@@ -52,7 +53,7 @@ def repo_layout(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str
         raise ValueError(
             "this EAGLE-3 head has Qwen3's q/k norm, which no SGLang EAGLE-3 draft has (SGLang serves "
             "LlamaForCausalLMEagle3 only): export it with --format vllm or speculators (vLLM's "
-            "Eagle3Qwen3ForCausalLM)"
+            "Eagle3Qwen3ForCausalLM), or train the head with draft_layer: llama for SGLang"
         )
     layer_ids = list(config["layer_ids"])
     engine_config = {
@@ -154,9 +155,11 @@ def import_files(
         t2d[torch.arange(draft_vocab) + state["d2t"]] = True
         state["t2d"] = t2d
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
-    options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
     arch = arch_from_decoder(decoder, target_config)
     arch["qk_norm"] = "midlayer.self_attn.q_norm.weight" in state  # vLLM's Eagle3Qwen3ForCausalLM layer
+    options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
+    # "llama": a Qwen3 target's draft without q/k norm (SpecForge's, SGLang's); else the family's own layer.
+    options["draft_layer"] = "target" if arch["qk_norm"] == arch_from_target(target_config)["qk_norm"] else "llama"
     target_hidden = engine_config.get("target_hidden_size") or target_config.hidden_size
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
