@@ -68,14 +68,13 @@ def test_resume_refuses_what_would_change_the_data_order_or_cannot_reload():
         check_data_order(marker, {"seed": 0, "batch_size": 32, "train_samples": 900})
     assert loads_universal(marker, 1, 2) and not loads_universal(marker, 2, 2)
     assert not loads_universal({**marker, "zero_stage": 0}, 1, 0)  # ZeRO-0 keeps the whole optimizer state
-    with pytest.raises(ValueError, match="under ZeRO-3.*resume it with 2 processes"):
-        loads_universal({**marker, "zero_stage": 3}, 1, 3)
+    assert loads_universal({**marker, "zero_stage": 3}, 4, 3)
     with pytest.raises(ValueError, match="needs the same stage, not 1"):
         loads_universal(marker, 1, 1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("first", "then", "zero_stage"), [(2, 1, 2), (1, 2, 2), (2, 1, 0)])
+@pytest.mark.parametrize(("first", "then", "zero_stage"), [(2, 1, 2), (1, 2, 2), (2, 1, 0), (2, 1, 3)])
 def test_run_resumes_on_another_process_count(first, then, zero_stage, make_config, monkeypatch, capsys):
     settings = dict(max_steps=STEPS, save_every=2, keep_checkpoints=0, eval_every=0, zero_stage=zero_stage)
     config, full = make_config("eagle3", name="full", **settings)

@@ -16,12 +16,11 @@ an incomplete directory, never a "complete" one with files missing.
 
 Another process count. ``COMPLETE`` records the world size, ZeRO stage and data-order settings the
 checkpoint was written under. ZeRO-0 keeps the whole optimizer state in ``mp_rank_00_model_states.pt``,
-so any world size loads it as is. ZeRO-1/2 split the optimizer state into one file per rank, which
-DeepSpeed 0.19.8 refuses to load under another data-parallel size ("Automatic adjustment of ZeRO's
-optimizer state partitioning ... is not currently supported"); resume then converts the tag with
-DeepSpeed's own ``ds_to_universal`` (the per-parameter "universal" layout, ``universal-<tag>``) and
-the engine is built with ``checkpoint.load_universal`` to read it. ZeRO-3 checkpoints are refused
-under another world size (their universal restore is not tested here).
+so any world size loads it as is. ZeRO-1/2 split the optimizer state into one file per rank (ZeRO-3
+the weights too), which DeepSpeed 0.19.8 refuses to load under another data-parallel size ("Automatic
+adjustment of ZeRO's optimizer state partitioning ... is not currently supported"); resume then
+converts the tag with DeepSpeed's own ``ds_to_universal`` (the per-parameter "universal" layout,
+``universal-<tag>``) and the engine is built with ``checkpoint.load_universal`` to read it.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ def newest_marker(out_dir: Path) -> dict[str, Any] | None:
 
 def loads_universal(marker: dict[str, Any] | None, world: int, zero_stage: int) -> bool:
     """Whether resuming from ``marker`` with ``world`` processes goes through DeepSpeed's universal checkpoint
-    (ZeRO-1/2 saved under another world size); ValueError where it cannot resume at all."""
+    (ZeRO-1/2/3 saved under another world size); ValueError where it cannot resume at all."""
     # Checkpoints written before the world size was recorded: DeepSpeed's own check applies.
     if marker is None or marker.get("world", world) == world:
         return False
@@ -76,12 +75,6 @@ def loads_universal(marker: dict[str, Any] | None, world: int, zero_stage: int) 
         raise ValueError(
             f"the checkpoint was written under ZeRO stage {marker['zero_stage']} and {marker['world']} processes; "
             f"resuming with another process count ({world}) needs the same stage, not {zero_stage}"
-        )
-    if zero_stage == 3:
-        raise ValueError(
-            f"the checkpoint was written by {marker['world']} processes under ZeRO-3, whose weights and optimizer "
-            f"state are split per rank; resume it with {marker['world']} processes (or train with zero_stage 0-2, "
-            "which resume on any process count)"
         )
     return zero_stage > 0
 
