@@ -326,12 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     report = measure(heads, args, work)
     out = Path(args.out or work / "parity.json")
     write_report(report, out)
-    reexport_cards(report, out, work)
+    reexport_cards(report, out)
     for entry in report["heads"]:
-        for name, check in [("speculators", entry["speculators"])] + [
-            (f"vLLM {r['layout']}", r) for r in entry["served"]
-        ]:
-            print(f"{check['status']:8} {entry['type']} {name}: {check['detail']}")
+        for check in [entry["speculators"], *entry["served"]]:
+            where = f"{check['engine']} {check['layout']} layout" if "layout" in check else "speculators"
+            print(f"{check['status']:8} {entry['type']} {where}: {check['detail']}")
     print(f"{report['status']}: {out} and {out.with_suffix('.md')}")
     sys.exit(0 if report["status"] == "PASS" else 1)
 
@@ -382,7 +381,7 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     atomic_write_text(out.with_suffix(".md"), report_markdown(report))
 
 
-def reexport_cards(report: dict[str, Any], parity: Path, work: Path) -> None:
+def reexport_cards(report: dict[str, Any], parity: Path) -> None:
     """Rewrite the exports the engines just served, their model cards now carrying the measured figures."""
     from scripts.export import export_head
 
