@@ -48,6 +48,7 @@ def stage(
     report_dir: str | Path | None = None,
     target: str | None = None,
     target_id: str | None = None,
+    parity: str | Path | None = None,
 ) -> Path:
     """Write everything the hub repo gets into ``out``; return it."""
     head_dir, out = Path(head_dir), Path(out)
@@ -61,7 +62,17 @@ def stage(
             "## Training\n\nThe resolved training config is [`training_config.yaml`](training_config.yaml).\n"
         )
     made_by = f"python -m scripts.push_to_hub --head {head_dir} --repo-id {repo_id} --format {fmt}"
-    export_head(head_dir, fmt, out, target, target_id, draft_name=repo_id, made_by=made_by, card_sections=sections)
+    export_head(
+        head_dir,
+        fmt,
+        out,
+        target,
+        target_id,
+        draft_name=repo_id,
+        made_by=made_by,
+        card_sections=sections,
+        parity=parity,
+    )
     if report_files:
         (out / "eval").mkdir()
         for path in report_files:
@@ -92,13 +103,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", help="the target to check the head against (default: the head's config)")
     parser.add_argument("--target-id", help="the target as users load it, e.g. its hub id (default: --target)")
     parser.add_argument("--report", help="an eval report folder (report.md, report.json, *.png) to show in the card")
+    parser.add_argument(
+        "--parity", help="parity.json from `make verify-engines`: the served-acceptance figures go in the card"
+    )
     parser.add_argument("--private", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="print the staged files and card; upload nothing")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="headstart-hub-") as tmp:
         try:
             folder = stage(
-                args.head, args.repo_id, args.format, Path(tmp) / "repo", args.report, args.target, args.target_id
+                args.head,
+                args.repo_id,
+                args.format,
+                Path(tmp) / "repo",
+                args.report,
+                args.target,
+                args.target_id,
+                args.parity,
             )
         except (ValueError, FileNotFoundError) as err:
             parser.exit(2, f"push_to_hub failed: {err}\n")
