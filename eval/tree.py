@@ -137,6 +137,54 @@ def pick_children(scores: torch.Tensor, logq: torch.Tensor, k: int, sample: bool
     return top.indices, keys.gather(-1, top.indices)
 
 
+class DraftSlots:
+    """The drafter's cache slots for expanded tree nodes, and which of them each new slot may attend to.
+
+    Expanded nodes take the drafter's slots in expansion order, after its committed prefix. Row s + 1 of
+    ``anc`` lists the slots that are slot s or its ancestors; row 0 (the root) sees none of them.
+    """
+
+    def __init__(self, device: torch.device):
+        self.slot_of = torch.empty(0, dtype=torch.long, device=device)  # per tree node; -1 = not expanded
+        self.anc = torch.zeros(1, 0, dtype=torch.bool, device=device)
+
+    def add_nodes(self, count: int) -> None:
+        self.slot_of = torch.cat((self.slot_of, self.slot_of.new_full((count,), -1)))
+
+    def expand(self, frontier: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give the ``frontier`` nodes the next slots: (their parents' slots [k], -1 = root; visible [k, E])."""
+        e, k = self.anc.shape[1], len(frontier)
+        parent = parents[frontier]
+        parent_slots = torch.where(parent >= 0, self.slot_of[parent.clamp(min=0)], -1)
+        own = torch.cat((self.anc[parent_slots + 1], torch.eye(k, dtype=torch.bool, device=frontier.device)), 1)
+        self.anc = torch.cat((torch.cat((self.anc, self.anc.new_zeros(e + 1, k)), 1), own))
+        self.slot_of[frontier] = torch.arange(e, e + k, device=frontier.device)
+        return parent_slots, own
+
+
+def _kept_tree(
+    keep: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    logq_rows: list[torch.Tensor],
+    dist_index: torch.Tensor,
+    sample: bool,
+) -> Tree:
+    """The Tree of the ``keep`` nodes (ancestor-closed, in topological order), parents renumbered."""
+    new_index = keep.long().cumsum(0) - 1
+    kept_parents = parents[keep]
+    dists = torch.cat(logq_rows).exp()
+    return Tree(
+        tokens[keep],
+        torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1),
+        depths[keep],
+        dists[dist_index[keep], tokens[keep]].log(),
+        dists if sample else None,
+        dist_index[keep] if sample else None,
+    )
+
+
 def dynamic_tree(
     root_logq: torch.Tensor, expand: Expand, top_k: int, depth: int, total_tokens: int, sample: bool = False
 ) -> Tree:
@@ -154,16 +202,12 @@ def dynamic_tree(
     depths = torch.ones(top_k, dtype=torch.long, device=device)
     logq_rows, dist_index = [root_logq[None]], torch.zeros(top_k, dtype=torch.long, device=device)
     frontier = torch.arange(top_k, device=device)
-    slot_of = torch.full((top_k,), -1, device=device)  # drafter cache slot of each expanded node
-    # Row s + 1: the expanded slots that are slot s or its ancestors; row 0 (the root) sees none of them.
-    slot_anc = torch.zeros(1, 0, dtype=torch.bool, device=device)
+    slots = DraftSlots(device)
+    slots.add_nodes(top_k)
     for level in range(2, depth + 1):
-        e, k = slot_anc.shape[1], len(frontier)
-        parent_slots = torch.where(parents[frontier] >= 0, slot_of[parents[frontier].clamp(min=0)], -1)
-        own = torch.cat((slot_anc[parent_slots + 1], torch.eye(k, dtype=torch.bool, device=device)), 1)
-        slot_anc = torch.cat((torch.cat((slot_anc, slot_anc.new_zeros(e + 1, k)), 1), own))
-        slot_of[frontier] = torch.arange(e, e + k, device=device)
-        logq = expand(tokens[frontier], parent_slots, level - 1, own)
+        k = len(frontier)
+        parent_slots, visible = slots.expand(frontier, parents)
+        logq = expand(tokens[frontier], parent_slots, level - 1, visible)
         kids, kid_scores = pick_children(scores[frontier], logq, top_k, sample)
         n = len(tokens)
         tokens, scores = torch.cat((tokens, kids.flatten())), torch.cat((scores, kid_scores.flatten()))
@@ -172,7 +216,7 @@ def dynamic_tree(
         group = sum(len(rows) for rows in logq_rows) + torch.arange(k, device=device).repeat_interleave(top_k)
         dist_index = torch.cat((dist_index, group))
         logq_rows.append(logq)
-        slot_of = torch.cat((slot_of, torch.full((kids.numel(),), -1, device=device)))
+        slots.add_nodes(kids.numel())
         frontier = n + kid_scores.flatten().topk(top_k).indices
     finite = scores.isfinite()
     keep = torch.zeros(len(tokens), dtype=torch.bool, device=device)
@@ -180,17 +224,68 @@ def dynamic_tree(
     keep &= finite  # a token the drafter gives probability 0 was never drawn
     for _ in range(depth - 1):  # a kept node keeps its ancestors
         keep[parents[keep & (parents >= 0)]] = True
-    new_index = keep.long().cumsum(0) - 1
-    kept_parents = parents[keep]
-    dists = torch.cat(logq_rows).exp()
-    return Tree(
-        tokens[keep],
-        torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1),
-        depths[keep],
-        dists[dist_index[keep], tokens[keep]].log(),
-        dists if sample else None,
-        dist_index[keep] if sample else None,
-    )
+    return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
+
+
+@dataclass(frozen=True)
+class _Level:
+    nodes: list[int]  # the level's nodes (tree order)
+    frontier: list[int]  # their distinct parents, ascending: the nodes expanded to draft them
+    row: list[int]  # per node: its parent's row in ``frontier``
+    rank: list[int]  # per node: its candidate rank among its parent's children
+    width: int  # candidates to pick per expanded node
+
+
+@lru_cache(maxsize=16)
+def _levels(choices: tuple[tuple[int, ...], ...]) -> tuple[list[int], list[int], list[_Level]]:
+    """(parents, depths, levels) of a choice list, in ``_static_shape``'s node order."""
+    parents, depths, ranks = _static_shape(choices)
+    levels = []
+    for depth in range(1, max(depths) + 1):
+        nodes = [i for i, d in enumerate(depths) if d == depth]
+        frontier = sorted({parents[i] for i in nodes})
+        row = [frontier.index(parents[i]) for i in nodes]
+        rank = [ranks[i] for i in nodes]
+        levels.append(_Level(nodes, frontier, row, rank, max(rank) + 1))
+    return parents, depths, levels
+
+
+def shaped_tree(
+    root_logq: torch.Tensor, expand: Expand, choices: Sequence[Sequence[int]], sample: bool = False
+) -> Tree:
+    """A tree of fixed shape (Medusa-style ``choices``: path [i, j] = the j-th child of the i-th child of
+    the root) drafted level by level by an autoregressive drafter: each level expands only the nodes the
+    shape gives children, and node [.., j] holds its parent's j-th best (or j-th sampled) candidate.
+
+    Ranks follow the cumulative scores of ``pick_children``, as in ``dynamic_tree``, so a shape that
+    ``dynamic_tree`` would also build gets the same tokens. A node the drafter gives probability 0 is
+    dropped with its subtree.
+    """
+    parents_list, depths_list, levels = _levels(tuple(tuple(c) for c in choices))
+    device, n = root_logq.device, len(parents_list)
+    parents = torch.tensor(parents_list, device=device)
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    scores = torch.zeros(n, device=device)
+    dist_index = torch.zeros(n, dtype=torch.long, device=device)
+    logq_rows = [root_logq[None]]
+    slots = DraftSlots(device)
+    slots.add_nodes(n)
+    for depth, level in enumerate(levels, 1):
+        nodes, frontier = torch.tensor(level.nodes, device=device), torch.tensor(level.frontier, device=device)
+        row, rank = torch.tensor(level.row, device=device), torch.tensor(level.rank, device=device)
+        if depth == 1:
+            logq, parent_scores = root_logq[None], torch.zeros(1, device=device)
+        else:
+            parent_slots, visible = slots.expand(frontier, parents)
+            logq, parent_scores = expand(tokens[frontier], parent_slots, depth - 1, visible), scores[frontier]
+            logq_rows.append(logq)
+        kids, kid_scores = pick_children(parent_scores, logq, level.width, sample)
+        tokens[nodes], scores[nodes] = kids[row, rank], kid_scores[row, rank]
+        dist_index[nodes] = sum(len(rows) for rows in logq_rows) - len(logq) + row
+    # Scores are cumulative (keys truncated at the parent's), so a dropped node's subtree is dropped too.
+    keep = scores.isfinite()
+    depths = torch.tensor(depths_list, device=device)
+    return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
 
 
 def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
