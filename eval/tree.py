@@ -288,26 +288,37 @@ def shaped_tree(
     return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
 
 
-def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive float mask [1, 1, n + 1, prefix_len + n + 1] for the queries [root, nodes...].
-
-    Every query sees the cached prefix and the root; a node also sees its ancestors and itself.
-    """
-    n, device = len(tree), tree.tokens.device
-    allowed = torch.zeros(n + 1, prefix_len + n + 1, dtype=torch.bool, device=device)
-    allowed[:, : prefix_len + 1] = True
-    allowed[1:, prefix_len + 1 :] = tree.ancestors()
-    return additive_mask(allowed, dtype)
-
-
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool [q, k] (True = attend) -> the additive float [1, 1, q, k] mask HF models take."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)[
-        None, None
-    ]
+    """Bool [q, k] or [B, q, k] (True = attend) -> the additive float [1 or B, 1, q, k] mask HF models take.
+
+    The finite minimum rather than -inf: a query that sees nothing (padding) gets a uniform softmax, not NaN.
+    """
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask.view(-1, 1, *allowed.shape[-2:])
 
 
-def tree_position_ids(tree: Tree, prefix_len: int) -> torch.Tensor:
-    """Position ids [1, n + 1] of [root, nodes...]: the root sits at ``prefix_len``, a node at prefix_len + depth."""
-    root = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
-    return (prefix_len + torch.cat((root, tree.depths)))[None]
+def tree_batch_inputs(
+    valid: torch.Tensor, trees: list[Tree], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids [B, n + 1], additive mask [B, 1, n + 1, P + n + 1], position ids [B, n + 1]) of the queries
+    [root, nodes..., padding] of every sequence, n the largest tree; ``valid`` [B, P] marks each sequence's
+    committed cache slots. Input ids hold the tree tokens; the caller fills in the roots (column 0).
+
+    A query sees its sequence's valid slots and root; a node also sees its ancestors and itself; padding
+    queries see only the root (their outputs are ignored, their keys never visible). A root sits at its
+    sequence's committed length, a node ``depth`` positions further.
+    """
+    batch, prefix = valid.shape
+    n, device = max(len(t) for t in trees), valid.device
+    ids = torch.zeros(batch, n + 1, dtype=torch.long, device=device)
+    allowed = torch.zeros(batch, n + 1, prefix + n + 1, dtype=torch.bool, device=device)
+    allowed[:, :, :prefix] = valid[:, None]
+    allowed[:, :, prefix] = True
+    depths = torch.zeros(batch, n + 1, dtype=torch.long, device=device)
+    for b, tree in enumerate(trees):
+        m = len(tree)
+        ids[b, 1 : m + 1] = tree.tokens
+        allowed[b, 1 : m + 1, prefix + 1 : prefix + m + 1] = tree.ancestors()
+        depths[b, 1 : m + 1] = tree.depths
+    positions = valid.sum(1, keepdim=True) + depths  # a sequence's root sits at its committed length
+    return ids, additive_mask(allowed, dtype), positions
