@@ -41,13 +41,13 @@ from transformers import DynamicCache
 
 from core.io import atomic_write_text
 from core.runtime import resolve_device, resolve_dtype, seed_everything
+from eval.acceptance import eagle_for_tree, load_model, machine
 from eval.bench import load_bench, render
 from eval.proposers import Eagle, Vanilla
 from eval.tree import Tree, chain
 from eval.verify import Proposer, Sampling, generate, verify_batch
 
 EAGLE_DEFAULT = {"shape": "dynamic", "total_tokens": 60, "depth": 6, "top_k": 10}  # EAGLE-2's published default
-TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -364,11 +364,7 @@ class CombRecorder:
 
 
 def proposer_for(head, tree: TreeSpec) -> Proposer:
-    if tree.total_tokens == 0:
-        return Vanilla()
-    if tree.shape == "dynamic":
-        return Eagle(head, top_k=tree.top_k, depth=tree.depth, total_tokens=tree.total_tokens)
-    return Eagle(head, choices=tree.choices)
+    return eagle_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
 
 
 class TreeRecorder:
@@ -475,23 +471,6 @@ def tree_config(tree: TreeSpec, choice: Choice, vanilla: Choice, batch: dict, me
         }
         | meta
     )
-
-
-def load_tree_config(path: str | Path) -> dict:
-    """A tree.json, checked: the keys ``eval.acceptance`` and the model cards read."""
-    path = Path(path)
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
-    missing = [k for k in TREE_KEYS if k not in config]
-    if missing:
-        raise ValueError(f"{path}: tree config lacks {missing}; expected keys {list(TREE_KEYS)}")
-    if config["shape"] not in ("static", "dynamic"):
-        raise ValueError(f"{path}: shape must be 'static' or 'dynamic', got {config['shape']!r}")
-    if config["shape"] == "static" and not config["choices"]:
-        raise ValueError(f"{path}: a static tree needs a non-empty 'choices' list")
-    return config
 
 
 def markdown(result: dict) -> str:
@@ -610,7 +589,6 @@ DRAFT_WIDTHS = (1, 2, 4, 8)
 def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
-    from eval.acceptance import load_model, machine
     from heads import load_head
 
     args = parse_args(argv)

@@ -13,10 +13,12 @@ the tokens are deterministic proposals (n-gram lookup, greedy top-k): each is a 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -322,3 +324,29 @@ def tree_batch_inputs(
         depths[b, 1 : m + 1] = tree.depths
     positions = valid.sum(1, keepdim=True) + depths  # a sequence's root sits at its committed length
     return ids, additive_mask(allowed, dtype), positions
+
+
+# tree.json (written by ``python -m eval.autotune``; read by ``eval.acceptance --tree FILE``, which also finds
+# it in a head's folder, and by the exports' model cards):
+#   shape: "static" (``choices``: Medusa-style rank paths, drafted by ``shaped_tree``) or "dynamic" (EAGLE-2:
+#   ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);
+#   depth, top_k (static: the most children of any node), total_tokens (draft nodes, the root excluded);
+#   plus what the tuner predicted and where it ran (machine, device, dtype, torch_threads, ...).
+TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
+
+
+def load_tree_config(path: str | Path) -> dict:
+    """A tree.json, checked: the keys ``eval.acceptance`` and the model cards read."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
+    missing = [k for k in TREE_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"{path}: tree config lacks {missing}; expected keys {list(TREE_KEYS)}")
+    if config["shape"] not in ("static", "dynamic"):
+        raise ValueError(f"{path}: shape must be 'static' or 'dynamic', got {config['shape']!r}")
+    if config["shape"] == "static" and not config["choices"]:
+        raise ValueError(f"{path}: a static tree needs a non-empty 'choices' list")
+    return config

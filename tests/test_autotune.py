@@ -14,12 +14,12 @@ from eval.autotune import (
     best_shape,
     comb_choices,
     expected_tau,
-    load_tree_config,
     predict,
     tree_tau,
     tune,
 )
 from eval.proposers import Eagle
+from eval.tree import load_tree_config
 from eval.verify import Sampling
 from heads import build_head
 
