@@ -19,7 +19,7 @@ from eval.autotune import (
     tune,
 )
 from eval.proposers import Eagle
-from eval.tree import load_tree_config
+from eval.tree import load_tree_config, tree_card_section
 from eval.verify import Sampling
 from heads import build_head
 
@@ -133,3 +133,15 @@ def test_tree_config_errors_name_the_file(tmp_path):
     path.write_text(json.dumps(config))
     assert load_tree_config(path) == config
     assert TreeSpec.from_config(config).level_widths() == [1]
+
+
+def test_model_card_section_names_the_tuned_tree(tmp_path):
+    assert tree_card_section(tmp_path) == []  # no tree.json: the card has no such section
+    tree = TreeSpec.static([[0], [0, 0], [1]]).config() | {"machine": "Xeon, 2 torch threads", "device": "cpu"}
+    tree |= {"predicted_tau": 2.5, "predicted_tokens_per_s": 90.0, "predicted_vanilla_tokens_per_s": 55.0}
+    (tmp_path / "tree.json").write_text(json.dumps(tree | {"speculate_max_batch": 2}))
+    (section,) = tree_card_section(tmp_path)
+    assert "depth 2, top-k 2 (the most children of a node), 3 draft tokens" in section
+    assert "machine Xeon, 2 torch threads, device cpu" in section and "`[[0], [1], [0, 0]]`" in section
+    assert "2.50 tokens per target forward, 90.0 tokens/s (plain decoding: 55.0)" in section
+    assert "up to batch size 2" in section
