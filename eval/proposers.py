@@ -166,7 +166,7 @@ class Eagle:
             return empty_tree(tokens.device)
         logp, feature = self.root
         self.slot_features = [feature]  # row s + 1: output feature of drafted slot s; row 0: the root's
-        root_logq, sample = draft_logq(logp, self.sampling), not self.sampling.greedy
+        root_logq, sample = self._logq(logp), not self.sampling.greedy
         if self.choices is not None:
             return shaped_tree(root_logq, self._expand, self.choices, sample)
         return dynamic_tree(root_logq, self._expand, self.top_k, self.depth, self.total_tokens, sample)
@@ -178,7 +178,11 @@ class Eagle:
         mask = torch.cat((prefix, visible), 1)[None, None]
         logp, out = self.head.draft_step(tokens[None], features[None], positions, self.cache, mask)
         self.slot_features.append(out[0])
-        return draft_logq(logp[0], self.sampling)
+        return self._logq(logp[0])
+
+    def _logq(self, logp: torch.Tensor) -> torch.Tensor:
+        # The head already gives log-probs: greedy drafting ranks them as they are.
+        return logp if self.sampling.greedy else draft_logq(logp, self.sampling)
 
 
 class Medusa:

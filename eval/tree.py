@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -44,19 +44,23 @@ class Tree:
     draft_logprobs: torch.Tensor  # [n] float, log q(token | parent)
     dists: torch.Tensor | None = None  # [g, V] draft probabilities per sibling group; None = point masses
     dist_index: torch.Tensor | None = None  # [n] row of ``dists`` each node was drawn from
+    _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.tokens.numel()
 
     def ancestors(self) -> torch.Tensor:
-        """Bool [n, n]: [i, j] when node j is node i or one of its ancestors."""
-        n = len(self)
-        eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
-        anc = eye
-        has_parent = (self.parents >= 0)[:, None]
-        for _ in range(int(self.depths.max()) - 1 if n else 0):
-            anc = eye | (anc[self.parents.clamp(min=0)] & has_parent)
-        return anc
+        """Bool [n, n]: [i, j] when node j is node i or one of its ancestors (computed once: the attention
+        mask and the acceptance both need it)."""
+        if self._ancestors is None:
+            n = len(self)
+            eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
+            anc = eye
+            has_parent = (self.parents >= 0)[:, None]
+            for _ in range(int(self.depths.max()) - 1 if n else 0):
+                anc = eye | (anc[self.parents.clamp(min=0)] & has_parent)
+            self._ancestors = anc
+        return self._ancestors
 
     def children(self) -> list[list[int]]:
         """Children of the root (entry 0) and of every node i (entry i + 1), in their stored order."""
@@ -175,15 +179,15 @@ def _kept_tree(
 ) -> Tree:
     """The Tree of the ``keep`` nodes (ancestor-closed, in topological order), parents renumbered."""
     new_index = keep.long().cumsum(0) - 1
-    kept_parents = parents[keep]
-    dists = torch.cat(logq_rows).exp()
+    kept_parents, kept_tokens, kept_index = parents[keep], tokens[keep], dist_index[keep]
+    logq = torch.cat(logq_rows)
     return Tree(
-        tokens[keep],
+        kept_tokens,
         torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1),
         depths[keep],
-        dists[dist_index[keep], tokens[keep]].log(),
-        dists if sample else None,
-        dist_index[keep] if sample else None,
+        logq[kept_index, kept_tokens],
+        logq.exp() if sample else None,  # greedy trees are point masses: no [g, V] exp per step
+        kept_index if sample else None,
     )
 
 
@@ -231,16 +235,19 @@ def dynamic_tree(
 
 @dataclass(frozen=True)
 class _Level:
-    nodes: list[int]  # the level's nodes (tree order)
-    frontier: list[int]  # their distinct parents, ascending: the nodes expanded to draft them
-    row: list[int]  # per node: its parent's row in ``frontier``
-    rank: list[int]  # per node: its candidate rank among its parent's children
+    nodes: torch.Tensor  # the level's nodes (tree order)
+    frontier: torch.Tensor  # their distinct parents, ascending: the nodes expanded to draft them
+    row: torch.Tensor  # per node: its parent's row in ``frontier``
+    rank: torch.Tensor  # per node: its candidate rank among its parent's children
     width: int  # candidates to pick per expanded node
 
 
 @lru_cache(maxsize=16)
-def _levels(choices: tuple[tuple[int, ...], ...]) -> tuple[list[int], list[int], list[_Level]]:
-    """(parents, depths, levels) of a choice list, in ``_static_shape``'s node order."""
+def _levels(
+    choices: tuple[tuple[int, ...], ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[_Level]]:
+    """(parents, depths, levels) of a choice list, in ``_static_shape``'s node order; built once per shape,
+    as every drafting step of a run reuses them."""
     parents, depths, ranks = _static_shape(choices)
     levels = []
     for depth in range(1, max(depths) + 1):
@@ -248,8 +255,9 @@ def _levels(choices: tuple[tuple[int, ...], ...]) -> tuple[list[int], list[int],
         frontier = sorted({parents[i] for i in nodes})
         row = [frontier.index(parents[i]) for i in nodes]
         rank = [ranks[i] for i in nodes]
-        levels.append(_Level(nodes, frontier, row, rank, max(rank) + 1))
-    return parents, depths, levels
+        tensors = (torch.tensor(x, device=device) for x in (nodes, frontier, row, rank))
+        levels.append(_Level(*tensors, max(rank) + 1))
+    return torch.tensor(parents, device=device), torch.tensor(depths, device=device), levels
 
 
 def shaped_tree(
@@ -263,9 +271,9 @@ def shaped_tree(
     ``dynamic_tree`` would also build gets the same tokens. A node the drafter gives probability 0 is
     dropped with its subtree.
     """
-    parents_list, depths_list, levels = _levels(tuple(tuple(c) for c in choices))
-    device, n = root_logq.device, len(parents_list)
-    parents = torch.tensor(parents_list, device=device)
+    device = root_logq.device
+    parents, depths, levels = _levels(tuple(tuple(c) for c in choices), device)
+    n = len(parents)
     tokens = torch.zeros(n, dtype=torch.long, device=device)
     scores = torch.zeros(n, device=device)
     dist_index = torch.zeros(n, dtype=torch.long, device=device)
@@ -273,8 +281,7 @@ def shaped_tree(
     slots = DraftSlots(device)
     slots.add_nodes(n)
     for depth, level in enumerate(levels, 1):
-        nodes, frontier = torch.tensor(level.nodes, device=device), torch.tensor(level.frontier, device=device)
-        row, rank = torch.tensor(level.row, device=device), torch.tensor(level.rank, device=device)
+        nodes, frontier, row, rank = level.nodes, level.frontier, level.row, level.rank
         if depth == 1:
             logq, parent_scores = root_logq[None], torch.zeros(1, device=device)
         else:
@@ -286,7 +293,6 @@ def shaped_tree(
         dist_index[nodes] = sum(len(rows) for rows in logq_rows) - len(logq) + row
     # Scores are cumulative (keys truncated at the parent's), so a dropped node's subtree is dropped too.
     keep = scores.isfinite()
-    depths = torch.tensor(depths_list, device=device)
     return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
 
 

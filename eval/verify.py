@@ -265,7 +265,7 @@ def _prefill(
     return valid, [None if hidden is None else hidden[b, :n] for b, n in enumerate(lengths)]
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping at all: less host work per op than no_grad
 def generate_batch(
     target: torch.nn.Module,
     proposers: list[Proposer],
