@@ -562,6 +562,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", required=True, help="target model folder or hub id")
     p.add_argument("--head", required=True, help="EAGLE-1/2 or EAGLE-3 head folder")
     p.add_argument("--bench", default="assets/data/gsm8k_test.jsonl", help="JSONL prompts (see eval.bench)")
+    p.add_argument("--offset", type=int, default=0, help="bench prompts to skip (e.g. those a later eval uses)")
     p.add_argument("--calibration", type=int, default=8, help="prompts for the acceptance statistics")
     p.add_argument("--heldout", type=int, default=8, help="further prompts for the validation grid")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -597,9 +598,10 @@ def main(argv: list[str] | None = None) -> dict:
     target = load_model(args.target, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     head = load_head(args.head, target).to(dtype)
-    items = load_bench(args.bench, args.calibration + args.heldout)
+    wanted = args.offset + args.calibration + args.heldout
+    items = load_bench(args.bench, wanted)[args.offset :]
     if len(items) < args.calibration + args.heldout:
-        raise ValueError(f"{args.bench}: {len(items)} prompts, need --calibration + --heldout")
+        raise ValueError(f"{args.bench}: fewer than --offset + --calibration + --heldout = {wanted} prompts")
     prompts = [render(tokenizer, list(it.history) + [{"role": "user", "content": it.turns[0]}]) for it in items]
     prompts = [p.to(device) for p in prompts]
     calib, heldout = prompts[: args.calibration], prompts[args.calibration :]
