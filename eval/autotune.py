@@ -200,13 +200,15 @@ def predict(costs: Costs, rank_probs: Sequence[Sequence[float]], tree: TreeSpec,
 
 def tune(
     costs: Costs, rank_probs: Sequence[Sequence[float]], max_nodes: int, max_depth: int, batch: int = 1
-) -> tuple[Choice, list[Choice]]:
-    """(the tree with the highest expected tokens/s, vanilla included, at ``batch``; every candidate).
+) -> tuple[Choice, Choice, list[Choice]]:
+    """(the tree with the highest expected tokens/s at ``batch``, vanilla, every tree considered).
 
     Candidates: for each node budget n <= ``max_nodes`` and depth bound D <= ``max_depth``, the best
     n-node tree of depth <= D (a deeper bound is not always better: every level costs a draft call).
+    Speculation pays off where the best tree beats vanilla; the tree is returned either way, so a
+    config always names one (a head the model sees no acceptance for gets the one-node tree).
     """
-    seen, candidates = set(), [predict(costs, rank_probs, TreeSpec.static([]), batch)]
+    seen, candidates = set(), []
     for depth in range(1, max_depth + 1):
         for n in range(1, max_nodes + 1):
             choices = best_shape(rank_probs, n, depth)
@@ -215,7 +217,9 @@ def tune(
                 continue
             seen.add(key)
             candidates.append(predict(costs, rank_probs, TreeSpec.static(choices), batch))
-    return max(candidates, key=lambda c: c.tokens_per_s), candidates
+    candidates = candidates or [predict(costs, rank_probs, TreeSpec.static([[0]]), batch)]
+    vanilla = predict(costs, rank_probs, TreeSpec.static([]), batch)
+    return max(candidates, key=lambda c: c.tokens_per_s), vanilla, candidates
 
 
 # ---------------------------------------------------------------------------------------- measurement
@@ -619,26 +623,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     batch = {}
     for b in args.batch_sizes:
-        best, candidates = tune(costs, rank_probs, args.max_nodes, args.max_depth, b)
-        vanilla = candidates[0]
+        best, vanilla, _ = tune(costs, rank_probs, args.max_nodes, args.max_depth, b)
         batch[b] = {"tree": best.tree.name, "config": best.tree.config(), "tau": best.tau,
                     "tokens_per_s": best.tokens_per_s, "vanilla_tokens_per_s": vanilla.tokens_per_s,
-                    "speculate": best.tree.total_tokens > 0}  # fmt: skip
-    chosen, candidates = tune(costs, rank_probs, args.max_nodes, args.max_depth, args.batch_size)
-
-    trees = grid(chosen.tree, rank_probs, args.max_depth)
-    runs = validate(target, head, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
-    vanilla_run = runs[0]
-    rows = [
-        {"name": r.tree.name, "chosen": r.tree is chosen.tree, **r.tree.config(), "tau": r.tau,
-         "predicted_tau": r.predicted_tau, "tokens_per_s": r.tokens_per_s,
-         "predicted_tokens_per_s": r.predicted_tokens_per_s,
-         "speedup": r.tokens_per_s / vanilla_run.tokens_per_s, "greedy_identical": r.outputs == vanilla_run.outputs}
-        for r in runs
-    ]  # fmt: skip
-    chosen_row = next(r for r in rows if r["chosen"])
-    eagle_row = next(r for r in rows if r["name"] == TreeSpec.from_config(EAGLE_DEFAULT).name)
-    best_measured = max(r["tokens_per_s"] for r in rows)
+                    "speculate": best.tokens_per_s > vanilla.tokens_per_s}  # fmt: skip
+    chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, args.max_depth, args.batch_size)
     meta = {
         "machine": machine(device),
         "device": str(device),
@@ -650,6 +639,26 @@ def main(argv: list[str] | None = None) -> dict:
         "batch_size": args.batch_size,
         "tuned_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    # Written before the (long) validation, so an interrupted run still leaves its choice.
+    config = tree_config(chosen.tree, chosen, vanilla, batch, meta)
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out / "tree.json", json.dumps(config, indent=2) + "\n")
+    if args.write_head:
+        atomic_write_text(Path(args.head) / "tree.json", json.dumps(config, indent=2) + "\n")
+
+    trees = grid(chosen.tree, rank_probs, args.max_depth)
+    runs = validate(target, head, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
+    vanilla_run = runs[0]
+    rows = [
+        {"name": r.tree.name, "chosen": r.tree.config() == chosen.tree.config(), **r.tree.config(), "tau": r.tau,
+         "predicted_tau": r.predicted_tau, "tokens_per_s": r.tokens_per_s,
+         "predicted_tokens_per_s": r.predicted_tokens_per_s,
+         "speedup": r.tokens_per_s / vanilla_run.tokens_per_s, "greedy_identical": r.outputs == vanilla_run.outputs}
+        for r in runs
+    ]  # fmt: skip
+    chosen_row = next(r for r in rows if r["chosen"])
+    eagle_row = next(r for r in rows if r["name"] == TreeSpec.from_config(EAGLE_DEFAULT).name)
+    best_measured = max(r["tokens_per_s"] for r in rows)
     result = meta | {
         "kv_length": kv_length,
         "calibration_prompts": len(calib),
@@ -667,11 +676,6 @@ def main(argv: list[str] | None = None) -> dict:
             "beats_eagle_default": chosen_row["tokens_per_s"] > eagle_row["tokens_per_s"],
         },
     }
-    config = tree_config(chosen.tree, chosen, candidates[0], batch, meta)
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out / "tree.json", json.dumps(config, indent=2) + "\n")
-    if args.write_head:
-        atomic_write_text(Path(args.head) / "tree.json", json.dumps(config, indent=2) + "\n")
     atomic_write_text(args.out / "autotune.json", json.dumps(result, indent=2) + "\n")
     md = markdown(result)
     atomic_write_text(args.out / "autotune.md", md)

@@ -50,18 +50,16 @@ def test_tuner_picks_the_analytically_optimal_tree(slope):
     # tuner's pick has the highest expected tokens/s of all of them, vanilla included.
     probs = [p[:2] for p in RANK_PROBS[:3]]
     c = costs(slope)
-    best, _ = tune(c, probs, max_nodes=14, max_depth=3)
-    brute = max(
-        [predict(c, probs, TreeSpec.static([]))] + [predict(c, probs, TreeSpec.static(t)) for t in all_trees(3, 2)],
-        key=lambda choice: choice.tokens_per_s,
-    )
+    best, vanilla, _ = tune(c, probs, max_nodes=14, max_depth=3)
+    brute = max((predict(c, probs, TreeSpec.static(t)) for t in all_trees(3, 2)), key=lambda t: t.tokens_per_s)
     assert best.tokens_per_s == pytest.approx(brute.tokens_per_s, rel=1e-12)
     assert best.tree.choices == brute.tree.choices
+    assert vanilla.tokens_per_s == pytest.approx(1e3 / 17)
 
 
 def test_cheap_nodes_buy_wider_trees_and_dear_ones_chains():
-    wide, _ = tune(costs(0.05), RANK_PROBS, max_nodes=32, max_depth=4)
-    narrow, _ = tune(costs(1.5), RANK_PROBS, max_nodes=32, max_depth=4)
+    wide = tune(costs(0.05), RANK_PROBS, max_nodes=32, max_depth=4)[0]
+    narrow = tune(costs(1.5), RANK_PROBS, max_nodes=32, max_depth=4)[0]
     assert wide.tree.top_k > 1 and wide.tree.total_tokens > narrow.tree.total_tokens
     # A chain: no sibling is worth its cost, and the 4th level (0.33 tokens for 3.5 ms) just misses.
     assert narrow.tree.choices == [[0], [0, 0], [0, 0, 0]]
@@ -78,9 +76,10 @@ def test_large_batches_switch_speculation_off():
     # Each extra sequence costs verification 2 ms per token: at batch 8 extra tokens are dear, and every
     # sequence drafts on its own, so plain decoding wins.
     c = costs(0.1, batch_slope=2.0)
-    assert tune(c, RANK_PROBS, 32, 4, batch=1)[0].tree.total_tokens > 0
-    off, candidates = tune(c, RANK_PROBS, 32, 4, batch=8)
-    assert off.tree.total_tokens == 0 and off.tokens_per_s == pytest.approx(8e3 / (17 + 2 * 7))
+    best, vanilla, _ = tune(c, RANK_PROBS, 32, 4, batch=1)
+    assert best.tokens_per_s > 1.3 * vanilla.tokens_per_s
+    best, vanilla, _ = tune(c, RANK_PROBS, 32, 4, batch=8)
+    assert best.tokens_per_s < vanilla.tokens_per_s and vanilla.tokens_per_s == pytest.approx(8e3 / (17 + 2 * 7))
 
 
 def test_best_shape_is_the_most_valuable_nodes():
@@ -145,3 +144,30 @@ def test_model_card_section_names_the_tuned_tree(tmp_path):
     assert "machine Xeon, 2 torch threads, device cpu" in section and "`[[0], [1], [0, 0]]`" in section
     assert "2.50 tokens per target forward, 90.0 tokens/s (plain decoding: 55.0)" in section
     assert "up to batch size 2" in section
+
+
+def test_cli_on_tiny_models_writes_a_tree_the_acceptance_cli_reads(tiny_target_dir, gsm8k_file, tmp_path, one_thread):
+    from eval.acceptance import main as acceptance
+    from eval.autotune import main
+
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    head = tmp_path / "head"
+    build_head({"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100}, target).save_pretrained(head)
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--bench", str(gsm8k_file), "--calibration", "1"]
+    argv += ["--heldout", "1", "--max-new-tokens", "8", "--max-nodes", "6", "--max-depth", "3", "--comb-width", "2"]
+    result = main(argv + ["--repeats", "1", "--batch-sizes", "1,2", "--out", str(tmp_path / "at"), "--write-head"])
+    out = tmp_path / "at"
+    assert (out / "autotune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| tree | nodes |" in (out / "autotune.md").read_text()
+    assert set(result["batch"]) == {"1", "2"} and len(result["costs"]["verify_ms"]["2"]) == len(
+        result["costs"]["nodes"]
+    )
+    names = [row["name"] for row in result["grid"]]
+    assert names[0] == "vanilla" and "dynamic k10 d6 n60" in names and sum(r["chosen"] for r in result["grid"]) == 1
+    assert all(row["greedy_identical"] for row in result["grid"])
+    tree = load_tree_config(head / "tree.json")
+    assert tree == load_tree_config(out / "tree.json") and tree["total_tokens"] <= 6 and tree["depth"] <= 3
+    # eval.acceptance picks the tree up from the head folder.
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "eagle3", "--bench", str(gsm8k_file)]
+    report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
+    assert report["methods"]["eagle3"]["tree_config"]["choices"] == tree["choices"]
