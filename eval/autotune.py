@@ -19,8 +19,9 @@
    default among them) decode the same prompts, interleaved prompt by prompt so that a shared CPU's load
    drifts over all of them alike; the table puts measured and predicted tau and tokens/s side by side.
 
-The choice is written as JSON (``tree.json``, keys in ``tree_config``) that ``python -m eval.acceptance
---tree FILE`` reads (and picks up from a head folder by itself), as do the exports' model cards.
+The choice is written as JSON (``tree.json``; keys: ``eval.tree.TREE_KEYS`` and ``tree_config``) that
+``python -m eval.acceptance --tree FILE`` reads (and picks up from a head folder by itself), as do the
+exports' model cards.
 """
 
 from __future__ import annotations
