@@ -27,7 +27,7 @@ from core.runtime import resolve_device, resolve_dtype, seed_everything
 from eval.bench import BenchItem, load_bench, render
 from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
 from eval.report import write_report
-from eval.tree import MC_SIM_7B_63, Tree
+from eval.tree import MC_SIM_7B_63, Tree, load_tree_config
 from eval.verify import Proposer, Sampling, generate
 from heads import load_head
 from heads.common import read_head_config
@@ -268,9 +268,34 @@ def build_proposer(method: str, args: argparse.Namespace, draft, heads: dict) ->
         # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
         choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: args.total_tokens]
         return Medusa(head, choices)
+    if method in args.tree_configs:
+        return eagle_for_tree(heads[method], args.tree_configs[method])
     if args.tree == "static":  # a chain of depth: the one-wide dynamic tree
         return Eagle(heads[method], top_k=1, depth=args.depth, total_tokens=args.depth)
     return Eagle(heads[method], top_k=args.top_k_draft, depth=args.depth, total_tokens=args.total_tokens)
+
+
+def eagle_for_tree(head, config: dict) -> Eagle:
+    """An EAGLE proposer drafting the tree of a tree.json config (``eval.tree.TREE_KEYS``)."""
+    if config["shape"] == "static":
+        return Eagle(head, choices=config["choices"])
+    return Eagle(head, top_k=config["top_k"], depth=config["depth"], total_tokens=config["total_tokens"])
+
+
+def tree_configs(heads: dict[str, str], tree: str | Path | None) -> dict[str, dict]:
+    """EAGLE method -> the tree.json it decodes with: ``--tree FILE``, else its head folder's tree.json (as
+    ``eval.autotune --write-head`` leaves it); methods without one use the tree flags."""
+    found = {}
+    for method, head_dir in heads.items():
+        path = tree if isinstance(tree, Path) else Path(head_dir) / "tree.json"
+        if method in ("eagle", "eagle3") and tree not in ("static", "dynamic") and path.is_file():
+            found[method] = load_tree_config(path)
+    return found
+
+
+def training_predicted_tau(head_dir: str) -> float | None:
+    """The chain tau the head's training predicted from held-out top-1 accuracies, when it recorded one."""
+    return read_head_config(head_dir).get("training", {}).get("predicted_tau")
 
 
 def machine(device: torch.device) -> str:
@@ -293,6 +318,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tree(text: str) -> str | Path:
+    if text in ("static", "dynamic"):
+        return text
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"expected static, dynamic or a tree.json file; no file {text}")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.acceptance", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder or hub id")
@@ -307,9 +340,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument(
         "--tree",
-        choices=("static", "dynamic"),
+        type=_tree,
         help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model and EAGLE "
-        "(n-gram stays a chain, Medusa a fixed tree); default: chains for ngram/draft_model, dynamic for EAGLE",
+        "(n-gram stays a chain, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of EAGLE "
+        "methods; default: chains for ngram/draft_model, EAGLE a head folder's tree.json, else dynamic",
     )
     p.add_argument("--top-k-draft", type=_positive, default=8, help="children per node in dynamic trees")
     p.add_argument("--depth", type=_positive, default=5, help="draft length / tree depth")
@@ -338,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     draft = load_model(args.draft, device, dtype) if "draft_model" in args.method else None
     heads = {m: load_head(d, target).to(dtype) for m, d in head_dirs.items()}
+    args.tree_configs = tree_configs(head_dirs, args.tree)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
     runs = {}
@@ -345,7 +380,13 @@ def main(argv: list[str] | None = None) -> dict:
         proposer = build_proposer(method, args, draft, heads)
         runs[method] = run_method(target, tokenizer, proposer, items, args.max_new_tokens, sampling, args.seed, method)
     methods = {
-        m: summarize(run, runs["vanilla"], sampling.greedy) | {"requested": m in args.method} for m, run in runs.items()
+        m: summarize(run, runs["vanilla"], sampling.greedy)
+        | {
+            "requested": m in args.method,
+            "predicted_tau": training_predicted_tau(head_dirs[m]) if m in head_dirs else None,
+            "tree_config": args.tree_configs.get(m),
+        }
+        for m, run in runs.items()
     }
     report = {
         "target": str(args.target),
@@ -358,7 +399,12 @@ def main(argv: list[str] | None = None) -> dict:
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
-        "tree": {"shape": args.tree, "top_k_draft": args.top_k_draft, "depth": args.depth, "total": args.total_tokens},
+        "tree": {
+            "shape": str(args.tree) if args.tree else None,
+            "top_k_draft": args.top_k_draft,
+            "depth": args.depth,
+            "total": args.total_tokens,
+        },
         "seed": args.seed,
         "device": str(device),
         "dtype": args.dtype,

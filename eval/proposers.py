@@ -22,7 +22,17 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eval.tree import SMALL_CHOICES, Tree, additive_mask, chain, dynamic_tree, empty_tree, pick_children, static_tree
+from eval.tree import (
+    SMALL_CHOICES,
+    Tree,
+    additive_mask,
+    chain,
+    dynamic_tree,
+    empty_tree,
+    pick_children,
+    shaped_tree,
+    static_tree,
+)
 from eval.verify import Sampling, probabilities
 from heads import DraftHead, KVCache
 
@@ -65,15 +75,24 @@ class NGram(Vanilla):
 
 
 class DraftModel:
-    """A small causal LM sharing the target's vocabulary. Its cache holds the committed tokens it has read;
+    """A small causal LM sharing the target's vocabulary, drafting a chain, a dynamic tree or a fixed shape
+    (``choices``). Its cache holds the committed tokens it has read;
     drafted entries are cropped after each step and accepted drafts are re-read with the next pending token
     (same forward, so no extra call)."""
 
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: nn.Module, k: int = 4, top_k: int = 1, total_tokens: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        k: int = 4,
+        top_k: int = 1,
+        total_tokens: int | None = None,
+        choices: Sequence[Sequence[int]] | None = None,
+    ):
         self.model, self.k, self.top_k = model, k, top_k
         self.total_tokens = total_tokens or k * top_k
+        self.choices = [list(c) for c in choices] if choices is not None else None
 
     def reset(self, sampling: Sampling) -> None:
         self.sampling, self.cache, self.read = sampling, DynamicCache(config=self.model.config), 0
@@ -81,8 +100,10 @@ class DraftModel:
     def propose(self, tokens: torch.Tensor) -> Tree:
         out = self.model(tokens[None, self.read :], past_key_values=self.cache, use_cache=True)
         self.read = len(tokens)
-        root_logq = draft_logq(out.logits[0, -1], self.sampling)
-        return dynamic_tree(root_logq, self._expand, self.top_k, self.k, self.total_tokens, not self.sampling.greedy)
+        root_logq, sample = draft_logq(out.logits[0, -1], self.sampling), not self.sampling.greedy
+        if self.choices is not None:
+            return shaped_tree(root_logq, self._expand, self.choices, sample)
+        return dynamic_tree(root_logq, self._expand, self.top_k, self.k, self.total_tokens, sample)
 
     def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
         prefix = torch.ones(len(tokens), self.read, dtype=torch.bool, device=tokens.device)
@@ -101,7 +122,8 @@ class DraftModel:
 
 
 class Eagle:
-    """EAGLE-1/2 or EAGLE-3 head drafting a dynamic EAGLE-2 tree.
+    """EAGLE-1/2 or EAGLE-3 head drafting a dynamic EAGLE-2 tree, or a fixed shape when ``choices`` is given
+    (Medusa-style paths, e.g. a tuned tree from ``eval.autotune``).
 
     The head pairs the target's feature at position i with the token at i + 1. ``update`` reads the
     pairs the last verification committed (the root and accepted rows' features, with the tokens that
@@ -109,8 +131,16 @@ class Eagle:
     output is the root of the next tree. Drafted slots are cropped at the next ``update``.
     """
 
-    def __init__(self, head: DraftHead, top_k: int = 8, depth: int = 5, total_tokens: int = 48):
+    def __init__(
+        self,
+        head: DraftHead,
+        top_k: int = 8,
+        depth: int = 5,
+        total_tokens: int = 48,
+        choices: Sequence[Sequence[int]] | None = None,
+    ):
         self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
+        self.choices = [list(c) for c in choices] if choices is not None else None
         config = head.config
         if config["type"] == "eagle3":
             self.hidden_layers = tuple(config["layer_ids"])
@@ -136,10 +166,10 @@ class Eagle:
             return empty_tree(tokens.device)
         logp, feature = self.root
         self.slot_features = [feature]  # row s + 1: output feature of drafted slot s; row 0: the root's
-        root_logq = draft_logq(logp, self.sampling)
-        return dynamic_tree(
-            root_logq, self._expand, self.top_k, self.depth, self.total_tokens, not self.sampling.greedy
-        )
+        root_logq, sample = self._logq(logp), not self.sampling.greedy
+        if self.choices is not None:
+            return shaped_tree(root_logq, self._expand, self.choices, sample)
+        return dynamic_tree(root_logq, self._expand, self.top_k, self.depth, self.total_tokens, sample)
 
     def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
         prefix = torch.ones(len(tokens), self.committed, dtype=torch.bool, device=tokens.device)
@@ -148,7 +178,11 @@ class Eagle:
         mask = torch.cat((prefix, visible), 1)[None, None]
         logp, out = self.head.draft_step(tokens[None], features[None], positions, self.cache, mask)
         self.slot_features.append(out[0])
-        return draft_logq(logp[0], self.sampling)
+        return self._logq(logp[0])
+
+    def _logq(self, logp: torch.Tensor) -> torch.Tensor:
+        # The head already gives log-probs: greedy drafting ranks them as they are.
+        return logp if self.sampling.greedy else draft_logq(logp, self.sampling)
 
 
 class Medusa:

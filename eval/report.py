@@ -8,7 +8,9 @@ report.json, as ``eval.acceptance`` builds it:
         alpha, mean_accepted, target_forwards, new_tokens, wall_s, tokens_per_s, speedup_vs_vanilla, predicted_speedup,
         draft_depth (k), draft_cost_ratio (c), target_forward_ms,
         peak_memory_mb (CUDA: max allocated during the method; CPU: the process's peak RSS so far),
-        greedy_identical (bool; null when sampling), mismatched_prompts, per_category.<cat>: tau, target_forwards
+        greedy_identical (bool; null when sampling), mismatched_prompts, per_category.<cat>: tau, target_forwards,
+        predicted_tau (the head's training-time chain prediction, config.json "training"; null without one),
+        tree_config (the tree.json an EAGLE method decoded with; null: the tree flags)
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ def markdown(report: dict) -> str:
         f"- machine: {report['machine']} ({report['device']}, {report['dtype']}); "
         f"torch {report['torch']}, transformers {report['transformers']}",
         "",
-        "| method | tau | alpha | mean accepted | target forwards | tokens/s | speedup | predicted (k, c) "
-        "| peak MB | greedy identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | tau | training predicted tau | alpha | mean accepted | target forwards | tokens/s | speedup "
+        "| predicted (k, c) | peak MB | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in methods.items():
+        predicted = "-" if e.get("predicted_tau") is None else f"{e['predicted_tau']:.3f}"
         lines.append(
-            f"| {name} | {e['tau']:.3f} | {e['alpha']:.3f} | {e['mean_accepted']:.3f} | {e['target_forwards']} "
+            f"| {name} | {e['tau']:.3f} | {predicted} | {e['alpha']:.3f} | {e['mean_accepted']:.3f} "
+            f"| {e['target_forwards']} "
             f"| {e['tokens_per_s']:.1f} | {e['speedup_vs_vanilla']:.3f} | {e['predicted_speedup']:.3f} "
             f"({e['draft_depth']}, {e['draft_cost_ratio']:.3f}) | {e['peak_memory_mb']:.0f} | {_identical(e)} |"
         )
@@ -72,6 +76,14 @@ def markdown(report: dict) -> str:
     for name, e in methods.items():
         cells = [f"{e['per_category'][c]['tau']:.3f}" if c in e["per_category"] else "" for c in categories]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    tuned = [(name, e["tree_config"]) for name, e in methods.items() if e.get("tree_config")]
+    for name, tree in tuned:
+        where = f", tuned on {tree['machine']}" if "machine" in tree else ""
+        lines += [
+            "",
+            f"{name} tree (tree.json): {tree['shape']}, depth {tree['depth']}, top-k {tree['top_k']}, "
+            f"{tree['total_tokens']} nodes{where}",
+        ]
     lines += ["", "## acceptance rate by draft depth (depth d accepted, given d - 1 was)", ""]
     for name, e in methods.items():
         if e["acceptance_by_depth"]:

@@ -13,10 +13,12 @@ the tokens are deterministic proposals (n-gram lookup, greedy top-k): each is a 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -42,19 +44,23 @@ class Tree:
     draft_logprobs: torch.Tensor  # [n] float, log q(token | parent)
     dists: torch.Tensor | None = None  # [g, V] draft probabilities per sibling group; None = point masses
     dist_index: torch.Tensor | None = None  # [n] row of ``dists`` each node was drawn from
+    _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.tokens.numel()
 
     def ancestors(self) -> torch.Tensor:
-        """Bool [n, n]: [i, j] when node j is node i or one of its ancestors."""
-        n = len(self)
-        eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
-        anc = eye
-        has_parent = (self.parents >= 0)[:, None]
-        for _ in range(int(self.depths.max()) - 1 if n else 0):
-            anc = eye | (anc[self.parents.clamp(min=0)] & has_parent)
-        return anc
+        """Bool [n, n]: [i, j] when node j is node i or one of its ancestors (computed once: the attention
+        mask and the acceptance both need it)."""
+        if self._ancestors is None:
+            n = len(self)
+            eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
+            anc = eye
+            has_parent = (self.parents >= 0)[:, None]
+            for _ in range(int(self.depths.max()) - 1 if n else 0):
+                anc = eye | (anc[self.parents.clamp(min=0)] & has_parent)
+            self._ancestors = anc
+        return self._ancestors
 
     def children(self) -> list[list[int]]:
         """Children of the root (entry 0) and of every node i (entry i + 1), in their stored order."""
@@ -137,6 +143,54 @@ def pick_children(scores: torch.Tensor, logq: torch.Tensor, k: int, sample: bool
     return top.indices, keys.gather(-1, top.indices)
 
 
+class DraftSlots:
+    """The drafter's cache slots for expanded tree nodes, and which of them each new slot may attend to.
+
+    Expanded nodes take the drafter's slots in expansion order, after its committed prefix. Row s + 1 of
+    ``anc`` lists the slots that are slot s or its ancestors; row 0 (the root) sees none of them.
+    """
+
+    def __init__(self, device: torch.device):
+        self.slot_of = torch.empty(0, dtype=torch.long, device=device)  # per tree node; -1 = not expanded
+        self.anc = torch.zeros(1, 0, dtype=torch.bool, device=device)
+
+    def add_nodes(self, count: int) -> None:
+        self.slot_of = torch.cat((self.slot_of, self.slot_of.new_full((count,), -1)))
+
+    def expand(self, frontier: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give the ``frontier`` nodes the next slots: (their parents' slots [k], -1 = root; visible [k, E])."""
+        e, k = self.anc.shape[1], len(frontier)
+        parent = parents[frontier]
+        parent_slots = torch.where(parent >= 0, self.slot_of[parent.clamp(min=0)], -1)
+        own = torch.cat((self.anc[parent_slots + 1], torch.eye(k, dtype=torch.bool, device=frontier.device)), 1)
+        self.anc = torch.cat((torch.cat((self.anc, self.anc.new_zeros(e + 1, k)), 1), own))
+        self.slot_of[frontier] = torch.arange(e, e + k, device=frontier.device)
+        return parent_slots, own
+
+
+def _kept_tree(
+    keep: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    logq_rows: list[torch.Tensor],
+    dist_index: torch.Tensor,
+    sample: bool,
+) -> Tree:
+    """The Tree of the ``keep`` nodes (ancestor-closed, in topological order), parents renumbered."""
+    new_index = keep.long().cumsum(0) - 1
+    kept_parents, kept_tokens, kept_index = parents[keep], tokens[keep], dist_index[keep]
+    logq = torch.cat(logq_rows)
+    return Tree(
+        kept_tokens,
+        torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1),
+        depths[keep],
+        logq[kept_index, kept_tokens],
+        logq.exp() if sample else None,  # greedy trees are point masses: no [g, V] exp per step
+        kept_index if sample else None,
+    )
+
+
 def dynamic_tree(
     root_logq: torch.Tensor, expand: Expand, top_k: int, depth: int, total_tokens: int, sample: bool = False
 ) -> Tree:
@@ -154,16 +208,12 @@ def dynamic_tree(
     depths = torch.ones(top_k, dtype=torch.long, device=device)
     logq_rows, dist_index = [root_logq[None]], torch.zeros(top_k, dtype=torch.long, device=device)
     frontier = torch.arange(top_k, device=device)
-    slot_of = torch.full((top_k,), -1, device=device)  # drafter cache slot of each expanded node
-    # Row s + 1: the expanded slots that are slot s or its ancestors; row 0 (the root) sees none of them.
-    slot_anc = torch.zeros(1, 0, dtype=torch.bool, device=device)
+    slots = DraftSlots(device)
+    slots.add_nodes(top_k)
     for level in range(2, depth + 1):
-        e, k = slot_anc.shape[1], len(frontier)
-        parent_slots = torch.where(parents[frontier] >= 0, slot_of[parents[frontier].clamp(min=0)], -1)
-        own = torch.cat((slot_anc[parent_slots + 1], torch.eye(k, dtype=torch.bool, device=device)), 1)
-        slot_anc = torch.cat((torch.cat((slot_anc, slot_anc.new_zeros(e + 1, k)), 1), own))
-        slot_of[frontier] = torch.arange(e, e + k, device=device)
-        logq = expand(tokens[frontier], parent_slots, level - 1, own)
+        k = len(frontier)
+        parent_slots, visible = slots.expand(frontier, parents)
+        logq = expand(tokens[frontier], parent_slots, level - 1, visible)
         kids, kid_scores = pick_children(scores[frontier], logq, top_k, sample)
         n = len(tokens)
         tokens, scores = torch.cat((tokens, kids.flatten())), torch.cat((scores, kid_scores.flatten()))
@@ -172,7 +222,7 @@ def dynamic_tree(
         group = sum(len(rows) for rows in logq_rows) + torch.arange(k, device=device).repeat_interleave(top_k)
         dist_index = torch.cat((dist_index, group))
         logq_rows.append(logq)
-        slot_of = torch.cat((slot_of, torch.full((kids.numel(),), -1, device=device)))
+        slots.add_nodes(kids.numel())
         frontier = n + kid_scores.flatten().topk(top_k).indices
     finite = scores.isfinite()
     keep = torch.zeros(len(tokens), dtype=torch.bool, device=device)
@@ -180,39 +230,158 @@ def dynamic_tree(
     keep &= finite  # a token the drafter gives probability 0 was never drawn
     for _ in range(depth - 1):  # a kept node keeps its ancestors
         keep[parents[keep & (parents >= 0)]] = True
-    new_index = keep.long().cumsum(0) - 1
-    kept_parents = parents[keep]
-    dists = torch.cat(logq_rows).exp()
-    return Tree(
-        tokens[keep],
-        torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1),
-        depths[keep],
-        dists[dist_index[keep], tokens[keep]].log(),
-        dists if sample else None,
-        dist_index[keep] if sample else None,
-    )
+    return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
 
 
-def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive float mask [1, 1, n + 1, prefix_len + n + 1] for the queries [root, nodes...].
+@dataclass(frozen=True)
+class _Level:
+    nodes: torch.Tensor  # the level's nodes (tree order)
+    frontier: torch.Tensor  # their distinct parents, ascending: the nodes expanded to draft them
+    row: torch.Tensor  # per node: its parent's row in ``frontier``
+    rank: torch.Tensor  # per node: its candidate rank among its parent's children
+    width: int  # candidates to pick per expanded node
 
-    Every query sees the cached prefix and the root; a node also sees its ancestors and itself.
+
+@lru_cache(maxsize=16)
+def _levels(
+    choices: tuple[tuple[int, ...], ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[_Level]]:
+    """(parents, depths, levels) of a choice list, in ``_static_shape``'s node order; built once per shape,
+    as every drafting step of a run reuses them."""
+    parents, depths, ranks = _static_shape(choices)
+    levels = []
+    for depth in range(1, max(depths) + 1):
+        nodes = [i for i, d in enumerate(depths) if d == depth]
+        frontier = sorted({parents[i] for i in nodes})
+        row = [frontier.index(parents[i]) for i in nodes]
+        rank = [ranks[i] for i in nodes]
+        tensors = (torch.tensor(x, device=device) for x in (nodes, frontier, row, rank))
+        levels.append(_Level(*tensors, max(rank) + 1))
+    return torch.tensor(parents, device=device), torch.tensor(depths, device=device), levels
+
+
+def shaped_tree(
+    root_logq: torch.Tensor, expand: Expand, choices: Sequence[Sequence[int]], sample: bool = False
+) -> Tree:
+    """A tree of fixed shape (Medusa-style ``choices``: path [i, j] = the j-th child of the i-th child of
+    the root) drafted level by level by an autoregressive drafter: each level expands only the nodes the
+    shape gives children, and node [.., j] holds its parent's j-th best (or j-th sampled) candidate.
+
+    Ranks follow the cumulative scores of ``pick_children``, as in ``dynamic_tree``, so a shape that
+    ``dynamic_tree`` would also build gets the same tokens. A node the drafter gives probability 0 is
+    dropped with its subtree.
     """
-    n, device = len(tree), tree.tokens.device
-    allowed = torch.zeros(n + 1, prefix_len + n + 1, dtype=torch.bool, device=device)
-    allowed[:, : prefix_len + 1] = True
-    allowed[1:, prefix_len + 1 :] = tree.ancestors()
-    return additive_mask(allowed, dtype)
+    device = root_logq.device
+    parents, depths, levels = _levels(tuple(tuple(c) for c in choices), device)
+    n = len(parents)
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    scores = torch.zeros(n, device=device)
+    dist_index = torch.zeros(n, dtype=torch.long, device=device)
+    logq_rows = [root_logq[None]]
+    slots = DraftSlots(device)
+    slots.add_nodes(n)
+    for depth, level in enumerate(levels, 1):
+        nodes, frontier, row, rank = level.nodes, level.frontier, level.row, level.rank
+        if depth == 1:
+            logq, parent_scores = root_logq[None], torch.zeros(1, device=device)
+        else:
+            parent_slots, visible = slots.expand(frontier, parents)
+            logq, parent_scores = expand(tokens[frontier], parent_slots, depth - 1, visible), scores[frontier]
+            logq_rows.append(logq)
+        kids, kid_scores = pick_children(parent_scores, logq, level.width, sample)
+        tokens[nodes], scores[nodes] = kids[row, rank], kid_scores[row, rank]
+        dist_index[nodes] = sum(len(rows) for rows in logq_rows) - len(logq) + row
+    # Scores are cumulative (keys truncated at the parent's), so a dropped node's subtree is dropped too.
+    keep = scores.isfinite()
+    return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool [q, k] (True = attend) -> the additive float [1, 1, q, k] mask HF models take."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)[
-        None, None
+    """Bool [q, k] or [B, q, k] (True = attend) -> the additive float [1 or B, 1, q, k] mask HF models take.
+
+    The finite minimum rather than -inf: a query that sees nothing (padding) gets a uniform softmax, not NaN.
+    """
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask.view(-1, 1, *allowed.shape[-2:])
+
+
+def tree_batch_inputs(
+    valid: torch.Tensor, trees: list[Tree], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids [B, n + 1], additive mask [B, 1, n + 1, P + n + 1], position ids [B, n + 1]) of the queries
+    [root, nodes..., padding] of every sequence, n the largest tree; ``valid`` [B, P] marks each sequence's
+    committed cache slots. Input ids hold the tree tokens; the caller fills in the roots (column 0).
+
+    A query sees its sequence's valid slots and root; a node also sees its ancestors and itself; padding
+    queries see only the root (their outputs are ignored, their keys never visible). A root sits at its
+    sequence's committed length, a node ``depth`` positions further.
+    """
+    batch, prefix = valid.shape
+    n, device = max(len(t) for t in trees), valid.device
+    ids = torch.zeros(batch, n + 1, dtype=torch.long, device=device)
+    allowed = torch.zeros(batch, n + 1, prefix + n + 1, dtype=torch.bool, device=device)
+    allowed[:, :, :prefix] = valid[:, None]
+    allowed[:, :, prefix] = True
+    depths = torch.zeros(batch, n + 1, dtype=torch.long, device=device)
+    for b, tree in enumerate(trees):
+        m = len(tree)
+        ids[b, 1 : m + 1] = tree.tokens
+        allowed[b, 1 : m + 1, prefix + 1 : prefix + m + 1] = tree.ancestors()
+        depths[b, 1 : m + 1] = tree.depths
+    positions = valid.sum(1, keepdim=True) + depths  # a sequence's root sits at its committed length
+    return ids, additive_mask(allowed, dtype), positions
+
+
+# tree.json (written by ``python -m eval.autotune``; read by ``eval.acceptance --tree FILE``, which also finds
+# it in a head's folder, and by the exports' model cards):
+#   shape: "static" (``choices``: Medusa-style rank paths, drafted by ``shaped_tree``) or "dynamic" (EAGLE-2:
+#   ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);
+#   depth, top_k (static: the most children of any node), total_tokens (draft nodes, the root excluded);
+#   plus what the tuner predicted and where it ran (machine, device, dtype, torch_threads, ...).
+TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
+
+
+def load_tree_config(path: str | Path) -> dict:
+    """A tree.json, checked: the keys ``eval.acceptance`` and the model cards read."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
+    missing = [k for k in TREE_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"{path}: tree config lacks {missing}; expected keys {list(TREE_KEYS)}")
+    if config["shape"] not in ("static", "dynamic"):
+        raise ValueError(f"{path}: shape must be 'static' or 'dynamic', got {config['shape']!r}")
+    if config["shape"] == "static" and not config["choices"]:
+        raise ValueError(f"{path}: a static tree needs a non-empty 'choices' list")
+    return config
+
+
+def tree_card_section(head_dir: str | Path) -> list[str]:
+    """The model-card section naming the head's tuned tree (``<head>/tree.json``); empty without one."""
+    path = Path(head_dir) / "tree.json"
+    if not path.is_file():
+        return []
+    tree = load_tree_config(path)
+    where = ", ".join(f"{k} {tree[k]}" for k in ("machine", "device", "dtype", "batch_size") if k in tree)
+    lines = [
+        "## Tuned draft tree",
+        "",
+        f"`python -m eval.autotune` picked this tree for the hardware it ran on ({where or 'not recorded'}):",
+        "",
+        f"- shape: {tree['shape']}, depth {tree['depth']}, top-k {tree['top_k']} (the most children of a node), "
+        f"{tree['total_tokens']} draft tokens (the root excluded)",
     ]
-
-
-def tree_position_ids(tree: Tree, prefix_len: int) -> torch.Tensor:
-    """Position ids [1, n + 1] of [root, nodes...]: the root sits at ``prefix_len``, a node at prefix_len + depth."""
-    root = torch.zeros(1, dtype=torch.long, device=tree.tokens.device)
-    return (prefix_len + torch.cat((root, tree.depths)))[None]
+    if tree["shape"] == "static":
+        lines.append(f"- rank paths (Medusa-style choices): `{json.dumps(tree['choices'])}`")
+    if "predicted_tau" in tree:
+        lines.append(
+            f"- predicted: {tree['predicted_tau']:.2f} tokens per target forward, "
+            f"{tree['predicted_tokens_per_s']:.1f} tokens/s "
+            f"(plain decoding: {tree['predicted_vanilla_tokens_per_s']:.1f})"
+        )
+    if "speculate_max_batch" in tree:
+        lines.append(f"- speculation pays off up to batch size {tree['speculate_max_batch']} on that machine")
+    lines += ["", "Trees that pay off on a GPU can lose on a CPU (and back): re-tune on the serving hardware."]
+    return ["\n".join(lines)]

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from eval.tree import Tree, tree_attention_mask, tree_position_ids
+from eval.tree import Tree, additive_mask, tree_batch_inputs
 
 
 @dataclass
@@ -168,20 +168,64 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.
     return path, torch.multinomial(probs[last], 1)
 
 
-def commit_kv(cache: DynamicCache, prefix_len: int, path: torch.Tensor, tree_size: int) -> None:
-    """Keep the root's and the accepted nodes' cache rows, moved right after the prefix; drop the rest."""
-    rows = prefix_len + torch.cat((path.new_zeros(1), path + 1))
+def _commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> None:
+    """Per sequence b, move cache slots ``rows[b]`` ([B, keep], after ``prefix_len``) to the slots right after
+    the prefix and drop everything past them."""
+    keep = rows.shape[1]
     for layer in cache.layers:
-        layer.keys[:, :, prefix_len : prefix_len + len(rows)] = layer.keys[:, :, rows]
-        layer.values[:, :, prefix_len : prefix_len + len(rows)] = layer.values[:, :, rows]
-    cache.crop(-(tree_size - len(path)))
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            index = rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+            t[:, :, prefix_len : prefix_len + keep] = t.gather(2, index)
+    cache.crop(-(cache.get_seq_length() - prefix_len - keep))  # a negative count: rows to drop
 
 
 def _hidden(out, layers: tuple[int, ...]) -> torch.Tensor | None:
-    """The requested hidden states of the forward's first batch row, concatenated: [rows, len(layers) * H]."""
+    """The requested hidden states, concatenated: [B, rows, len(layers) * H]."""
     if not layers:
         return None
-    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
+    return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
+
+def verify_batch(
+    target: torch.nn.Module,
+    cache: DynamicCache,
+    valid: torch.Tensor,
+    roots: torch.Tensor,
+    trees: list[Tree],
+    sampling: Sampling,
+    hidden_layers: tuple[int, ...] = (),
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
+    """One target forward over B sequences' [root, tree]; acceptance is per sequence.
+
+    ``valid`` [B, P] marks the cache slots holding each sequence's committed rows: sequences that accepted
+    fewer tokens than the longest in a step leave unused slots behind, masked out from then on. Returns
+    (accepted node ids, bonus [1], hidden of root + path rows, per sequence; the new ``valid``). On return
+    each sequence's root and accepted nodes follow the old slots (its bonus is its new root).
+    """
+    prefix_len = valid.shape[1]
+    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype)
+    ids[:, 0] = roots
+    out = target(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(hidden_layers),
+    )
+    paths, bonuses = zip(*(accept(tree, out.logits[b, : len(tree) + 1], sampling) for b, tree in enumerate(trees)))
+    keep = max(len(path) for path in paths) + 1
+    # Row 0 is the root; padding repeats it (those slots are marked invalid below).
+    rows = torch.zeros(len(trees), keep, dtype=torch.long, device=valid.device)
+    for b, path in enumerate(paths):
+        rows[b, 1 : len(path) + 1] = path + 1
+    _commit_rows(cache, prefix_len, prefix_len + rows)
+    lengths = torch.tensor([len(path) + 1 for path in paths], device=valid.device)
+    valid = torch.cat((valid, torch.arange(keep, device=valid.device)[None] < lengths[:, None]), 1)
+    hidden = _hidden(out, hidden_layers)
+    hiddens = [None if hidden is None else hidden[b, rows[b, : len(path) + 1]] for b, path in enumerate(paths)]
+    return list(paths), list(bonuses), hiddens, valid
 
 
 def verify(
@@ -192,26 +236,92 @@ def verify(
     sampling: Sampling,
     hidden_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One target forward over [root, tree]; returns (accepted node ids, bonus [1], hidden of root + path rows).
+    """One target forward over [root, tree] of one sequence whose cache slots are all valid; returns
+    (accepted node ids, bonus [1], hidden of root + path rows).
 
     On return the cache holds the prefix, the root and the accepted nodes (the bonus is the new root).
     """
-    prefix_len = cache.get_seq_length()
-    out = target(
-        input_ids=torch.cat((root, tree.tokens))[None],
-        attention_mask=tree_attention_mask(tree, prefix_len, target.dtype),
-        position_ids=tree_position_ids(tree, prefix_len),
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=bool(hidden_layers),
-    )
-    path, bonus = accept(tree, out.logits[0], sampling)
-    commit_kv(cache, prefix_len, path, len(tree))
-    hidden = _hidden(out, hidden_layers)
-    return path, bonus, None if hidden is None else hidden[torch.cat((path.new_zeros(1), path + 1))]
+    valid = torch.ones(1, cache.get_seq_length(), dtype=torch.bool, device=root.device)
+    paths, bonuses, hiddens, _ = verify_batch(target, cache, valid, root, [tree], sampling, hidden_layers)
+    return paths[0], bonuses[0], hiddens[0]
 
 
-@torch.no_grad()
+def _prefill(
+    target: torch.nn.Module, cache: DynamicCache, seqs: list[torch.Tensor], layers: tuple[int, ...]
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Read every sequence but its last token into ``cache``, right-padded: (valid [B, P], hidden per sequence)."""
+    lengths = [len(s) - 1 for s in seqs]
+    width, device = max(lengths), seqs[0].device
+    valid = torch.arange(width, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+    if width == 0:
+        return valid, [None] * len(seqs)
+    ids = torch.stack([torch.cat((s[:-1], s.new_zeros(width - len(s) + 1))) for s in seqs])
+    mask = None
+    if not bool(valid.all()):  # padding: causal over each sequence's own tokens only
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        mask = additive_mask(causal[None] & valid[:, None], target.dtype)
+    out = target(ids, attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+    hidden = _hidden(out, layers)
+    return valid, [None if hidden is None else hidden[b, :n] for b, n in enumerate(lengths)]
+
+
+@torch.inference_mode()  # no autograd bookkeeping at all: less host work per op than no_grad
+def generate_batch(
+    target: torch.nn.Module,
+    proposers: list[Proposer],
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    eos_token_id: int | None = None,
+) -> tuple[list[torch.Tensor], list[Stats]]:
+    """Speculative decoding of B sequences, one proposer each (the same ``hidden_layers``), verified together.
+
+    Per sequence: (prompt + new tokens [1, S + new], stats); a finished sequence leaves the batch. Stops
+    after ``max_new_tokens`` or at ``eos_token_id`` (kept), as ``target.generate`` does. Sampling draws from
+    torch's global generator: seed it for reproducible runs.
+    """
+    start, stats = time.perf_counter(), [Stats() for _ in prompts]
+    sampling = sampling or Sampling()
+    seqs = [p.flatten().to(target.device) for p in prompts]
+    prompt_lens = [len(s) for s in seqs]
+    layers = proposers[0].hidden_layers
+    if any(p.hidden_layers != layers for p in proposers):
+        raise ValueError("proposers of one batch must read the same target layers")
+    cache = DynamicCache(config=target.config)
+    valid, hidden = _prefill(target, cache, seqs, layers)
+    for proposer, seq, h in zip(proposers, seqs, hidden):
+        proposer.reset(sampling)
+        proposer.update(seq, h)
+    active = list(range(len(seqs))) if max_new_tokens > 0 else []
+    while active:
+        trees = [proposers[i].propose(seqs[i]) for i in active]
+        roots = torch.stack([seqs[i][-1] for i in active])
+        paths, bonuses, hidden, valid = verify_batch(target, cache, valid, roots, trees, sampling, layers)
+        still = []
+        for j, i in enumerate(active):
+            new = torch.cat((trees[j].tokens[paths[j]], bonuses[j]))
+            seqs[i] = torch.cat((seqs[i], new))
+            stats[i].record(len(paths[j]))
+            if len(seqs[i]) - prompt_lens[i] >= max_new_tokens or (
+                eos_token_id is not None and bool((new == eos_token_id).any())
+            ):
+                stats[i].wall_time = time.perf_counter() - start
+            else:
+                proposers[i].update(seqs[i], hidden[j])
+                still.append(j)
+        if len(still) < len(active):
+            keep = torch.tensor(still, dtype=torch.long, device=valid.device)
+            cache.batch_select_indices(keep)
+            valid, active = valid[keep], [active[j] for j in still]
+    outputs = []
+    for seq, prompt_len in zip(seqs, prompt_lens):
+        new = seq[prompt_len : prompt_len + max_new_tokens]
+        if eos_token_id is not None and bool((new == eos_token_id).any()):
+            new = new[: int((new == eos_token_id).nonzero()[0]) + 1]
+        outputs.append(torch.cat((seq[:prompt_len], new))[None])
+    return outputs, stats
+
+
 def generate(
     target: torch.nn.Module,
     proposer: Proposer,
@@ -220,34 +330,6 @@ def generate(
     sampling: Sampling | None = None,
     eos_token_id: int | None = None,
 ) -> tuple[torch.Tensor, Stats]:
-    """Speculative decoding of one sequence: (prompt + new tokens [1, S + new], stats).
-
-    Stops after ``max_new_tokens`` or at ``eos_token_id`` (kept), as ``target.generate`` does. Sampling
-    draws from torch's global generator: seed it for reproducible runs.
-    """
-    start, stats = time.perf_counter(), Stats()
-    sampling = sampling or Sampling()
-    tokens = input_ids.flatten().to(target.device)
-    prompt_len = len(tokens)
-    cache = DynamicCache(config=target.config)
-    proposer.reset(sampling)
-    layers = proposer.hidden_layers
-    hidden = None
-    if prompt_len > 1:
-        out = target(tokens[None, :-1], past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
-        hidden = _hidden(out, layers)
-    proposer.update(tokens, hidden)
-    while len(tokens) - prompt_len < max_new_tokens:
-        tree = proposer.propose(tokens)
-        path, bonus, hidden = verify(target, cache, tokens[-1:], tree, sampling, layers)
-        new = torch.cat((tree.tokens[path], bonus))
-        tokens = torch.cat((tokens, new))
-        stats.record(len(path))
-        if eos_token_id is not None and bool((new == eos_token_id).any()):
-            break
-        proposer.update(tokens, hidden)
-    new = tokens[prompt_len : prompt_len + max_new_tokens]
-    if eos_token_id is not None and bool((new == eos_token_id).any()):
-        new = new[: int((new == eos_token_id).nonzero()[0]) + 1]
-    stats.wall_time = time.perf_counter() - start
-    return torch.cat((tokens[:prompt_len], new))[None], stats
+    """Speculative decoding of one sequence: (prompt + new tokens [1, S + new], stats); see ``generate_batch``."""
+    outputs, stats = generate_batch(target, [proposer], [input_ids], max_new_tokens, sampling, eos_token_id)
+    return outputs[0], stats[0]

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PretrainedConfig
 
 from core.io import atomic_dir
+from eval.tree import tree_card_section
 from heads import HEADS, check_compatible
 from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from scripts.formats import eagle, eagle3, medusa
@@ -143,6 +144,8 @@ def export_head(
     command = f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}"
     if target != config.get("target"):
         command += f" --target {target}"
+    # The tree eval.autotune tuned for this head, when its folder has a tree.json.
+    sections.extend(tree_card_section(head_dir))
     card = model_card(config, fmt, public_target, draft_name or str(out), str(head_dir), made_by or command, sections)
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from eval.autotune import comb_choices
 from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
 from eval.tree import (
     MC_SIM_7B_63,
@@ -12,10 +13,9 @@ from eval.tree import (
     chain,
     dynamic_tree,
     static_tree,
-    tree_attention_mask,
-    tree_position_ids,
+    tree_batch_inputs,
 )
-from eval.verify import Sampling, accept, generate, verify
+from eval.verify import Sampling, accept, generate, generate_batch, verify
 from heads import KVCache, build_head
 
 V, NEW = 300, 16
@@ -88,11 +88,25 @@ def test_tree_mask_and_positions_match_hand_built_reference():
             [1, 1, 1, 1, 0, 1, 1],
         ]
     ).bool()
-    mask = tree_attention_mask(tree, 2, torch.float32)
-    assert mask.shape == (1, 1, 5, 7)
+    # A second sequence in the batch: one node, and a hole in its cache (slot 1 was a rejected draft).
+    other = chain(torch.tensor([20]))
+    valid = torch.tensor([[True, True], [True, False]])
+    ids, mask, positions = tree_batch_inputs(valid, [tree, other], torch.float32)
+    assert mask.shape == (2, 1, 5, 7)
     assert torch.equal(mask[0, 0] == 0, allowed)
     assert (mask[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
-    assert tree_position_ids(tree, 2).tolist() == [[2, 3, 3, 4, 5]]
+    other_allowed = torch.tensor(
+        [  # prefix 0, (hole) | root | node, padding x3
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 0, 1, 1, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+        ]
+    ).bool()
+    assert torch.equal(mask[1, 0] == 0, other_allowed)
+    assert ids.tolist() == [[0, 10, 11, 12, 13], [0, 20, 0, 0, 0]]
+    assert positions.tolist() == [[2, 3, 3, 4, 5], [1, 2, 1, 1, 1]]
 
 
 def test_static_tree_shapes():
@@ -236,3 +250,48 @@ def test_typical_acceptance_keeps_plausible_paths():
     assert path.tolist() == [0, 1] and bonus.tolist() == [3]
     with pytest.raises(ValueError, match="acceptance"):
         Sampling(acceptance="lossy")
+
+
+def test_batched_verification_gives_each_sequence_its_own_greedy_output(target, prompts, references):
+    # Eight sequences of different prompt lengths (one of a single token), verified together: each accepts
+    # its own number of drafts per step, leaving holes in the shared cache, and must still decode exactly
+    # as it does alone (the target's greedy output).
+    gen = torch.Generator().manual_seed(3)
+    more = [torch.randint(3, V, (1, n), generator=gen) for n in (2, 9, 4, 7, 12)]
+    batch = prompts + more
+    expected = references + [reference(target, p) for p in more]
+    # Right proposals of different lengths (Oracle chains) beside mostly wrong ones (a random draft
+    # model's trees); then EAGLE-3 heads, which read each sequence's own hidden rows back.
+    mixed = [
+        Oracle(ref, 2 + i % 3) if i % 2 else DraftModel(tiny_llama(1, 2), 3, 2, 6) for i, ref in enumerate(expected)
+    ]
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
+    heads = [Eagle(head, choices=[[0], [1], [0, 0], [0, 0, 0]]) for _ in batch]
+    runs = [generate_batch(target, proposers_, batch, NEW, eos_token_id=2) for proposers_ in (mixed, heads)]
+    for outputs, _ in runs:
+        for out, ref in zip(outputs, expected):
+            assert torch.equal(out, ref)
+    # Acceptance was per sequence: the oracles' chains were accepted whole, the draft model's were not.
+    stats = runs[0][1]
+    assert [s.accepted_lengths[0] for s in stats[1::2]] == [4, 3, 5, 4]  # chains of 3, 2, 4, 3 + the bonus
+    assert max(s.accepted_lengths[0] for s in stats[::2]) < 4
+
+
+def test_shaped_tree_drafts_what_the_dynamic_tree_drafts_for_the_same_shape(target, prompts):
+    # top_k 2, depth 2, 6 nodes: the dynamic tree expands both children of the root and keeps all four
+    # grandchildren, i.e. the shape [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1]].
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
+    tokens = prompts[2][0]
+    trees = []
+    for proposer in (
+        Eagle(head, top_k=2, depth=2, total_tokens=6),
+        Eagle(head, choices=comb_choices(2, 2) + [[1, 0], [1, 1]]),
+    ):
+        proposer.reset(Sampling())
+        with torch.no_grad():
+            states = target(tokens[None, :-1], output_hidden_states=True).hidden_states
+            proposer.update(tokens, torch.cat([states[i][0] for i in proposer.hidden_layers], -1))
+            trees.append(proposer.propose(tokens))
+    dynamic, shaped = trees
+    assert torch.equal(dynamic.tokens, shaped.tokens) and torch.equal(dynamic.parents, shaped.parents)
+    torch.testing.assert_close(dynamic.draft_logprobs, shaped.draft_logprobs)

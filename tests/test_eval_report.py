@@ -1,6 +1,7 @@
 """Acceptance reports: benchmark loaders, the speedup model, and a full report run on tiny models."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -152,6 +153,27 @@ def test_report_run_on_tiny_models(tiny_target_dir, models, tmp_path):
     assert "| method | tau |" in md and "| eagle3 |" in md and "WARNING" not in md
     report["methods"]["eagle3"] |= {"greedy_identical": False, "mismatched_prompts": ["83"]}
     assert "WARNING: eagle3 did NOT reproduce vanilla greedy decoding" in markdown(report)
+
+
+def test_head_folder_tree_json_and_training_prediction_reach_the_report(tiny_target_dir, models, tmp_path):
+    head = tmp_path / "eagle3"
+    shutil.copytree(models / "eagle3", head)
+    config = json.loads((head / "config.json").read_text())
+    config["training"] = {"heldout_top1": [0.5, 0.4], "predicted_tau": 1.7, "step": 10}
+    (head / "config.json").write_text(json.dumps(config))
+    tree = {"shape": "static", "choices": [[0], [1], [0, 0]], "depth": 2, "top_k": 2, "total_tokens": 3}
+    (head / "tree.json").write_text(json.dumps(tree | {"machine": "test box"}))
+    bench = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Ann has 3 apples."}])
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "eagle3", "--bench", str(bench)]
+    report = main(argv + ["--max-new-tokens", "8", "--depth", "5", "--out", str(tmp_path / "r")])
+    eagle3, vanilla = report["methods"]["eagle3"], report["methods"]["vanilla"]
+    assert eagle3["predicted_tau"] == 1.7 and vanilla["predicted_tau"] is None
+    assert eagle3["tree_config"]["choices"] == tree["choices"] and eagle3["draft_depth"] == 2  # not --depth 5
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "| eagle3 | " in md and " | 1.700 | " in md and "tuned on test box" in md
+    # --tree static (chains of --depth) overrides the folder's tree.json.
+    report = main(argv + ["--max-new-tokens", "8", "--tree", "static", "--depth", "4", "--out", str(tmp_path / "d")])
+    assert report["methods"]["eagle3"]["tree_config"] is None and report["methods"]["eagle3"]["draft_depth"] == 4
 
 
 def test_vanilla_runs_as_baseline_when_not_requested(tiny_target_dir, models, tmp_path, capsys):

@@ -91,6 +91,11 @@ def test_sampled_dynamic_tree_with_siblings_is_lossless():
     run_loop_test(lambda draft: DraftModel(draft, k=2, top_k=3, total_tokens=5))
 
 
+def test_sampled_fixed_shape_is_lossless():
+    # A tuned-tree shape: the second-drawn child of the root gets children, the first does not.
+    run_loop_test(lambda draft: DraftModel(draft, choices=[[0], [1], [1, 0], [1, 1], [2]]))
+
+
 def test_fixed_proposals_are_lossless():
     # Prompt lookup proposes the same chain every time: point-mass drafts.
     run_loop_test(lambda draft: NGram(k=2))

@@ -1,0 +1,173 @@
+"""Tree auto-tuning: the tuner finds the analytically optimal tree; acceptance statistics and tau bookkeeping."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eval.autotune import (
+    Costs,
+    RankCounts,
+    TreeSpec,
+    best_shape,
+    comb_choices,
+    expected_tau,
+    predict,
+    tree_tau,
+    tune,
+)
+from eval.proposers import Eagle
+from eval.tree import load_tree_config, tree_card_section
+from eval.verify import Sampling
+from heads import build_head
+
+# Synthetic acceptance: p[depth][rank], falling with rank and (slowly) with depth.
+RANK_PROBS = [[0.7, 0.12, 0.05], [0.75, 0.1, 0.04], [0.78, 0.08, 0.03], [0.8, 0.07, 0.02]]
+
+
+def costs(verify_slope: float, level_ms: float = 2.0, batch_slope: float = 0.0) -> Costs:
+    """A synthetic CPU-like curve: verify = 17 ms + slope per node (+ a per-extra-sequence cost)."""
+    nodes = list(range(0, 65, 4))
+    verify = {b: [17 + verify_slope * n + batch_slope * (b - 1) * (n + 1) for n in nodes] for b in (1, 8)}
+    return Costs(nodes, verify, [1, 8], [level_ms, level_ms], base_ms=1.5)
+
+
+def all_trees(max_depth: int, width: int):
+    """Every non-empty rank-path tree (parent-closed set) of depth <= max_depth and width <= width."""
+    paths = [list(p) for d in range(1, max_depth + 1) for p in itertools.product(range(width), repeat=d)]
+    for mask in range(1, 2 ** len(paths)):
+        chosen = [p for i, p in enumerate(paths) if mask >> i & 1]
+        present = {tuple(p) for p in chosen}
+        if all(len(p) == 1 or tuple(p[:-1]) in present for p in chosen):
+            yield chosen
+
+
+@pytest.mark.parametrize("slope", [0.15, 0.6, 3.0])
+def test_tuner_picks_the_analytically_optimal_tree(slope):
+    # Brute force over every tree of depth <= 3 and width <= 2 (the tuner's search is bounded alike): the
+    # tuner's pick has the highest expected tokens/s of all of them, vanilla included.
+    probs = [p[:2] for p in RANK_PROBS[:3]]
+    c = costs(slope)
+    best, vanilla, _ = tune(c, probs, max_nodes=14, max_depth=3)
+    brute = max((predict(c, probs, TreeSpec.static(t)) for t in all_trees(3, 2)), key=lambda t: t.tokens_per_s)
+    assert best.tokens_per_s == pytest.approx(brute.tokens_per_s, rel=1e-12)
+    assert best.tree.choices == brute.tree.choices
+    assert vanilla.tokens_per_s == pytest.approx(1e3 / 17)
+
+
+def test_cheap_nodes_buy_wider_trees_and_dear_ones_chains():
+    wide = tune(costs(0.05), RANK_PROBS, max_nodes=32, max_depth=4)[0]
+    narrow = tune(costs(1.5), RANK_PROBS, max_nodes=32, max_depth=4)[0]
+    assert wide.tree.top_k > 1 and wide.tree.total_tokens > narrow.tree.total_tokens
+    # A chain: no sibling is worth its cost, and the 4th level (0.33 tokens for 3.5 ms) just misses.
+    assert narrow.tree.choices == [[0], [0, 0], [0, 0, 0]]
+    # By hand: tau = 1 + .7 + .7*.75 + .7*.75*.78; one verify of 3 nodes (17 + 4.5 ms) plus drafting
+    # (1.5 ms base + 2 levels of 2 ms).
+    tau = 1 + 0.7 + 0.7 * 0.75 + 0.7 * 0.75 * 0.78
+    assert narrow.tau == pytest.approx(tau)
+    assert narrow.tokens_per_s == pytest.approx(1e3 * tau / (17 + 4.5 + 1.5 + 4))
+    chain4 = predict(costs(1.5), RANK_PROBS, TreeSpec.static([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]))
+    assert chain4.tokens_per_s < narrow.tokens_per_s
+
+
+def test_large_batches_switch_speculation_off():
+    # Each extra sequence costs verification 2 ms per token: at batch 8 extra tokens are dear, and every
+    # sequence drafts on its own, so plain decoding wins.
+    c = costs(0.1, batch_slope=2.0)
+    best, vanilla, _ = tune(c, RANK_PROBS, 32, 4, batch=1)
+    assert best.tokens_per_s > 1.3 * vanilla.tokens_per_s
+    best, vanilla, _ = tune(c, RANK_PROBS, 32, 4, batch=8)
+    assert best.tokens_per_s < vanilla.tokens_per_s and vanilla.tokens_per_s == pytest.approx(8e3 / (17 + 2 * 7))
+
+
+def test_best_shape_is_the_most_valuable_nodes():
+    shape = best_shape(RANK_PROBS, 6, 4)
+    # Values: .7, .525, .41, .33 down the chain; then [1] .12, [1, 0] .09 beats [0, 1] .07.
+    assert shape == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [1], [1, 0]]
+    assert expected_tau(RANK_PROBS, shape) == pytest.approx(
+        1 + 0.7 + 0.525 + 0.525 * 0.78 + 0.525 * 0.78 * 0.8 + 0.12 + 0.12 * 0.75
+    )
+
+
+def test_rank_counts_from_comb_steps():
+    counts = RankCounts()
+    counts.record(3, 2, [0, 0, 0])  # all of the chain: depths 1-3 tried and hit at rank 0
+    counts.record(3, 2, [0, 1])  # depth 2 hit by the rank-1 sibling: depth 3 not tried
+    counts.record(3, 2, [0])  # depth 2 tried, no candidate matched
+    counts.record(3, 2, [])  # depth 1 missed
+    assert counts.tried == [4, 3, 1]
+    assert counts.hits == [[3, 0], [1, 1], [1, 0]]
+    assert counts.rank_probs() == [[0.75, 0.0], [1 / 3, 1 / 3], [1.0, 0.0]]
+
+
+def test_tree_tau_of_a_drafted_tree_is_its_shapes_expected_tau():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    target = LlamaForCausalLM(config).eval()
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
+    shape = comb_choices(3, 2) + [[1, 0], [1, 1]]
+    proposer = Eagle(head, choices=shape)
+    tokens = torch.randint(3, 300, (9,))
+    proposer.reset(Sampling())
+    with torch.no_grad():
+        states = target(tokens[None, :-1], output_hidden_states=True).hidden_states
+        proposer.update(tokens, torch.cat([states[i][0] for i in proposer.hidden_layers], -1))
+        tree = proposer.propose(tokens)
+    assert len(tree) == len(shape)
+    assert tree_tau(RANK_PROBS, tree) == pytest.approx(expected_tau(RANK_PROBS, shape))
+
+
+def test_tree_config_errors_name_the_file(tmp_path):
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps({"shape": "static", "depth": 2, "top_k": 1, "total_tokens": 2}))
+    with pytest.raises(ValueError, match=r"tree.json: tree config lacks \['choices'\]"):
+        load_tree_config(path)
+    path.write_text("{oops")
+    with pytest.raises(ValueError, match="tree.json: not valid JSON"):
+        load_tree_config(path)
+    config = TreeSpec.static([[0], [0, 0], [1]]).config()
+    path.write_text(json.dumps(config))
+    assert load_tree_config(path) == config
+    assert TreeSpec.from_config(config).level_widths() == [1]
+
+
+def test_model_card_section_names_the_tuned_tree(tmp_path):
+    assert tree_card_section(tmp_path) == []  # no tree.json: the card has no such section
+    tree = TreeSpec.static([[0], [0, 0], [1]]).config() | {"machine": "Xeon, 2 torch threads", "device": "cpu"}
+    tree |= {"predicted_tau": 2.5, "predicted_tokens_per_s": 90.0, "predicted_vanilla_tokens_per_s": 55.0}
+    (tmp_path / "tree.json").write_text(json.dumps(tree | {"speculate_max_batch": 2}))
+    (section,) = tree_card_section(tmp_path)
+    assert "depth 2, top-k 2 (the most children of a node), 3 draft tokens" in section
+    assert "machine Xeon, 2 torch threads, device cpu" in section and "`[[0], [1], [0, 0]]`" in section
+    assert "2.50 tokens per target forward, 90.0 tokens/s (plain decoding: 55.0)" in section
+    assert "up to batch size 2" in section
+
+
+def test_cli_on_tiny_models_writes_a_tree_the_acceptance_cli_reads(tiny_target_dir, gsm8k_file, tmp_path, one_thread):
+    from eval.acceptance import main as acceptance
+    from eval.autotune import main
+
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    head = tmp_path / "head"
+    build_head({"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100}, target).save_pretrained(head)
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--bench", str(gsm8k_file), "--calibration", "1"]
+    argv += ["--heldout", "1", "--max-new-tokens", "8", "--max-nodes", "6", "--max-depth", "3", "--comb-width", "2"]
+    result = main(argv + ["--repeats", "1", "--batch-sizes", "1,2", "--out", str(tmp_path / "at"), "--write-head"])
+    out = tmp_path / "at"
+    assert (out / "autotune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| tree | nodes |" in (out / "autotune.md").read_text()
+    assert set(result["batch"]) == {"1", "2"} and len(result["costs"]["verify_ms"]["2"]) == len(
+        result["costs"]["nodes"]
+    )
+    names = [row["name"] for row in result["grid"]]
+    assert names[0] == "vanilla" and "dynamic k10 d6 n60" in names and sum(r["chosen"] for r in result["grid"]) == 1
+    assert all(row["greedy_identical"] for row in result["grid"])
+    tree = load_tree_config(head / "tree.json")
+    assert tree == load_tree_config(out / "tree.json") and tree["total_tokens"] <= 6 and tree["depth"] <= 3
+    # eval.acceptance picks the tree up from the head folder.
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "eagle3", "--bench", str(gsm8k_file)]
+    report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
+    assert report["methods"]["eagle3"]["tree_config"]["choices"] == tree["choices"]
