@@ -40,3 +40,15 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def prepare_decoding(device: torch.device) -> None:
+    """Backend settings for token-by-token decoding on ``device``.
+
+    cuDNN's attention (torch's first SDPA choice for bf16/fp16 on recent GPUs) builds an execution plan
+    for every new (query, key) length, and decoding grows the key length every step: on an H100 the
+    bf16 demo target decoded at 37 tokens/s while plans were built and 110 once they were cached. The
+    flash and memory-efficient kernels need no plan, so decoding leaves cuDNN's out.
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)

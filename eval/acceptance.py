@@ -23,7 +23,7 @@ import transformers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.runtime import resolve_device, resolve_dtype, seed_everything
+from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
 from eval.bench import BenchItem, load_bench, render
 from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
 from eval.report import write_report
@@ -359,6 +359,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype):
+    """A model for decoding on ``device``, with the backends set for it (``core.runtime.prepare_decoding``)."""
+    prepare_decoding(device)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
