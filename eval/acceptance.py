@@ -223,6 +223,39 @@ def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
     }
 
 
+# A greedy mismatch is a near-tie when the target's two candidate logits differ by less than this many
+# units in the last place of the compute dtype (at the logits' scale): reduced precision (bf16) rounds a
+# tree forward and a one-token forward differently, and such a gap is inside that rounding.
+NEAR_TIE_ULPS = 4
+
+
+@torch.no_grad()
+def divergence(target, tokenizer, item: BenchItem, ref_turns: list[list[int]], out_turns: list[list[int]]) -> dict:
+    """Where a method's greedy output first leaves vanilla's: turn, token index, both tokens, and the
+    target's logit gap between them there (one full forward over the shared prefix), with ``near_tie``."""
+    messages = list(item.history)
+    for turn_index, (turn, ref, out) in enumerate(zip(item.turns, ref_turns, out_turns)):
+        messages.append({"role": "user", "content": turn})
+        if ref != out:
+            at = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+            entry = {"prompt": item.id, "turn": turn_index, "token": at}
+            if at == min(len(ref), len(out)):  # one output is a prefix of the other: a stop, not a token choice
+                return entry | {"vanilla_token": None, "method_token": None, "logit_gap": None, "near_tie": False}
+            prompt = render(tokenizer, messages).to(target.device)[0]
+            ids = torch.cat((prompt, torch.tensor(ref[:at], dtype=prompt.dtype, device=prompt.device)))
+            logits = target(ids[None]).logits[0, -1].float()
+            gap = float(logits[ref[at]] - logits[out[at]])
+            tolerance = NEAR_TIE_ULPS * torch.finfo(target.dtype).eps * float(logits.abs().max())
+            return entry | {
+                "vanilla_token": ref[at],
+                "method_token": out[at],
+                "logit_gap": gap,
+                "near_tie": abs(gap) <= tolerance,
+            }
+        messages.append({"role": "assistant", "content": tokenizer.decode(ref, skip_special_tokens=True)})
+    raise ValueError(f"{item.id}: outputs do not differ")
+
+
 def heads_by_method(head_dirs: list[str]) -> dict[str, str]:
     """Method name (the head's config type) -> head folder; reads only the configs."""
     found: dict[str, str] = {}
@@ -364,6 +397,13 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
+def _describe(d: dict) -> str:
+    if d["logit_gap"] is None:
+        return "one output stops where the other goes on"
+    kind = "a near-tie (reduced-precision rounding)" if d["near_tie"] else "NOT a near-tie: a bug"
+    return f"vanilla {d['vanilla_token']} vs {d['method_token']}, target logit gap {d['logit_gap']:.4f}: {kind}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     head_dirs = heads_by_method(args.head)
@@ -390,6 +430,13 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for m, run in runs.items()
     }
+    by_id = {item.id: item for item in items}
+    for method, entry in methods.items():
+        outputs = dict(zip(runs[method].ids, runs[method].outputs))
+        vanilla = dict(zip(runs["vanilla"].ids, runs["vanilla"].outputs))
+        entry["divergences"] = [
+            divergence(target, tokenizer, by_id[i], vanilla[i], outputs[i]) for i in entry["mismatched_prompts"]
+        ]
     report = {
         "target": str(args.target),
         "draft": args.draft,
@@ -425,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{len(entry['mismatched_prompts'])} prompt(s): {entry['mismatched_prompts']}",
                 file=sys.stderr,
             )
+            for d in entry["divergences"]:
+                print(f"  {d['prompt']} turn {d['turn']} token {d['token']}: {_describe(d)}", file=sys.stderr)
     return report
 
 

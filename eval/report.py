@@ -8,7 +8,8 @@ report.json, as ``eval.acceptance`` builds it:
         alpha, mean_accepted, target_forwards, new_tokens, wall_s, tokens_per_s, speedup_vs_vanilla, predicted_speedup,
         draft_depth (k), draft_cost_ratio (c), target_forward_ms,
         peak_memory_mb (CUDA: max allocated during the method; CPU: the process's peak RSS so far),
-        greedy_identical (bool; null when sampling), mismatched_prompts, per_category.<cat>: tau, target_forwards,
+        greedy_identical (bool; null when sampling), mismatched_prompts, divergences (per mismatch: prompt, turn,
+        token, vanilla_token, method_token, logit_gap, near_tie), per_category.<cat>: tau, target_forwards,
         predicted_tau (the head's training-time chain prediction, config.json "training"; null without one),
         tree_config (the tree.json an EAGLE method decoded with; null: the tree flags)
 """
@@ -46,6 +47,14 @@ def markdown(report: dict) -> str:
             "(see mismatched_prompts in report.json). Their speedups are not comparable.",
             "",
         ]
+        for m in broken:
+            for d in methods[m].get("divergences", []):
+                gap = "a stop" if d["logit_gap"] is None else f"target logit gap {d['logit_gap']:.4f}"
+                verdict = "near-tie: reduced-precision rounding" if d["near_tie"] else "**not a near-tie**"
+                lines.append(
+                    f"> - {m}: {d['prompt']} turn {d['turn']} first differs at token {d['token']} ({gap}; {verdict})"
+                )
+        lines.append("")
     if not methods["vanilla"]["requested"]:
         lines += ["Vanilla was not requested; it ran anyway as the speedup baseline.", ""]
     tree = report["tree"]

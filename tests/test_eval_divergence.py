@@ -1,0 +1,38 @@
+"""Greedy mismatches are located and explained: first differing token and the target's logit gap there."""
+
+import torch
+
+from eval.acceptance import divergence
+from eval.bench import BenchItem, render
+
+
+def _greedy(target, ids: torch.Tensor, n: int) -> list[int]:
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_divergence_names_the_token_and_the_target_logit_gap(target, one_thread):
+    target, tokenizer = target
+    item = BenchItem(id="q1", category="math", turns=["What is 12 plus 30?"])
+    prompt = render(tokenizer, [{"role": "user", "content": item.turns[0]}])
+    ref = _greedy(target, prompt, 8)
+    with torch.no_grad():
+        logits = target(torch.cat((prompt[0], torch.tensor(ref[:3])))[None]).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    out = ref[:3] + [second] + ref[4:]
+
+    d = divergence(target, tokenizer, item, [ref], [out])
+
+    assert (d["prompt"], d["turn"], d["token"]) == ("q1", 0, 3)
+    assert (d["vanilla_token"], d["method_token"]) == (ref[3], second)
+    assert abs(d["logit_gap"] - float(logits[ref[3]] - logits[second])) < 1e-4
+    assert d["logit_gap"] > 0  # vanilla's token is the argmax
+    assert d["near_tie"] is (d["logit_gap"] <= 4 * torch.finfo(torch.float32).eps * float(logits.abs().max()))
+
+
+def test_divergence_of_an_early_stop_is_no_token_choice(target, one_thread):
+    target, tokenizer = target
+    item = BenchItem(id="q2", category="math", turns=["Hi", "And then?"])
+    ref = [[5, 6, 7], [8, 9, 10]]
+    d = divergence(target, tokenizer, item, ref, [[5, 6, 7], [8, 9]])
+    assert (d["turn"], d["token"], d["logit_gap"], d["near_tie"]) == (1, 2, None, False)
