@@ -8,6 +8,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from core.io import atomic_write_text
+
 
 class MetricsLog:
     """One JSON line per training step and per held-out evaluation (rank 0 only; other ranks log nothing)."""
@@ -56,7 +58,7 @@ def _drop_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in lines))
+    atomic_write_text(path, "".join(line + "\n" for line in lines))  # a kill here must not lose the kept steps
 
 
 def _wandb_run(cfg: dict[str, Any], out_dir: Path) -> Any:
