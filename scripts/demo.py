@@ -28,9 +28,13 @@ from core.config import ConfigError, load_config
 from core.io import atomic_write_text
 
 
-def stage_key(stage: dict[str, Any], command: list[str], upstream: str) -> str:
-    """What decides a stage's outputs: its command, its input files' bytes and everything upstream."""
-    digest = hashlib.sha256((upstream + "\0" + shlex.join(command)).encode())
+def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) -> str:
+    """What decides a stage's outputs: its command, its input files' bytes and everything upstream.
+
+    The interpreter's path is left out, so the same pipeline run from another venv is still complete.
+    """
+    command = stage["cmd"].format(**settings, python="{python}", bin="{bin}")
+    digest = hashlib.sha256((upstream + "\0" + command).encode())
     for name in stage.get("inputs", []):
         path = Path(name)
         if not path.is_file():
@@ -66,7 +70,7 @@ def run_stages(cfg: dict[str, Any], only: set[str] | None = None) -> dict[str, A
     for index, stage in enumerate(stages, 1):
         name = stage["name"]
         command = expand(stage, settings)
-        key = stage_key(stage, command, upstream)
+        key = stage_key(stage, settings, upstream)
         upstream = key
         stamp_path = stamps / f"{name}.json"
         if only is not None and name not in only:

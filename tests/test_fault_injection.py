@@ -218,7 +218,7 @@ def test_sigkilled_pipeline_ends_with_the_uninterrupted_artifacts(reference, tin
     # Kill points, seeded: after k finished shards, after s logged optimizer steps. The export's write
     # takes milliseconds, so it is killed the moment its temporary folder appears: mid-write.
     shards_before_kill = rng.randint(1, n_shards - 1)
-    steps_before_kill = rng.randint(1, STEPS - 1)
+    steps_before_kill = rng.randint(1, STEPS - 2)  # not the last: its kill must beat the final save
     kills = [
         ("capture", lambda: len(list((root / CAPTURE).glob("shard-*.safetensors"))) >= shards_before_kill),
         ("train", lambda: train_steps_logged(root) >= steps_before_kill),
