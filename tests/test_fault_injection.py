@@ -148,12 +148,30 @@ def wait_for_child(proc: subprocess.Popen) -> int:
     return found[0]
 
 
-def spin_until(predicate, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
-    """``wait_for`` without sleeping, for a window of a few milliseconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"missed: {what}")
+def state(pid: int) -> str:
+    """The process's state letter (R, S, T stopped, Z zombie), or X once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "X"
+
+
+def run_in_slices_until(pid: int, predicate, what: str, slice_s: float = 5e-4) -> None:
+    """Let ``pid`` run in slices of ``slice_s``, checking ``predicate`` while it is stopped between them.
+
+    For a window of a few milliseconds (the export's write): the check never races the process, so
+    the kill lands inside the window, and the process is left stopped for it.
+    """
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        while state(pid) not in "TtZX":
+            pass
+        if state(pid) in "ZX":
+            raise AssertionError(f"the process ended before {what}")
+        if predicate():
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(slice_s)
 
 
 def train_steps_logged(root: Path) -> int:
@@ -216,7 +234,8 @@ def test_sigkilled_pipeline_ends_with_the_uninterrupted_artifacts(reference, tin
     pipeline_config(root, tiny_target_dir)
     log = root / "demo.log"
     # Kill points, seeded: after k finished shards, after s logged optimizer steps. The export's write
-    # takes milliseconds, so it is killed the moment its temporary folder appears: mid-write.
+    # takes milliseconds, so the export runs in short slices and is killed in the first one that
+    # leaves its temporary folder behind: mid-write.
     shards_before_kill = rng.randint(1, n_shards - 1)
     steps_before_kill = rng.randint(1, STEPS - 2)  # not the last: its kill must beat the final save
     kills = [
@@ -229,9 +248,7 @@ def test_sigkilled_pipeline_ends_with_the_uninterrupted_artifacts(reference, tin
             proc = subprocess.Popen(demo_command(root), cwd=root, env=env(), stdout=out, stderr=subprocess.STDOUT)
         wait_for(stage_started(log, stage), proc, f"stage {stage} started")
         if stage == "export":
-            export_pid = wait_for_child(proc)
-            spin_until(due, proc, "the export's temporary folder appeared")
-            os.kill(export_pid, signal.SIGKILL)  # first and at once: the write is over in a few milliseconds
+            run_in_slices_until(wait_for_child(proc), due, "its temporary folder appeared")
             kill_tree(proc.pid)
         else:
             wait_for(due, proc, f"the kill point in {stage}")
