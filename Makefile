@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(PY) -m scripts.demo
+	$(PY) -m scripts.demo --config configs/demo.yaml
 
 test: install lint
 	$(PY) -m pytest

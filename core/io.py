@@ -1,19 +1,72 @@
-"""Atomic file writes: a reader (or a resumed job) never sees a half-written file."""
+"""Atomic file writes: a reader (or a resumed job) never sees a half-written file.
+
+Each write goes to a hidden temporary beside its target (``.<name>.<random>.tmp``) and lands in
+one rename. A writer killed with SIGKILL cannot clean up, so the next write of the same target
+removes the temporaries that earlier, dead writers of that target left behind. A write that runs
+out of room (full disk, quota, file-size limit) raises ``OutOfSpaceError`` saying which, and
+leaves the previous file in place.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+NO_ROOM = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file size limit (ulimit -f, RLIMIT_FSIZE) was reached",
+}
+
+
+class OutOfSpaceError(OSError):
+    """A write ran out of room; the message names the file, what ran out and the free space."""
+
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _no_room(err: BaseException) -> int | None:
+    """The errno of an out-of-room failure, else None.
+
+    Native writers (safetensors' Rust core) raise their own exception types that only quote the
+    OS error, as ``... (os error 28)``.
+    """
+    if isinstance(err, OSError) and err.errno in NO_ROOM:
+        return err.errno
+    return next((code for code in NO_ROOM if f"(os error {code})" in str(err)), None)
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Temporaries of ``path`` from writers that died before their rename (or cleanup)."""
+    # mkstemp/mkdtemp names: the prefix, 8 characters of [a-z0-9_], the suffix.
+    for stale in glob.glob(glob.escape(str(path.parent / f".{path.name}.")) + "[a-z0-9_]" * 8 + ".tmp"):
+        shutil.rmtree(stale) if os.path.isdir(stale) else os.unlink(stale)
+
+
+@contextlib.contextmanager
+def _out_of_space_named(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except Exception as err:
+        code = _no_room(err)
+        if code is None:
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise OutOfSpaceError(
+            code,
+            f"writing {path} failed: {NO_ROOM[code]} ({free / 1e9:.2f} GB free in {path.parent}); "
+            f"the previous {path.name}, if any, is untouched",
+        ) from err
 
 
 @contextlib.contextmanager
@@ -25,14 +78,16 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result should look like any new file
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        with open(tmp_path, "rb") as f:
-            os.fsync(f.fileno())
+        with _out_of_space_named(path):
+            yield tmp_path
+            with open(tmp_path, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
@@ -48,13 +103,15 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``path`` only once everything in it is written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700
     try:
-        yield tmp
+        with _out_of_space_named(path):
+            yield tmp
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)  # a writer killed between the two renames below left it
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
             os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)

@@ -1,65 +1,132 @@
-"""The main job on the bundled default: ``make demo`` runs this.
+"""The whole pipeline on the bundled target: ``make demo`` runs this.
 
     python -m scripts.demo --config configs/demo.yaml [key=value ...]
 
-Loads the bundled target and draft from disk (no network) and prints a greedy chat completion from
-each, with the tokens/s of plain autoregressive decoding: the baseline every head must beat.
+Runs the stages the config lists (regenerate -> capture -> train -> eval -> export) as the same
+subprocess commands a user would type, one after the other, then prints the report. Each stage is
+resumable on its own (capture keeps finished shards, training resumes from its last complete
+checkpoint, writes are atomic), and the demo adds one thing on top: once a stage's command exits 0,
+it writes ``<out_dir>/stages/<name>.json`` with a key over the command, the contents of its input
+files and the keys of the stages before it. A re-run skips every stage whose key still matches and
+whose outputs exist, and re-runs the rest. ``<out_dir>/timings.json`` holds each stage's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-from core.config import load_config
-from core.runtime import resolve_device, resolve_dtype
+from core.config import ConfigError, load_config
+from core.io import atomic_write_text
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return model, tokenizer
+def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) -> str:
+    """What decides a stage's outputs: its command, its input files' bytes and everything upstream.
+
+    The interpreter's path is left out, so the same pipeline run from another venv is still complete.
+    """
+    command = stage["cmd"].format(**settings, python="{python}", bin="{bin}")
+    digest = hashlib.sha256((upstream + "\0" + command).encode())
+    for name in stage.get("inputs", []):
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"stage {stage['name']}: input {path} not found")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
-@torch.no_grad()
-def chat(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int
-) -> dict[str, Any]:
-    """Greedy completion of one user turn under the model's own chat template."""
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    ).to(model.device)
+def expand(stage: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """The stage's command line, with ``{python}``, ``{bin}`` (this interpreter's folder) and config keys filled in."""
+    fields = {"python": sys.executable, "bin": str(Path(sys.executable).parent), **settings}
+    try:
+        return shlex.split(stage["cmd"].format(**fields))
+    except KeyError as err:
+        raise ConfigError(f"stage {stage['name']}: {{{err.args[0]}}} in its cmd is not a config key") from None
+
+
+def is_complete(stamp_path: Path, key: str, outputs: list[str]) -> bool:
+    if not stamp_path.is_file() or json.loads(stamp_path.read_text())["key"] != key:
+        return False
+    return all(Path(p).exists() for p in outputs)
+
+
+def run_stages(cfg: dict[str, Any], only: set[str] | None = None) -> dict[str, Any]:
+    """Run (or skip) every stage in order; returns the timings, also written to ``<out_dir>/timings.json``."""
+    out_dir = Path(cfg["out_dir"])
+    stamps = out_dir / "stages"
+    settings = {k: v for k, v in cfg.items() if k != "stages"}
+    stages = cfg["stages"]
+    timings: dict[str, Any] = {"stages": {}, "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()}
     start = time.perf_counter()
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    seconds = time.perf_counter() - start
-    new_tokens = out[0, inputs["input_ids"].shape[1] :]
-    return {
-        "text": tokenizer.decode(new_tokens, skip_special_tokens=True),
-        "tokens": len(new_tokens),
-        "tokens_per_s": len(new_tokens) / seconds,
-    }
+    upstream = ""
+    for index, stage in enumerate(stages, 1):
+        name = stage["name"]
+        command = expand(stage, settings)
+        key = stage_key(stage, settings, upstream)
+        upstream = key
+        stamp_path = stamps / f"{name}.json"
+        if only is not None and name not in only:
+            continue  # its key still feeds the stages after it, so a partial run keys them as a full one does
+        header = f"[{index}/{len(stages)}] stage {name}"
+        if is_complete(stamp_path, key, stage.get("outputs", [])):
+            seconds = json.loads(stamp_path.read_text())["seconds"]
+            print(f"{header}: done, skipped (outputs complete; it took {seconds:.1f} s when it ran)", flush=True)
+            timings["stages"][name] = {"status": "skipped", "seconds": 0.0, "seconds_when_run": seconds}
+            continue
+        print(f"{header}: running\n    {shlex.join(command)}", flush=True)
+        began = time.perf_counter()
+        code = subprocess.run(command).returncode
+        seconds = time.perf_counter() - began
+        if code != 0:
+            raise SystemExit(
+                f"{header}: failed (exit code {code}) after {seconds:.1f} s; see its message above. "
+                f"Run the demo again to resume: finished stages and finished work inside this one are kept."
+            )
+        atomic_write_text(stamp_path, json.dumps({"key": key, "seconds": seconds, "command": command}, indent=1))
+        print(f"{header}: done in {seconds:.1f} s", flush=True)
+        timings["stages"][name] = {"status": "ran", "seconds": seconds, "seconds_when_run": seconds}
+    timings["total_s"] = time.perf_counter() - start
+    timings["all_stages_when_run_s"] = sum(t["seconds_when_run"] for t in timings["stages"].values())
+    timings["load_average_at_end"] = os.getloadavg()
+    atomic_write_text(out_dir / "timings.json", json.dumps(timings, indent=1) + "\n")
+    return timings
+
+
+def summary(cfg: dict[str, Any], timings: dict[str, Any]) -> str:
+    """The stage table, then the evaluation's report and where its plots are."""
+    lines = ["", "| stage | this run | wall s (when it ran) |", "|---|---|---|"]
+    for name, t in timings["stages"].items():
+        lines.append(f"| {name} | {t['status']} | {t['seconds_when_run']:.1f} |")
+    lines.append(f"\nthis run: {timings['total_s']:.1f} s; every stage's own time summed: ")
+    lines[-1] += f"{timings['all_stages_when_run_s']:.1f} s ({Path(cfg['out_dir']) / 'timings.json'})"
+    report = Path(cfg["report"])
+    if report.is_file():
+        lines += ["", report.read_text().rstrip(), ""]
+        lines += [f"plot: {p}" for p in sorted(report.parent.glob("*.png"))]
+        lines.append(f"report: {report.with_suffix('.json')}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--stages", help="comma-separated stage names to run (default: all, in order)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    device, dtype = resolve_device(cfg["device"]), resolve_dtype(cfg["dtype"])
-    print(f"device {device}, dtype {dtype}")
-    print(f"user: {cfg['prompt']}\n")
-    for role in ("target", "draft"):
-        model, tokenizer = load_model(cfg[role], device, dtype)
-        params = sum(p.numel() for p in model.parameters()) / 1e6
-        reply = chat(model, tokenizer, cfg["prompt"], cfg["max_new_tokens"])
-        print(f"--- {role} ({cfg[role]}, {params:.1f}M parameters) ---")
-        print(reply["text"])
-        print(f"[{reply['tokens']} tokens, {reply['tokens_per_s']:.1f} tokens/s, vanilla greedy decoding]\n")
+    names = [s["name"] for s in cfg["stages"]]
+    only = set(args.stages.split(",")) if args.stages else None
+    if only and only - set(names):
+        raise ConfigError(f"--stages: no stage named {sorted(only - set(names))} in {args.config} (it has {names})")
+    print(summary(cfg, run_stages(cfg, only)))
 
 
 if __name__ == "__main__":

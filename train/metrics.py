@@ -12,6 +12,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from core.io import atomic_write_text
+
 
 def heldout_top1(record: dict[str, Any]) -> list[float]:
     """Per-position top-1 accuracies a_1..a_k of a held-out record: ``acc`` (EAGLE-1/2, one position) or
@@ -85,7 +87,7 @@ def _drop_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in lines))
+    atomic_write_text(path, "".join(line + "\n" for line in lines))  # a kill here must not lose the kept steps
 
 
 def _wandb_run(cfg: dict[str, Any], out_dir: Path) -> Any:
