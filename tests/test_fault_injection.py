@@ -15,7 +15,6 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import yaml
 from conftest import REPO
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_train import free_port
 
 from core.config import load_config
 from data_recipes.capture import run_capture
@@ -223,12 +223,6 @@ def reference(tiny_target_dir, tmp_path_factory):
         finally:
             torch.set_num_threads(threads)
     return root
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 @pytest.mark.slow

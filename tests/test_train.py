@@ -116,6 +116,21 @@ def subprocess_env():
     return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
+def run_torchrun(script, config, *overrides, nproc: int = 2) -> str:
+    """``torchrun --nproc_per_node nproc script --config config overrides`` in a fresh process; its stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", free_port()]
+    done = subprocess.run(
+        [*cmd, str(script), "--config", str(config), *overrides],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def head_weights(out_dir):
     return load_file(str(out_dir / "head" / "model.safetensors"))
 
@@ -131,16 +146,7 @@ def test_two_processes_train_the_same_head_as_one(head_type, make_config, sharp_
     config, _ = make_config(head_type)
     two, one = config.parent / "two", config.parent / "one"
     script = REPO / "train" / f"{TRAINERS[head_type].__name__.split('.')[-1]}.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
-    done = subprocess.run(
-        [*cmd, str(script), "--config", str(config), f"train.out_dir={two}"],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_torchrun(script, config, f"train.out_dir={two}")
     run_here(monkeypatch, TRAINERS[head_type], config, f"train.out_dir={one}")
 
     # Same micro-batches, gradients averaged by all-reduce instead of accumulated: equal up to fp32

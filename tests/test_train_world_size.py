@@ -6,15 +6,13 @@ another ``torchrun --nproc_per_node`` and ends where the uninterrupted run ends.
 
 import json
 import shutil
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import test_train
 import torch
 from conftest import REPO
-from test_train import free_port, head_weights, records, run_here, subprocess_env
+from test_train import head_weights, records, run_here, run_torchrun
 
 from train import eagle
 from train.checkpoint import MARKER, check_data_order, complete_steps, loads_universal, tag_for
@@ -24,20 +22,6 @@ from train.data import epoch_order, rank_micro_batches
 make_config, shards, sharp_target_dir = test_train.make_config, test_train.shards, test_train.sharp_target_dir
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS, STOP = 6, 4
-
-
-def run_two(config, *overrides):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
-    done = subprocess.run(
-        [*cmd, str(REPO / "train" / "eagle.py"), "--config", str(config), *overrides],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 def stopped_copy(src, dst, step):
@@ -79,7 +63,10 @@ def test_run_resumes_on_another_process_count(first, then, zero_stage, make_conf
     settings = dict(max_steps=STEPS, save_every=2, keep_checkpoints=0, eval_every=0, zero_stage=zero_stage)
     config, full = make_config("eagle3", name="full", **settings)
     stopped = config.parent / "stopped"
-    launch = {1: lambda *o: run_here(monkeypatch, eagle, config, *o), 2: lambda *o: run_two(config, *o)}
+    launch = {
+        1: lambda *o: run_here(monkeypatch, eagle, config, *o),
+        2: lambda *o: run_torchrun(REPO / "train" / "eagle.py", config, *o),
+    }
     launch[first](f"train.out_dir={full}")
     stopped_copy(full, stopped, STOP)
     assert json.loads((stopped / "checkpoints" / tag_for(STOP) / MARKER).read_text())["world"] == first
