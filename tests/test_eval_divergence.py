@@ -1,5 +1,7 @@
 """Greedy mismatches are located and explained: first differing token and the target's logit gap there."""
 
+import copy
+
 import torch
 
 from eval.acceptance import divergence
@@ -27,7 +29,25 @@ def test_divergence_names_the_token_and_the_target_logit_gap(target, one_thread)
     assert (d["vanilla_token"], d["method_token"]) == (ref[3], second)
     assert abs(d["logit_gap"] - float(logits[ref[3]] - logits[second])) < 1e-4
     assert d["logit_gap"] > 0  # vanilla's token is the argmax
-    assert d["near_tie"] is (d["logit_gap"] <= 4 * torch.finfo(torch.float32).eps * float(logits.abs().max()))
+    assert d["logit_gap"] > 1e-3 and d["near_tie"] is False  # the runner-up of a fp32 model: a real choice
+
+
+def test_divergence_of_an_exact_tie_is_a_near_tie(target, one_thread):
+    """Give the runner-up token the argmax's lm_head row: their logits tie exactly, so the swap is a tie."""
+    target, tokenizer = target
+    item = BenchItem(id="q3", category="math", turns=["What is 7 plus 5?"])
+    prompt = render(tokenizer, [{"role": "user", "content": item.turns[0]}])
+    ref = _greedy(target, prompt, 4)
+    with torch.no_grad():
+        logits = target(torch.cat((prompt[0], torch.tensor(ref[:1])))[None]).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    tied = copy.deepcopy(target)
+    with torch.no_grad():
+        tied.lm_head.weight[second] = tied.lm_head.weight[ref[1]]
+
+    d = divergence(tied, tokenizer, item, [ref], [ref[:1] + [second] + ref[2:]])
+
+    assert d["token"] == 1 and d["logit_gap"] == 0.0 and d["near_tie"] is True
 
 
 def test_divergence_of_an_early_stop_is_no_token_choice(target, one_thread):
