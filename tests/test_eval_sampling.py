@@ -1,9 +1,10 @@
 """Speculative sampling is lossless: the first two generated tokens follow the target's exact distribution.
 
 The models are bigram lookup tables (logits depend only on the current token) behind the slice of the HF
-interface the loop uses, so the exact two-token distribution is a V x V enumeration and thousands of
-seeded runs take seconds. Attention and the KV cache are covered by the greedy tests in test_eval.py.
-Each test is a chi-square goodness-of-fit test at significance 0.001 (fixed seeds: deterministic).
+interface the loop uses, so the exact two-token distribution is a V x V enumeration and a thousand
+seeded runs, batched through ``generate_batch``, take a second. Attention and the KV cache are covered by
+the greedy tests in test_eval.py. Each test is a chi-square goodness-of-fit test at significance 0.001
+(fixed seeds: deterministic).
 """
 
 import math
@@ -15,7 +16,7 @@ from transformers import LlamaConfig
 
 from eval.proposers import DraftModel, NGram
 from eval.tree import pick_children, static_tree
-from eval.verify import Sampling, accept, generate, probabilities
+from eval.verify import Sampling, accept, generate_batch, probabilities
 
 V = 4
 PROMPT = torch.tensor([[1, 2, 3, 2]])  # ends in 2; NGram finds "2" earlier and proposes [3, 2]
@@ -32,7 +33,7 @@ class Bigram(nn.Module):
         return self.table.device
 
     def forward(self, input_ids, past_key_values, attention_mask=None, position_ids=None, **_):
-        rows = torch.zeros(1, 1, input_ids.shape[1], 1)
+        rows = torch.zeros(input_ids.shape[0], 1, input_ids.shape[1], 1)
         past_key_values.update(rows, rows, 0)  # keeps the cache length honest for crop / commit
         return SimpleNamespace(logits=self.table[input_ids])
 
@@ -65,11 +66,13 @@ def assert_matches(counts: torch.Tensor, probs: torch.Tensor, wrong: torch.Tenso
     assert float(n * ((wrong - probs) ** 2 / probs).sum()) > 3 * critical
 
 
-def sample_pairs(target, proposer, sampling, runs):
+def sample_pairs(target, make_proposer, sampling, runs, batch=100):
+    """``runs`` independent two-token samples, ``batch`` sequences per verification forward."""
     counts = torch.zeros(V * V)
-    for _ in range(runs):
-        out, _ = generate(target, proposer, PROMPT, 2, sampling)
-        counts[out[0, -2] * V + out[0, -1]] += 1
+    for _ in range(runs // batch):
+        outputs, _ = generate_batch(target, [make_proposer() for _ in range(batch)], [PROMPT] * batch, 2, sampling)
+        for out in outputs:
+            counts[out[0, -2] * V + out[0, -1]] += 1
     return counts
 
 
@@ -77,7 +80,8 @@ def run_loop_test(proposer_for, runs=1000):
     torch.manual_seed(0)
     target_table, draft_table = tables()
     sampling = Sampling(temperature=1.0)
-    counts = sample_pairs(Bigram(target_table), proposer_for(Bigram(draft_table)), sampling, runs)
+    draft = Bigram(draft_table)
+    counts = sample_pairs(Bigram(target_table), lambda: proposer_for(draft), sampling, runs)
     wrong = exact_two_tokens(draft_table, 2, sampling)
     assert_matches(counts, exact_two_tokens(target_table, 2, sampling), wrong)
 
