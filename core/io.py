@@ -35,6 +35,16 @@ def _umask() -> int:
     return mask
 
 
+def _file_mode() -> int:
+    """The mode any new file gets under the umask (0644 under 022).
+
+    Given to what we write once its writer is done: mkstemp makes 0600, and writers that replace the
+    file they are handed (safetensors' ``save_file`` writes its own 0600 file and renames it) would
+    otherwise leave a file that only its owner can read.
+    """
+    return 0o666 & ~_umask()
+
+
 def _no_room(err: BaseException) -> int | None:
     """The errno of an out-of-room failure, else None.
 
@@ -75,12 +85,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
     The temporary file lives in the same directory so ``os.replace`` is atomic, and it is
     removed if the writer raises (a full disk, say), leaving the previous ``path`` untouched.
+    The result has the mode of any new file (``_file_mode``), whatever the writer gave it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result should look like any new file
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -88,6 +98,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             yield tmp_path
             with open(tmp_path, "rb") as f:
                 os.fsync(f.fileno())
+        os.chmod(tmp_path, _file_mode())
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
@@ -100,7 +111,10 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``path`` only once everything in it is written."""
+    """Yield a temporary directory that becomes ``path`` only once everything in it is written.
+
+    Its files get the mode of any new file (``_file_mode``), whatever their writers gave them.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(path)
@@ -109,6 +123,11 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     try:
         with _out_of_space_named(path):
             yield tmp
+        mode = _file_mode()
+        for folder, _, names in os.walk(tmp):  # links are left alone: their targets are not ours
+            for name in names:
+                if not os.path.islink(file := os.path.join(folder, name)):
+                    os.chmod(file, mode)
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(old, ignore_errors=True)  # a writer killed between the two renames below left it
         if path.exists():

@@ -25,11 +25,11 @@ from heads import HEADS, check_compatible
 from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from scripts.formats import eagle, eagle3, medusa
 from scripts.formats.card import model_card
-from scripts.formats.common import state_problems
+from scripts.formats.common import check_out, state_problems
 from scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
-EXPORT_FILES = {"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE}
+EXPORT_FILES = frozenset({"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE})
 SUPPORTED = {"eagle": ("vllm", "sglang"), "eagle3": ("vllm", "sglang", "speculators"), "medusa": ("medusa",)}
 
 
@@ -93,18 +93,6 @@ def parity_card_section(parity: Path, head_dir: Path) -> str:
     return section
 
 
-def check_out(out: Path, head_dir: Path) -> None:
-    """Refuse an ``out`` that holds anything but an earlier export: it is replaced whole."""
-    if out.resolve() == head_dir.resolve():
-        raise ValueError(f"--out {out} is the head folder itself")
-    if out.exists():
-        stray = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES) if out.is_dir() else [out.name]
-        if stray:
-            raise ValueError(
-                f"--out {out} exists and holds {stray[:5]}, which an export would delete: pick another folder"
-            )
-
-
 def export_head(
     head_dir: str | Path,
     fmt: str,
@@ -115,6 +103,8 @@ def export_head(
     made_by: str | None = None,
     card_sections: list[str] | None = None,
     parity: str | Path | None = None,
+    head_name: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the head in ``head_dir`` as ``fmt`` to ``out`` (config.json, weights, README.md), atomically.
 
@@ -122,7 +112,9 @@ def export_head(
     speculators verifier and the Medusa base model name it. The card's serve commands name the folder
     ``draft_name`` (default: ``out``); it says it was ``made_by`` (default: this export's command) and ends
     with ``card_sections`` (markdown), then the served-acceptance figures that ``parity`` (a parity.json by
-    ``scripts.verify_engines``) holds for these very weights.
+    ``scripts.verify_engines``) holds for these very weights; its re-export commands name the head folder
+    ``head_name`` (default: ``head_dir``). An existing ``out`` is replaced only if it holds an earlier
+    export, or with ``overwrite``.
     """
     head_dir, out = Path(head_dir), Path(out)
     if fmt not in FORMATS:
@@ -132,7 +124,9 @@ def export_head(
     config = read_head_config(head_dir)
     if config.get("type") not in SUPPORTED:
         raise ValueError(f"unknown head type {config.get('type')!r} in {head_dir / CONFIG_NAME}")
-    check_out(out, head_dir)
+    # An earlier export: its card and nothing else an export does not write (a head folder has no card).
+    earlier = EXPORT_FILES if (out / "README.md").is_file() else frozenset()
+    check_out(out, head_dir, "head folder", overwrite, earlier)
     target, target_config = load_target_config(target, config)
     check_compatible(config, target_config)
     state = load_head_state(head_dir, config)
@@ -146,7 +140,9 @@ def export_head(
         command += f" --target {target}"
     # The tree eval.autotune tuned for this head, when its folder has a tree.json.
     sections.extend(tree_card_section(head_dir))
-    card = model_card(config, fmt, public_target, draft_name or str(out), str(head_dir), made_by or command, sections)
+    card = model_card(
+        config, fmt, public_target, draft_name or str(out), head_name or str(head_dir), made_by or command, sections
+    )
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
@@ -160,14 +156,15 @@ def main(argv: list[str] | None = None) -> None:
         "--head", required=True, help="a head folder saved by training (config.json + model.safetensors)"
     )
     parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--out", required=True, help="the folder to write (replaced whole if it exists)")
+    parser.add_argument("--out", required=True, help="the folder to write (new, empty or an earlier export)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out whole even if it holds other files")
     parser.add_argument("--target", help="the target model (path or hub id); default: the one in the head's config")
     parser.add_argument(
         "--parity", help="a parity.json by scripts.verify_engines: its figures for this head go in the card"
     )
     args = parser.parse_args(argv)
     try:
-        out = export_head(args.head, args.format, args.out, args.target, parity=args.parity)
+        out = export_head(args.head, args.format, args.out, args.target, parity=args.parity, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"export failed: {err}\n")
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")

@@ -20,7 +20,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from heads import HEADS, DraftHead, check_compatible
 from scripts.formats import eagle, eagle3, medusa
-from scripts.formats.common import DRAFT_ARCH_KEYS, read_checkpoint, read_json, state_problems
+from scripts.formats.common import DRAFT_ARCH_KEYS, check_out, read_checkpoint, read_json, state_problems
 
 SOURCES = ("eagle", "eagle3", "medusa", "speculators")
 
@@ -62,13 +62,18 @@ def build_imported(
     return head
 
 
-def import_head(kind: str, src: str | Path, out: str | Path, target: str) -> Path:
-    """Convert the ``kind`` checkpoint in ``src`` into a headstart head folder ``out`` for ``target``."""
+def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwrite: bool = False) -> Path:
+    """Convert the ``kind`` checkpoint in ``src`` into a headstart head folder ``out`` for ``target``.
+
+    An existing ``out`` must be empty unless ``overwrite``: a head folder looks the same whether an earlier
+    import or hours of training wrote it.
+    """
     if kind not in SOURCES:
         raise ValueError(f"unknown source {kind!r}; known: {', '.join(SOURCES)}")
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise FileNotFoundError(f"{src} is not a folder")
+    check_out(out, src, "checkpoint folder", overwrite)
     try:
         target_config = AutoConfig.from_pretrained(target)
     except OSError as err:
@@ -86,11 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="kind", required=True, choices=SOURCES, help="the checkpoint's layout")
     parser.add_argument("src", help="the checkpoint folder")
-    parser.add_argument("--out", required=True, help="the head folder to write")
+    parser.add_argument("--out", required=True, help="the head folder to write (new or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out whole even if it holds files")
     parser.add_argument("--target", required=True, help="the target model the head drafts for (path or hub id)")
     args = parser.parse_args(argv)
     try:
-        out = import_head(args.kind, args.src, args.out, args.target)
+        out = import_head(args.kind, args.src, args.out, args.target, args.overwrite)
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"import failed: {err}\n")
     print(f"wrote {out}")

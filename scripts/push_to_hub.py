@@ -8,36 +8,67 @@ hub repo), plus ``eval/`` (the eval report's report.md, report.json and plots, s
 ``--report`` is given and ``training_config.yaml`` when the trainer's ``config.yaml`` sits beside the
 head. Then ``create_repo`` + ``upload_folder`` with the token from ``HF_TOKEN`` or ``hf auth login``.
 ``--dry-run`` prints the staged files and the card and uploads nothing. ``--target-id`` names the
-target as users will load it (a hub id) when the head's config holds a local path.
+target as users will load it (a hub id) when the head's config holds a local path: without one, a
+local target is refused (a dry run only warns).
+
+Nothing local is published: the card names the head folder ``<head-folder>``, and only regular files
+inside the folders named (the report folder, the head's run folder) are staged: a link leaving them
+is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, constants, get_token
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+from heads.common import read_head_config
 from scripts.export import FORMATS, export_head
+from scripts.formats.common import file_inside
 
 REPORT_FILES = ("report.md", "report.json")
+HEAD_NAME = "<head-folder>"  # how the card names the head folder: its path is the uploader's own business
 
 
-def report_section(report_dir: Path) -> tuple[str, list[Path]]:
-    """The card's evaluation section and the files it shows (report.md/.json and *.png of ``report_dir``)."""
-    files = [report_dir / n for n in REPORT_FILES if (report_dir / n).is_file()] + sorted(report_dir.glob("*.png"))
-    if not files:
+def report_section(report_dir: Path) -> tuple[str, dict[str, Path]]:
+    """The card's evaluation section and the files it shows: {name in eval/: the file to copy}
+    (report.md/.json and *.png of ``report_dir``, each a regular file inside it)."""
+    found = [report_dir / n for n in REPORT_FILES if os.path.lexists(report_dir / n)]
+    found += sorted(report_dir.glob("*.png"))
+    if not found:
         raise FileNotFoundError(f"no {', '.join(REPORT_FILES)} or *.png in the report folder {report_dir}")
+    files = {p.name: file_inside(p, (report_dir,)) for p in found}
     parts = ["## Evaluation"]
-    if (report_dir / "report.md").is_file():
-        parts.append((report_dir / "report.md").read_text().strip())
-    parts += [f"![{p.stem}](eval/{p.name})" for p in files if p.suffix == ".png"]
-    numbers = [f"[`{p.name}`](eval/{p.name})" for p in files if p.suffix != ".png"]
+    if "report.md" in files:
+        parts.append(files["report.md"].read_text().strip())
+    parts += [f"![{Path(n).stem}](eval/{n})" for n in files if n.endswith(".png")]
+    numbers = [f"[`{n}`](eval/{n})" for n in files if not n.endswith(".png")]
     if numbers:
         parts.append("Full numbers: " + ", ".join(numbers))
     return "\n\n".join(parts) + "\n", files
+
+
+def local_target_problem(target_id: str | None, target: str) -> str | None:
+    """Why the hub repo would name its target by something its users cannot load, else None.
+
+    The card's serve commands, speculators' ``verifier`` and Medusa's ``base_model_name_or_path`` name it.
+    ``target`` was loaded with ``from_pretrained``: a hub id unless it is a folder here.
+    """
+    if target_id is not None:
+        try:
+            validate_repo_id(target_id)
+        except HFValidationError as err:
+            return f"--target-id {target_id!r} is not a hub id: {err}"
+        return None
+    if Path(target).exists():
+        return f"the target {target} is a local folder: pass --target-id ORG/NAME, the target as users load it"
+    return None
 
 
 def stage(
@@ -49,19 +80,25 @@ def stage(
     target: str | None = None,
     target_id: str | None = None,
     parity: str | Path | None = None,
+    dry_run: bool = False,
 ) -> Path:
-    """Write everything the hub repo gets into ``out``; return it."""
+    """Write everything the hub repo gets into ``out``; return it.
+
+    A target that is no hub id is refused, unless ``dry_run`` (nothing is published): then a note says so.
+    """
     head_dir, out = Path(head_dir), Path(out)
-    sections, report_files = [], []
+    sections, report_files = [], {}
     if report_dir is not None:
         section, report_files = report_section(Path(report_dir))
         sections.append(section)
-    training_config = head_dir.parent / "config.yaml"  # what train/ saves beside <out_dir>/head
-    if training_config.is_file():
+    run_dir = head_dir.resolve().parent
+    beside = run_dir / "config.yaml"  # what train/ saves beside <out_dir>/head
+    training_config = file_inside(beside, (run_dir,), "the training config") if os.path.lexists(beside) else None
+    if training_config is not None:
         sections.append(
             "## Training\n\nThe resolved training config is [`training_config.yaml`](training_config.yaml).\n"
         )
-    made_by = f"python -m scripts.push_to_hub --head {head_dir} --repo-id {repo_id} --format {fmt}"
+    made_by = f"python -m scripts.push_to_hub --head {HEAD_NAME} --repo-id {repo_id} --format {fmt}"
     export_head(
         head_dir,
         fmt,
@@ -72,13 +109,19 @@ def stage(
         made_by=made_by,
         card_sections=sections,
         parity=parity,
+        head_name=HEAD_NAME,
     )
+    problem = local_target_problem(target_id, target or read_head_config(head_dir)["target"])
+    if problem and not dry_run:
+        raise ValueError(problem)
+    if problem:
+        print(f"note: {problem}; a push without --dry-run is refused", file=sys.stderr)
     if report_files:
         (out / "eval").mkdir()
-        for path in report_files:
-            shutil.copy2(path, out / "eval" / path.name)
-    if training_config.is_file():
-        shutil.copy2(training_config, out / "training_config.yaml")
+        for name, path in report_files.items():
+            shutil.copyfile(path, out / "eval" / name)
+    if training_config is not None:
+        shutil.copyfile(training_config, out / "training_config.yaml")
     return out
 
 
@@ -120,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.target,
                 args.target_id,
                 args.parity,
+                args.dry_run,
             )
         except (ValueError, FileNotFoundError) as err:
             parser.exit(2, f"push_to_hub failed: {err}\n")

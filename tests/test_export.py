@@ -6,12 +6,14 @@ a rename in our heads or in the export breaks a test here even without the engin
 """
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from data_recipes.shards import write_shard
 from heads import build_head
 from scripts import export as export_mod
 from scripts.export import export_head, main
@@ -287,3 +289,36 @@ def test_cli(target, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--head", str(head_dir), "--format", "speculators", "--out", str(tmp_path / "x")])
     assert exit_info.value.code == 2 and "no EAGLE-1" in capsys.readouterr().err
+
+
+def test_out_holding_a_head_folder_is_refused_unless_overwrite(target, tmp_path, capsys):
+    head_dir = make_head(target, tmp_path, "eagle3")
+    other = make_head(target, tmp_path, "eagle3", name="other")  # config.json + model.safetensors, no card
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    argv = ["--head", str(head_dir), "--format", "vllm", "--out", str(other)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "['config.json', 'model.safetensors'], which replacing it would delete" in err
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    with pytest.raises(ValueError, match="holds the head folder"):
+        export_head(head_dir, "vllm", tmp_path, overwrite=True)
+    (tmp_path / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        export_head(head_dir, "vllm", tmp_path / "notes.txt", overwrite=True)
+    main([*argv, "--overwrite"])
+    assert sorted(p.name for p in other.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+
+def test_every_safetensors_file_gets_the_mode_of_any_new_file(target, tmp_path):
+    mask = os.umask(0o027)  # not the usual 022: the mode must follow the umask, not be a constant
+    try:
+        write_shard(tmp_path / "shard-00000.safetensors", {"x": torch.zeros(2)}, "fp")
+        head_dir = make_head(target, tmp_path, "eagle3")
+        out = export_head(head_dir, "vllm", tmp_path / "out")
+        (tmp_path / "plain.txt").write_text("any new file")
+    finally:
+        os.umask(mask)
+    files = [tmp_path / "shard-00000.safetensors", *head_dir.iterdir(), *out.iterdir(), tmp_path / "plain.txt"]
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == {name: oct(0o640) for name in modes} and len(modes) == 7

@@ -5,6 +5,7 @@ import json
 import pytest
 from transformers import LlamaForCausalLM
 
+from heads.common import read_head_config
 from scripts.push_to_hub import main, stage
 from tests.test_export import make_head, save_target
 
@@ -46,7 +47,8 @@ def test_stage_holds_export_report_and_training_config(target, tmp_path):
     assert f"--speculative-draft-model-path {REPO}" in card
     assert "| eagle3 | 2.41 |" in card and "![acceptance](eval/acceptance.png)" in card
     assert "[`report.json`](eval/report.json)" in card and "(training_config.yaml)" in card
-    assert f"python -m scripts.push_to_hub --head {head_dir} --repo-id {REPO} --format vllm" in card
+    assert f"python -m scripts.push_to_hub --head <head-folder> --repo-id {REPO} --format vllm" in card
+    assert str(tmp_path) not in card and str(head_dir) not in card  # no local path is published
 
 
 def test_dry_run_prints_files_and_card_and_uploads_nothing(target, tmp_path, capsys):
@@ -63,3 +65,55 @@ def test_a_report_folder_without_a_report_is_refused(target, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--head", str(head_dir), "--repo-id", REPO, "--report", str(tmp_path / "empty"), "--dry-run"])
     assert exit_info.value.code == 2 and "no report.md, report.json or *.png" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("link", ["report/report.json", "report/acceptance.png", "config.yaml"])
+def test_links_leaving_the_named_folders_are_refused(target, tmp_path, capsys, link):
+    run = tmp_path / "run"
+    run.mkdir()
+    head_dir, report = make_run(target, run)
+    secret = tmp_path / ".env"
+    secret.write_text("HF_TOKEN=hf_secret\n")
+    (run / link).unlink()
+    (run / link).symlink_to(secret)
+    argv = ["--head", str(head_dir), "--repo-id", REPO, "--report", str(report), "--target-id", "acme/tiny-llama"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--dry-run"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and f"{run / link}" in captured.err and "leads outside" in captured.err
+    assert "hf_secret" not in captured.out
+
+
+def test_links_and_files_inside_the_report_folder_are_staged_as_regular_files(target, tmp_path):
+    head_dir, report = make_run(target, tmp_path)
+    (report / "plots").mkdir()
+    (report / "acceptance.png").rename(report / "plots" / "acceptance.png")
+    (report / "acceptance.png").symlink_to("plots/acceptance.png")  # a link that stays inside: staged
+    out = stage(head_dir, REPO, "vllm", tmp_path / "staged", report, target_id="acme/tiny-llama")
+    staged = out / "eval" / "acceptance.png"
+    assert not staged.is_symlink() and staged.read_bytes() == b"\x89PNG fake"
+    (report / "report.md").unlink()
+    (report / "report.md").mkdir()  # not a regular file
+    with pytest.raises(ValueError, match=r"report.md is not a regular file"):
+        stage(head_dir, REPO, "vllm", tmp_path / "staged2", report, target_id="acme/tiny-llama")
+
+
+def test_a_local_target_is_never_published(target, tmp_path, capsys):
+    head_dir, report = make_run(target, tmp_path)
+    local = read_head_config(head_dir)["target"]  # the folder the head was trained on
+    with pytest.raises(ValueError, match=f"the target {local} is a local folder: pass --target-id"):
+        stage(head_dir, REPO, "speculators", tmp_path / "staged", report)
+    with pytest.raises(ValueError, match="--target-id '/models/llama' is not a hub id"):
+        stage(head_dir, REPO, "speculators", tmp_path / "staged2", report, target_id="/models/llama")
+    out = stage(head_dir, REPO, "speculators", tmp_path / "staged3", report, target_id="acme/tiny-llama")
+    for path in (p for p in out.rglob("*") if p.is_file()):
+        text = path.read_bytes().decode("utf-8", "replace")
+        assert local not in text and str(tmp_path) not in text, path
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == (
+        "acme/tiny-llama"
+    )
+    # --dry-run still shows everything, and says the push would be refused
+    main(["--head", str(head_dir), "--repo-id", REPO, "--dry-run"])
+    captured = capsys.readouterr()
+    assert f"staged for {REPO}:" in captured.out and "model.safetensors" in captured.out
+    assert f"note: the target {local} is a local folder: pass --target-id" in captured.err

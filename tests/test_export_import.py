@@ -1,10 +1,11 @@
 """Import: our exports come back as the same head (weights, config, draft outputs); published layouts import."""
 
 import json
+import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from heads import KVCache, load_head
@@ -181,3 +182,76 @@ def test_cli(target, target_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--from", "eagle3", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), "--target", target_dir])
     assert exit_info.value.code == 2 and "is not a folder" in capsys.readouterr().err
+
+
+def test_an_out_folder_with_files_is_refused_unless_overwrite(target, target_dir, tmp_path, capsys):
+    src = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "export")
+    trained = make_head(target, tmp_path, "eagle3", name="trained")  # hours of training: config.json + weights
+    (trained / "tree.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in trained.iterdir()}
+    args = ["--from", "eagle3", str(src), "--out", str(trained), "--target", target_dir]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--out {trained} exists and holds" in err and "--overwrite" in err
+    assert "'config.json'" in err and "'tree.json'" in err
+    assert {p.name: p.read_bytes() for p in trained.iterdir()} == before  # untouched
+    with pytest.raises(ValueError, match="is the checkpoint folder itself"):
+        import_head("eagle3", src, src, target_dir, overwrite=True)
+    with pytest.raises(ValueError, match="holds the checkpoint folder"):
+        import_head("eagle3", src, tmp_path, target_dir, overwrite=True)
+    (tmp_path / "empty").mkdir()
+    assert (import_head("eagle3", src, tmp_path / "empty", target_dir) / "model.safetensors").is_file()
+    main([*args, "--overwrite"])
+    assert sorted(p.name for p in trained.iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(load_head(trained, target).fc.weight, load_head(tmp_path / "head", target).fc.weight)
+
+
+def sharded_checkpoint(target, tmp_path):
+    """Our EAGLE-3 export split in two shards with a model.safetensors.index.json, as the hub shards weights."""
+    src = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "sharded")
+    state = load_file(str(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: state[k] for k in keys}, str(src / shard))
+    weight_map = {k: shard for shard, keys in halves.items() for k in keys}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return src, weight_map
+
+
+def test_a_sharded_index_reads_only_files_inside_its_folder(target, target_dir, tmp_path):
+    src, weight_map = sharded_checkpoint(target, tmp_path)
+    head = load_head(import_head("eagle3", src, tmp_path / "back", target_dir), target)
+    original = load_head(tmp_path / "head", target).state_dict()
+    assert all(torch.equal(t, original[k]) for k, t in head.state_dict().items())
+    outside = tmp_path / "outside.safetensors"
+    save_file({"secret": torch.ones(2)}, str(outside))
+    index = src / "model.safetensors.index.json"
+    (src / "link.safetensors").symlink_to(outside)
+    for name in (str(outside), "../outside.safetensors", "link.safetensors"):
+        index.write_text(json.dumps({"weight_map": {**weight_map, "fc.weight": name}}))
+        with pytest.raises(ValueError, match=rf"weight_map entry 'fc.weight' -> '{re.escape(name)}'.*leads outside"):
+            import_head("eagle3", src, tmp_path / f"x{len(name)}", target_dir)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "fc.weight": "gone.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="'fc.weight' -> 'gone.safetensors'.*does not exist"):
+        import_head("eagle3", src, tmp_path / "y", target_dir)
+
+
+def test_a_hub_cache_snapshot_imports_through_its_blob_links(target, target_dir, tmp_path):
+    # huggingface_hub's cache: <repo>/snapshots/<revision>/<file> links to <repo>/blobs/<hash>.
+    export = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "export")
+    repo = tmp_path / "models--acme--eagle3"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, name in enumerate(("config.json", "model.safetensors")):
+        (export / name).rename(repo / "blobs" / f"blob{i}")
+        (snapshot / name).symlink_to(f"../../blobs/blob{i}")
+    head = load_head(import_head("eagle3", snapshot, tmp_path / "back", target_dir), target)
+    assert torch.equal(head.fc.weight, load_head(tmp_path / "head", target).fc.weight)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(tmp_path / "head" / "model.safetensors")  # not its blobs
+    with pytest.raises(ValueError, match="model.safetensors leads outside"):
+        import_head("eagle3", snapshot, tmp_path / "back2", target_dir)

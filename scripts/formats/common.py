@@ -86,31 +86,93 @@ def state_problems(expected: dict[str, torch.Tensor], got: dict[str, torch.Tenso
     return problems
 
 
+def check_out(
+    out: Path, src: Path, what: str, overwrite: bool = False, replaceable: frozenset[str] = frozenset()
+) -> None:
+    """Refuse an ``out`` whose writing would lose files: it is replaced whole (``core.io.atomic_dir``).
+
+    ``out`` may be missing, empty, or hold only ``replaceable`` names (an earlier output of the same
+    command); anything else needs ``overwrite``. Never ``src`` (the ``what`` being read) or a folder holding it.
+    """
+    out_abs, src_abs = out.resolve(), src.resolve()
+    if out_abs == src_abs:
+        raise ValueError(f"--out {out} is the {what} itself")
+    if src_abs.is_relative_to(out_abs):
+        raise ValueError(f"--out {out} holds the {what} {src}: replacing it would delete it")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    stray = sorted(p.name for p in out.iterdir() if p.name not in replaceable)
+    if stray and not overwrite:
+        more = f" and {len(stray) - 5} more" if len(stray) > 5 else ""
+        raise ValueError(
+            f"--out {out} exists and holds {stray[:5]}{more}, which replacing it would delete: "
+            "pick another folder, or pass --overwrite to replace it whole"
+        )
+
+
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"missing {path.name} in {path.parent}")
     return json.loads(path.read_text())
 
 
-def _load_one(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
+def _load_one(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """The tensors in ``path``, read as its ``name`` says (a hub cache blob that it links to has no suffix)."""
+    if name.endswith(".safetensors"):
         return load_file(str(path))
     # weights_only: a .bin from the hub is a pickle; never run code from it.
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def file_inside(path: Path, roots: tuple[Path, ...], what: str | None = None) -> Path:
+    """``path`` with every link followed, checked to be a regular file inside one of ``roots``.
+
+    ``path`` comes from data (an index's ``weight_map``) or from a folder the user named: an absolute
+    name, a ``../`` or a link must not carry a read (or an upload) to a file the user never pointed us at.
+    ``what`` says where the name came from, for the error.
+    """
+    name = f"{what} ({path})" if what else str(path)
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
+        raise ValueError(
+            f"{name} leads outside {roots[0]} (to {resolved}): only files inside it are used; "
+            "copy the file in if you trust it"
+        )
+    if not resolved.exists():
+        raise FileNotFoundError(f"{name} does not exist")
+    if not resolved.is_file():
+        raise ValueError(f"{name} is not a regular file")
+    return resolved
+
+
+def checkpoint_roots(src: Path) -> tuple[Path, ...]:
+    """Where the files of the checkpoint folder ``src`` may live: in it, and for a huggingface_hub cache
+    snapshot (``<repo>/snapshots/<revision>``, whose files are links to ``<repo>/blobs/``) in its blobs."""
+    src = src.resolve()
+    return (src, src.parent.parent / "blobs") if src.parent.name == "snapshots" else (src,)
+
+
 def read_checkpoint(
     src: Path, names: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin")
 ) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder: the first of ``names`` present, or its sharded ``.index.json``."""
+    """All tensors of a checkpoint folder: the first of ``names`` present, or its sharded ``.index.json``.
+
+    Every file read must lie inside ``src`` (``file_inside``), whatever the index names.
+    """
+    roots = checkpoint_roots(src)
     for name in names:
         if (src / name).is_file():
-            return _load_one(src / name)
+            return _load_one(file_inside(src / name, roots), name)
         index = src / f"{name}.index.json"
         if index.is_file():
+            weight_map = read_json(file_inside(index, roots))["weight_map"]
+            first_entry = {shard: tensor for tensor, shard in reversed(weight_map.items())}
             state: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(read_json(index)["weight_map"].values())):
-                state.update(_load_one(src / shard))
+            for shard in sorted(first_entry):
+                what = f"{index.name}: weight_map entry {first_entry[shard]!r} -> {shard!r}"
+                state.update(_load_one(file_inside(src / shard, roots, what), shard))
             return state
     raise FileNotFoundError(f"no weights in {src}: expected one of {', '.join(names)} (or a sharded .index.json)")
 
