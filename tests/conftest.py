@@ -1,6 +1,7 @@
-"""Test-wide settings: no network, no wandb, seeded, one place for the bundled model paths."""
+"""Test-wide settings: no network, no wandb, seeded, one place for the bundled model paths; waiting on a process."""
 
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -84,3 +85,55 @@ def gsm8k_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
     return path
+
+
+def children(pid: int) -> list[int]:
+    """The ids of ``pid``'s direct children (from /proc: Linux only)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:  # fields after the command: state, ppid, ...
+            found.append(int(stat.parent.name))
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time used so far by ``pid`` and its descendants, the finished ones included (those reaped)."""
+    total, frontier = 0, [pid]
+    while frontier:
+        p = frontier.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime (clock ticks)
+        frontier += children(p)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for(predicate, proc, what: str, stall_s: float = 600, deadline_s: float = 3600) -> None:
+    """Poll ``predicate`` until it holds, as long as ``proc`` runs and makes progress.
+
+    No fixed clock: on a loaded machine a stage may take minutes to reach its first step (DeepSpeed
+    builds its ops inside the torchrun child). Progress is CPU time used by ``proc``'s process tree;
+    the wait fails when ``proc`` ends first, when the tree used no CPU for ``stall_s`` (hung), and,
+    as a last safety net only, after ``deadline_s``.
+    """
+    start = last_check = last_progress = time.monotonic()
+    used = tree_cpu_seconds(proc.pid)
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the process ended (exit code {proc.returncode}) before {what}")
+        now = time.monotonic()
+        if now - last_check >= 0.5:  # reading /proc for the whole tree costs more than the predicate
+            last_check, cpu = now, tree_cpu_seconds(proc.pid)
+            if cpu > used:
+                used, last_progress = cpu, now
+            if now - last_progress > stall_s:
+                raise AssertionError(f"the process used no CPU for {stall_s:.0f} s before {what}: hung")
+            if now - start > deadline_s:
+                raise AssertionError(f"the process still worked after {deadline_s:.0f} s but not yet {what}")
+        time.sleep(0.002)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, children, wait_for
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_train import free_port
@@ -108,18 +108,6 @@ def env() -> dict[str, str]:
     return os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid:  # fields after the command: state, ppid, ...
-            found.append(int(stat.parent.name))
-    return found
-
-
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and all its descendants together (torchrun's workers sit in their own sessions).
 
@@ -137,14 +125,6 @@ def kill_tree(pid: int) -> None:
     for p in stopped:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-
-
-def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"the pipeline {'ended' if proc.poll() is not None else 'timed out'} before {what}")
-        time.sleep(0.002)
 
 
 def wait_for_child(proc: subprocess.Popen) -> int:
@@ -287,6 +267,33 @@ def test_sigkilled_pipeline_ends_with_the_uninterrupted_artifacts(reference, tin
 
     again = subprocess.run(demo_command(root), cwd=root, env=env(), check=True, capture_output=True, text=True)
     assert again.stdout.count("done, skipped (outputs complete") == 3
+
+
+def test_waiting_lasts_as_long_as_the_process_works(tmp_path):
+    # 3 s of CPU work before the awaited file appears: longer than the stall limit, never idle that long.
+    flag = tmp_path / "flag"
+    work = "import pathlib, sys, time\nend = time.time() + 3\nwhile time.time() < end: pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", work + "pathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)", flag])
+    try:
+        wait_for(flag.exists, proc, "the flag", stall_s=1)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_hung_process_fails_the_wait(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = time.monotonic()
+    try:
+        with pytest.raises(AssertionError, match="the process used no CPU for 1 s before the flag: hung"):
+            wait_for((tmp_path / "flag").exists, proc, "the flag", stall_s=1)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert time.monotonic() - start < 30
+    died = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(AssertionError, match=r"the process ended \(exit code 3\) before the flag"):
+        wait_for((tmp_path / "flag").exists, died, "the flag")
 
 
 def file_size_limit(limit: int):

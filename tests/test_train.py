@@ -11,12 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -189,14 +188,6 @@ def test_medusa2_trains_lora_and_heads_together(make_config, monkeypatch):
     assert (out / "head" / "model.safetensors").is_file()
 
 
-def kill_when(proc, condition, timeout=120):
-    deadline = time.time() + timeout
-    while not condition() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.002)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 @pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_head(make_config, monkeypatch, capsys):
     settings = dict(max_steps=30, save_every=3, eval_every=0)
@@ -204,7 +195,11 @@ def test_sigkilled_run_resumes_to_the_same_head(make_config, monkeypatch, capsys
     cmd = [sys.executable, str(REPO / "train" / "eagle.py"), "--config", str(config)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt_dir = out / "checkpoints"
-    kill_when(proc, lambda: complete_steps(ckpt_dir))
+    try:
+        wait_for(lambda: complete_steps(ckpt_dir), proc, "the first checkpoint")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
     killed_at = complete_steps(ckpt_dir)
     assert killed_at and killed_at[-1] < 30, killed_at
     # What a kill during DeepSpeed's save leaves: a tag with some files, and `latest` already naming it.

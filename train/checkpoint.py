@@ -14,6 +14,14 @@ DeepSpeed writes its files in place and rank 0 writes ``latest`` before the othe
 newest one and deletes the others. Pruning removes the marker first, so a kill mid-delete leaves
 an incomplete directory, never a "complete" one with files missing.
 
+Verified before loaded. DeepSpeed unpickles its files (``torch.load(weights_only=False)``), so a
+crafted ``.pt`` file runs code. ``COMPLETE`` records the sha256 of every file of its tag (rank 0
+hashes them after DeepSpeed's closing barrier: the checkpoint folder is on storage all ranks share),
+and no file of a tag is read before all of them match (``verify_checkpoint``). A tag that does not
+verify (truncated, altered, a file missing or added, an unreadable marker) is never loaded: resume
+moves it aside to ``corrupt-<tag>`` and falls back to the newest one that verifies. The marker is
+the root of trust: whoever can write it can write anything (docs/reliability/checkpoints.md).
+
 Another process count. ``COMPLETE`` records the world size, ZeRO stage and data-order settings the
 checkpoint was written under. ZeRO-0 keeps the whole optimizer state in ``mp_rank_00_model_states.pt``,
 so any world size loads it as is. ZeRO-1/2 split the optimizer state into one file per rank (ZeRO-3
@@ -38,8 +46,14 @@ import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
 from core.io import atomic_dir, atomic_write_text
+from data_recipes.shards import file_sha256
 
 MARKER = "COMPLETE"
+MARKER_KEYS = ("step", "world", "zero_stage", "files")
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint whose marker is unreadable or whose files do not match the digests the marker records."""
 
 
 def checkpoint_dir(out_dir: Path) -> Path:
@@ -55,21 +69,83 @@ def complete_steps(ckpt_dir: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("step-")) for p in ckpt_dir.glob("step-*") if (p / MARKER).is_file())
 
 
-def read_marker(ckpt_dir: Path, step: int) -> dict[str, Any]:
-    return json.loads((ckpt_dir / tag_for(step) / MARKER).read_text())
+def file_digests(tag_dir: Path) -> dict[str, str]:
+    """The sha256 of every file under ``tag_dir`` but its marker, by path relative to ``tag_dir``."""
+    files = (p for p in sorted(tag_dir.rglob("*")) if p.is_file() and p != tag_dir / MARKER)
+    return {p.relative_to(tag_dir).as_posix(): file_sha256(p) for p in files}
+
+
+def read_marker(tag_dir: Path) -> dict[str, Any]:
+    """The ``COMPLETE`` record of ``tag_dir``; CorruptCheckpoint when it is not the one save_checkpoint writes."""
+    path = tag_dir / MARKER
+    try:
+        marker = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpoint(f"{path} is not JSON ({err})") from None
+    missing = [key for key in MARKER_KEYS if not isinstance(marker, dict) or key not in marker]
+    if missing or not isinstance(marker["files"], dict):
+        raise CorruptCheckpoint(
+            f"{path} lacks {', '.join(missing) or 'a files table'} (written before file digests were recorded, "
+            "or altered): its checkpoint cannot be verified"
+        )
+    return marker
+
+
+def verify_checkpoint(tag_dir: Path) -> dict[str, Any]:
+    """The marker of ``tag_dir`` once every file matches the sha256 it records, read before any file is
+    unpickled; CorruptCheckpoint naming each file that is missing, altered or not recorded at all."""
+    marker = read_marker(tag_dir)
+    recorded, found = marker["files"], file_digests(tag_dir)
+    problems = [f"{tag_dir / name} is missing" for name in recorded if name not in found]
+    problems += [f"{tag_dir / name} is not recorded in {MARKER}" for name in found if name not in recorded]
+    problems += [
+        f"{tag_dir / name} ({(tag_dir / name).stat().st_size} bytes) does not match its sha256 in {MARKER} "
+        "(truncated or altered)"
+        for name, digest in found.items()
+        if name in recorded and recorded[name] != digest
+    ]
+    if problems:
+        raise CorruptCheckpoint("; ".join(problems))
+    return marker
+
+
+def newest_verified(ckpt_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The marker of the newest complete checkpoint whose files verify (None when none does), and what is
+    wrong with each newer one."""
+    problems = []
+    for step in reversed(complete_steps(ckpt_dir)):
+        try:
+            return verify_checkpoint(ckpt_dir / tag_for(step)), problems
+        except CorruptCheckpoint as err:
+            problems.append(str(err))
+    return None, problems
+
+
+def agreed_newest_verified(ckpt_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """``newest_verified`` as rank 0 finds it, handed to every rank so all load (or name) the same step."""
+    verdict = [newest_verified(ckpt_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
 
 
 def newest_marker(out_dir: Path) -> dict[str, Any] | None:
-    """The ``COMPLETE`` record of the checkpoint a resume would load, None when there is none."""
-    steps = complete_steps(checkpoint_dir(out_dir))
-    return read_marker(checkpoint_dir(out_dir), steps[-1]) if steps else None
+    """The ``COMPLETE`` record of the newest checkpoint with a readable one, None when there is none.
+
+    Read, not verified: ``build_engine`` needs only the world size it records (``resume`` verifies).
+    """
+    ckpt_dir = checkpoint_dir(out_dir)
+    for step in reversed(complete_steps(ckpt_dir)):
+        try:
+            return read_marker(ckpt_dir / tag_for(step))
+        except CorruptCheckpoint:
+            continue
+    return None
 
 
 def loads_universal(marker: dict[str, Any] | None, world: int, zero_stage: int) -> bool:
     """Whether resuming from ``marker`` with ``world`` processes goes through DeepSpeed's universal checkpoint
     (ZeRO-1/2/3 saved under another world size); ValueError where it cannot resume at all."""
-    # Checkpoints written before the world size was recorded: DeepSpeed's own check applies.
-    if marker is None or marker.get("world", world) == world:
+    if marker is None or marker["world"] == world:
         return False
     if marker["zero_stage"] != zero_stage:
         raise ValueError(
@@ -79,12 +155,13 @@ def loads_universal(marker: dict[str, Any] | None, world: int, zero_stage: int) 
     return zero_stage > 0
 
 
-def check_data_order(marker: dict[str, Any] | None, order: dict[str, int]) -> None:
-    """The samples of step N depend on the seed, the global batch and the training samples, never on the
-    process count: a resume that changed one of them would repeat some samples and skip others."""
+def check_data_order(marker: dict[str, Any] | None, order: dict[str, int | str]) -> None:
+    """The samples of step N depend on the seed, the global batch and the training samples (their count
+    and the data's fingerprint), never on the process count: a resume that changed one of them would
+    train on other samples than the run it continues."""
     if marker is None:
         return
-    changed = [f"{k} {marker[k]} -> {v}" for k, v in order.items() if marker.get(k, v) != v]
+    changed = [f"{k} {marker.get(k, 'unrecorded')} -> {v}" for k, v in order.items() if marker.get(k) != v]
     if changed:
         raise ValueError(
             f"cannot resume from step {marker['step']}: {', '.join(changed)} (checkpoint -> now) changes which "
@@ -112,10 +189,10 @@ def save_checkpoint(
     step: int,
     save_artifacts: Callable[[Path], None],
     keep: int,
-    order: dict[str, int],
+    order: dict[str, int | str],
 ) -> Path:
     """DeepSpeed's checkpoint of ``step`` (all ranks), then the head alone, then the completion marker
-    (which records the world size, ZeRO stage and the data-order settings ``order``)."""
+    (which records the world size, ZeRO stage, the data-order settings ``order`` and every file's sha256)."""
     ckpt_dir, tag = checkpoint_dir(out_dir), tag_for(step)
     frozen = has_frozen_parameters(engine)
     # Returns after DeepSpeed's closing barrier: every rank's files are written.
@@ -127,6 +204,7 @@ def save_checkpoint(
             save_artifacts(out_dir)
     if dist.get_rank() == 0:
         marker = {"step": step, "world": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(), **order}
+        marker["files"] = file_digests(ckpt_dir / tag)  # every rank's files: on shared storage, all written
         atomic_write_text(ckpt_dir / tag / MARKER, json.dumps(marker) + "\n")
         _prune(ckpt_dir, keep)
     dist.barrier()
@@ -140,8 +218,9 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(path)
 
 
-def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, order: dict[str, int]) -> int:
-    """Load the newest complete checkpoint (``mode`` auto/true) and return its step; 0 for a fresh run.
+def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, order: dict[str, int | str]) -> int:
+    """Load the newest complete checkpoint whose files verify (``mode`` auto/true) and return its step; 0 for
+    a fresh run. Newer ones that do not verify are named, moved aside to ``corrupt-<tag>`` and never read.
 
     A checkpoint from another process count is loaded through a universal copy (``loads_universal``);
     the engine must then have been built with ``checkpoint.load_universal`` (``build_engine`` does).
@@ -164,10 +243,23 @@ def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, o
             shutil.rmtree(path)
     if not steps:
         return 0
-    marker = read_marker(ckpt_dir, steps[-1])
+    marker, problems = agreed_newest_verified(ckpt_dir)
+    if marker is None:
+        raise CorruptCheckpoint(
+            f"no checkpoint under {ckpt_dir} verifies, so none was loaded: {'; '.join(problems)}. "
+            f"Restore the files, or move {ckpt_dir} away to start afresh"
+        )
+    tag = tag_for(marker["step"])
+    if problems and dist.get_rank() == 0:
+        _set_aside(ckpt_dir, problems, fallback=marker["step"])
     check_data_order(marker, order)
-    tag = tag_for(steps[-1])
     universal = loads_universal(marker, dist.get_world_size(), engine.zero_optimization_stage())
+    if universal != engine.load_universal_checkpoint():
+        # build_engine read the newest marker; the fall-back step was written under another process count.
+        raise RuntimeError(
+            f"{ckpt_dir / tag} was written by {marker['world']} processes and the engine was built for the "
+            f"checkpoint after it, which did not verify: start the run again to resume from step {marker['step']}"
+        )
     if universal:
         if dist.get_rank() == 0:
             to_universal(ckpt_dir / tag, ckpt_dir / f"universal-{tag}")
@@ -183,9 +275,25 @@ def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, o
     return int(client["step"])
 
 
+def _set_aside(ckpt_dir: Path, problems: list[str], fallback: int) -> None:
+    """Move the checkpoints newer than ``fallback`` (each failed verification: ``problems``, newest first) out
+    of the way, kept for inspection and never loaded: the resumed run writes its own checkpoints of those steps."""
+    newer = [step for step in complete_steps(ckpt_dir) if step > fallback]
+    for step, problem in zip(reversed(newer), problems, strict=True):
+        path, aside = ckpt_dir / tag_for(step), ckpt_dir / f"corrupt-{tag_for(step)}"
+        shutil.rmtree(aside, ignore_errors=True)
+        path.rename(aside)
+        print(f"{problem}: not loaded, moved to {aside}")
+    print(f"{ckpt_dir}: falling back to step {fallback}, the newest checkpoint whose files verify")
+
+
 def to_universal(src: Path, dst: Path) -> None:
     """DeepSpeed's ``ds_to_universal`` of one tag: per-parameter fp32 weights and optimizer moments that
-    any data-parallel size can re-partition (written atomically; a stale copy is replaced)."""
+    any data-parallel size can re-partition (written atomically; a stale copy is replaced).
+
+    ds_to_universal unpickles ``src``'s files: they are verified first (CorruptCheckpoint if they do not).
+    """
+    verify_checkpoint(src)
     with atomic_dir(dst) as tmp:
         args = argparse.Namespace(
             input_folder=str(src),

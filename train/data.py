@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from core.runtime import resolve_dtype
-from data_recipes.capture import OnlineCapture, resolve_aux_layers, tokenizer_hash
+from data_recipes.capture import OnlineCapture, resolve_aux_layers, samples_hash, tokenizer_hash
 from data_recipes.recipes import Sample, load_samples
 from data_recipes.shards import ShardDataset, check_manifest, pad_collate
 
@@ -90,6 +90,14 @@ def load_data(
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TrainData(dataset, train_ids, heldout_ids, aux_layers, capture, pad_id)
+
+
+def data_fingerprint(data: TrainData) -> str:
+    """Which samples these are: the capture's manifest fingerprint, or a hash of the online samples' tokens
+    and loss masks. A checkpoint records it; resuming on other data of the same size is refused."""
+    if isinstance(data.dataset, ShardDataset):
+        return f"capture {data.dataset.manifest['fingerprint']}"
+    return f"samples {samples_hash(data.dataset.samples)}"
 
 
 def split_heldout(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]]:

@@ -30,6 +30,7 @@ from core.runtime import resolve_device
 from data_recipes.capture import OnlineCapture
 from heads import DraftHead
 from train.checkpoint import (
+    agreed_newest_verified,
     all_finite,
     checkpoint_dir,
     complete_steps,
@@ -39,7 +40,7 @@ from train.checkpoint import (
     save_checkpoint,
     tag_for,
 )
-from train.data import TrainData, heldout_batches, step_batches
+from train.data import TrainData, data_fingerprint, heldout_batches, step_batches
 from train.metrics import MetricsLog, heldout_top1, predicted_tau, training_summary
 
 
@@ -161,9 +162,14 @@ def build_engine(module: nn.Module, train: dict[str, Any], world: int, total: in
     return engine
 
 
-def data_order(train: dict[str, Any], data: TrainData) -> dict[str, int]:
+def data_order(train: dict[str, Any], data: TrainData) -> dict[str, int | str]:
     """What fixes the samples of every step (``step_batches``): checked on resume."""
-    return {"seed": train["seed"], "batch_size": train["batch_size"], "train_samples": len(data.train_ids)}
+    return {
+        "seed": train["seed"],
+        "batch_size": train["batch_size"],
+        "train_samples": len(data.train_ids),
+        "data": data_fingerprint(data),
+    }
 
 
 def _micro_seed(seed: int, step: int, chunk: int) -> int:
@@ -290,11 +296,15 @@ def _due(done: int, every: int, total: int) -> bool:
 
 
 def _last_good(engine: deepspeed.DeepSpeedEngine, out_dir: Path, done: int, save: Callable[..., Path]) -> str:
-    """Checkpoint the state after step ``done`` if its weights are finite; name the newest good checkpoint."""
+    """Checkpoint the state after step ``done`` if its weights are finite; name the newest checkpoint whose
+    files verify (a state that was finite when saved, and is still what was saved)."""
     ckpt_dir = checkpoint_dir(out_dir)
     if done not in complete_steps(ckpt_dir) and all_finite(engine):
         save(step=done)
-    steps = complete_steps(ckpt_dir)
-    if not steps:
-        return "No checkpoint holds a good state (the weights were non-finite before the first save)."
-    return f"The last good state is {ckpt_dir / tag_for(steps[-1])} (step {steps[-1]})."
+    marker, problems = agreed_newest_verified(ckpt_dir)
+    passed_over = "".join(f" Not good: {problem}." for problem in problems)
+    if marker is None:
+        why = "none verifies" if problems else "the weights were non-finite before the first save"
+        return f"No checkpoint holds a good state ({why}).{passed_over}"
+    step = marker["step"]
+    return f"The last good state is {ckpt_dir / tag_for(step)} (step {step}, its files verified).{passed_over}"
