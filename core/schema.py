@@ -57,6 +57,8 @@ class Section(BaseModel):
     """A mapping with exactly these keys (an unknown key is a typo), values checked strictly."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    command: ClassVar[str] = "config"  # as a root model: who reads it ("invalid capture config: ...")
+    top_level: ClassVar[str] = "key"  # as a root model: what its keys are called in errors
 
 
 class Target(Section):
@@ -241,7 +243,6 @@ class DemoConfig(Section):
     """configs/demo.yaml, read by scripts/demo.py."""
 
     command: ClassVar[str] = "demo"
-    top_level: ClassVar[str] = "key"
 
     out_dir: str
     report: str
@@ -282,7 +283,6 @@ class BuildDemoModelsConfig(Section):
     """configs/build-demo-models.yaml, read by scripts/build_demo_models.py."""
 
     command: ClassVar[str] = "build-demo-models"
-    top_level: ClassVar[str] = "key"
 
     seed: NonNegative
     out_dir: str
