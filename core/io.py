@@ -5,6 +5,8 @@ one rename. A writer killed with SIGKILL cannot clean up, so the next write of t
 removes the temporaries that earlier, dead writers of that target left behind. A write that runs
 out of room (full disk, quota, file-size limit) raises ``OutOfSpaceError`` saying which, and
 leaves the previous file in place.
+
+Reading: ``parse_json_line`` decodes one JSON Lines line, read as bytes, and says what is wrong with it.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 NO_ROOM = {
     errno.ENOSPC: "no space left on the device",
@@ -138,3 +142,22 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def parse_json_line(raw: bytes) -> Any:
+    """One JSON Lines line -> its value, or ValueError saying what is wrong; the caller adds ``file:line``.
+
+    Readers open the file in binary and decode line by line: a text-mode iterator meeting bytes that are
+    not UTF-8 raises UnicodeDecodeError from inside the loop, naming neither the file nor the line.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"not UTF-8 text (byte {raw[err.start]:#04x} at byte {err.start + 1} of the line): "
+            f"re-encode the file as UTF-8"
+        ) from err
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from err

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from core.config import load_config, save_config
 from core.runtime import resolve_device, resolve_dtype
+from core.schema import CaptureConfig, validate_config
 from data_recipes.recipes import Sample, load_samples
 from data_recipes.shards import MANIFEST, read_manifest, shard_fingerprint, shard_name, write_manifest, write_shard
 
@@ -198,7 +199,12 @@ def load_target(cfg: dict[str, Any]) -> tuple[PreTrainedModel, PreTrainedTokeniz
 
 
 def run_capture(cfg: dict[str, Any]) -> Path:
-    """Capture every sample of ``cfg['data']`` from ``cfg['target']`` into ``cfg['capture']['out_dir']``."""
+    """Capture every sample of ``cfg['data']`` from ``cfg['target']`` into ``cfg['capture']['out_dir']``.
+
+    The config is checked first (``core.schema.CaptureConfig``): a typo or a value out of range fails
+    here, before the target is loaded.
+    """
+    cfg = validate_config(cfg, CaptureConfig)
     model, tokenizer = load_target(cfg["target"])
     data, cap = cfg["data"], cfg["capture"]
     out_dir = Path(cap["out_dir"])
@@ -207,14 +213,14 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         data["format"],
         tokenizer,
         data["max_length"],
-        data.get("on_error", "raise"),
-        limit=data.get("limit"),
+        data["on_error"],
+        limit=data["limit"],
     )
     if not samples:
         raise ValueError(f"{data['source']}: no usable samples to capture")
     num_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
-    aux_layers = resolve_aux_layers(cap.get("aux_layers", "auto"), num_layers)
-    store_dtype = resolve_dtype(cap.get("store_dtype", "bf16"))
+    aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers)
+    store_dtype = resolve_dtype(cap["store_dtype"])
     settings = {
         "target": str(cfg["target"]["path"]),
         "target_config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16],

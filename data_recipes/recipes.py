@@ -146,7 +146,7 @@ def read_conversations(
         report.read += 1
         try:
             messages = to_messages(record)
-            check_messages(messages)
+            check_messages(messages, plain_text=format == "text")
         except DataError as err:
             _bad_record(err.at(location), err, on_error, report)
             continue

@@ -1,6 +1,6 @@
 """Regeneration (self-distillation): replace a dataset's assistant turns with the target's own replies.
 
-    python -m data_recipes.regenerate --config configs/demo-eagle3.yaml [key=value ...]
+    python -m data_recipes.regenerate --config configs/demo-regenerate.yaml [key=value ...]
 
 Heads trained on what the target itself says accept more of its tokens than heads trained on a
 dataset's human-written answers. Each conversation keeps its system and user turns; every assistant
@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from core.config import load_config
 from core.io import atomic_path, atomic_write_text
+from core.schema import RegenerateConfig, validate_config
 from data_recipes.capture import load_target
 from data_recipes.recipes import read_conversations
 
@@ -88,7 +89,11 @@ def regenerate_chunk(
 
 
 def run_regenerate(cfg: dict[str, Any]) -> Path:
-    """Write the target's own version of ``cfg['data']`` to ``cfg['regenerate']['out']``."""
+    """Write the target's own version of ``cfg['data']`` to ``cfg['regenerate']['out']``.
+
+    The config is checked first (``core.schema.RegenerateConfig``), before the target is loaded.
+    """
+    cfg = validate_config(cfg, RegenerateConfig)
     data, regen = cfg["data"], cfg["regenerate"]
     out = Path(regen["out"])
     if out.exists():
@@ -96,21 +101,19 @@ def run_regenerate(cfg: dict[str, Any]) -> Path:
         return out
     conversations = [
         messages
-        for _, messages in read_conversations(
-            data["source"], data["format"], data.get("on_error", "raise"), limit=data.get("limit")
-        )
+        for _, messages in read_conversations(data["source"], data["format"], data["on_error"], limit=data["limit"])
     ]
     model, tokenizer = load_target(cfg["target"])
     parts = out.with_name(out.name + ".parts")
     parts.mkdir(parents=True, exist_ok=True)
-    size = regen.get("chunk_size", 64)
+    size = regen["chunk_size"]
     chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
     cut_off = 0
     for k, chunk in enumerate(tqdm(chunks, desc="regenerate", unit="chunk")):
         part = parts / f"part-{k:05d}.jsonl"
         if part.exists():
             continue
-        torch.manual_seed(regen.get("seed", 0) * 100_003 + k)
+        torch.manual_seed(regen["seed"] * 100_003 + k)
         rows, hit_limit = regenerate_chunk(model, tokenizer, chunk, regen)
         cut_off += hit_limit
         with atomic_path(part) as tmp:

@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from core.io import parse_json_line
 from data_recipes.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -46,15 +47,15 @@ def read_records(
 def _read_jsonl(
     source: str, path: Path, on_bad_record: Callable[[DataError], None] | None
 ) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is then that line's error (parse_json_line)
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             location = f"{source}:{line_no}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                bad = DataError(f"not valid JSON ({err.msg} at column {err.colno})", location)
+                record = parse_json_line(line)
+            except ValueError as err:
+                bad = DataError(str(err), location)
                 if on_bad_record is None:
                     raise bad from err
                 on_bad_record(bad)
@@ -63,11 +64,16 @@ def _read_jsonl(
 
 
 def _read_json(source: str, path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as f:
-        try:
-            records = json.load(f)
-        except json.JSONDecodeError as err:
-            raise DataError(f"not valid JSON ({err.msg} at column {err.colno})", f"{source}:{err.lineno}") from err
+    raw = path.read_bytes()
+    try:
+        records = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise DataError(
+            f"not UTF-8 text (byte {raw[err.start]:#04x}): re-encode the file as UTF-8", f"{source}:{line}"
+        ) from err
+    except json.JSONDecodeError as err:
+        raise DataError(f"not valid JSON ({err.msg} at column {err.colno})", f"{source}:{err.lineno}") from err
     if not isinstance(records, list):
         raise DataError(f"expected a JSON list of records, got {type(records).__name__}", source)
     for index, record in enumerate(records):
@@ -75,11 +81,20 @@ def _read_json(source: str, path: Path) -> Iterator[tuple[str, dict]]:
 
 
 def _read_parquet(source: str, path: Path) -> Iterator[tuple[str, dict]]:
-    import pyarrow.parquet as pq  # imported here: only Parquet sources pay for it
+    import pyarrow as pa  # imported here: only Parquet sources pay for it
+    import pyarrow.parquet as pq
 
-    rows = (record for batch in pq.ParquetFile(path).iter_batches() for record in batch.to_pylist())
-    for row, record in enumerate(rows):
-        yield f"{source}:row {row}", record
+    row = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches():
+            for record in batch.to_pylist():
+                yield f"{source}:row {row}", record
+                row += 1
+    except (pa.ArrowException, OSError) as err:
+        # A truncated download or another format under a .parquet name: the whole file, not one record.
+        raise DataError(
+            f"not a readable Parquet file after {row} rows ({err}); check or re-download it", source
+        ) from err
 
 
 def _read_hub(source: str, split: str) -> Iterator[tuple[str, dict]]:

@@ -14,12 +14,13 @@ Chats and prompts take an optional ``category``, else the file's name. Errors na
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from core.io import parse_json_line
 
 
 class BenchError(ValueError):
@@ -39,15 +40,15 @@ class BenchItem:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is then that line's error
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             location = f"{path}:{line_no}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise BenchError(f"not valid JSON ({err.msg} at column {err.colno})", location) from err
+                record = parse_json_line(line)
+            except ValueError as err:
+                raise BenchError(str(err), location) from err
             if not isinstance(record, dict):
                 raise BenchError(f"expected a JSON object, got {type(record).__name__}", location)
             yield location, record

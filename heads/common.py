@@ -390,8 +390,9 @@ def default_positions(batch_size: int, n: int, device: torch.device, start: int 
 class DraftHead(nn.Module):
     """What every head shares: its JSON config, the borrowed target parts, build/save/load.
 
-    Subclasses set ``head_type`` and ``defaults`` (the head options a user may set) and take the full
-    config (``make_config``'s output) in ``__init__``.
+    Subclasses set ``head_type`` and ``defaults`` (the head options a user may set, from the head's
+    options model in ``core.schema``, where their ranges live) and take the full config
+    (``make_config``'s output) in ``__init__``.
     """
 
     head_type: str

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from core.schema import EagleOptions
 from heads.common import (
     DecoderLayer,
     DraftHead,
@@ -33,9 +34,7 @@ from heads.common import (
 
 class EagleHead(DraftHead):
     head_type = "eagle"
-    # EAGLE-1's loss weights: 1.0 * feature regression (smooth L1) + 0.1 * token cross-entropy.
-    # vLLM's fc has no bias (a bias in the checkpoint would be silently skipped there).
-    defaults = {"vloss_weight": 1.0, "ploss_weight": 0.1, "fc_bias": False}
+    defaults = EagleOptions.defaults()
 
     @classmethod
     def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:

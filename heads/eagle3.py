@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from core.schema import Eagle3Options
 from heads.common import (
     MLP,
     Attention,
@@ -127,10 +128,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(DraftHead):
     head_type = "eagle3"
-    # layer_ids None -> (2, L//2, L-3) as vLLM and SpecForge pick them; the capture must use the same.
-    # draft_layer "target": the target family's layer where vLLM has one (Qwen3: q/k norm, served as
-    # Eagle3Qwen3ForCausalLM); "llama": a plain Llama layer, which every engine serves (SGLang included).
-    defaults = {"layer_ids": None, "draft_vocab_size": 32000, "ttt_steps": 7, "ttt_decay": 0.8, "draft_layer": "target"}
+    defaults = Eagle3Options.defaults()
     draft_layers = ("target", "llama")
 
     @classmethod

@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from core.schema import MedusaOptions
 from heads.common import DraftHead, ResBlock, label_mask, shift_left
 
 
 class MedusaHead(DraftHead):
     head_type = "medusa"
-    defaults = {"num_heads": 4, "num_layers": 1, "decay": 0.8}
+    defaults = MedusaOptions.defaults()
 
     def __init__(self, config: dict):
         super().__init__(config)

@@ -19,6 +19,7 @@ import torch
 
 from core.config import load_config
 from core.runtime import resolve_dtype
+from core.schema import CaptureConfig, validate_config
 from data_recipes.capture import capture_shard, length_batches, load_target, resolve_aux_layers
 from data_recipes.recipes import load_samples
 from data_recipes.shards import write_shard
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = validate_config(load_config(args.config), CaptureConfig)
     model, tokenizer = load_target(cfg["target"])
     data, cap = cfg["data"], cfg["capture"]
     samples, _ = load_samples(data["source"], data["format"], tokenizer, data["max_length"], limit=args.samples)

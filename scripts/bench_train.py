@@ -17,6 +17,7 @@ import torch
 
 from core.config import load_config
 from core.runtime import resolve_dtype
+from core.schema import TrainConfig, validate_config
 from data_recipes.capture import OnlineCapture, load_target, resolve_aux_layers
 from data_recipes.recipes import load_samples
 from data_recipes.shards import pad_collate
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heads", nargs="+", default=sorted(HEADS), choices=sorted(HEADS))
     args = parser.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = validate_config(load_config(args.config), TrainConfig)
     target, tokenizer = load_target(cfg["target"])
     data = cfg["data"]
     samples, _ = load_samples(

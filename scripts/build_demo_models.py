@@ -24,8 +24,9 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from core.config import load_config, save_config
-from core.io import atomic_dir, atomic_path, atomic_write_text
+from core.io import atomic_dir, atomic_path, atomic_write_text, parse_json_line
 from core.runtime import resolve_device, resolve_dtype, seed_everything
+from core.schema import BuildDemoModelsConfig, validate_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -49,12 +50,12 @@ CHAT_TEMPLATE = (
 
 def read_gsm8k(path: str | Path) -> list[dict[str, str]]:
     rows = []
-    with open(path) as f:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is then that line's error
         for line_no, line in enumerate(f, 1):
             try:
-                row = json.loads(line)
+                row = parse_json_line(line)
                 rows.append({"question": row["question"], "answer": row["answer"]})
-            except (json.JSONDecodeError, KeyError) as err:
+            except (ValueError, KeyError) as err:
                 raise ValueError(f"{path}:{line_no}: not a GSM8K row ({err})") from err
     return rows
 
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", choices=["target", "draft"], help="build one model only")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = validate_config(load_config(args.config, args.overrides), BuildDemoModelsConfig)
     device = resolve_device(cfg["device"])
     train_conversations, heldout_conversations = split_rows(cfg)
     tokenizer = load_or_build_tokenizer(cfg, train_conversations)

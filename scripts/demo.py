@@ -26,6 +26,7 @@ from typing import Any
 
 from core.config import ConfigError, load_config
 from core.io import atomic_write_text
+from core.schema import DemoConfig, validate_config
 
 
 def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) -> str:
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", help="comma-separated stage names to run (default: all, in order)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = validate_config(load_config(args.config, args.overrides), DemoConfig)
     names = [s["name"] for s in cfg["stages"]]
     only = set(args.stages.split(",")) if args.stages else None
     if only and only - set(names):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.io import parse_json_line
 from scripts.formats.parity import acceptance, report_markdown, weights_digest
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
@@ -52,8 +53,13 @@ NO_SPECULATORS = "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`sp
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
-    rows = Path(DATA).read_text().splitlines()[:n]
-    return [[{"role": "user", "content": json.loads(r)["question"]}] for r in rows]
+    chats = []
+    for line_no, line in enumerate(Path(DATA).read_bytes().splitlines()[:n], 1):
+        try:
+            chats.append([{"role": "user", "content": parse_json_line(line)["question"]}])
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{DATA}:{line_no}: not a GSM8K row ({err})") from err
+    return chats
 
 
 def read_counters(metrics: dict[str, Any], k: int) -> dict[str, Any]:

@@ -206,3 +206,11 @@ def test_missing_head_or_draft_fails_before_any_work(models, tmp_path, extra, me
     argv = ["--target", str(tmp_path / "none"), "--bench", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]
     with pytest.raises(ValueError, match=message):
         main(argv + extra)
+
+
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "bench.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n' + '{"prompt": "Café?"}'.encode("latin-1") + b"\n")
+    with pytest.raises(BenchError) as err:
+        load_bench(path)
+    assert str(err.value) == f"{path}:2: not UTF-8 text (byte 0xe9 at byte 16 of the line): re-encode the file as UTF-8"

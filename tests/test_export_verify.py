@@ -2,11 +2,13 @@
 with its 5% bound, the JSON report's Markdown, the model card's figures, and our own engine's chain of k."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from heads import build_head
+from scripts import verify_engines
 from scripts.export import export_head
 from scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
 from scripts.verify_engines import our_acceptance, overall, prompts, read_counters, served, spawn
@@ -159,3 +161,13 @@ def test_our_engine_runs_chains_of_k_on_the_prompts_vllm_gets(target, one_thread
     first = chat["input_ids"]
     plain = model.generate(first, max_new_tokens=12, do_sample=False)[0, first.shape[1] :].tolist()
     assert ours["tokens"][0] == plain  # greedy speculative decoding keeps the target's own tokens
+
+
+def test_prompts_are_the_bundled_questions_and_a_bad_line_is_named(tmp_path, monkeypatch):
+    second = json.loads(Path(verify_engines.DATA).read_text().splitlines()[1])["question"]
+    assert prompts(2)[1] == [{"role": "user", "content": second}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"question": "q", "answer": "a"}\n' + '{"question": "Café?"}'.encode("latin-1") + b"\n")
+    monkeypatch.setattr(verify_engines, "DATA", str(bad))
+    with pytest.raises(ValueError, match=rf"^{bad}:2: not a GSM8K row \(not UTF-8 text \(byte 0xe9 at byte 18"):
+        prompts(2)

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -285,3 +286,44 @@ def test_missing_local_file_is_not_looked_up_on_the_hub(tmp_path):
         list(read_records(str(tmp_path / "missing.jsonl")))
     with pytest.raises(FileNotFoundError, match=r"^data file not found: \./nowhere$"):
         list(read_records("./nowhere"))
+
+
+def test_a_text_role_in_a_chat_record_is_refused(tmp_path):
+    # Only the text format makes a "text" message; from a chat it would train as raw text, every token in the loss.
+    text_turn = {"messages": [{"role": "text", "content": "Ann has 3 apples. She buys 4 more."}]}
+    source = write_jsonl(tmp_path / "chat.jsonl", [GOOD_RECORDS["messages"], text_turn])
+    reason = "message 0: unknown role 'text'; expected one of system, user, assistant"
+    with pytest.raises(DataError, match=f"^{re.escape(f'{source}:2: {reason}')}$"):
+        list(read_conversations(source, "messages"))
+    report = RecipeReport()
+    kept = [location for location, _ in read_conversations(source, "messages", on_error="skip", report=report)]
+    assert kept == [f"{source}:1"] and report.skipped_locations == [f"{source}:2"]
+
+
+def test_a_line_that_is_not_utf8_names_file_and_line_and_skip_skips_it(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(GSM8K_ROW).encode()
+    latin1 = '{"question": "Café?", "answer": "Oui."}'.encode("latin-1")
+    path.write_bytes(b"\n".join([good, latin1, good, b""]))
+    reason = "not UTF-8 text (byte 0xe9 at byte 18 of the line): re-encode the file as UTF-8"
+    with pytest.raises(DataError, match=f"^{re.escape(f'{path}:2: {reason}')}$"):
+        list(read_conversations(str(path), "gsm8k"))
+    report = RecipeReport()
+    kept = [location for location, _ in read_conversations(str(path), "gsm8k", on_error="skip", report=report)]
+    assert kept == [f"{path}:1", f"{path}:3"] and report.skipped_locations == [f"{path}:2"]
+
+
+def test_a_json_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_bytes(b'[\n{"question": "Q", "answer": "A"},\n{"question": "Caf\xe9"}\n]')
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:3: not UTF-8 text \(byte 0xe9\)"):
+        list(read_records(str(path)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not parquet"])
+def test_a_corrupt_parquet_file_is_named_with_what_is_wrong(tmp_path, damage):
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.Table.from_pylist([GSM8K_ROW] * 3), path)
+    path.write_bytes(path.read_bytes()[:-20] if damage == "truncated" else json.dumps(GSM8K_ROW).encode())
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: not a readable Parquet file after 0 rows \(.+\)"):
+        list(read_records(str(path), on_bad_record=lambda err: None))  # the whole file, even under skip

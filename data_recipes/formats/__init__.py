@@ -25,11 +25,16 @@ def get_format(name: str) -> Callable[[dict], list[dict[str, str]]]:
         raise ValueError(f"unknown data format {name!r}; known formats: {', '.join(sorted(FORMATS))}") from None
 
 
-def check_messages(messages: list[dict[str, str]]) -> None:
-    """Raise DataError unless ``messages`` is a chat with an assistant turn or a single ``text`` message."""
+def check_messages(messages: list[dict[str, str]], plain_text: bool = False) -> None:
+    """Raise DataError unless ``messages`` is a chat with an assistant turn, or, from the ``text`` format
+    (``plain_text``), a single ``text`` message.
+
+    Only the text format may make a ``text`` message: one that came from a chat record (a ``messages``
+    turn with the role "text") would train as raw text with every token in the loss.
+    """
     if not messages:
         raise DataError("conversation is empty")
-    is_text = len(messages) == 1 and messages[0]["role"] == "text"
+    is_text = plain_text and len(messages) == 1 and messages[0]["role"] == "text"
     for i, message in enumerate(messages):
         role = message["role"]
         if role not in CHAT_ROLES and not is_text:

@@ -1,0 +1,483 @@
+"""The one config schema: every key any command reads, with its type, range and default.
+
+One YAML file drives several commands (regenerate, capture, training), so each command checks the
+whole file against its own root model: ``CaptureConfig``, ``RegenerateConfig``, ``TrainConfig``, and
+``DemoConfig`` / ``BuildDemoModelsConfig`` for the two scripts with configs of their own. A root model
+requires the sections its command reads; the other stages' sections may be present, but they are
+checked against their own section schema too, so a typo anywhere in the file fails whichever command
+reads it first. ``validate_config`` runs before any model is loaded and raises one ConfigError naming
+every problem by its dotted key (``capture.shard_samples must be >= 1, got -1``); it returns a plain
+dict with the defaults filled in, which is what the rest of the code reads.
+
+Values are checked strictly: no string is read as a number, no number as a flag. The one exception is
+YAML 1.1's: it reads ``1e-4`` (an exponent without a dot) as a string, so a float accepts numeric strings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import typing
+from collections.abc import Iterator
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from core.config import ConfigError
+
+
+def _yaml_number(value: Any) -> Any:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):  # not a number: reported as a wrong type
+            return float(value)
+    return value
+
+
+def _not_a_flag(value: Any) -> Any:
+    # Literal[0, 1, ...] takes True for 1 (True == 1 in Python); a yes/no where a number belongs is a mistake.
+    if isinstance(value, bool):
+        raise PydanticCustomError("literal_error", "not one of the choices")
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_yaml_number), Field(allow_inf_nan=False)]
+Positive = Annotated[Float, Field(gt=0)]
+NonNegativeFloat = Annotated[Float, Field(ge=0)]
+Fraction = Annotated[Float, Field(ge=0, le=1)]
+Decay = Annotated[Float, Field(gt=0, le=1)]  # weight decay**k of the k-th term: 0 drops them all, > 1 grows
+Count = Annotated[int, Field(ge=1)]  # sizes, steps, lengths: at least one
+NonNegative = Annotated[int, Field(ge=0)]
+Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
+Formats = Literal["alpaca", "gsm8k", "messages", "sharegpt", "text"]  # data_recipes.formats.FORMATS
+
+
+class Section(BaseModel):
+    """A mapping with exactly these keys (an unknown key is a typo), values checked strictly."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    command: ClassVar[str] = "config"  # as a root model: who reads it ("invalid capture config: ...")
+    top_level: ClassVar[str] = "key"  # as a root model: what its keys are called in errors
+
+
+class Target(Section):
+    path: str  # a local folder or a hub id
+    device: str = "auto"  # cuda when present, else cpu
+    dtype: Dtype = "fp32"  # the frozen target's compute dtype
+
+
+class Data(Section):
+    source: str  # a .jsonl/.json/.parquet file or a hub dataset id
+    format: Formats
+    max_length: Count | None = None  # tokens per sample; required where samples are tokenized
+    on_error: Literal["raise", "skip"] = "raise"
+    limit: Count | None = None  # null: every record
+
+
+class TokenizedData(Data):
+    max_length: Count
+
+
+class Capture(Section):
+    out_dir: str | None = None  # the shards; training may compute the states online instead
+    aux_layers: Literal["auto"] | list[NonNegative] = "auto"  # auto: EAGLE-3's (2, L//2, L-3); [] none
+    store_dtype: Dtype = "bf16"
+    shard_samples: Count = 256
+    batch_tokens: Count = 8192  # padded tokens per forward
+
+
+class CaptureToDisk(Capture):
+    out_dir: str
+
+
+class Regenerate(Section):
+    out: str  # the regenerated dataset, OpenAI-messages JSONL
+    max_new_tokens: Count
+    temperature: NonNegativeFloat = 0.0  # 0: greedy
+    top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
+    top_k: NonNegative = 0  # 0: no top-k cut
+    chunk_size: Count = 64  # conversations per resumable part
+    seed: NonNegative = 0
+
+
+class Train(Section):
+    out_dir: str
+    seed: NonNegative = 0
+    epochs: Count = 1
+    max_steps: Count | None = None  # null: epochs x steps per epoch
+    batch_size: Count = 16  # samples per optimizer step, over all ranks
+    micro_batch_size: Count = 4  # samples per forward, per rank
+    lr: Positive = 1e-4
+    min_lr_ratio: Fraction = 0.0  # cosine decays to lr * min_lr_ratio
+    warmup_steps: NonNegative = 0
+    weight_decay: NonNegativeFloat = 0.0
+    betas: Annotated[list[Annotated[Float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.95]
+    max_grad_norm: NonNegativeFloat = 1.0  # 0: no clipping
+    zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_a_flag)] = 2
+    dtype: Literal["fp32", "bf16"] = "fp32"  # the head's training precision
+    online_capture: bool = False
+    heldout_samples: NonNegative = 0
+    eval_every: NonNegative = 0  # 0: held-out eval at the end only
+    save_every: NonNegative = 0  # 0: checkpoint at the end only
+    keep_checkpoints: NonNegative = 2  # 0 keeps them all
+    num_workers: NonNegative = 0
+    resume: Literal["auto"] | bool = "auto"
+
+
+class Lora(Section):
+    """Medusa-2: present -> the target trains jointly through LoRA adapters."""
+
+    r: Count = 16
+    alpha: Positive = 32.0
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.05
+    target_modules: Annotated[list[str], Field(min_length=1)] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    head_weight: NonNegativeFloat = 0.2  # weight of the Medusa heads' loss beside the LM loss
+    head_weight_warmup: NonNegative = 0  # steps over which that weight rises from 0
+
+
+class Wandb(Section):
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    project: str = "headstart"
+    name: str | None = None
+
+
+class HeadOptions(Section):
+    """A head type's options; ``heads`` takes its defaults from here (``DraftHead.defaults``)."""
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {name: field.default for name, field in cls.model_fields.items() if name != "type"}
+
+
+class EagleOptions(HeadOptions):
+    type: Literal["eagle"] = "eagle"
+    # EAGLE-1's loss weights: 1.0 * feature regression (smooth L1) + 0.1 * token cross-entropy.
+    vloss_weight: NonNegativeFloat = 1.0
+    ploss_weight: NonNegativeFloat = 0.1
+    fc_bias: bool = False  # vLLM's fc has no bias (a bias in the checkpoint would be silently skipped there)
+
+
+class Eagle3Options(HeadOptions):
+    type: Literal["eagle3"] = "eagle3"
+    # null: (2, L//2, L-3) as vLLM and SpecForge pick them; the capture must use the same.
+    layer_ids: list[NonNegative] | None = None
+    draft_vocab_size: Count = 32000
+    ttt_steps: Count = 7  # training-time-test depth
+    ttt_decay: Decay = 0.8
+    # "target": the target family's layer where vLLM has one (Qwen3: q/k norm, served as
+    # Eagle3Qwen3ForCausalLM); "llama": a plain Llama layer, which every engine serves (SGLang included).
+    draft_layer: Literal["target", "llama"] = "target"
+
+
+class MedusaOptions(HeadOptions):
+    type: Literal["medusa"] = "medusa"
+    num_heads: Count = 4  # head k guesses the token k+2 ahead
+    num_layers: NonNegative = 1  # residual blocks per head
+    decay: Decay = 0.8  # loss weight decay**k for head k
+
+
+HEAD_OPTIONS: dict[str, type[HeadOptions]] = {
+    options.model_fields["type"].default: options for options in (EagleOptions, Eagle3Options, MedusaOptions)
+}
+# The head section: its ``type`` picks the options model, so a key is checked against that head's options.
+Head = Annotated[Union[tuple(HEAD_OPTIONS.values())], Field(discriminator="type")]  # noqa: UP007
+
+
+class PipelineConfig(Section):
+    """Any stage's config: every section optional, each checked against its schema when present."""
+
+    command: ClassVar[str] = "pipeline"
+    top_level: ClassVar[str] = "section"
+
+    target: Target | None = None
+    data: Data | None = None
+    capture: Capture | None = None
+    regenerate: Regenerate | None = None
+    head: Head | None = None
+    train: Train | None = None
+    lora: Lora | None = None
+    wandb: Wandb | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_are_absent(cls, config: Any) -> Any:
+        # `wandb:` with every line commented out is YAML null: the section's defaults, not an error.
+        return {k: v for k, v in config.items() if v is not None} if isinstance(config, dict) else config
+
+
+class CaptureConfig(PipelineConfig):
+    command: ClassVar[str] = "capture"
+    target: Target
+    data: TokenizedData
+    capture: CaptureToDisk
+
+
+class RegenerateConfig(PipelineConfig):
+    command: ClassVar[str] = "regenerate"
+    target: Target
+    data: Data
+    regenerate: Regenerate
+
+
+class TrainConfig(PipelineConfig):
+    """Training; train/config.py adds the checks that span sections (batch sizes, shards or online)."""
+
+    command: ClassVar[str] = "training"
+    target: Target
+    data: TokenizedData
+    capture: Capture = Capture()
+    head: Head
+    train: Train
+    wandb: Wandb = Wandb()
+
+
+class DemoStage(Section):
+    name: str
+    cmd: str  # {python}, {bin} and {key} (a top-level key of the config) are filled in
+    inputs: list[str] = []  # files whose bytes key the stage
+    outputs: list[str] = []  # files that must exist for the stage to count as done
+
+
+class DemoConfig(Section):
+    """configs/demo.yaml, read by scripts/demo.py."""
+
+    command: ClassVar[str] = "demo"
+
+    out_dir: str
+    report: str
+    nproc_per_node: Count = 1
+    stages: Annotated[list[DemoStage], Field(min_length=1)]
+
+
+class ModelTraining(Section):
+    seq_len: Count
+    batch_size: Count
+    steps: Count
+    lr: Positive
+    min_lr_ratio: Fraction
+    warmup_steps: NonNegative
+    weight_decay: NonNegativeFloat
+    grad_clip: Positive
+    dtype: Dtype  # autocast dtype
+    ckpt_every: Count
+
+
+class DemoModel(Section):
+    name: str
+    hidden_size: Count
+    intermediate_size: Count
+    num_hidden_layers: Count
+    num_attention_heads: Count
+    num_key_value_heads: Count
+    tie_word_embeddings: bool
+    train: ModelTraining
+
+
+class DemoTokenizer(Section):
+    vocab_size: Count
+    min_frequency: Count
+
+
+class BuildDemoModelsConfig(Section):
+    """configs/build-demo-models.yaml, read by scripts/build_demo_models.py."""
+
+    command: ClassVar[str] = "build-demo-models"
+
+    seed: NonNegative
+    out_dir: str
+    work_dir: str
+    device: str = "auto"
+    train_file: str
+    sample_file: str
+    heldout_fraction: Annotated[Float, Field(ge=0, lt=1)]
+    system_prompt_fraction: Fraction
+    system_prompt: str
+    tokenizer: DemoTokenizer
+    target: DemoModel
+    draft: DemoModel
+
+
+def check_config(config: dict[str, Any], schema: type[Section]) -> tuple[dict[str, Any], list[str]]:
+    """``config`` with the defaults of ``schema`` filled in, and every problem found (none: it is valid)."""
+    try:
+        resolved = schema.model_validate(config)
+    except ValidationError as err:
+        problems: list[str] = []
+        for problem in _problems(schema, config, err.errors()):
+            if problem not in problems:  # several members of a union may refuse a value alike
+                problems.append(problem)
+        return config, problems
+    # An absent optional section stays absent (a lora: section is what makes Medusa-2).
+    return {k: v for k, v in resolved.model_dump().items() if v is not None}, []
+
+
+def validate_config(config: dict[str, Any], schema: type[Section]) -> dict[str, Any]:
+    """``config`` with the defaults of ``schema`` filled in, or one ConfigError listing every problem."""
+    resolved, problems = check_config(config, schema)
+    raise_problems(schema, problems)
+    return resolved
+
+
+def raise_problems(schema: type[Section], problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(f"invalid {schema.command} config:\n  " + "\n  ".join(problems))
+
+
+# ---- pydantic's errors, told as "<dotted key> must be ..., got ..."
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<=")}
+_BOUNDS |= {"less_than": ("lt", "<")}
+
+
+class _Where(NamedTuple):
+    key: str  # dotted, e.g. "capture.aux_layers" or "stages[0].cmd"
+    model: type[Section]  # the model holding the field (or refusing an extra key)
+    field: FieldInfo | None  # None: the error is about a key of ``model`` that is not a field
+    annotation: Any  # the field's type, or the union member the value was checked against
+    rest: list  # what is left of pydantic's loc: list indices, union member names, an extra key
+    tagged: tuple[str, str] | None  # (key, tag) when the path went through a tagged union (head.type)
+
+
+def _problems(schema: type[Section], config: dict[str, Any], errors: list[dict[str, Any]]) -> Iterator[str]:
+    located = [(error, _locate(schema, error["loc"])) for error in errors]
+    # A value of a union (capture.aux_layers: "auto" or a list) that has one member's shape (a list) is
+    # refused by the others for its shape alone: report why the member it looks like refused it.
+    shaped = {where.key for _, where in located if len(where.rest) > 1 and isinstance(where.rest[0], str)}
+    for error, where in located:
+        if where.key in shaped and where.rest and isinstance(where.rest[0], str):
+            if len(where.rest) == 1:
+                continue
+            member = next(a for a in _union_args(where.annotation) if typing.get_origin(a) is list)
+            where = where._replace(rest=where.rest[1:], annotation=member)
+        yield _problem(schema, config, error, where)
+
+
+def _problem(schema: type[Section], config: dict[str, Any], error: dict[str, Any], where: _Where) -> str:
+    key, model, field, annotation, rest, tagged = where
+    kind, got = error["type"], f"got {error.get('input')!r}"
+    if kind == "extra_forbidden":
+        known = ", ".join(sorted(model.model_fields))
+        if not key:
+            return f"unknown {schema.top_level} {rest[0]!r} (known: {known})"
+        what = f" for a {tagged[1]} {tagged[0]}" if tagged else ""
+        return f"unknown key {key}.{rest[0]}{what} (known: {known})"
+    if kind == "missing":
+        return f"{key} is required" + (f" (a `{key}:` section)" if _model_members(field) else "")
+    if kind == "union_tag_not_found":
+        return f"{key}.{_discriminator(field)} is required (one of {', '.join(_model_members(field))})"
+    if kind == "union_tag_invalid":
+        tag, tags = error["ctx"]["tag"], ", ".join(_model_members(field))
+        return f"{key}.{_discriminator(field)} {tag!r} is not a {key} type (known: {tags})"
+    if any(isinstance(item, str) for item in rest):
+        # Every member of a union refused the value for its shape: say once what it may be.
+        value = _lookup(config, error["loc"][: len(error["loc"]) - len(rest)])
+        return f"{key} must be {_describe(annotation)}, got {value!r} ({type(value).__name__})"
+    for index in rest:  # an item of a list
+        key, annotation = f"{key}[{index}]", typing.get_args(_strip(annotation))[0]
+    if kind.endswith(("_type", "_parsing")):
+        value = error.get("input")
+        return f"{key} must be {_describe(annotation)}, got {value!r} ({type(value).__name__})"
+    if kind == "literal_error":
+        return f"{key} must be one of {list(typing.get_args(_strip(annotation)))}, {got}"
+    if kind in _BOUNDS:
+        bound, sign = _BOUNDS[kind]
+        return f"{key} must be {sign} {error['ctx'][bound]}, {got}"
+    if kind == "too_short":
+        return f"{key} must have at least {error['ctx']['min_length']} item(s), {got}"
+    if kind == "too_long":
+        return f"{key} must have at most {error['ctx']['max_length']} item(s), {got}"
+    if kind == "finite_number":
+        return f"{key} must be a finite number, {got}"
+    return f"{key}: {error['msg']}, {got}"
+
+
+def _locate(schema: type[Section], loc: tuple) -> _Where:
+    """Follow an error's ``loc`` through the models, as far as it names fields."""
+    key, model, field, rest, tagged = "", schema, None, list(loc), None
+    while rest and isinstance(rest[0], str) and rest[0] in model.model_fields:
+        name = rest.pop(0)
+        key = f"{key}.{name}" if key else name
+        field = model.model_fields[name]
+        members = _model_members(field)
+        if not members or not rest:
+            break
+        if len(members) > 1:  # a tagged union: pydantic names the member
+            if rest[0] not in members:
+                break
+            tagged = (key, rest[0])
+            model = members[rest.pop(0)]
+        else:
+            model = members[None]
+            if typing.get_origin(_strip(field.annotation)) is list:  # a list of sections
+                key += f"[{rest.pop(0)}]"
+        field = None
+    return _Where(key, model, field, field.annotation if field else None, rest, tagged)
+
+
+def _lookup(config: Any, loc: tuple) -> Any:
+    for item in loc:
+        config = config[item]
+    return config
+
+
+def _strip(annotation: Any) -> Any:
+    """``Annotated[X, ...]`` and ``X | None`` -> X (for a single X)."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _strip(args[0])
+    return annotation
+
+
+def _union_args(annotation: Any) -> list[Any]:
+    annotation = _strip(annotation)
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return [_strip(a) for a in typing.get_args(annotation)]
+    return [annotation]
+
+
+def _model_members(field: FieldInfo | None) -> dict[str | None, type[Section]]:
+    """The sections a field holds: {None: model} for one (or a list of them), {tag: model} for a tagged union."""
+    if field is None:
+        return {}
+    args = _union_args(field.annotation)
+    if len(args) == 1 and typing.get_origin(args[0]) is list:
+        args = [_strip(typing.get_args(args[0])[0])]
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    if not models or len(models) != len(args):
+        return {}
+    if len(models) == 1:
+        return {None: models[0]}
+    return {m.model_fields[_discriminator(field)].default: m for m in models}
+
+
+def _discriminator(field: FieldInfo) -> str:
+    """The tag's key of a tagged union, kept on the field (``head: Head``) or in its annotation (``Head | None``)."""
+    if isinstance(field.discriminator, str):
+        return field.discriminator
+    for arg in typing.get_args(field.annotation):
+        for meta in getattr(arg, "__metadata__", ()):
+            if isinstance(getattr(meta, "discriminator", None), str):
+                return meta.discriminator
+    raise TypeError(f"{field} is not a tagged union")
+
+
+def _describe(annotation: Any) -> str:
+    """What a value of ``annotation`` looks like, in words: ``int``, ``'auto' or list``, ``int or null``."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_describe(a) for a in typing.get_args(annotation)))  # once each
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(annotation))
+    if origin is list:
+        return "list"
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "a mapping"
+    return getattr(annotation, "__name__", str(annotation))

@@ -1,0 +1,205 @@
+"""The one config schema (core/schema.py): every command refuses a bad config, naming each problem by its
+dotted key, before it loads a model or runs a stage."""
+
+import pytest
+import yaml
+from conftest import REPO
+
+from core.config import ConfigError, apply_overrides, load_config
+from core.schema import (
+    HEAD_OPTIONS,
+    BuildDemoModelsConfig,
+    CaptureConfig,
+    DemoConfig,
+    Formats,
+    RegenerateConfig,
+    TrainConfig,
+    validate_config,
+)
+from data_recipes import capture, regenerate
+from data_recipes.formats import FORMATS
+from data_recipes.shards import read_manifest
+from heads import HEADS
+from scripts import build_demo_models, demo
+from train import eagle, medusa
+
+# Which commands read each bundled config; the rest (the head configs) drive capture and training.
+COMMANDS_OF = {
+    "demo.yaml": [DemoConfig],
+    "build-demo-models.yaml": [BuildDemoModelsConfig],
+    "demo-regenerate.yaml": [RegenerateConfig],
+}
+
+
+def assert_values_kept(given, resolved, key=""):
+    """Every value the config sets is in the resolved config, unchanged (defaults only add keys)."""
+    if isinstance(given, dict):
+        for name, value in given.items():
+            assert name in resolved, f"{key}.{name} dropped"
+            assert_values_kept(value, resolved[name], f"{key}.{name}")
+    elif isinstance(given, list):
+        assert len(resolved) == len(given), key
+        for index, (item, kept) in enumerate(zip(given, resolved)):
+            assert_values_kept(item, kept, f"{key}[{index}]")
+    else:
+        assert resolved == given, key
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_bundled_config_validates_for_each_command_that_reads_it(path):
+    config = load_config(path)
+    for schema in COMMANDS_OF.get(path.name, [CaptureConfig, TrainConfig]):
+        assert_values_kept(config, validate_config(config, schema))
+
+
+def test_the_schema_knows_the_heads_and_formats_the_code_has():
+    assert set(HEAD_OPTIONS) == set(HEADS)
+    assert all(HEADS[name].defaults == options.defaults() for name, options in HEAD_OPTIONS.items())
+    assert set(Formats.__args__) == set(FORMATS)
+
+
+def test_one_error_lists_every_problem_by_its_dotted_key():
+    config = load_config(REPO / "configs" / "demo-eagle3.yaml")
+    config = apply_overrides(config, ["data.limt=2", "capture.shard_samples=-1", "train.lr=0", "head.ttt_decay=2"])
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, CaptureConfig)  # train: and head: belong to training, and are checked too
+    assert str(err.value).splitlines() == [
+        "invalid capture config:",
+        "  unknown key data.limt (known: format, limit, max_length, on_error, source)",
+        "  capture.shard_samples must be >= 1, got -1",
+        "  head.ttt_decay must be <= 1, got 2",
+        "  train.lr must be > 0, got 0",
+    ]
+
+
+def test_defaults_fill_in_and_yaml_exponents_read_as_floats(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "target: {path: t}\ndata: {source: d.jsonl, format: gsm8k, max_length: 64}\ncapture: {out_dir: s}\n"
+        "head: {type: eagle3}\ntrain: {out_dir: o, lr: 1e-4}\n"
+    )
+    config = load_config(path)
+    assert config["train"]["lr"] == "1e-4"  # YAML 1.1
+    resolved = validate_config(config, TrainConfig)
+    assert resolved["train"]["lr"] == 1e-4 and resolved["capture"]["shard_samples"] == 256
+    assert resolved["head"] == {"type": "eagle3", **HEADS["eagle3"].defaults}
+    assert "lora" not in resolved and "regenerate" not in resolved
+
+
+def write_config(tmp_path, name, overrides):
+    """configs/<name> with the target moved to a folder that does not exist: loading it would fail."""
+    config = load_config(REPO / "configs" / name, [f"target.path={tmp_path / 'no-such-model'}", *overrides])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+CAPTURE_PROBLEMS = [
+    (["data.limt=2"], r"unknown key data\.limt \(known: format, limit, max_length, on_error, source\)"),
+    (["capture.shard_samples=-1"], r"capture\.shard_samples must be >= 1, got -1"),
+    (["data.limit=0"], r"data\.limit must be >= 1, got 0"),
+    (["data.limit=-1"], r"data\.limit must be >= 1, got -1"),
+    (["capture.batch_tokens=0"], r"capture\.batch_tokens must be >= 1, got 0"),
+    (["data.max_length=0"], r"data\.max_length must be >= 1, got 0"),
+    (["capture.store_dtype=int8"], r"capture\.store_dtype must be one of \['fp32', .*\], got 'int8'"),
+    (["train.lrr=1e-3"], r"unknown key train\.lrr"),  # another stage's section, in the same file
+    (["head.ttt_stepz=3"], r"unknown key head\.ttt_stepz for a eagle3 head"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", CAPTURE_PROBLEMS, ids=lambda v: v[0] if isinstance(v, list) else "")
+def test_capture_refuses_a_bad_config_before_loading_the_target(tmp_path, overrides, message):
+    out = tmp_path / "shards"
+    path = write_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={out}", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        capture.main(["--config", str(path)])
+    assert not out.exists()
+
+
+def test_a_valid_capture_config_gets_as_far_as_loading_the_target(tmp_path):
+    # The control for the test above: without the bad key, the run goes on and fails at the missing target.
+    path = write_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={tmp_path / 'shards'}"])
+    with pytest.raises(OSError, match="no-such-model"):
+        capture.main(["--config", str(path)])
+
+
+def test_capture_without_shard_settings_uses_the_defaults(tiny_target_dir, gsm8k_file, tmp_path):
+    config = {
+        "target": {"path": str(tiny_target_dir), "device": "cpu"},
+        "data": {"source": str(gsm8k_file), "format": "gsm8k", "max_length": 64, "limit": 3},
+        "capture": {"out_dir": str(tmp_path / "shards"), "aux_layers": [1, 3, 4]},
+    }
+    manifest = read_manifest(capture.run_capture(config))
+    assert (manifest["samples"], manifest["shard_samples"], manifest["batch_tokens"]) == (3, 256, 8192)
+    assert manifest["store_dtype"] == "bfloat16" and len(manifest["shards"]) == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["regenerate.temprature=0.7"], r"unknown key regenerate\.temprature \(known: chunk_size, max_new_tokens"),
+        (["regenerate.max_new_tokens=0"], r"regenerate\.max_new_tokens must be >= 1, got 0"),
+        (["regenerate.temperature=-1"], r"regenerate\.temperature must be >= 0, got -1"),
+        (["regenerate.top_p=0"], r"regenerate\.top_p must be > 0, got 0"),
+        (["regenerate.chunk_size=0"], r"regenerate\.chunk_size must be >= 1, got 0"),
+        (["data.limit=0"], r"data\.limit must be >= 1, got 0"),
+    ],
+)
+def test_regenerate_refuses_a_bad_config_before_loading_the_target(tmp_path, gsm8k_file, overrides, message):
+    out = tmp_path / "regen.jsonl"
+    path = write_config(tmp_path, "demo-regenerate.yaml", [f"data.source={gsm8k_file}", f"regenerate.out={out}"])
+    with pytest.raises(ConfigError, match=message):
+        regenerate.main(["--config", str(path), *overrides])
+    regenerate_parts = out.with_name(out.name + ".parts")
+    assert not out.exists() and not regenerate_parts.exists()
+    with pytest.raises(OSError, match="no-such-model"):  # the control: valid, it goes on to load the target
+        regenerate.main(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "trainer, name, overrides, message",
+    [
+        (eagle, "demo-eagle3.yaml", ["train.max_steps=0"], r"train\.max_steps must be >= 1, got 0"),
+        (eagle, "demo-eagle3.yaml", ["head.ttt_decay=-0.5"], r"head\.ttt_decay must be > 0, got -0\.5"),
+        (eagle, "demo-eagle3.yaml", ["train.lr=0"], r"train\.lr must be > 0, got 0"),
+        (eagle, "demo-eagle3.yaml", ["train.batch_size=0"], r"train\.batch_size must be >= 1, got 0"),
+        (eagle, "demo-eagle3.yaml", ["head.ttt_steps=0"], r"head\.ttt_steps must be >= 1, got 0"),
+        (eagle, "demo-eagle3.yaml", ["head.draft_vocab_size=0"], r"head\.draft_vocab_size must be >= 1, got 0"),
+        (eagle, "demo-eagle3.yaml", ["train.micro_batch_size=0"], r"train\.micro_batch_size must be >= 1, got 0"),
+        (eagle, "demo-eagle3.yaml", ["regenerate.out=x"], r"regenerate\.max_new_tokens is required"),
+        (eagle, "demo-eagle.yaml", ["head.ploss_weight=-1"], r"head\.ploss_weight must be >= 0, got -1"),
+        (medusa, "demo-medusa.yaml", ["head.decay=0"], r"head\.decay must be > 0, got 0"),
+        (medusa, "demo-medusa.yaml", ["head.num_heads=0"], r"head\.num_heads must be >= 1, got 0"),
+        (medusa, "demo-medusa.yaml", ["lora.r=0", "train.online_capture=true"], r"lora\.r must be >= 1, got 0"),
+    ],
+)
+def test_training_refuses_out_of_range_values_before_any_work(tmp_path, monkeypatch, trainer, name, overrides, message):
+    def no_work(*args, **kwargs):
+        raise AssertionError("a bad config got as far as the process group")
+
+    monkeypatch.setattr(trainer, "init_distributed", no_work)
+    path = write_config(tmp_path, name, [f"train.out_dir={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError, match=message):
+        trainer.main(["--config", str(path), *overrides])
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_refuses_unknown_keys_before_running_a_stage(tmp_path):
+    ran = tmp_path / "ran.txt"
+    stage = {"name": "only", "cmd": f"{{python}} -c \"open(r'{ran}', 'w')\"", "ouputs": [str(ran)]}
+    config = {"out_dir": str(tmp_path / "run"), "report": str(tmp_path / "r.md"), "nproc": 2, "stages": [stage]}
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError) as err:
+        demo.main(["--config", str(path)])
+    assert str(err.value).splitlines()[1:] == [
+        "  unknown key stages[0].ouputs (known: cmd, inputs, name, outputs)",
+        "  unknown key 'nproc' (known: nproc_per_node, out_dir, report, stages)",
+    ]
+    assert not ran.exists()
+
+
+def test_build_demo_models_refuses_a_typo_before_reading_its_data(tmp_path):
+    overrides = ["target.train.stepz=10", f"train_file={tmp_path / 'missing.jsonl'}", f"work_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"unknown key target\.train\.stepz \(known: batch_size, ckpt_every"):
+        build_demo_models.main(["--config", str(REPO / "configs" / "build-demo-models.yaml"), *overrides])
