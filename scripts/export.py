@@ -5,7 +5,8 @@
 Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout), ``speculators``
 (EAGLE-3), ``medusa`` (the Medusa repo's layout). The head's config names its target; ``--target``
 overrides it. The head is checked against the target's config (hidden size, vocab, attention shape,
-layer ids) before anything is written, and the folder appears whole or not at all. See docs/EXPORT.md.
+layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
+recorded in training), and the folder appears whole or not at all. See docs/EXPORT.md.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
 from eval.tree import tree_card_section
-from heads import HEADS, check_compatible
+from heads import HEADS, check_compatible, check_tokenizer
 from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from scripts.formats import eagle, eagle3, medusa
 from scripts.formats.card import model_card
@@ -42,6 +44,19 @@ def load_target_config(target: str | None, head_config: dict[str, Any]) -> tuple
         return name, AutoConfig.from_pretrained(name)
     except OSError as err:
         raise FileNotFoundError(f"cannot read the target's config from {name!r}: {err}") from err
+
+
+def check_target_tokenizer(config: dict[str, Any], target: str, head_dir: Path) -> None:
+    """The head's recorded tokenizer against ``target``'s (read only when the head records one)."""
+    target_hash = None
+    if "tokenizer_hash" in config:
+        try:
+            target_hash = tokenizer_hash(AutoTokenizer.from_pretrained(target))
+        except OSError as err:
+            raise FileNotFoundError(
+                f"cannot read the tokenizer of {target!r} to check the head was trained with it: {err}"
+            ) from err
+    check_tokenizer(config, target_hash, head_dir)
 
 
 def load_head_state(head_dir: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -115,6 +130,7 @@ def export_head(
     made_by: str | None = None,
     card_sections: list[str] | None = None,
     parity: str | Path | None = None,
+    allow_other_tokenizer: bool = False,
 ) -> Path:
     """Write the head in ``head_dir`` as ``fmt`` to ``out`` (config.json, weights, README.md), atomically.
 
@@ -122,7 +138,8 @@ def export_head(
     speculators verifier and the Medusa base model name it. The card's serve commands name the folder
     ``draft_name`` (default: ``out``); it says it was ``made_by`` (default: this export's command) and ends
     with ``card_sections`` (markdown), then the served-acceptance figures that ``parity`` (a parity.json by
-    ``scripts.verify_engines``) holds for these very weights.
+    ``scripts.verify_engines``) holds for these very weights. A ``target`` given must have the tokenizer the
+    head was trained with, unless ``allow_other_tokenizer``.
     """
     head_dir, out = Path(head_dir), Path(out)
     if fmt not in FORMATS:
@@ -133,8 +150,11 @@ def export_head(
     if config.get("type") not in SUPPORTED:
         raise ValueError(f"unknown head type {config.get('type')!r} in {head_dir / CONFIG_NAME}")
     check_out(out, head_dir)
+    target_given = target is not None
     target, target_config = load_target_config(target, config)
     check_compatible(config, target_config)
+    if target_given and not allow_other_tokenizer:
+        check_target_tokenizer(config, target, head_dir)
     state = load_head_state(head_dir, config)
     sections = list(card_sections or [])
     if parity:
@@ -165,9 +185,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parity", help="a parity.json by scripts.verify_engines: its figures for this head go in the card"
     )
+    parser.add_argument(
+        "--allow-other-tokenizer",
+        action="store_true",
+        help="export for a --target whose tokenizer differs from the one the head was trained with",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_head(args.head, args.format, args.out, args.target, parity=args.parity)
+        out = export_head(
+            args.head,
+            args.format,
+            args.out,
+            args.target,
+            parity=args.parity,
+            allow_other_tokenizer=args.allow_other_tokenizer,
+        )
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"export failed: {err}\n")
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")

@@ -38,6 +38,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple, Any, tuple | None]]] = {
         "store_dtype": ((str,), "bf16", ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),
         "shard_samples": ((int,), 256, None),
         "batch_tokens": ((int,), 8192, None),
+        "allow_other_weights": ((bool,), False, None),  # train on shards of another checkpoint of the same shape
     },
     "train": {
         "out_dir": ((str,), REQUIRED, None),
