@@ -4,7 +4,8 @@ Each write goes to a hidden temporary beside its target (``.<name>.<random>.tmp`
 one rename. A writer killed with SIGKILL cannot clean up, so the next write of the same target
 removes the temporaries that earlier, dead writers of that target left behind. A write that runs
 out of room (full disk, quota, file-size limit) raises ``OutOfSpaceError`` saying which, and
-leaves the previous file in place.
+leaves the previous file in place. ``output_lock`` keeps a second writer out of a folder in use, and
+``check_writable`` says "read-only" where a free-space check would say "full".
 
 Reading: ``parse_json_line`` decodes one JSON Lines line, read as bytes, and says what is wrong with it.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import glob
 import json
 import os
@@ -161,3 +163,74 @@ def parse_json_line(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from err
+
+
+class NotWritableError(OSError):
+    """An output folder that cannot be written at all: a read-only file system, or no permission."""
+
+
+def check_writable(folder: str | Path) -> None:
+    """NotWritableError naming ``folder`` when nothing can be written there (or in the ancestor it would be made in).
+
+    Checked before a free-space check, which would otherwise report a read-only folder (0 bytes free on
+    squashfs, ISO or a read-only NFS export) as a full disk. ``os.access`` answers for this process: it
+    sees file permissions, the immutable attribute and read-only mounts, for root as well.
+    """
+    folder = Path(folder)
+    existing = next(p for p in [folder, *folder.absolute().parents] if p.exists())
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        code, why = errno.EROFS, "is on a read-only file system"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        code, why = errno.EACCES, "is not writable by this process (permissions, an immutable folder or a policy)"
+    else:
+        return
+    problem = f"{folder} {why}" if existing == folder else f"{folder} cannot be made: {existing} {why}"
+    raise NotWritableError(code, f"{problem}; choose a writable output folder")
+
+
+class FolderLockedError(RuntimeError):
+    """Another live process is writing the same output folder."""
+
+
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def output_lock(folder: str | Path) -> Iterator[Path]:
+    """Hold ``folder`` (made if missing) for this process alone while the block writes into it; yields it.
+
+    Two writers of one folder would delete each other's temporaries (``_remove_leftovers``) and mix their
+    files. The lock is ``flock`` on ``<folder>/.lock``: the kernel drops it when its holder exits, SIGKILL
+    included, so a dead writer never blocks the next one. The file holds the holder's pid, for the
+    message a second writer gets, and is removed on release.
+    """
+    folder = Path(folder)
+    check_writable(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    fd = _take_lock(path)
+    try:
+        yield folder
+    finally:
+        path.unlink(missing_ok=True)  # still held here: a writer that opened this file retries on a new one
+        os.close(fd)
+
+
+def _take_lock(path: Path) -> int:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FolderLockedError(
+                f"{path.parent} is being written by another process (pid {holder}, holding {path}): "
+                "wait for it to finish or stop it; two writers of one folder would delete each other's files"
+            ) from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return fd
+        os.close(fd)  # the holder released (and removed) it between our open and our flock: lock the new one

@@ -85,6 +85,9 @@ class Capture(Section):
     store_dtype: Dtype = "bf16"
     shard_samples: Count = 256
     batch_tokens: Count = 8192  # padded tokens per forward
+    # Train on shards whose manifest names other target weights (a fine-tune of the same shape): only
+    # for users who know the states still fit; the run warns.
+    allow_other_weights: bool = False
 
 
 class CaptureToDisk(Capture):
@@ -99,6 +102,7 @@ class Regenerate(Section):
     top_k: NonNegative = 0  # 0: no top-k cut
     chunk_size: Count = 64  # conversations per resumable part
     seed: NonNegative = 0
+    discard_stale_parts: bool = False  # parts made with other settings: delete them (else refuse)
 
 
 class Train(Section):

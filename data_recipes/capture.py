@@ -8,18 +8,20 @@ computes the very same tensors inside the training step. Both call ``capture_hid
 Resumable: samples are ordered deterministically (longest first, so batches pad little) and cut
 into shards of ``shard_samples``; each shard is written atomically and stamped with a fingerprint
 of everything that determines its contents. A re-run skips shards that exist with the same
-fingerprint, so a killed capture continues where it died and ends byte-identical to an
-uninterrupted one. Before it starts, the run prints its storage estimate and refuses to start
-when the disk is short.
+fingerprint and hold their slot's samples, so a killed capture continues where it died and ends
+byte-identical to an uninterrupted one; a finished capture is verified byte for byte (sha256)
+before a re-run calls it complete. One capture writes a folder at a time (``core.io.output_lock``).
+Before it starts, the run prints its storage estimate and refuses to start when the disk is short
+(or read-only).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,24 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from core.config import load_config, save_config
+from core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
+from core.io import check_writable, output_lock
 from core.runtime import resolve_device, resolve_dtype
 from core.schema import CaptureConfig, validate_config
-from data_recipes.recipes import Sample, load_samples
-from data_recipes.shards import MANIFEST, read_manifest, shard_fingerprint, shard_name, write_manifest, write_shard
+from data_recipes.recipes import Sample, load_samples, require_samples
+from data_recipes.shards import (
+    MANIFEST,
+    RECAPTURE,
+    ShardError,
+    file_sha256,
+    open_shard,
+    read_manifest,
+    shard_fingerprint,
+    shard_name,
+    verify_capture,
+    write_manifest,
+    write_shard,
+)
 
 
 class DiskFullError(OSError):
@@ -140,30 +156,18 @@ def capture_shard(
         states = capture_hidden_states(model, ids.to(model.device), mask.to(model.device), aux_layers)
         for key, value in states.items():
             pieces[key] += [value[row, : lengths[i]].to("cpu", store_dtype) for row, i in enumerate(batch)]
-    tensors = {
+    return token_tensors(samples, sample_ids) | {key: torch.cat(chunks) for key, chunks in pieces.items() if chunks}
+
+
+def token_tensors(samples: list[Sample], sample_ids: list[int]) -> dict[str, torch.Tensor]:
+    """A shard's tensors other than the hidden states: token ids, loss mask, sample offsets and ids."""
+    lengths = [len(s.input_ids) for s in samples]
+    return {
         "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8),
         "sample_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
         "sample_ids": torch.tensor(sample_ids, dtype=torch.int64),
     }
-    return tensors | {key: torch.cat(chunks) for key, chunks in pieces.items() if chunks}
-
-
-def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Vocabulary, merges, special tokens and chat template: what decides the ids a head sees."""
-    backend = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else json.dumps(tokenizer.get_vocab())
-    return hashlib.sha256((backend + str(tokenizer.chat_template)).encode()).hexdigest()[:16]
-
-
-def weights_hash(model: PreTrainedModel) -> str:
-    """A cheap fingerprint of the weights: names, shapes and a strided sample of every tensor's values."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        flat = tensor.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
-        digest.update(f"{name}{tuple(tensor.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def samples_hash(samples: list[Sample]) -> str:
@@ -180,6 +184,7 @@ def storage_estimate(tokens: int, hidden_size: int, n_aux: int, store_dtype: tor
 
 
 def check_free_disk(out_dir: Path, needed: int) -> None:
+    check_writable(out_dir)  # a read-only folder may show 0 bytes free: say read-only, not full
     existing = next(p for p in [out_dir, *out_dir.absolute().parents] if p.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
@@ -208,7 +213,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
     model, tokenizer = load_target(cfg["target"])
     data, cap = cfg["data"], cfg["capture"]
     out_dir = Path(cap["out_dir"])
-    samples, _report = load_samples(
+    samples, report = load_samples(
         data["source"],
         data["format"],
         tokenizer,
@@ -216,8 +221,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         data["on_error"],
         limit=data["limit"],
     )
-    if not samples:
-        raise ValueError(f"{data['source']}: no usable samples to capture")
+    require_samples(samples, report, data["source"], data["max_length"])
     num_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers)
     store_dtype = resolve_dtype(cap["store_dtype"])
@@ -235,68 +239,77 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         "shard_samples": cap["shard_samples"],
         "batch_tokens": cap["batch_tokens"],
     }
-    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    fingerprint = settings_fingerprint(settings)
     if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == fingerprint:
-        print(f"{out_dir}: capture complete with these settings; nothing to do")
+        verify_capture(out_dir)  # a shard replaced or damaged since must not pass for complete
+        print(f"{out_dir}: capture complete with these settings, every shard as recorded; nothing to do")
         return out_dir
 
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
     plan = [order[i : i + cap["shard_samples"]] for i in range(0, len(order), cap["shard_samples"])]
-    done = _finished_shards(out_dir, len(plan), fingerprint)
-    total_tokens = sum(len(s.input_ids) for s in samples)
-    todo_tokens = sum(len(samples[i].input_ids) for k, shard in enumerate(plan) if k not in done for i in shard)
-    estimate = storage_estimate(total_tokens, hidden, len(aux_layers), store_dtype)
-    print(
-        f"capture: {len(samples)} samples, {total_tokens:,} tokens, layers {aux_layers} + last, {store_dtype} -> "
-        f"{estimate / 1e9:.2f} GB in {len(plan)} shards under {out_dir}"
-        + (f" ({len(done)} already complete, resuming)" if done else "")
-    )
-    check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "capture_config.yaml")
-
-    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="capture")
-    start = time.perf_counter()
-    for k, shard in enumerate(plan):
-        if k in done:
-            continue
-        tensors = capture_shard(
-            model,
-            [samples[i] for i in shard],
-            shard,
-            aux_layers,
-            store_dtype,
-            cap["batch_tokens"],
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    # One writer per folder; each shard's sha256 is read back while the next shard is captured.
+    with output_lock(out_dir), ThreadPoolExecutor(max_workers=1) as hasher:
+        done = _finished_shards(out_dir, plan, fingerprint, samples)
+        digests = {k: hasher.submit(file_sha256, out_dir / shard_name(k)) for k in done}
+        total_tokens = sum(len(s.input_ids) for s in samples)
+        todo_tokens = sum(len(samples[i].input_ids) for k, shard in enumerate(plan) if k not in done for i in shard)
+        estimate = storage_estimate(total_tokens, hidden, len(aux_layers), store_dtype)
+        print(
+            f"capture: {len(samples)} samples, {total_tokens:,} tokens, layers {aux_layers} + last, {store_dtype} -> "
+            f"{estimate / 1e9:.2f} GB in {len(plan)} shards under {out_dir}"
+            + (f" ({len(done)} already complete, resuming)" if done else "")
         )
-        write_shard(out_dir / shard_name(k), tensors, fingerprint)
-        bar.update(len(tensors["input_ids"]))
-    bar.close()
-    shards = [_shard_entry(out_dir, k, len(plan[k]), samples, plan[k]) for k in range(len(plan))]
-    write_manifest(
-        out_dir,
-        {
-            **settings,
-            "fingerprint": fingerprint,
-            "source": str(data["source"]),
-            "format": data["format"],
-            "max_length": data["max_length"],
-            "samples": len(samples),
-            "tokens": total_tokens,
-            "loss_tokens": sum(sum(s.loss_mask) for s in samples),
-            "bytes": sum(entry["bytes"] for entry in shards),
-            "shards": shards,
-        },
-    )
+        check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
+        save_config(cfg, out_dir / "capture_config.yaml")
+
+        bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="capture")
+        start = time.perf_counter()
+        for k, shard in enumerate(plan):
+            if k in done:
+                continue
+            tensors = capture_shard(
+                model,
+                [samples[i] for i in shard],
+                shard,
+                aux_layers,
+                store_dtype,
+                cap["batch_tokens"],
+                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+            )
+            write_shard(out_dir / shard_name(k), tensors, fingerprint)
+            digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
+            bar.update(len(tensors["input_ids"]))
+        bar.close()
+        shards = [_shard_entry(out_dir, k, plan[k], samples, digests[k]) for k in range(len(plan))]
+        write_manifest(
+            out_dir,
+            {
+                **settings,
+                "fingerprint": fingerprint,
+                "source": str(data["source"]),
+                "format": data["format"],
+                "max_length": data["max_length"],
+                "samples": len(samples),
+                "tokens": total_tokens,
+                "loss_tokens": sum(sum(s.loss_mask) for s in samples),
+                "bytes": sum(entry["bytes"] for entry in shards),
+                "shards": shards,
+            },
+        )
     seconds = time.perf_counter() - start
     print(f"capture: wrote {out_dir / MANIFEST} ({todo_tokens / max(seconds, 1e-9):,.0f} tokens/s this run)")
     return out_dir
 
 
-def _finished_shards(out_dir: Path, n_shards: int, fingerprint: str) -> set[int]:
-    """Shards already on disk from a run with the same settings; a foreign capture is an error."""
+def _finished_shards(out_dir: Path, plan: list[list[int]], fingerprint: str, samples: list[Sample]) -> set[int]:
+    """Shards already on disk from a run with the same settings; a foreign capture is an error.
+
+    The fingerprint says a shard came from these settings, not that it sits in its own slot: a shard
+    copied or renamed from another slot carries the same one. So each shard's token side (ids, mask,
+    offsets, sample ids: a few bytes per token) must also equal what this slot holds.
+    """
     done = set()
-    for k in range(n_shards):
+    for k, shard in enumerate(plan):
         path = out_dir / shard_name(k)
         if not path.exists():
             continue
@@ -305,17 +318,22 @@ def _finished_shards(out_dir: Path, n_shards: int, fingerprint: str) -> set[int]
                 f"{path} was captured with other settings (target, data, layers or dtype): "
                 f"choose a new capture.out_dir or delete {out_dir}"
             )
+        expected = token_tensors([samples[i] for i in shard], shard)
+        with open_shard(path) as f:
+            if not all(torch.equal(f.get_tensor(key), value) for key, value in expected.items()):
+                raise ShardError(f"{path} has this capture's fingerprint but not the samples of shard {k}; {RECAPTURE}")
         done.add(k)
     return done
 
 
-def _shard_entry(out_dir: Path, k: int, n: int, samples: list[Sample], shard: list[int]) -> dict[str, Any]:
+def _shard_entry(out_dir: Path, k: int, shard: list[int], samples: list[Sample], sha256: Future) -> dict[str, Any]:
     path = out_dir / shard_name(k)
     return {
         "file": path.name,
-        "samples": n,
+        "samples": len(shard),
         "tokens": sum(len(samples[i].input_ids) for i in shard),
         "bytes": path.stat().st_size,
+        "sha256": sha256.result(),
     }
 
 

@@ -195,6 +195,20 @@ def load_samples(
     return samples, report
 
 
+def require_samples(samples: list[Sample], report: RecipeReport, source: str, max_length: int) -> None:
+    """DataError naming ``source`` when nothing is left to train on, and why (every loss mask empty, say)."""
+    if samples:
+        return
+    if report.dropped_empty_mask:
+        raise DataError(
+            f"no sample has assistant tokens: the loss mask of all {report.dropped_empty_mask} conversations is empty "
+            f"within data.max_length={max_length} tokens, so there is nothing to learn from ({report.summary()}); "
+            "check data.format, that the records have assistant turns, and data.max_length",
+            source,
+        )
+    raise DataError(f"no usable samples ({report.summary()})", source)
+
+
 def _bad_record(err: DataError, cause: Exception, on_error: str, report: RecipeReport) -> None:
     if on_error == "raise":
         raise err from cause

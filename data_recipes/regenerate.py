@@ -10,12 +10,16 @@ later turn sees the earlier regenerated ones. The output is OpenAI-messages JSON
 
 Resumable: conversations are processed in chunks; each chunk lands in ``<out>.parts/`` atomically
 (sampling seeded per chunk, so a resumed run writes what an uninterrupted one would), and the final
-file is assembled in one rename once every chunk exists.
+file is assembled in one rename once every chunk exists. ``<out>.parts/settings.json`` records what
+made the parts (generation settings, the target's weights and tokenizer hashes, the conversations'
+hash): a run with other settings refuses to mix its replies with theirs, or discards them when told
+to (``regenerate.discard_stale_parts: true``). One run writes a parts folder at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -26,10 +30,15 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from core.config import load_config
-from core.io import atomic_path, atomic_write_text
+from core.fingerprint import tokenizer_hash, weights_hash
+from core.io import atomic_path, atomic_write_text, output_lock
 from core.schema import RegenerateConfig, validate_config
 from data_recipes.capture import load_target
 from data_recipes.recipes import read_conversations
+
+# What ``generate_replies`` uses where the config says nothing: greedy.
+SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+PARTS_SETTINGS = "settings.json"
 
 
 @torch.no_grad()
@@ -43,15 +52,10 @@ def generate_replies(
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     tokenizer.padding_side = "left"  # decoder-only generation continues from the right edge
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    temperature = generation.get("temperature", 0.0)
+    generation = SAMPLING_DEFAULTS | generation
     sampling = {"do_sample": False}
-    if temperature > 0:
-        sampling = {
-            "do_sample": True,
-            "temperature": temperature,
-            "top_p": generation.get("top_p", 1.0),
-            "top_k": generation.get("top_k", 0),
-        }
+    if generation["temperature"] > 0:
+        sampling = {"do_sample": True, **{key: generation[key] for key in SAMPLING_DEFAULTS}}
     out = model.generate(
         **batch,
         max_new_tokens=generation["max_new_tokens"],
@@ -88,6 +92,45 @@ def regenerate_chunk(
     return regenerated, cut_off
 
 
+def parts_settings(
+    cfg: dict[str, Any], model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conversations: list
+) -> dict[str, Any]:
+    """Everything that decides the parts' contents: a part made under other settings is another dataset."""
+    regen = SAMPLING_DEFAULTS | {"seed": 0, "chunk_size": 64} | cfg["regenerate"]
+    return {
+        "target": str(cfg["target"]["path"]),
+        "target_weights_hash": weights_hash(model),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "conversations_hash": hashlib.sha256(json.dumps(conversations).encode()).hexdigest()[:16],
+        **{key: regen[key] for key in ("max_new_tokens", *SAMPLING_DEFAULTS, "seed", "chunk_size")},
+    }
+
+
+def check_parts(parts: Path, settings: dict[str, Any], discard: bool) -> None:
+    """Resume only parts made with ``settings``; others are refused (or deleted when ``discard``), never mixed in."""
+    record = parts / PARTS_SETTINGS
+    recorded = json.loads(record.read_text()) if record.is_file() else None
+    stale = sorted(parts.glob("part-*.jsonl"))
+    if recorded != settings and stale:
+        if recorded is None:
+            changed = "settings not recorded (made before regenerate recorded them)"
+        else:
+            changed = ", ".join(
+                f"{k} {recorded.get(k)!r} -> {v!r}" for k, v in settings.items() if recorded.get(k) != v
+            )
+        if not discard:
+            raise ValueError(
+                f"{parts} holds {len(stale)} parts made with other settings ({changed}; parts -> now): their replies "
+                f"would be mixed with this run's; restore the settings to resume them, delete {parts}, or set "
+                "regenerate.discard_stale_parts=true to start over"
+            )
+        print(f"{parts}: discarding {len(stale)} parts made with other settings ({changed})")
+        for part in stale:
+            part.unlink()
+    atomic_write_text(record, json.dumps(settings, indent=1))
+
+
 def run_regenerate(cfg: dict[str, Any]) -> Path:
     """Write the target's own version of ``cfg['data']`` to ``cfg['regenerate']['out']``.
 
@@ -104,22 +147,23 @@ def run_regenerate(cfg: dict[str, Any]) -> Path:
         for _, messages in read_conversations(data["source"], data["format"], data["on_error"], limit=data["limit"])
     ]
     model, tokenizer = load_target(cfg["target"])
-    parts = out.with_name(out.name + ".parts")
-    parts.mkdir(parents=True, exist_ok=True)
-    size = regen["chunk_size"]
+    settings = parts_settings(cfg, model, tokenizer, conversations)
+    size = settings["chunk_size"]
     chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
     cut_off = 0
-    for k, chunk in enumerate(tqdm(chunks, desc="regenerate", unit="chunk")):
-        part = parts / f"part-{k:05d}.jsonl"
-        if part.exists():
-            continue
-        torch.manual_seed(regen["seed"] * 100_003 + k)
-        rows, hit_limit = regenerate_chunk(model, tokenizer, chunk, regen)
-        cut_off += hit_limit
-        with atomic_path(part) as tmp:
-            tmp.write_text("".join(json.dumps({"messages": r}, ensure_ascii=False) + "\n" for r in rows))
-    atomic_write_text(out, "".join((parts / f"part-{k:05d}.jsonl").read_text() for k in range(len(chunks))))
-    shutil.rmtree(parts)
+    with output_lock(out.with_name(out.name + ".parts")) as parts:
+        check_parts(parts, settings, regen["discard_stale_parts"])
+        for k, chunk in enumerate(tqdm(chunks, desc="regenerate", unit="chunk")):
+            part = parts / f"part-{k:05d}.jsonl"
+            if part.exists():
+                continue
+            torch.manual_seed(settings["seed"] * 100_003 + k)
+            rows, hit_limit = regenerate_chunk(model, tokenizer, chunk, regen)
+            cut_off += hit_limit
+            with atomic_path(part) as tmp:
+                tmp.write_text("".join(json.dumps({"messages": r}, ensure_ascii=False) + "\n" for r in rows))
+        atomic_write_text(out, "".join((parts / f"part-{k:05d}.jsonl").read_text() for k in range(len(chunks))))
+        shutil.rmtree(parts)
     print(
         f"regenerate: wrote {len(conversations)} conversations to {out} (format: messages); "
         f"{cut_off} replies this run stopped at max_new_tokens={regen['max_new_tokens']}"

@@ -10,20 +10,32 @@ A shard holds several samples concatenated along the token axis (no padding on d
     sample_ids     [n] int64        index of each sample in the recipe's output (proves nothing is duplicated)
 
 Each shard is written to a temporary file and renamed, so a shard file that exists is complete.
-``manifest.json`` is written last and describes the whole capture; readers refuse a directory
-without it. ``ShardDataset`` memory-maps the shards: nothing is loaded whole into RAM.
+``manifest.json`` is written last and describes the whole capture (each shard's samples, tokens,
+bytes and sha256); readers refuse a directory without it. ``ShardDataset`` memory-maps the shards:
+nothing is loaded whole into RAM.
+
+What is checked when. Opening a ``ShardDataset`` (every training run) costs a ``stat`` and a header
+read per shard: each shard must have the manifest's size, fingerprint, sample and token counts, and
+the sample ids of all shards must be exactly 0..samples-1. A sample read is checked to hold token ids
+inside the target's vocabulary. Flipped bits in the hidden states pass these checks; only the sha256
+finds them, which reads every byte: ``verify_capture`` (``python -m data_recipes.shards DIR``), which
+capture also runs before it calls a finished capture complete.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from core.io import atomic_path, atomic_write_text
@@ -36,6 +48,16 @@ class ManifestMismatch(ValueError):
     """Captured shards that do not belong to the target (or tokenizer, or head) they are used with."""
 
 
+class ShardError(ValueError):
+    """A shard that is not what its capture's manifest says: missing, truncated, corrupt, foreign or misplaced."""
+
+
+# How to repair a capture with a bad shard: capture resumes and re-captures exactly the shards missing.
+RECAPTURE = (
+    "delete that shard (and manifest.json, if any) and run data_recipes.capture again: it re-captures what is missing"
+)
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
@@ -46,9 +68,31 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) 
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": fingerprint})
 
 
+def open_shard(path: Path):
+    """``safe_open`` whose errors name the file (a truncated file or a corrupt header fails here)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise ShardError(f"{path} is missing; {RECAPTURE}") from None
+    except SafetensorError as err:
+        raise ShardError(f"{path} is truncated or corrupt ({err}); {RECAPTURE}") from err
+
+
 def shard_fingerprint(path: Path) -> str | None:
-    with safe_open(str(path), framework="pt") as f:
+    with open_shard(path) as f:
         return (f.metadata() or {}).get("fingerprint")
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int, where: str) -> None:
+    """ShardError unless every id is a token of the target (an id past its embedding would crash the step)."""
+    if not len(input_ids):
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ShardError(
+            f"{where}: token id {high if high >= vocab_size else low} is outside the target's vocabulary "
+            f"(0..{vocab_size - 1}): captured with another tokenizer, or corrupt"
+        )
 
 
 def file_sha256(path: Path) -> str:
@@ -81,18 +125,41 @@ def check_manifest(
     hidden_size: int,
     num_hidden_layers: int,
     tokenizer_hash: str,
+    weights_hash: str | None = None,
     aux_layers: list[int] | None = None,
+    allow_other_weights: bool = False,
 ) -> None:
-    """Fail clearly when shards were captured from another target, tokenizer or layer choice."""
+    """Fail clearly when shards were captured from another target, tokenizer, layer choice or weights.
+
+    ``weights_hash`` (``core.fingerprint.weights_hash`` of the target as loaded) tells a fine-tuned or
+    perturbed checkpoint of the same shape apart; ``allow_other_weights`` turns that refusal into a warning.
+    """
     problems = []
     if manifest["hidden_size"] != hidden_size:
         problems.append(f"hidden size {manifest['hidden_size']} in the shards, {hidden_size} in the target")
     if manifest["num_hidden_layers"] != num_hidden_layers:
         problems.append(f"{manifest['num_hidden_layers']} layers in the shards' target, {num_hidden_layers} here")
     if manifest["tokenizer_hash"] != tokenizer_hash:
-        problems.append("the tokenizer differs from the one the shards were captured with")
+        problems.append(
+            f"the tokenizer differs from the one the shards were captured with "
+            f"(tokenizer hash {manifest['tokenizer_hash']} in the shards, {tokenizer_hash} here)"
+        )
     if aux_layers is not None and list(manifest["aux_layers"]) != sorted(set(aux_layers)):
         problems.append(f"captured layers {manifest['aux_layers']}, the head needs {sorted(set(aux_layers))}")
+    captured_from = manifest.get("target_weights_hash")
+    if weights_hash is not None and captured_from is not None and captured_from != weights_hash:
+        weights = (
+            f"the target's weights differ from those the shards were captured from (weights hash {captured_from} "
+            f"in the shards, {weights_hash} here; the hash is over the weights as loaded, so another target.dtype "
+            f"than the capture's {manifest.get('compute_dtype')} differs too)"
+        )
+        if allow_other_weights:
+            warnings.warn(f"{weights}: training on them anyway (capture.allow_other_weights)", stacklevel=2)
+        else:
+            problems.append(
+                f"{weights}: re-capture from this target, or set capture.allow_other_weights: true if the "
+                "states of that other checkpoint are what you mean to train on"
+            )
     if problems:
         raise ManifestMismatch(f"shards from {manifest['target']} do not match: " + "; ".join(problems))
 
@@ -106,17 +173,21 @@ class _SampleRef:
 
 
 class ShardDataset(torch.utils.data.Dataset):
-    """Samples of a finished capture, read lazily through safetensors' memory map."""
+    """Samples of a finished capture, read lazily through safetensors' memory map.
 
-    def __init__(self, out_dir: str | Path):
+    Opening it runs the cheap checks of every shard against the manifest (see the module docstring);
+    with ``vocab_size``, every sample read is checked to hold only ids of the target's vocabulary.
+    """
+
+    def __init__(self, out_dir: str | Path, vocab_size: int | None = None):
         self.dir = Path(out_dir)
         self.manifest = read_manifest(self.dir)
+        self.vocab_size = vocab_size
         self.refs: list[_SampleRef] = []
-        for shard in self.manifest["shards"]:
-            with safe_open(str(self.dir / shard["file"]), framework="pt") as f:
-                offsets = f.get_tensor("sample_offsets").tolist()
-                ids = f.get_tensor("sample_ids").tolist()
-            self.refs += [_SampleRef(shard["file"], s, e, i) for s, e, i in zip(offsets[:-1], offsets[1:], ids)]
+        for entry in self.manifest["shards"]:
+            offsets, ids = _read_index(self.dir / entry["file"], entry, self.manifest["fingerprint"])
+            self.refs += [_SampleRef(entry["file"], s, e, i) for s, e, i in zip(offsets[:-1], offsets[1:], ids)]
+        _check_sample_ids(self.refs, self.manifest["samples"], self.dir)
         self.keys = ["input_ids", "loss_mask", "last_hidden"] + (["aux_hidden"] if self.manifest["aux_layers"] else [])
         self._handles: dict[str, Any] = {}
 
@@ -126,20 +197,96 @@ class ShardDataset(torch.utils.data.Dataset):
     def _handle(self, shard: str):
         # One open handle per shard and per process (DataLoader workers get their own copy).
         if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.dir / shard), framework="pt")
+            self._handles[shard] = open_shard(self.dir / shard)
         return self._handles[shard]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ref = self.refs[index]
         f = self._handle(ref.shard)
         sample = {key: f.get_slice(key)[ref.start : ref.end] for key in self.keys}
+        if self.vocab_size is not None:
+            check_token_ids(sample["input_ids"], self.vocab_size, f"{self.dir / ref.shard}, sample {ref.sample_id}")
         sample["input_ids"] = sample["input_ids"].long()
         sample["loss_mask"] = sample["loss_mask"].long()
         sample["sample_id"] = torch.tensor(ref.sample_id)
         return sample
 
+    def token_rows(self, indices: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of samples ``indices``, shard by shard, without reading any hidden state."""
+        by_shard = defaultdict(list)
+        for i in indices:
+            by_shard[self.refs[i].shard].append(self.refs[i])
+        for shard, refs in by_shard.items():
+            with open_shard(self.dir / shard) as f:
+                ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+            if self.vocab_size is not None:
+                check_token_ids(ids, self.vocab_size, str(self.dir / shard))
+            for ref in refs:
+                yield ids[ref.start : ref.end], mask[ref.start : ref.end]
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": {}}
+
+
+def _read_index(path: Path, entry: dict[str, Any], fingerprint: str) -> tuple[list[int], list[int]]:
+    """A shard's sample offsets and ids, once its size and header agree with its manifest entry."""
+    if not path.is_file():
+        raise ShardError(f"{path} is missing; {RECAPTURE}")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise ShardError(
+            f"{path} is {size} bytes, the manifest records {entry['bytes']}: truncated or replaced; {RECAPTURE}"
+        )
+    with open_shard(path) as f:
+        found = (f.metadata() or {}).get("fingerprint")
+        offsets = f.get_tensor("sample_offsets").tolist()
+        ids = f.get_tensor("sample_ids").tolist()
+    if found != fingerprint:
+        raise ShardError(
+            f"{path} belongs to another capture (fingerprint {found}, this capture's is {fingerprint}); {RECAPTURE}"
+        )
+    if len(ids) != entry["samples"] or len(offsets) != len(ids) + 1 or offsets[-1] != entry["tokens"]:
+        raise ShardError(
+            f"{path} holds {len(ids)} samples of {offsets[-1]} tokens, the manifest records {entry['samples']} "
+            f"of {entry['tokens']}; {RECAPTURE}"
+        )
+    return offsets, ids
+
+
+def _check_sample_ids(refs: list[_SampleRef], samples: int, out_dir: Path) -> None:
+    """Every sample id 0..samples-1 in exactly one shard (a shard copied from elsewhere breaks this)."""
+    shard_of: dict[int, str] = {}
+    for ref in refs:
+        if ref.sample_id in shard_of:
+            raise ShardError(
+                f"sample {ref.sample_id} is in both {out_dir / shard_of[ref.sample_id]} and {out_dir / ref.shard}: "
+                f"one of them was copied in from elsewhere; {RECAPTURE}"
+            )
+        if not 0 <= ref.sample_id < samples:
+            raise ShardError(
+                f"{out_dir / ref.shard} holds sample {ref.sample_id}, outside this capture's 0..{samples - 1}; "
+                f"{RECAPTURE}"
+            )
+        shard_of[ref.sample_id] = ref.shard
+    missing = sorted(set(range(samples)) - shard_of.keys())
+    if missing:
+        raise ShardError(f"samples {missing[:8]} ({len(missing)} in all) are in no shard of {out_dir}; {RECAPTURE}")
+
+
+def verify_capture(out_dir: str | Path) -> ShardDataset:
+    """The cheap checks of ``ShardDataset``, then every shard's sha256 against the manifest (reads every byte).
+
+    Captures made before the manifest recorded checksums get the cheap checks only.
+    """
+    dataset = ShardDataset(out_dir)
+    for entry in dataset.manifest["shards"]:
+        path = dataset.dir / entry["file"]
+        if "sha256" in entry and file_sha256(path) != entry["sha256"]:
+            raise ShardError(
+                f"{path}: its sha256 differs from the one the manifest recorded at capture time: the file changed "
+                f"since (flipped bits, or another file copied over it); {RECAPTURE}"
+            )
+    return dataset
 
 
 def pad_collate(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -159,3 +306,18 @@ def pad_collate(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict
     lengths = torch.tensor([s["input_ids"].shape[0] for s in samples])
     batch["attention_mask"] = (torch.arange(length)[None, :] < lengths[:, None]).long()
     return batch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Verify a finished capture: every shard against its manifest.")
+    parser.add_argument("out_dir", help="the capture's folder (capture.out_dir)")
+    args = parser.parse_args(argv)
+    try:
+        dataset = verify_capture(args.out_dir)
+    except (ShardError, ManifestMismatch, FileNotFoundError) as err:
+        parser.exit(1, f"verify failed: {err}\n")
+    print(f"{args.out_dir}: {len(dataset)} samples in {len(dataset.manifest['shards'])} shards, all as recorded")
+
+
+if __name__ == "__main__":
+    main()

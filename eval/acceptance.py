@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
 from eval.bench import BenchItem, load_bench, render
-from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
+from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla, check_draft_vocab
 from eval.report import write_report
 from eval.tree import MC_SIM_7B_63, Tree, load_tree_config
 from eval.verify import Proposer, Sampling, generate
@@ -364,6 +364,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", required=True, help="target model folder or hub id")
     p.add_argument("--head", action="append", default=[], help="head folder(s); repeat or comma-separate")
     p.add_argument("--draft", help="draft model for method draft_model")
+    p.add_argument(
+        "--allow-other-tokenizer",
+        action="store_true",
+        help="evaluate heads trained with another tokenizer than the target's (refused by default)",
+    )
     p.add_argument("--method", required=True, help=f"comma-separated, of: {', '.join(METHODS)}")
     p.add_argument("--bench", required=True, help="JSONL: Spec-Bench, GSM8K, messages or prompt records")
     p.add_argument("--limit", type=_positive, help="prompts to run, round-robin over categories")
@@ -413,7 +418,9 @@ def main(argv: list[str] | None = None) -> dict:
     target = load_model(args.target, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     draft = load_model(args.draft, device, dtype) if "draft_model" in args.method else None
-    heads = {m: load_head(d, target).to(dtype) for m, d in head_dirs.items()}
+    if draft is not None:
+        check_draft_vocab(draft, target, args.draft, args.target)
+    heads = {m: load_head(d, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, d in head_dirs.items()}
     args.tree_configs = tree_configs(head_dirs, args.tree)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first

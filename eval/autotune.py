@@ -566,6 +566,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.autotune", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder or hub id")
     p.add_argument("--head", required=True, help="EAGLE-1/2 or EAGLE-3 head folder")
+    p.add_argument(
+        "--allow-other-tokenizer",
+        action="store_true",
+        help="tune a head trained with another tokenizer than the target's (refused by default)",
+    )
     p.add_argument("--bench", default="assets/data/gsm8k_test.jsonl", help="JSONL prompts (see eval.bench)")
     p.add_argument("--offset", type=int, default=0, help="bench prompts to skip (e.g. those a later eval uses)")
     p.add_argument("--calibration", type=int, default=8, help="prompts for the acceptance statistics")
@@ -602,7 +607,7 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     target = load_model(args.target, device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    head = load_head(args.head, target).to(dtype)
+    head = load_head(args.head, target, tokenizer, args.allow_other_tokenizer).to(dtype)
     wanted = args.offset + args.calibration + args.heldout
     items = load_bench(args.bench, wanted)[args.offset :]
     if len(items) < args.calibration + args.heldout:

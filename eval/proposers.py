@@ -74,6 +74,17 @@ class NGram(Vanilla):
         return empty_tree(tokens.device)
 
 
+def check_draft_vocab(draft: nn.Module, target: nn.Module, draft_name: str, target_name: str) -> None:
+    """ValueError naming both models when the draft can propose ids the target has no token for."""
+    draft_vocab, target_vocab = draft.config.vocab_size, target.config.vocab_size
+    if draft_vocab > target_vocab:
+        raise ValueError(
+            f"the draft model {draft_name} has a vocabulary of {draft_vocab} tokens, the target {target_name} "
+            f"{target_vocab}: it would propose ids the target has no embedding for; a draft model must use "
+            "the target's tokenizer"
+        )
+
+
 class DraftModel:
     """A small causal LM sharing the target's vocabulary, drafting a chain, a dynamic tree or a fixed shape
     (``choices``). Its cache holds the committed tokens it has read;

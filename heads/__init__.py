@@ -1,8 +1,8 @@
 """Draft-head modules: EAGLE-1/2, EAGLE-3 and Medusa (built on the shared core only).
 
-head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model)
+head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model, tokenizer)
 head.save_pretrained("runs/x/head")
-head = load_head("runs/x/head", target_model)   # checks the head fits this target
+head = load_head("runs/x/head", target_model, tokenizer)   # checks the head fits this target and tokenizer
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
-from heads.common import DraftHead, KVCache, check_compatible, read_head_config
+from heads.common import DraftHead, KVCache, check_compatible, check_tokenizer, read_head_config
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
 from heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
@@ -29,6 +30,7 @@ __all__ = [
     "build_head",
     "build_vocab_mapping",
     "check_compatible",
+    "check_tokenizer",
     "load_head",
     "medusa2_wrap",
     "medusa_loss",
@@ -43,11 +45,25 @@ def _head_class(head_type: str) -> type[DraftHead]:
     return HEADS[head_type]
 
 
-def build_head(head_cfg: dict[str, Any], target_model: nn.Module) -> DraftHead:
-    """A fresh head of ``head_cfg["type"]`` for ``target_model``; the other keys are that head's options."""
-    return _head_class(head_cfg["type"]).build(head_cfg, target_model)
+def build_head(
+    head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+) -> DraftHead:
+    """A fresh head of ``head_cfg["type"]`` for ``target_model``; the other keys are that head's options.
+
+    ``tokenizer`` (the target's) is recorded in the head's config, for ``load_head`` to check.
+    """
+    return _head_class(head_cfg["type"]).build(head_cfg, target_model, tokenizer)
 
 
-def load_head(head_dir: str | Path, target_model: nn.Module) -> DraftHead:
-    """The head saved in ``head_dir`` (any type), checked against and attached to ``target_model``."""
-    return _head_class(read_head_config(head_dir)["type"]).from_pretrained(head_dir, target_model)
+def load_head(
+    head_dir: str | Path,
+    target_model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    allow_other_tokenizer: bool = False,
+) -> DraftHead:
+    """The head saved in ``head_dir`` (any type), checked against and attached to ``target_model``.
+
+    With the target's ``tokenizer``, a head trained with another one is refused (``check_tokenizer``).
+    """
+    head_class = _head_class(read_head_config(head_dir)["type"])
+    return head_class.from_pretrained(head_dir, target_model, tokenizer, allow_other_tokenizer)

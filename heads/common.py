@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from transformers.activations import ACT2FN
 
+from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
 
 CONFIG_NAME = "config.json"
@@ -117,6 +119,39 @@ def check_compatible(
             + "; ".join(problems)
             + " (head vs target)"
         )
+
+
+def check_tokenizer(
+    head_config: dict[str, Any],
+    target_hash: str | None,
+    where: Any,
+    allow_other: bool = False,
+    remedy: str = "pass --allow-other-tokenizer if you know the two tokenizers agree",
+) -> None:
+    """Refuse a head trained with another tokenizer than the target's (``target_hash``): same vocabulary size or
+    not, its ids would stand for other tokens. ``allow_other`` makes that a warning; a head that records no
+    tokenizer (trained before heads recorded it) loads with a warning, as nothing can be checked.
+    """
+    recorded = head_config.get("tokenizer_hash")
+    if recorded is None:
+        warnings.warn(
+            f"{where}: the head records no tokenizer hash (trained before heads recorded one): "
+            "cannot check that the target's tokenizer is the one it was trained with",
+            stacklevel=2,
+        )
+        return
+    if recorded == target_hash:
+        return
+    message = (
+        f"{where}: the head was trained with another tokenizer than the target's "
+        f"(tokenizer hash {recorded} in the head, {target_hash} in the target)"
+    )
+    if not allow_other:
+        raise ValueError(
+            f"{message}: the same ids would mean other tokens (or another chat template); use the target it was "
+            f"trained for, or {remedy}"
+        )
+    warnings.warn(f"{message}; going on as asked", stacklevel=2)
 
 
 @dataclass
@@ -420,9 +455,18 @@ class DraftHead(nn.Module):
         }
 
     @classmethod
-    def build(cls, head_cfg: dict[str, Any], target_model: nn.Module) -> DraftHead:
-        """A fresh head for ``target_model``, on the target's device (fp32; the trainer picks precision)."""
-        head = cls(cls.make_config(head_cfg, target_model.config))
+    def build(
+        cls, head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> DraftHead:
+        """A fresh head for ``target_model``, on the target's device (fp32; the trainer picks precision).
+
+        ``tokenizer``, the target's, is recorded as its hash in the config, so loading the head on a target
+        with another tokenizer fails (``check_tokenizer``).
+        """
+        config = cls.make_config(head_cfg, target_model.config)
+        if tokenizer is not None:
+            config["tokenizer_hash"] = tokenizer_hash(tokenizer)
+        head = cls(config)
         head.attach(target_model)
         return head.to(target_model.get_input_embeddings().weight.device)
 
@@ -433,9 +477,18 @@ class DraftHead(nn.Module):
         save_head(self, self.config, out_dir)
 
     @classmethod
-    def from_pretrained(cls, head_dir: str | Path, target_model: nn.Module) -> DraftHead:
+    def from_pretrained(
+        cls,
+        head_dir: str | Path,
+        target_model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        allow_other_tokenizer: bool = False,
+    ) -> DraftHead:
+        """The saved head, checked against ``target_model`` (shapes) and, when given, its ``tokenizer``."""
         config = read_head_config(head_dir)
         check_compatible(config, target_model.config, cls.head_type)
+        if tokenizer is not None:
+            check_tokenizer(config, tokenizer_hash(tokenizer), head_dir, allow_other_tokenizer)
         head = cls(config)
         load_head_weights(head, head_dir, target_model.get_input_embeddings().weight.device)
         head.attach(target_model)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from core.schema import MedusaOptions
 from heads.common import DraftHead, ResBlock, label_mask, shift_left
@@ -43,9 +44,11 @@ class MedusaHead(DraftHead):
         )
 
     @classmethod
-    def build(cls, head_cfg: dict[str, Any], target_model: nn.Module) -> MedusaHead:
+    def build(
+        cls, head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> MedusaHead:
         """Fresh heads whose lm_heads start as copies of the target's (then trained, and saved with the head)."""
-        head = super().build(head_cfg, target_model)
+        head = super().build(head_cfg, target_model, tokenizer)
         weight = target_model.get_output_embeddings().weight
         with torch.no_grad():
             for seq in head.medusa_head:

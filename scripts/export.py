@@ -5,7 +5,8 @@
 Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout), ``speculators``
 (EAGLE-3), ``medusa`` (the Medusa repo's layout). The head's config names its target; ``--target``
 overrides it. The head is checked against the target's config (hidden size, vocab, attention shape,
-layer ids) before anything is written, and the folder appears whole or not at all. See docs/EXPORT.md.
+layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
+recorded in training), and the folder appears whole or not at all. See docs/EXPORT.md.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
 from eval.tree import tree_card_section
-from heads import HEADS, check_compatible
+from heads import HEADS, check_compatible, check_tokenizer
 from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from scripts.formats import eagle, eagle3, medusa
 from scripts.formats.card import model_card
@@ -42,6 +44,19 @@ def load_target_config(target: str | None, head_config: dict[str, Any]) -> tuple
         return name, AutoConfig.from_pretrained(name)
     except OSError as err:
         raise FileNotFoundError(f"cannot read the target's config from {name!r}: {err}") from err
+
+
+def check_target_tokenizer(config: dict[str, Any], target: str, head_dir: Path) -> None:
+    """The head's recorded tokenizer against ``target``'s (read only when the head records one)."""
+    target_hash = None
+    if "tokenizer_hash" in config:
+        try:
+            target_hash = tokenizer_hash(AutoTokenizer.from_pretrained(target))
+        except OSError as err:
+            raise FileNotFoundError(
+                f"cannot read the tokenizer of {target!r} to check the head was trained with it: {err}"
+            ) from err
+    check_tokenizer(config, target_hash, head_dir)
 
 
 def load_head_state(head_dir: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -105,6 +120,7 @@ def export_head(
     parity: str | Path | None = None,
     head_name: str | None = None,
     overwrite: bool = False,
+    allow_other_tokenizer: bool = False,
 ) -> Path:
     """Write the head in ``head_dir`` as ``fmt`` to ``out`` (config.json, weights, README.md), atomically.
 
@@ -114,7 +130,8 @@ def export_head(
     with ``card_sections`` (markdown), then the served-acceptance figures that ``parity`` (a parity.json by
     ``scripts.verify_engines``) holds for these very weights; its re-export commands name the head folder
     ``head_name`` (default: ``head_dir``). An existing ``out`` is replaced only if it holds an earlier
-    export, or with ``overwrite``.
+    export, or with ``overwrite``. A ``target`` given must have the tokenizer the head was trained with,
+    unless ``allow_other_tokenizer``.
     """
     head_dir, out = Path(head_dir), Path(out)
     if fmt not in FORMATS:
@@ -127,8 +144,11 @@ def export_head(
     # An earlier export: its card and nothing else an export does not write (a head folder has no card).
     earlier = EXPORT_FILES if (out / "README.md").is_file() else frozenset()
     check_out(out, head_dir, "head folder", overwrite, earlier)
+    target_given = target is not None
     target, target_config = load_target_config(target, config)
     check_compatible(config, target_config)
+    if target_given and not allow_other_tokenizer:
+        check_target_tokenizer(config, target, head_dir)
     state = load_head_state(head_dir, config)
     sections = list(card_sections or [])
     if parity:
@@ -162,9 +182,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parity", help="a parity.json by scripts.verify_engines: its figures for this head go in the card"
     )
+    parser.add_argument(
+        "--allow-other-tokenizer",
+        action="store_true",
+        help="export for a --target whose tokenizer differs from the one the head was trained with",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_head(args.head, args.format, args.out, args.target, parity=args.parity, overwrite=args.overwrite)
+        out = export_head(
+            args.head,
+            args.format,
+            args.out,
+            args.target,
+            parity=args.parity,
+            overwrite=args.overwrite,
+            allow_other_tokenizer=args.allow_other_tokenizer,
+        )
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"export failed: {err}\n")
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")

@@ -19,6 +19,7 @@ from conftest import REPO, wait_for
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.fingerprint import tokenizer_hash
 from data_recipes.capture import run_capture
 from data_recipes.shards import ShardDataset, shard_fingerprint
 from heads import load_head
@@ -186,6 +187,22 @@ def test_medusa2_trains_lora_and_heads_together(make_config, monkeypatch):
     adapter = load_file(str(out / "lora" / "adapter_model.safetensors"))
     assert adapter and all("lora_" in name for name in adapter)
     assert (out / "head" / "model.safetensors").is_file()
+
+
+def test_resume_with_another_tokenizer_is_refused(make_config, sharp_target_dir, tmp_path, monkeypatch):
+    config, out = make_config("eagle", online_capture=True, max_steps=2, save_every=1, eval_every=0)
+    run_here(monkeypatch, eagle, config)
+    tokenizer = AutoTokenizer.from_pretrained(sharp_target_dir)
+    recorded = json.loads((out / "head" / "config.json").read_text())["tokenizer_hash"]
+    assert recorded == tokenizer_hash(tokenizer)
+    # The same target with another chat template (a comment: the same tokens, another tokenizer).
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(sharp_target_dir, other)
+    tokenizer.chat_template += "{# another template #}"
+    tokenizer.save_pretrained(other)
+    mismatch = f"tokenizer hash {recorded} in the head, {tokenizer_hash(tokenizer)} in the target"
+    with pytest.raises(ValueError, match=f"{out / 'head'}: .*{mismatch}.*train into a new train.out_dir"):
+        run_here(monkeypatch, eagle, config, f"target.path={other}", "train.max_steps=4")
 
 
 @pytest.mark.slow

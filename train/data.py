@@ -6,21 +6,19 @@ the samples the uninterrupted run saw at step N, with no sampler state to save.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from core.fingerprint import tokenizer_hash, weights_hash
 from core.runtime import resolve_dtype
-from data_recipes.capture import OnlineCapture, resolve_aux_layers, samples_hash, tokenizer_hash
-from data_recipes.recipes import Sample, load_samples
+from data_recipes.capture import OnlineCapture, resolve_aux_layers, samples_hash
+from data_recipes.recipes import Sample, load_samples, require_samples
 from data_recipes.shards import ShardDataset, check_manifest, pad_collate
 
 
@@ -65,20 +63,23 @@ def load_data(
     aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers) if aux else []
     capture = None
     if train["online_capture"]:
-        samples, _report = load_samples(
+        samples, report = load_samples(
             data["source"], data["format"], tokenizer, data["max_length"], data["on_error"], limit=data["limit"]
         )
+        require_samples(samples, report, data["source"], data["max_length"])
         dataset: Dataset = SampleDataset(samples)
         if online_states:
             capture = OnlineCapture(target, aux_layers, resolve_dtype(cap["store_dtype"]))
     else:
-        dataset = ShardDataset(cap["out_dir"])
+        dataset = ShardDataset(cap["out_dir"], vocab_size=target.config.vocab_size)
         check_manifest(
             dataset.manifest,
             hidden_size=target.config.hidden_size,
             num_hidden_layers=num_layers,
             tokenizer_hash=tokenizer_hash(tokenizer),
+            weights_hash=weights_hash(target),  # once per run: a strided sample of each weight
             aux_layers=aux_layers if aux else None,
+            allow_other_weights=cap["allow_other_weights"],
         )
         if not aux:  # EAGLE-1/2 and Medusa read only the last layer: skip reading the fused ones
             dataset.keys = [key for key in dataset.keys if key != "aux_hidden"]
@@ -167,17 +168,10 @@ def loss_token_counts(dataset: Dataset, indices: list[int], vocab_size: int) -> 
 
 
 def _token_rows(dataset: Dataset, indices: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    if not isinstance(dataset, ShardDataset):
-        for i in indices:
-            sample = dataset[i]
-            yield sample["input_ids"], sample["loss_mask"]
+    if isinstance(dataset, ShardDataset):
+        # Only ids and masks: going through dataset[i] would read every sample's hidden states as well.
+        yield from dataset.token_rows(indices)
         return
-    # Only ids and masks: going through dataset[i] would read every sample's hidden states as well.
-    by_shard = defaultdict(list)
     for i in indices:
-        by_shard[dataset.refs[i].shard].append(dataset.refs[i])
-    for shard, refs in by_shard.items():
-        with safe_open(str(Path(dataset.dir) / shard), framework="pt") as f:
-            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
-        for ref in refs:
-            yield ids[ref.start : ref.end], mask[ref.start : ref.end]
+        sample = dataset[i]
+        yield sample["input_ids"], sample["loss_mask"]

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     data = load_data(cfg, target, tokenizer, aux=eagle3, online_states=True)  # shards checked vs target
 
     seed_everything(cfg["train"]["seed"])
-    head = build_head(head_settings(cfg["head"], data.aux_layers), target)
+    head = build_head(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
     if eagle3:  # the draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 

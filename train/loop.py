@@ -28,7 +28,8 @@ from torch import nn
 from core.config import save_config
 from core.runtime import resolve_device
 from data_recipes.capture import OnlineCapture
-from heads import DraftHead
+from heads import DraftHead, check_tokenizer
+from heads.common import CONFIG_NAME, read_head_config
 from train.checkpoint import (
     agreed_newest_verified,
     all_finite,
@@ -264,6 +265,11 @@ def train(
     total = total_steps(train_cfg, data)
     order = data_order(train_cfg, data)
     start = resume(engine, out_dir, train_cfg["resume"], order)
+    if start and (out_dir / "head" / CONFIG_NAME).is_file():
+        # The steps still to come must see the tokens the resumed ones saw.
+        saved = out_dir / "head"
+        remedy = "train into a new train.out_dir"
+        check_tokenizer(read_head_config(saved), head.config.get("tokenizer_hash"), saved, remedy=remedy)
     if proc.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
         if start:

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     data = load_data(cfg, target, tokenizer, aux=False, online_states=lora is None)
 
     seed_everything(cfg["train"]["seed"])
-    head = build_head(cfg["head"], target)  # its lm_heads start as copies of the target's
+    head = build_head(cfg["head"], target, tokenizer)  # its lm_heads start as copies of the target's
     model = None
     if lora is None:
         module: nn.Module = HeadLoss(head, data.capture)
