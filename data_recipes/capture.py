@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from core.config import load_config, save_config
 from core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from core.io import check_writable, output_lock
-from core.runtime import resolve_device, resolve_dtype
+from core.models import load_target
+from core.runtime import resolve_dtype
 from core.schema import CaptureConfig, validate_config
 from data_recipes.recipes import Sample, load_samples, require_samples
 from data_recipes.shards import (
@@ -193,14 +194,6 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
             f"free space, capture fewer samples (data.limit), store bf16 (capture.store_dtype), or train online "
             f"(train.online_capture: true) without shards"
         )
-
-
-def load_target(cfg: dict[str, Any]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    device, dtype = resolve_device(cfg.get("device", "auto")), resolve_dtype(cfg.get("dtype", "fp32"))
-    tokenizer = AutoTokenizer.from_pretrained(cfg["path"])
-    model = AutoModelForCausalLM.from_pretrained(cfg["path"], dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval().requires_grad_(False)
-    return model, tokenizer
 
 
 def run_capture(cfg: dict[str, Any]) -> Path:

@@ -32,8 +32,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from core.config import load_config
 from core.fingerprint import tokenizer_hash, weights_hash
 from core.io import atomic_path, atomic_write_text, output_lock
+from core.models import load_target
 from core.schema import RegenerateConfig, validate_config
-from data_recipes.capture import load_target
 from data_recipes.recipes import read_conversations
 
 # What ``generate_replies`` uses where the config says nothing: greedy.

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.models import load_model, load_tokenizer
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
 from eval.bench import BenchItem, load_bench, render
 from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla, check_draft_vocab
@@ -396,12 +396,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype):
-    """A model for decoding on ``device``, with the backends set for it (``core.runtime.prepare_decoding``)."""
-    prepare_decoding(device)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-
-
 def _describe(d: dict) -> str:
     if d["logit_gap"] is None:
         return "one output stops where the other goes on"
@@ -415,8 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_methods(args.method, head_dirs, args.draft)
     items = load_bench(args.bench, args.limit)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    target = load_model(args.target, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prepare_decoding(device)
+    target, tokenizer = load_model(args.target, device, dtype), load_tokenizer(args.target)
     draft = load_model(args.draft, device, dtype) if "draft_model" in args.method else None
     if draft is not None:
         check_draft_vocab(draft, target, args.draft, args.target)

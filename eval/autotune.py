@@ -41,8 +41,9 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from core.io import atomic_write_text
-from core.runtime import resolve_device, resolve_dtype, seed_everything
-from eval.acceptance import eagle_for_tree, load_model, machine
+from core.models import load_model, load_tokenizer
+from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
+from eval.acceptance import eagle_for_tree, machine
 from eval.bench import load_bench, render
 from eval.proposers import Eagle, Vanilla
 from eval.tree import Tree, chain
@@ -598,15 +599,13 @@ DRAFT_WIDTHS = (1, 2, 4, 8)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from transformers import AutoTokenizer
-
     from heads import load_head
 
     args = parse_args(argv)
     seed_everything(args.seed)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    target = load_model(args.target, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prepare_decoding(device)
+    target, tokenizer = load_model(args.target, device, dtype), load_tokenizer(args.target)
     head = load_head(args.head, target, tokenizer, args.allow_other_tokenizer).to(dtype)
     wanted = args.offset + args.calibration + args.heldout
     items = load_bench(args.bench, wanted)[args.offset :]

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from core.config import load_config
+from core.models import load_target
 from core.runtime import resolve_dtype
 from core.schema import CaptureConfig, validate_config
-from data_recipes.capture import capture_shard, length_batches, load_target, resolve_aux_layers
+from data_recipes.capture import capture_shard, length_batches, resolve_aux_layers
 from data_recipes.recipes import load_samples
 from data_recipes.shards import write_shard
 

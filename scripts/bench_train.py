@@ -16,9 +16,10 @@ import time
 import torch
 
 from core.config import load_config
+from core.models import load_target
 from core.runtime import resolve_dtype
 from core.schema import TrainConfig, validate_config
-from data_recipes.capture import OnlineCapture, load_target, resolve_aux_layers
+from data_recipes.capture import OnlineCapture, resolve_aux_layers
 from data_recipes.recipes import load_samples
 from data_recipes.shards import pad_collate
 from heads import HEADS, build_head

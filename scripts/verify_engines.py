@@ -343,12 +343,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Prepare every head on our side, then run the engines and put both sides together."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     from core.io import atomic_write_text
+    from core.models import load_target
 
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    model, tokenizer = load_target({"path": args.target, "device": "cpu", "dtype": "fp32"})
     settings = {
         "target": args.target, "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens, "data": DATA,
         "dtype": "float32", "device": "CPU", "max_model_len": min(1024, model.config.max_position_embeddings),

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from core.models import load_target
 from core.runtime import seed_everything
-from data_recipes.capture import load_target
 from heads import DraftHead, build_head
 from train.config import parse_args
 from train.data import load_data, loss_token_counts

@@ -19,8 +19,8 @@ from peft import PeftModel
 from torch import nn
 
 from core.io import atomic_dir
+from core.models import load_target
 from core.runtime import seed_everything
-from data_recipes.capture import load_target
 from heads import MedusaHead, build_head, medusa2_wrap, medusa_loss, medusa_weight_at
 from train.config import parse_args
 from train.data import load_data

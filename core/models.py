@@ -1,0 +1,32 @@
+"""The one model loader: a frozen Hugging Face causal LM (and its tokenizer) on the configured device and dtype.
+
+Every command that runs a model (capture, regenerate, training, eval, autotune, the benches, engine
+verification) loads it here, so they all see the same weights in the same precision with the same
+attention kernel. Decoding commands also call ``core.runtime.prepare_decoding`` once for the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from core.runtime import resolve_device, resolve_dtype
+
+
+def load_model(path: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "fp32") -> PreTrainedModel:
+    """``path`` (a folder or hub id) in eval mode with gradients off, SDPA attention, on ``device`` in ``dtype``."""
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation="sdpa")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_target(target: dict[str, Any]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The ``target:`` section of a config (path, device, dtype) -> (model, tokenizer)."""
+    path = target["path"]
+    return load_model(path, target.get("device", "auto"), target.get("dtype", "fp32")), load_tokenizer(path)
