@@ -20,7 +20,7 @@ hashes them after DeepSpeed's closing barrier: the checkpoint folder is on stora
 and no file of a tag is read before all of them match (``verify_checkpoint``). A tag that does not
 verify (truncated, altered, a file missing or added, an unreadable marker) is never loaded: resume
 moves it aside to ``corrupt-<tag>`` and falls back to the newest one that verifies. The marker is
-the root of trust: whoever can write it can write anything (docs/reliability/checkpoints.md).
+the root of trust: whoever can write it can write anything (docs/RELIABILITY.md).
 
 Another process count. ``COMPLETE`` records the world size, ZeRO stage and data-order settings the
 checkpoint was written under. ZeRO-0 keeps the whole optimizer state in ``mp_rank_00_model_states.pt``,
