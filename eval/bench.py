@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from core.io import parse_json_line
 
@@ -26,7 +27,7 @@ from core.io import parse_json_line
 class BenchError(ValueError):
     """A bad benchmark record, with the ``file:line`` it came from."""
 
-    def __init__(self, message: str, location: str):
+    def __init__(self, message: str, location: str) -> None:
         super().__init__(f"{location}: {message}")
         self.location = location
 
@@ -123,7 +124,7 @@ def load_bench(path: str | Path, limit: int | None = None) -> list[BenchItem]:
     return picked
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
     """Token ids [1, S] of ``messages`` through the tokenizer's chat template, ready for the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template to render prompts with")

@@ -8,6 +8,7 @@
   or an EAGLE-2-style dynamic tree (``top_k`` > 1) drafted with tree attention over that cache.
 - ``Eagle``: EAGLE-1/2 and EAGLE-3 heads drafting a dynamic EAGLE-2 tree from the target's features.
 - ``Medusa``: Medusa heads filling a static tree from their per-head candidates.
+- ``ProposerWrapper``: any of them behind a wrapper that records what passes through (timings, ranks).
 
 Greedy runs propose top-k tokens (point masses for the verifier). Sampling runs draw from the draft
 distribution q (the draft's logits through the same temperature / top-k / top-p as the target) and
@@ -33,7 +34,7 @@ from eval.tree import (
     shaped_tree,
     static_tree,
 )
-from eval.verify import Sampling, probabilities
+from eval.verify import Proposer, Sampling, probabilities
 from heads import DraftHead, KVCache
 
 
@@ -61,7 +62,7 @@ class NGram(Vanilla):
     """Prompt lookup decoding: find the last ``n`` tokens earlier in the context (longest n first, latest
     match) and propose the ``k`` tokens that followed them."""
 
-    def __init__(self, k: int = 5, max_n: int = 3, min_n: int = 1):
+    def __init__(self, k: int = 5, max_n: int = 3, min_n: int = 1) -> None:
         self.k, self.max_n, self.min_n = k, max_n, min_n
 
     def propose(self, tokens: torch.Tensor) -> Tree:
@@ -100,7 +101,7 @@ class DraftModel:
         top_k: int = 1,
         total_tokens: int | None = None,
         choices: Sequence[Sequence[int]] | None = None,
-    ):
+    ) -> None:
         self.model, self.k, self.top_k = model, k, top_k
         self.total_tokens = total_tokens or k * top_k
         self.choices = [list(c) for c in choices] if choices is not None else None
@@ -116,7 +117,9 @@ class DraftModel:
             return shaped_tree(root_logq, self._expand, self.choices, sample)
         return dynamic_tree(root_logq, self._expand, self.top_k, self.k, self.total_tokens, sample)
 
-    def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
+    def _expand(
+        self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor
+    ) -> torch.Tensor:
         prefix = torch.ones(len(tokens), self.read, dtype=torch.bool, device=tokens.device)
         out = self.model(
             tokens[None],
@@ -149,7 +152,7 @@ class Eagle:
         depth: int = 5,
         total_tokens: int = 48,
         choices: Sequence[Sequence[int]] | None = None,
-    ):
+    ) -> None:
         self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
         self.choices = [list(c) for c in choices] if choices is not None else None
         config = head.config
@@ -182,7 +185,9 @@ class Eagle:
             return shaped_tree(root_logq, self._expand, self.choices, sample)
         return dynamic_tree(root_logq, self._expand, self.top_k, self.depth, self.total_tokens, sample)
 
-    def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
+    def _expand(
+        self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor
+    ) -> torch.Tensor:
         prefix = torch.ones(len(tokens), self.committed, dtype=torch.bool, device=tokens.device)
         features = torch.cat(self.slot_features)[parent_slots + 1]
         positions = torch.full((1, len(tokens)), self.committed - 1 + depth, device=tokens.device)
@@ -204,7 +209,7 @@ class Medusa:
     sampling draws them without replacement from each head's q.
     """
 
-    def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES):
+    def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES) -> None:
         self.head, self.choices = head, [list(c) for c in choices]
         self.depth = max(len(c) for c in self.choices)
         self.width = max(c[-1] for c in self.choices) + 1
@@ -228,3 +233,20 @@ class Medusa:
         q = probabilities(logp, self.sampling)
         candidates, _ = pick_children(torch.zeros(self.depth, device=q.device), q.log(), self.width, True)
         return static_tree(self.choices, candidates, q)
+
+
+class ProposerWrapper:
+    """A proposer that hands every call to ``proposer``; subclasses record what passes through."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self.hidden_layers = proposer.hidden_layers
+
+    def reset(self, sampling: Sampling) -> None:
+        self.proposer.reset(sampling)
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        return self.proposer.propose(tokens)
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.proposer.update(tokens, hidden)

@@ -22,11 +22,10 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
-from eval.tree import tree_card_section
 from heads import HEADS, check_compatible, check_tokenizer
 from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
 from scripts.formats import eagle, eagle3, medusa
-from scripts.formats.card import model_card
+from scripts.formats.card import model_card, tree_card_section
 from scripts.formats.common import check_out, state_problems
 from scripts.formats.parity import card_section, weights_digest
 

@@ -8,9 +8,10 @@ import torch
 from conftest import REPO
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from eval.acceptance import chain_acceptance, main, predicted_speedup
+from eval.acceptance import main
 from eval.bench import BenchError, load_bench, render
 from eval.report import markdown
+from eval.speedup import chain_acceptance, predicted_speedup
 from heads import build_head
 
 SPEC_BENCH = [

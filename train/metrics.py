@@ -12,6 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from core.acceptance import chain_tau as predicted_tau  # the chain model on held-out top-1 accuracies
 from core.io import atomic_write_text
 
 
@@ -22,16 +23,6 @@ def heldout_top1(record: dict[str, Any]) -> list[float]:
         return [record["acc"]]
     positions = sorted(int(key.removeprefix("acc_")) for key in record if key.startswith("acc_"))
     return [record[f"acc_{j}"] for j in positions]
-
-
-def predicted_tau(top1: list[float]) -> float:
-    """Expected tokens per verification of a k-token draft chain, 1 + a_1 + a_1 a_2 + ... + a_1...a_k,
-    assuming position j is accepted with probability a_j independently of the positions before it."""
-    tau, survive = 1.0, 1.0
-    for accuracy in top1:
-        survive *= accuracy
-        tau += survive
-    return tau
 
 
 def training_summary(record: dict[str, Any]) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""The README.md model card every export carries: what the head is, its target, how to serve it."""
+"""The README.md model card every export carries: what the head is, its target, how to serve it, and the
+draft tree ``eval.autotune`` tuned for it."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+from eval.tree_config import load_tree_config
 from scripts.formats.medusa import NOT_SERVED
 
 TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa"}
@@ -111,3 +114,32 @@ def model_card(
         f"Made with headstart: `{made_by}`.\n\n"
         f"## Serve it\n\n{serve_section(config['type'], fmt, target, draft, head_dir)}\n{acceptance}{sections}"
     )
+
+
+def tree_card_section(head_dir: str | Path) -> list[str]:
+    """The model-card section naming the head's tuned tree (``<head>/tree.json``); empty without one."""
+    path = Path(head_dir) / "tree.json"
+    if not path.is_file():
+        return []
+    tree = load_tree_config(path)
+    where = ", ".join(f"{k} {tree[k]}" for k in ("machine", "device", "dtype", "batch_size") if k in tree)
+    lines = [
+        "## Tuned draft tree",
+        "",
+        f"`python -m eval.autotune` picked this tree for the hardware it ran on ({where or 'not recorded'}):",
+        "",
+        f"- shape: {tree['shape']}, depth {tree['depth']}, top-k {tree['top_k']} (the most children of a node), "
+        f"{tree['total_tokens']} draft tokens (the root excluded)",
+    ]
+    if tree["shape"] == "static":
+        lines.append(f"- rank paths (Medusa-style choices): `{json.dumps(tree['choices'])}`")
+    if "predicted_tau" in tree:
+        lines.append(
+            f"- predicted: {tree['predicted_tau']:.2f} tokens per target forward, "
+            f"{tree['predicted_tokens_per_s']:.1f} tokens/s "
+            f"(plain decoding: {tree['predicted_vanilla_tokens_per_s']:.1f})"
+        )
+    if "speculate_max_batch" in tree:
+        lines.append(f"- speculation pays off up to batch size {tree['speculate_max_batch']} on that machine")
+    lines += ["", "Trees that pay off on a GPU can lose on a CPU (and back): re-tune on the serving hardware."]
+    return ["\n".join(lines)]
