@@ -137,7 +137,10 @@ def test_capture_without_shard_settings_uses_the_defaults(tiny_target_dir, gsm8k
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["regenerate.temprature=0.7"], r"unknown key regenerate\.temprature \(known: chunk_size, discard_stale_parts, max_new_tokens"),
+        (
+            ["regenerate.temprature=0.7"],
+            r"unknown key regenerate\.temprature \(known: chunk_size, discard_stale_parts, max_new_tokens",
+        ),
         (["regenerate.max_new_tokens=0"], r"regenerate\.max_new_tokens must be >= 1, got 0"),
         (["regenerate.temperature=-1"], r"regenerate\.temperature must be >= 0, got -1"),
         (["regenerate.top_p=0"], r"regenerate\.top_p must be > 0, got 0"),
