@@ -29,8 +29,7 @@ from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla, check_draf
 from eval.report import write_report
 from eval.tree import MC_SIM_7B_63, Tree, load_tree_config
 from eval.verify import Proposer, Sampling, generate
-from heads import load_head
-from heads.common import read_head_config
+from heads import load_head, read_head_config
 
 METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa")
 HEAD_METHODS = ("eagle", "eagle3", "medusa")  # a head's config["type"] is its method name
@@ -260,7 +259,7 @@ def heads_by_method(head_dirs: list[str]) -> dict[str, str]:
     """Method name (the head's config type) -> head folder; reads only the configs."""
     found: dict[str, str] = {}
     for head_dir in head_dirs:
-        head_type = read_head_config(head_dir)["type"]
+        head_type = read_head_config(head_dir).type
         if head_type not in HEAD_METHODS:
             raise ValueError(f"--head {head_dir}: unknown head type {head_type!r}; known: {list(HEAD_METHODS)}")
         if head_type in found:
@@ -297,7 +296,7 @@ def build_proposer(method: str, args: argparse.Namespace, draft, heads: dict) ->
         return DraftModel(draft, k=args.depth)
     if method == "medusa":
         head = heads[method]
-        depth = min(args.depth, head.config["num_heads"])
+        depth = min(args.depth, head.config.options.num_heads)
         # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
         choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: args.total_tokens]
         return Medusa(head, choices)
@@ -328,7 +327,7 @@ def tree_configs(heads: dict[str, str], tree: str | Path | None) -> dict[str, di
 
 def training_predicted_tau(head_dir: str) -> float | None:
     """The chain tau the head's training predicted from held-out top-1 accuracies, when it recorded one."""
-    return read_head_config(head_dir).get("training", {}).get("predicted_tau")
+    return (read_head_config(head_dir).training or {}).get("predicted_tau")
 
 
 def machine(device: torch.device) -> str:

@@ -8,6 +8,7 @@ from heads import (
     Eagle3Head,
     EagleHead,
     KVCache,
+    arch_from_target,
     build_head,
     build_vocab_mapping,
     load_head,
@@ -16,7 +17,8 @@ from heads import (
     medusa_weight_at,
     ttt_attention_mask,
 )
-from heads.common import DecoderLayer, RotaryEmbedding, arch_from_target, label_mask, rope_inv_freq
+from heads.layers import DecoderLayer, RotaryEmbedding
+from heads.losses import label_mask
 
 V, H, LAYER_IDS = 300, 32, [1, 3, 5]
 
@@ -65,29 +67,42 @@ def test_decoder_layer_matches_hf_llama_layer():
     ids = torch.randint(0, V, (2, 9))
     with torch.no_grad():
         expected = target(ids, output_hidden_states=True).hidden_states[1]  # output of layer 0
-        cos, sin = RotaryEmbedding(arch_from_target(target.config)["rope"], 8)(
-            torch.arange(9).expand(2, 9), torch.float32
-        )
+        cos, sin = RotaryEmbedding(arch_from_target(target.config))(torch.arange(9).expand(2, 9), torch.float32)
         ours = layer(target.model.embed_tokens(ids), cos, sin)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_llama3_rope_matches_transformers_and_unknown_types_are_refused():
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+ROPE_TYPES = {
+    "default": {},
+    "linear": {"factor": 4.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 64},  # attention factor 1 + 0.1 ln 4
+    "dynamic": {"factor": 2.0},  # NTK base grows past max_position_embeddings (256)
+    "longrope": {  # long factors past original_max_position_embeddings, attention factor from 256 / 64
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+        "original_max_position_embeddings": 64,
+    },
+}
 
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    cfg = LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072, rope_parameters=rope)
-    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    torch.testing.assert_close(rope_inv_freq(arch_from_target(cfg)["rope"], 128), expected.float())
-    with pytest.raises(NotImplementedError, match="'yarn'"):
-        rope_inv_freq({"rope_type": "yarn", "rope_theta": 1e4}, 128)
+
+@pytest.mark.parametrize("rope_type", ROPE_TYPES)
+def test_rotary_types_match_transformers_rotary_embedding(rope_type):
+    # Our cos/sin (frequencies from transformers' ROPE_INIT_FUNCTIONS, times the type's attention factor) equal
+    # transformers' own Llama rotary embedding, within and past the pretraining length.
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, **ROPE_TYPES[rope_type]}
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_parameters=rope)
+    ours = RotaryEmbedding(arch_from_target(cfg))
+    for last in (40, 100, 600):  # within the original 64, within max_position_embeddings, past both
+        positions = torch.arange(last - 30, last).expand(2, -1)
+        expected = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), positions)
+        torch.testing.assert_close(ours(positions, torch.float32), expected, atol=1e-5, rtol=1e-5)
+    if rope_type in ("yarn", "longrope"):
+        assert ours.attention_scaling > 1.1
+    with pytest.raises(NotImplementedError, match="'axial'"):
+        RotaryEmbedding(arch_from_target(LlamaConfig(rope_parameters={"rope_type": "axial", "rope_theta": 1e4})))
 
 
 def test_eagle_shapes(target):
@@ -259,9 +274,9 @@ def test_save_load_round_trip(target, tmp_path, cfg):
             )
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     config = head.config
-    assert config["type"] == cfg["type"] and config["target_hidden_size"] == H and config["vocab_size"] == V
+    assert config.type == cfg["type"] and config.target_hidden_size == H and config.vocab_size == V
     if cfg["type"] == "eagle3":
-        assert config["layer_ids"] == LAYER_IDS and config["draft_vocab_size"] == 200
+        assert config.options.layer_ids == LAYER_IDS and config.options.draft_vocab_size == 200
         assert torch.equal(loaded.d2t, head.d2t) and loaded.d2t[0] == 100
 
 
