@@ -14,7 +14,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
 from core.schema import HeadOptions
-from heads.config import HeadConfig, read_head_config, write_head_config
+from heads.config import HeadConfig, parse_section, read_head_config, write_head_config
 from heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
 
 WEIGHTS_NAME = "model.safetensors"
@@ -58,7 +58,7 @@ class DraftHead(nn.Module):
         if unknown:
             raise ValueError(f"unknown {cls.head_type} head options {unknown}; known: {known}")
         return HeadConfig(
-            options=cls.options_model.model_validate({**options, "type": cls.head_type}),
+            options=parse_section(cls.options_model, {**options, "type": cls.head_type}, f"{cls.head_type} head"),
             target=getattr(target_config, "_name_or_path", "") or None,
             target_hidden_size=target_config.hidden_size,
             vocab_size=target_config.vocab_size,

@@ -12,13 +12,21 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from pydantic import ValidationError
-
-from core.schema import HEAD_OPTIONS, HeadOptions
+from core.schema import HEAD_OPTIONS, HeadOptions, Section, check_config
 
 CONFIG_NAME = "config.json"
 
 Options = TypeVar("Options", bound=HeadOptions)
+Parsed = TypeVar("Parsed", bound=Section)
+
+
+def parse_section(model: type[Parsed], data: dict[str, Any], where: str | Path) -> Parsed:
+    """``data`` checked by ``model`` (``core.schema``); ValueError naming ``where`` and each problem as the
+    config schema words it (``ttt_steps must be >= 1, got 0``)."""
+    _, problems = check_config(data, model)
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+    return model.model_validate(data)
 
 
 @dataclass(kw_only=True)
@@ -82,12 +90,10 @@ class HeadConfig(Generic[Options]):
         if head_type not in HEAD_OPTIONS:
             raise ValueError(f"{where}: unknown head type {head_type!r}; known: {sorted(HEAD_OPTIONS)}")
         own = {f.name for f in fields(cls)} - {"options"}
+        options = parse_section(HEAD_OPTIONS[head_type], {k: v for k, v in data.items() if k not in own}, where)
         try:
-            options = HEAD_OPTIONS[head_type].model_validate({k: v for k, v in data.items() if k not in own})
             arch = DraftArch(**data["arch"])
             return cls(options=options, arch=arch, **{k: data[k] for k in own - {"arch"} if k in data})
-        except ValidationError as err:
-            raise ValueError(f"{where}: not a {head_type} head config: {err}") from None
         except (KeyError, TypeError) as err:
             raise ValueError(f"{where}: not a {head_type} head config ({err})") from None
 

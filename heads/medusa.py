@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from core.schema import Lora, MedusaOptions
 from heads.base import DraftHead
-from heads.config import HeadConfig
+from heads.config import HeadConfig, parse_section
 from heads.losses import label_mask, shift_left
 
 
@@ -132,7 +132,7 @@ def medusa2_wrap(target: nn.Module, lora: dict[str, Any]) -> PeftModel:
     ``lora`` is a config's ``lora:`` section (``core.schema.Lora``: its keys, defaults and ranges).
     The target is modified in place, as peft does.
     """
-    settings = Lora.model_validate(lora)
+    settings = parse_section(Lora, lora, "lora")
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
