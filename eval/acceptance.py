@@ -26,15 +26,14 @@ from eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergenc
 from eval.timing import machine
 from eval.tree_config import head_tree_configs
 from eval.verify import Sampling
-from heads import load_head
-from heads.common import read_head_config
+from heads import load_head, read_head_config
 
 
 def heads_by_method(head_dirs: list[str]) -> dict[str, str]:
     """Method name (the head's config type) -> head folder; reads only the configs."""
     found: dict[str, str] = {}
     for head_dir in head_dirs:
-        head_type = read_head_config(head_dir)["type"]
+        head_type = read_head_config(head_dir).type
         if head_type not in HEAD_METHODS:
             raise ValueError(f"--head {head_dir}: unknown head type {head_type!r}; known: {list(HEAD_METHODS)}")
         if head_type in found:
@@ -61,7 +60,7 @@ def check_methods(methods: list[str], heads: dict[str, str], draft: str | None) 
 
 def training_predicted_tau(head_dir: str) -> float | None:
     """The chain tau the head's training predicted from held-out top-1 accuracies, when it recorded one."""
-    return read_head_config(head_dir).get("training", {}).get("predicted_tau")
+    return (read_head_config(head_dir).training or {}).get("predicted_tau")
 
 
 def _positive(text: str) -> int:

@@ -155,11 +155,7 @@ class Eagle:
     ) -> None:
         self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
         self.choices = [list(c) for c in choices] if choices is not None else None
-        config = head.config
-        if config["type"] == "eagle3":
-            self.hidden_layers = tuple(config["layer_ids"])
-        else:  # the final normed state, what lm_head reads
-            self.hidden_layers = (config["arch"]["num_hidden_layers"],)
+        self.hidden_layers = head.hidden_layers
 
     def reset(self, sampling: Sampling) -> None:
         self.sampling, self.cache, self.root, self.committed = sampling, KVCache(), None, 0
@@ -213,9 +209,10 @@ class Medusa:
         self.head, self.choices = head, [list(c) for c in choices]
         self.depth = max(len(c) for c in self.choices)
         self.width = max(c[-1] for c in self.choices) + 1
-        if self.depth > head.config["num_heads"]:
-            raise ValueError(f"tree depth {self.depth} needs more than the head's {head.config['num_heads']} heads")
-        self.hidden_layers = (head.config["arch"]["num_hidden_layers"],)
+        heads = head.config.options.num_heads
+        if self.depth > heads:
+            raise ValueError(f"tree depth {self.depth} needs more than the head's {heads} heads")
+        self.hidden_layers = head.hidden_layers
 
     def reset(self, sampling: Sampling) -> None:
         self.sampling, self.last_hidden = sampling, None

@@ -67,7 +67,7 @@ def build_proposer(
         return DraftModel(draft, k=flags.depth)
     head = heads[method]
     if method == "medusa":
-        depth = min(flags.depth, head.config["num_heads"])
+        depth = min(flags.depth, head.config.options.num_heads)
         # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
         choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens]
         return Medusa(head, choices)

@@ -118,11 +118,10 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
 
 def resolve_head(head_type: str, path: str, model: torch.nn.Module, work: Path) -> tuple[Path, bool]:
     """(head folder, random_init): ``path``, checked to hold a ``head_type`` head, else a seeded random one."""
-    from heads import build_head
-    from heads.common import read_head_config
+    from heads import build_head, read_head_config
 
     if Path(path, "config.json").is_file():
-        found = read_head_config(path).get("type")
+        found = read_head_config(path).type
         if found != head_type:
             raise ValueError(f"--{head_type} {path}: its config.json says type {found!r}")
         return Path(path), False
@@ -146,7 +145,7 @@ def prepare(head_type: str, path: str, settings: dict[str, Any], model, tokenize
     facts = {"type": head_type, "head": str(head_dir), "random_init": random_init, "exports": exports}
     facts["weights_sha256"] = weights_digest(head_dir)
     if head_type == "eagle3":
-        facts["layer_ids"] = head.config["layer_ids"]
+        facts["layer_ids"] = list(head.hidden_layers)
         write_reference(model, head, tokenizer, work)
     facts["ours"] = our_acceptance(model, head, tokenizer, settings)
     (work / "facts.json").write_text(json.dumps(facts, indent=2))
@@ -161,7 +160,7 @@ def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, wo
     ids = ids["input_ids"]
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
-        aux = torch.cat([states[i] for i in head.config["layer_ids"]], dim=-1)
+        aux = torch.cat([states[i] for i in head.hidden_layers], dim=-1)
         # Step 0 as EAGLE-3 drafts it: features of positions 0..S-2 with the tokens 1..S-1, rotary positions 0..S-2.
         logits, _ = head(ids[:, 1:], head.first_features(aux[:, :-1]))
     save_file(

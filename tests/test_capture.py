@@ -12,11 +12,11 @@ import torch
 from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.models import default_aux_layers
 from data_recipes.capture import (
     DiskFullError,
     OnlineCapture,
     check_free_disk,
-    default_aux_layers,
     length_batches,
     resolve_aux_layers,
     run_capture,

@@ -28,8 +28,7 @@ from torch import nn
 from core.config import save_config
 from core.runtime import resolve_device
 from data_recipes.capture import OnlineCapture
-from heads import DraftHead, check_tokenizer
-from heads.common import CONFIG_NAME, read_head_config
+from heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
 from train.checkpoint import (
     agreed_newest_verified,
     all_finite,
@@ -257,7 +256,7 @@ def train(
 ) -> None:
     """Resume, then step to the end: log every step, evaluate and checkpoint on schedule, stop on NaN/inf.
 
-    Each held-out evaluation's accuracies and predicted acceptance go into ``head.config["training"]``,
+    Each held-out evaluation's accuracies and predicted acceptance go into ``head.config.training``,
     so the head saved next (``save_artifacts``) carries them in its config.json.
     """
     train_cfg = cfg["train"]
@@ -269,7 +268,7 @@ def train(
         # The steps still to come must see the tokens the resumed ones saw.
         saved = out_dir / "head"
         remedy = "train into a new train.out_dir"
-        check_tokenizer(read_head_config(saved), head.config.get("tokenizer_hash"), saved, remedy=remedy)
+        check_tokenizer(read_head_config(saved), head.config.tokenizer_hash, saved, remedy=remedy)
     if proc.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
         if start:
@@ -286,7 +285,7 @@ def train(
             if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:
                 record = evaluate(engine, data, train_cfg, done, proc)
                 log.log(record)
-                head.config["training"] = training_summary(record)
+                head.config.training = training_summary(record)
             if _due(done, train_cfg["save_every"], total):
                 if not all_finite(engine):
                     raise NonFiniteLoss(f"the weights became non-finite at step {done}")

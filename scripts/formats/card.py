@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from eval.tree_config import load_tree_config
+from heads import HeadConfig
 from scripts.formats.medusa import NOT_SERVED
 
 TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa"}
@@ -71,23 +71,24 @@ def serve_section(head_type: str, fmt: str, target: str, draft: str, head_dir: s
     )
 
 
-def describe(config: dict[str, Any]) -> list[tuple[str, str]]:
+def describe(config: HeadConfig) -> list[tuple[str, str]]:
     """Rows of the card's table for the head's own settings."""
-    if config["type"] == "eagle3":
+    options = config.options
+    if config.type == "eagle3":
         return [
-            ("target layers fused", f"{config['layer_ids']} (HF `hidden_states` indices = vLLM aux layer ids)"),
-            ("draft vocabulary", f"{config['draft_vocab_size']} of the target's {config['vocab_size']} tokens"),
+            ("target layers fused", f"{options.layer_ids} (HF `hidden_states` indices = vLLM aux layer ids)"),
+            ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
         ]
-    if config["type"] == "medusa":
+    if config.type == "medusa":
         return [
-            ("heads", f"{config['num_heads']} (head k guesses the token k+2 ahead)"),
-            ("blocks per head", str(config["num_layers"])),
+            ("heads", f"{options.num_heads} (head k guesses the token k+2 ahead)"),
+            ("blocks per head", str(options.num_layers)),
         ]
     return [("feature", "the target's last hidden state (after its final norm)")]
 
 
 def model_card(
-    config: dict[str, Any],
+    config: HeadConfig,
     fmt: str,
     target: str,
     draft: str,
@@ -97,22 +98,22 @@ def model_card(
 ) -> str:
     """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
     (a path or a hub id) and ``made_by`` the command that wrote it."""
-    title = TITLES[config["type"]]
+    title = TITLES[config.type]
     rows = [("head", title), ("target", f"`{target}`"), ("format", LAYOUTS[fmt]), *describe(config)]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     acceptance = (
         "\n## Is it working?\n\nA wrongly exported head still runs but accepts almost nothing. Build vLLM's "
         "`LLM(..., disable_log_stats=False)` and read `llm.get_metrics()`: acceptance length = 1 + "
         "sum(`vllm:spec_decode_num_accepted_tokens_per_pos`) / `vllm:spec_decode_num_drafts`.\n"
-        if config["type"] != "medusa"
+        if config.type != "medusa"
         else ""
     )
     sections = "".join(f"\n{s.rstrip()}\n" for s in extra_sections or [])
     return (
-        f"---\ntags:\n- speculative-decoding\n- {config['type']}\n- headstart\n---\n\n"
+        f"---\ntags:\n- speculative-decoding\n- {config.type}\n- headstart\n---\n\n"
         f"# {title} draft head for `{target}`\n\n{table}\n"
         f"Made with headstart: `{made_by}`.\n\n"
-        f"## Serve it\n\n{serve_section(config['type'], fmt, target, draft, head_dir)}\n{acceptance}{sections}"
+        f"## Serve it\n\n{serve_section(config.type, fmt, target, draft, head_dir)}\n{acceptance}{sections}"
     )
 
 
