@@ -162,6 +162,19 @@ class EagleOptions(HeadOptions):
     fc_bias: bool = False  # vLLM's fc has no bias (a bias in the checkpoint would be silently skipped there)
 
 
+class ParallelDrafting(Section):
+    """P-EAGLE: present -> the EAGLE-3 head drafts its ``ttt_steps`` depths in ONE forward, as vLLM's
+    ``parallel_drafting`` serves it: depth 1 reads the next token and the target's features as usual,
+    depths 2.. read the mask token and the learned ``mask_hidden`` (heads/eagle3.py)."""
+
+    mask_token_id: NonNegative | None = None  # null: the target's pad token, else its eos; recorded in the head
+
+
+def _flag_as_section(value: Any) -> Any:
+    # `parallel_drafting: true` (vLLM's spelling) is the section with its defaults; false is no section.
+    return {} if value is True else None if value is False else value
+
+
 class Eagle3Options(HeadOptions):
     type: Literal["eagle3"] = "eagle3"
     # null: core.models.default_aux_layers, (2, L//2, L-3); the capture must use the same.
@@ -172,6 +185,8 @@ class Eagle3Options(HeadOptions):
     # "target": the target family's layer where vLLM has one (Qwen3: q/k norm, served as
     # Eagle3Qwen3ForCausalLM); "llama": a plain Llama layer, which every engine serves (SGLang included).
     draft_layer: Literal["target", "llama"] = "target"
+    # P-EAGLE (true, or {mask_token_id: ...}); absent: EAGLE-3's autoregressive drafting.
+    parallel_drafting: Annotated[ParallelDrafting | None, BeforeValidator(_flag_as_section)] = None
 
 
 class MedusaOptions(HeadOptions):

@@ -74,7 +74,8 @@ class HeadConfig(Generic[Options]):
             "target": self.target,
             "target_hidden_size": self.target_hidden_size,
             "vocab_size": self.vocab_size,
-            **self.options.model_dump(exclude={"type"}),
+            # An option left unset (null) is not written: heads saved before it existed read the same.
+            **self.options.model_dump(exclude={"type"}, exclude_none=True),
             "arch": asdict(self.arch),
         }
         if self.tokenizer_hash is not None:

@@ -15,6 +15,13 @@ on the chain that started there: it pairs the head's own step-(j-1) output at i 
 feature at i+j) with the embedding of input_ids[i+j+1], at rotary position i+j, and predicts
 input_ids[i+j+2]. The chain's attention is what drafting sees: the true prefix (step-0 keys 0..i)
 plus its own keys from steps 1..j (``ttt_attention_mask``).
+
+P-EAGLE (option ``parallel_drafting``): steps j >= 1 read the mask token and fc(``mask_hidden``), a
+learned point in the fused target states' space, instead of (input_ids[i+j+1], the step-(j-1) output).
+A step then depends on the earlier ones only through attention, with the same mask and rotary positions,
+so the steps are one causal forward over [context pairs, next token, mask x (k-1)]: exactly what vLLM's
+``parallel_drafting`` feeds the draft (``vllm/v1/spec_decode/utils.py`` ``copy_and_expand_eagle_inputs``;
+``llama_eagle3.py`` loads ``mask_hidden`` [1, num_aux * target_hidden] and puts it through fc).
 """
 
 from __future__ import annotations
@@ -37,6 +44,24 @@ from heads.losses import label_mask, shift_left, soft_cross_entropy
 from heads.target import check_eagle_family
 
 DRAFT_LAYERS = typing.get_args(Eagle3Options.model_fields["draft_layer"].annotation)  # ("target", "llama")
+
+
+def default_mask_token(target_config: PretrainedConfig) -> int:
+    """P-EAGLE's mask token when the head config names none: the target's pad token, else its (first) eos.
+
+    Any id in the target's embedding serves: the head reads that embedding frozen, so every mask slot gets
+    the same row, and vLLM does the same (it shares the target's embedding with a draft that ships none).
+    What the head learns for the mask slots is ``mask_hidden``, the other half of the layer's input.
+    """
+    for name in ("pad_token_id", "eos_token_id"):
+        token = getattr(target_config, name, None)
+        token = token[0] if isinstance(token, list) and token else token
+        if isinstance(token, int):
+            return token
+    raise ValueError(
+        "the target's config has no pad_token_id or eos_token_id to draft P-EAGLE's mask slots with: "
+        "set head.parallel_drafting.mask_token_id"
+    )
 
 
 def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,13 +157,26 @@ class Eagle3Head(DraftHead):
                 f"EAGLE-3 fuses three distinct target layers, got {ids} for a {layers}-layer target: set layer_ids"
             )
         options.draft_vocab_size = min(options.draft_vocab_size, config.vocab_size)
+        parallel = options.parallel_drafting
+        if parallel is not None:
+            if parallel.mask_token_id is None:
+                parallel.mask_token_id = default_mask_token(target_config)
+            if parallel.mask_token_id >= config.vocab_size:
+                raise ValueError(
+                    f"head.parallel_drafting.mask_token_id {parallel.mask_token_id} is not a token of the "
+                    f"target's {config.vocab_size}-token vocabulary"
+                )
         return config
 
     def __init__(self, config: HeadConfig[Eagle3Options]):
         super().__init__(config)
         arch, options = config.arch, config.options
         hidden, vocab, draft_vocab = arch.hidden_size, config.vocab_size, options.draft_vocab_size
-        self.fc = nn.Linear(len(options.layer_ids) * config.target_hidden_size, hidden, bias=False)
+        fused = len(options.layer_ids) * config.target_hidden_size
+        self.fc = nn.Linear(fused, hidden, bias=False)
+        if options.parallel_drafting is not None:
+            # In the fused states' space, before fc, as vLLM loads it; randn like speculators' P-EAGLE.
+            self.mask_hidden = nn.Parameter(torch.randn(1, fused))
         self.midlayer = Eagle3Layer(arch)
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
@@ -171,6 +209,12 @@ class Eagle3Head(DraftHead):
     def first_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The head's step-0 features: fc over the fused target layers ``aux_hidden`` [B,S,3H] (ascending)."""
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def mask_slots(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's inputs at ``n`` mask slots: (the mask token [batch, n], fc(mask_hidden) [batch, n, H])."""
+        token = self.config.options.parallel_drafting.mask_token_id
+        ids = torch.full((batch, n), token, dtype=torch.long, device=self.mask_hidden.device)
+        return ids, self.first_features(self.mask_hidden).expand(batch, n, -1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.target.embed_tokens(input_ids).to(self.fc.weight.dtype)
@@ -207,22 +251,35 @@ class Eagle3Head(DraftHead):
         """Yield the midlayer's output features [B,S,H] for training-time-test steps 0..steps-1.
 
         ``features`` are the step-0 inputs (``first_features``). All steps share one growing cache of
-        keys; step j attends with ``ttt_step_mask`` (its block row of ``ttt_attention_mask``).
+        keys; step j attends with ``ttt_step_mask`` (its block row of ``ttt_attention_mask``). P-EAGLE's
+        steps 1.. read the mask slots (``mask_slots``) in place of the next token and the previous output.
         """
         seq = input_ids.shape[1]
         dtype = self.fc.weight.dtype
         positions = default_positions(input_ids)
         cache = GradKVCache()
+        parallel = self.config.options.parallel_drafting is not None
+        if parallel:
+            mask_ids, mask_features = self.mask_slots(*input_ids.shape)
         for j in range(steps):
             cos, sin = self.rotary(positions + j, dtype)
             mask = ttt_step_mask(seq, j, input_ids.device)
-            features = self.midlayer(self.embed(shift_left(input_ids, j + 1)), features, cos, sin, mask, cache)
+            if parallel and j > 0:
+                ids, inputs = mask_ids, mask_features
+            else:
+                ids, inputs = shift_left(input_ids, j + 1), features
+            features = self.midlayer(self.embed(ids), inputs, cos, sin, mask, cache)
             yield features
 
     def loss(
         self, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Training-time-test loss: sum_j ttt_decay**j * soft cross-entropy to the target's draft-vocab distribution.
+
+        P-EAGLE trains its ``ttt_steps`` parallel depths with the same weights: the acceptance length's
+        sensitivity to depth j's accuracy falls with j (d tau / d a_j sums products over the depths >= j),
+        so the geometric decay spends the draft's capacity where tau gains; speculators' and SpecForge's
+        P-EAGLE weight depths equally (``ttt_decay: 1.0`` does that).
 
         (Soft cross-entropy is the forward KL plus the target's entropy: the same gradient.)
 

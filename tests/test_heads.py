@@ -453,3 +453,53 @@ def test_right_padding_does_not_change_the_loss(target, cfg):
         padded_loss, padded_metrics = head.loss(padded)
     torch.testing.assert_close(padded_loss, loss)
     torch.testing.assert_close(padded_metrics, metrics)
+
+
+def peagle(target, **options):
+    return eagle3(target, **{"parallel_drafting": True, **options})
+
+
+def test_peagle_steps_equal_one_forward_as_vllm_feeds_the_draft(target):
+    # vLLM's parallel drafting (vllm/v1/spec_decode/utils.py copy_and_expand_eagle_inputs): one causal forward
+    # over the context pairs (token i+1, fc(aux_i)) at positions 0..i, the last one holding the next token,
+    # then j mask slots (the mask token, fc(mask_hidden)) at positions i+1..i+j. Training step j at index i
+    # must be that forward's last output.
+    head = peagle(target)
+    batch = make_batch(target, batch=1, seq=10)
+    ids, i = batch["input_ids"], 5
+    with torch.no_grad():
+        features = head.first_features(batch["aux_hidden"])
+        steps = list(head.ttt_features(features, ids, 4))
+        mask_token = head.config.options.parallel_drafting.mask_token_id
+        mask_feature = batch["aux_hidden"].new_zeros(1, 1, 3 * H) + head.mask_hidden  # before fc, like vLLM
+        for j in range(4):
+            served_ids = torch.cat((ids[:, 1 : i + 2], torch.full((1, j), mask_token)), 1)
+            served_features = torch.cat((features[:, : i + 1], head.fc(mask_feature).expand(1, j, H)), 1)
+            _, out = head(served_ids, served_features, torch.arange(i + 1 + j)[None])
+            torch.testing.assert_close(out[:, -1], steps[j][:, i], atol=1e-5, rtol=1e-5)
+    # EAGLE-3's steps 1.. read the next token and the previous output instead: another computation.
+    regular = eagle3(target)
+    regular.load_state_dict({k: v for k, v in head.state_dict().items() if k != "mask_hidden"})
+    with torch.no_grad():
+        ttt = list(regular.ttt_features(features, ids, 2))
+    torch.testing.assert_close(ttt[0], steps[0])
+    assert (ttt[1] - steps[1]).abs().max() > 1e-2
+
+
+def test_peagle_records_its_mask_token_and_round_trips(target, tmp_path):
+    head = peagle(target)
+    # The target's config has no pad token: its eos (2) is the mask token.
+    assert head.config.options.parallel_drafting.mask_token_id == 2
+    assert head.mask_hidden.shape == (1, 3 * H)
+    head.save_pretrained(tmp_path / "head")
+    saved = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert saved["parallel_drafting"] == {"mask_token_id": 2}
+    loaded = load_head(tmp_path / "head", target)
+    assert loaded.config == head.config and torch.equal(loaded.mask_hidden, head.mask_hidden)
+    assert peagle(tiny_target(pad_token_id=7)).config.options.parallel_drafting.mask_token_id == 7
+    given = peagle(target, parallel_drafting={"mask_token_id": 299})
+    assert given.config.options.parallel_drafting.mask_token_id == 299
+    with pytest.raises(ValueError, match=r"mask_token_id 300 is not a token of the target's 300-token vocabulary"):
+        peagle(target, parallel_drafting={"mask_token_id": 300})
+    with pytest.raises(ValueError, match=r"unknown key parallel_drafting\.mask_token"):
+        peagle(target, parallel_drafting={"mask_token": 3})

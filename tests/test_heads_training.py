@@ -56,3 +56,14 @@ def test_medusa_overfits_a_batch():
     first, last, metrics = fit(build_head({"type": "medusa", "num_heads": 2}, target), batch, steps=100, lr=1e-2)
     assert metrics["acc_0"] > 0.9 and metrics["acc_1"] > 0.9, metrics
     assert last < 0.2 * first
+
+
+def test_peagle_overfits_a_batch_and_learns_its_mask_slots():
+    target = sharp_target()
+    batch = make_batch(target)
+    head = build_head({"type": "eagle3", "layer_ids": LAYER_IDS, "ttt_steps": 3, "parallel_drafting": {}}, target)
+    start = head.mask_hidden.detach().clone()
+    first, last, metrics = fit(head, batch, steps=150, lr=3e-3)
+    assert metrics["acc_0"] > 0.9 and metrics["acc_2"] > 0.5, metrics
+    assert last < 0.5 * first
+    assert (head.mask_hidden - start).abs().max() > 0.05  # the mask slots' learned input trains with the rest
