@@ -22,7 +22,7 @@ from core.runtime import prepare_decoding, resolve_device, resolve_dtype
 from eval.bench import load_bench
 from eval.proposers import check_draft_vocab
 from eval.report import write_report
-from eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergences, run_methods, summarize
+from eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergences, head_method, run_methods, summarize
 from eval.timing import machine
 from eval.tree_config import head_tree_configs
 from eval.verify import Sampling
@@ -30,10 +30,10 @@ from heads import load_head, read_head_config
 
 
 def heads_by_method(head_dirs: list[str]) -> dict[str, str]:
-    """Method name (the head's config type) -> head folder; reads only the configs."""
+    """Method name (``eval.run.head_method``: the head's type, or peagle) -> head folder; reads only the configs."""
     found: dict[str, str] = {}
     for head_dir in head_dirs:
-        head_type = read_head_config(head_dir).type
+        head_type = head_method(read_head_config(head_dir))
         if head_type not in HEAD_METHODS:
             raise ValueError(f"--head {head_dir}: unknown head type {head_type!r}; known: {list(HEAD_METHODS)}")
         if head_type in found:
@@ -50,7 +50,8 @@ def check_methods(methods: list[str], heads: dict[str, str], draft: str | None) 
     for method in methods:
         if method in HEAD_METHODS and method not in heads:
             given = f" (given: {', '.join(f'{d} is {t}' for t, d in heads.items())})" if heads else ""
-            raise ValueError(f"method {method!r} needs a --head whose config type is {method!r}{given}")
+            kind = "'eagle3' with parallel_drafting" if method == "peagle" else repr(method)
+            raise ValueError(f"method {method!r} needs a --head whose config type is {kind}{given}")
     if "draft_model" in methods and not draft:
         raise ValueError("method 'draft_model' needs --draft PATH (a small LM with the target's tokenizer)")
     unused = [d for t, d in heads.items() if t not in methods]

@@ -7,6 +7,8 @@
 - ``DraftModel``: a small LM with the target's tokenizer and its own KV cache; a chain of k by default,
   or an EAGLE-2-style dynamic tree (``top_k`` > 1) drafted with tree attention over that cache.
 - ``Eagle``: EAGLE-1/2 and EAGLE-3 heads drafting a dynamic EAGLE-2 tree from the target's features.
+- ``PEagle``: a P-EAGLE head (EAGLE-3 with ``parallel_drafting``) drafting every depth in one forward, handed
+  over as a chain or as a static tree of each depth's top candidates.
 - ``Medusa``: Medusa heads filling a static tree from their per-head candidates.
 - ``ProposerWrapper``: any of them behind a wrapper that records what passes through (timings, ranks).
 
@@ -34,6 +36,7 @@ from eval.tree import (
     shaped_tree,
     static_tree,
 )
+from eval.tree_config import chain_choices
 from eval.verify import Proposer, Sampling, probabilities
 from heads import DraftHead, KVCache
 
@@ -197,6 +200,62 @@ class Eagle:
         return logp if self.sampling.greedy else draft_logq(logp, self.sampling)
 
 
+def per_depth_tree(logp: torch.Tensor, choices: list[list[int]], sampling: Sampling) -> Tree:
+    """The static tree ``choices`` from draft log-probs per depth [D, V] that do not depend on the tokens
+    above (Medusa's heads, P-EAGLE's parallel depths). Greedy and typical-acceptance runs take each depth's
+    top candidates; exact sampling draws them without replacement from each depth's q, shared by every
+    parent, and hands the q over (the verifier's rejection sampling needs it to stay lossless)."""
+    width = max(c[-1] for c in choices) + 1
+    if sampling.greedy or sampling.acceptance == "typical":
+        return static_tree(choices, logp.topk(width, dim=-1).indices)
+    q = probabilities(logp, sampling)
+    candidates, _ = pick_children(torch.zeros(len(q), device=q.device), q.log(), width, True)
+    return static_tree(choices, candidates, q)
+
+
+class PEagle:
+    """P-EAGLE: an EAGLE-3 head trained with ``parallel_drafting`` drafts all its depths in ONE forward, as
+    vLLM's parallel drafting does (heads/eagle3.py): the pairs the last verification committed (the last
+    one holding the pending root, whose output drafts depth 1), then depth - 1 mask slots at the following
+    positions (their outputs draft depths 2..). That forward runs in ``update``; the mask slots leave the
+    cache at the next one. A depth's draft does not depend on the tokens above it, so the drafts go out as
+    a chain of ``depth`` or as a static tree of each depth's top candidates (``choices``, e.g. a tuned
+    tree.json). Depths past the head's ``ttt_steps`` were never trained.
+    """
+
+    def __init__(self, head: DraftHead, depth: int = 3, choices: Sequence[Sequence[int]] | None = None) -> None:
+        options = head.config.options
+        if getattr(options, "parallel_drafting", None) is None:
+            raise ValueError(
+                f"P-EAGLE drafting needs an EAGLE-3 head trained with parallel_drafting; this is a {head.config.type} "
+                "head without it (draft it with the eagle3/eagle method)"
+            )
+        self.head = head
+        self.choices = [list(c) for c in choices] if choices is not None else chain_choices(depth)
+        self.hidden_layers = head.hidden_layers
+
+    def reset(self, sampling: Sampling) -> None:
+        self.sampling, self.cache, self.logp, self.committed = sampling, KVCache(), None, 0
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.cache.crop(self.committed)
+        if hidden is None or len(hidden) == 0:
+            return
+        m, masks = len(hidden), max(len(c) for c in self.choices) - 1
+        mask_ids, mask_features = self.head.mask_slots(1, masks)
+        ids = torch.cat((tokens[None, -m:], mask_ids), 1)
+        features = torch.cat((self.head.first_features(hidden)[None], mask_features), 1)
+        positions = torch.arange(self.committed, self.committed + m + masks, device=tokens.device)[None]
+        logp, _ = self.head.draft_step(ids, features, positions, self.cache)
+        self.committed += m
+        self.logp = logp[0, m - 1 :]  # depth 1 (the pending root's pair), then the mask slots'
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        if self.logp is None:  # a one-token prompt: no target feature yet
+            return empty_tree(tokens.device)
+        return per_depth_tree(self.logp, self.choices, self.sampling)
+
+
 class Medusa:
     """Medusa heads on the target's last hidden state, filling a static tree (``choices``).
 
@@ -208,7 +267,6 @@ class Medusa:
     def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES) -> None:
         self.head, self.choices = head, [list(c) for c in choices]
         self.depth = max(len(c) for c in self.choices)
-        self.width = max(c[-1] for c in self.choices) + 1
         heads = head.config.options.num_heads
         if self.depth > heads:
             raise ValueError(f"tree depth {self.depth} needs more than the head's {heads} heads")
@@ -224,12 +282,7 @@ class Medusa:
     def propose(self, tokens: torch.Tensor) -> Tree:
         if self.last_hidden is None:
             return empty_tree(tokens.device)
-        logp = self.head.draft(self.last_hidden)[0, : self.depth]
-        if self.sampling.greedy or self.sampling.acceptance == "typical":
-            return static_tree(self.choices, logp.topk(self.width, dim=-1).indices)
-        q = probabilities(logp, self.sampling)
-        candidates, _ = pick_children(torch.zeros(self.depth, device=q.device), q.log(), self.width, True)
-        return static_tree(self.choices, candidates, q)
+        return per_depth_tree(self.head.draft(self.last_hidden)[0, : self.depth], self.choices, self.sampling)
 
 
 class ProposerWrapper:

@@ -19,19 +19,26 @@ from transformers import PreTrainedTokenizerBase
 
 from core.runtime import seed_everything
 from eval.bench import BenchItem, render
-from eval.proposers import DraftModel, Eagle, Medusa, NGram, ProposerWrapper, Vanilla
+from eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, ProposerWrapper, Vanilla
 from eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
 from eval.timing import TimedProposer, peak_memory_mb
 from eval.tree import MC_SIM_7B_63, Tree
 from eval.tree_config import TreeSpec, comb_choices
 from eval.verify import Proposer, Sampling, Stats, generate
-from heads import DraftHead
+from heads import DraftHead, HeadConfig
 
-METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa")
-HEAD_METHODS = ("eagle", "eagle3", "medusa")  # a head's config["type"] is its method name
+METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "peagle", "medusa")
+HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa")  # see head_method
 WARMUP_TOKENS = 16
 
 # ------------------------------------------------------------------------------------------- proposers
+
+
+def head_method(config: HeadConfig) -> str:
+    """The method that drafts with a head: its type, ``peagle`` for an EAGLE-3 head with ``parallel_drafting``."""
+    if config.type == "eagle3" and config.options.parallel_drafting is not None:
+        return "peagle"
+    return config.type
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ def build_proposer(
         # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
         choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens]
         return Medusa(head, choices)
+    if method == "peagle":  # one forward drafts every depth: chains, or a tuned static shape
+        return peagle_for_tree(head, tree_config) if tree_config is not None else PEagle(head, flags.depth)
     if tree_config is not None:
         return eagle_for_tree(head, tree_config)
     if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
@@ -85,9 +94,22 @@ def eagle_for_tree(head: DraftHead, config: dict) -> Eagle:
     return Eagle(head, top_k=config["top_k"], depth=config["depth"], total_tokens=config["total_tokens"])
 
 
+def peagle_for_tree(head: DraftHead, config: dict) -> PEagle:
+    """A P-EAGLE proposer drafting a tree.json's static shape (its depths come from one forward: no dynamic trees)."""
+    if config["shape"] != "static":
+        raise ValueError(f"P-EAGLE drafts static shapes only (per-depth candidates), not a {config['shape']} tree")
+    return PEagle(head, choices=config["choices"])
+
+
 def proposer_for(head: DraftHead, tree: TreeSpec) -> Proposer:
     """The head drafting ``tree``; vanilla for the empty tree."""
-    return eagle_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
+    if not tree.total_tokens:
+        return Vanilla()
+    return (
+        peagle_for_tree(head, tree.config())
+        if head_method(head.config) == "peagle"
+        else eagle_for_tree(head, tree.config())
+    )
 
 
 # ------------------------------------------------------------------------------------------- tallies

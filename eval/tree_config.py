@@ -102,7 +102,7 @@ def head_tree_configs(heads: dict[str, str], tree: str | Path | None) -> dict[st
     found = {}
     for method, head_dir in heads.items():
         path = tree if isinstance(tree, Path) else Path(head_dir) / "tree.json"
-        if method in ("eagle", "eagle3") and tree not in ("static", "dynamic") and path.is_file():
+        if method in ("eagle", "eagle3", "peagle") and tree not in ("static", "dynamic") and path.is_file():
             found[method] = load_tree_config(path)
     return found
 

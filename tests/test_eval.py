@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
+from eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
 from eval.tree import (
     MC_SIM_7B_63,
     SMALL_CHOICES,
@@ -175,7 +175,15 @@ def proposers(target):
             total_tokens=10,
         ),
         "medusa": Medusa(build_head({"type": "medusa", "num_heads": 4}, target)),
+        "peagle": PEagle(peagle_head(target), depth=3),
+        "peagle_tree": PEagle(peagle_head(target), choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
     }
+
+
+def peagle_head(target):
+    return build_head(
+        {"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200, "parallel_drafting": True}, target
+    )
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +191,10 @@ def references(target, prompts):
     return [reference(target, prompt) for prompt in prompts]
 
 
-@pytest.mark.parametrize("name", ["vanilla", "ngram", "draft_model", "draft_model_tree", "eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize(
+    "name",
+    ["vanilla", "ngram", "draft_model", "draft_model_tree", "eagle", "eagle3", "medusa", "peagle", "peagle_tree"],
+)
 def test_greedy_output_equals_target_greedy(target, prompts, references, name):
     proposer = proposers(target)[name]
     for prompt, expected in zip(prompts, references):
@@ -295,3 +306,34 @@ def test_shaped_tree_drafts_what_the_dynamic_tree_drafts_for_the_same_shape(targ
     dynamic, shaped = trees
     assert torch.equal(dynamic.tokens, shaped.tokens) and torch.equal(dynamic.parents, shaped.parents)
     torch.testing.assert_close(dynamic.draft_logprobs, shaped.draft_logprobs)
+
+
+def test_peagle_drafts_every_depth_in_one_forward_as_training_computes_them(target, prompts):
+    # The proposer's one forward (committed pairs, then mask slots) gives, at depth d, the head's training
+    # step d - 1 at the pending root's index; after a second commit the first forward's mask slots are gone
+    # from its cache, so the drafts are still the training path's, now at the new root's index.
+    head = peagle_head(target)
+    proposer = PEagle(head, depth=4)
+    tokens = prompts[2][0]
+    with torch.no_grad():
+        states = target(tokens[None], output_hidden_states=True).hidden_states  # causal: row i is token i's
+        hidden = torch.cat([states[i][0] for i in proposer.hidden_layers], -1)
+        steps = list(head.ttt_features(head.first_features(hidden)[None], tokens[None], 4))
+        trained = torch.stack([head.to_target_vocab(head.lm_head(head.norm(s[0])).log_softmax(-1)) for s in steps], 1)
+        proposer.reset(Sampling())
+        for end in (7, len(tokens)):  # the prompt up to a pending root, then the rest committed
+            proposer.update(tokens[:end], hidden[proposer.committed : end - 1])
+            torch.testing.assert_close(proposer.logp, trained[end - 2], atol=1e-5, rtol=1e-5)
+            tree = proposer.propose(tokens[:end])
+            assert tree.tokens.tolist() == trained[end - 2].argmax(-1).tolist()
+            assert tree.parents.tolist() == [-1, 0, 1, 2]
+    shaped = PEagle(head, choices=[[0], [1], [0, 0], [1, 0], [1, 1]])
+    shaped.reset(Sampling())
+    with torch.no_grad():
+        shaped.update(tokens, hidden[:-1])
+    tree, top2 = shaped.propose(tokens), trained[len(tokens) - 2, :2].topk(2).indices
+    # Sorted by depth then path: [0] [1] [0,0] [1,0] [1,1]; a depth's candidates are the same under every parent.
+    assert tree.tokens.tolist() == [top2[0, 0], top2[0, 1], top2[1, 0], top2[1, 0], top2[1, 1]]
+    assert tree.parents.tolist() == [-1, -1, 0, 1, 1]
+    with pytest.raises(ValueError, match="needs an EAGLE-3 head trained with parallel_drafting; this is a eagle3"):
+        PEagle(build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target))

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.acceptance import chain_tau, expected_tau
 from core.timing import timed
-from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
+from eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
 from eval.run import TreeFlags, build_proposer
 from eval.speedup import predicted_speedup
 from eval.tree_config import chain_choices
@@ -102,3 +102,9 @@ def test_build_proposer_takes_typed_settings():
     assert isinstance(medusa, Medusa) and medusa.depth == 2 and len(medusa.choices) == 6  # 2 heads: depth 2
     with pytest.raises(ValueError, match="unknown method 'beam'"):
         build_proposer("beam", TreeFlags())
+    heads["peagle"] = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "parallel_drafting": True}, target)
+    peagle = build_proposer("peagle", TreeFlags(shape="dynamic", depth=4), heads=heads)  # one forward: a chain
+    assert isinstance(peagle, PEagle) and peagle.choices == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+    assert build_proposer("peagle", TreeFlags(), heads=heads, tree_config=tuned).choices == tuned["choices"]
+    with pytest.raises(ValueError, match="P-EAGLE drafts static shapes only"):
+        build_proposer("peagle", TreeFlags(), heads=heads, tree_config={"shape": "dynamic", "depth": 3})

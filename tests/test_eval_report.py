@@ -116,6 +116,8 @@ def models(tiny_target_dir, tmp_path_factory):
     head = build_head({"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100}, target)
     head.save_pretrained(out / "eagle3")
     build_head({"type": "medusa", "num_heads": 3}, target).save_pretrained(out / "medusa")
+    options = {"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100, "parallel_drafting": True}
+    build_head(options, target).save_pretrained(out / "peagle")
     return out
 
 
@@ -175,6 +177,20 @@ def test_head_folder_tree_json_and_training_prediction_reach_the_report(tiny_tar
     # --tree static (chains of --depth) overrides the folder's tree.json.
     report = main(argv + ["--max-new-tokens", "8", "--tree", "static", "--depth", "4", "--out", str(tmp_path / "d")])
     assert report["methods"]["eagle3"]["tree_config"] is None and report["methods"]["eagle3"]["draft_depth"] == 4
+
+
+def test_peagle_and_eagle3_heads_are_two_methods_of_one_run(tiny_target_dir, models, tmp_path):
+    # Both heads are type eagle3; the one with parallel_drafting is method peagle: chains of --depth from one forward.
+    bench = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Ann has 3 apples."}, {"prompt": "Bob has 5 pears."}])
+    argv = ["--target", str(tiny_target_dir), "--head", f"{models / 'eagle3'},{models / 'peagle'}"]
+    argv += ["--method", "eagle3,peagle", "--bench", str(bench), "--tree", "static", "--depth", "3"]
+    report = main(argv + ["--max-new-tokens", "10", "--out", str(tmp_path / "r")])
+    assert report["heads"] == {"eagle3": str(models / "eagle3"), "peagle": str(models / "peagle")}
+    peagle = report["methods"]["peagle"]
+    assert peagle["greedy_identical"] is True and peagle["new_tokens"] == 20
+    assert peagle["draft_depth"] == 3 and len(peagle["acceptance_by_depth"]) == 3
+    with pytest.raises(ValueError, match="method 'peagle' needs a --head whose config type is 'eagle3' with parallel"):
+        main(argv[:2] + ["--head", str(models / "eagle3"), "--method", "peagle"] + argv[6:] + ["--out", str(tmp_path)])
 
 
 def test_vanilla_runs_as_baseline_when_not_requested(tiny_target_dir, models, tmp_path, capsys):

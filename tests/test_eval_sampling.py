@@ -10,13 +10,15 @@ the greedy tests in test_eval.py. Each test is a chi-square goodness-of-fit test
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.proposers import DraftModel, NGram
+from eval.proposers import DraftModel, NGram, PEagle
 from eval.tree import pick_children, static_tree
 from eval.verify import Sampling, accept, generate_batch, probabilities
+from heads import build_head
 
 V = 4
 PROMPT = torch.tensor([[1, 2, 3, 2]])  # ends in 2; NGram finds "2" earlier and proposes [3, 2]
@@ -129,3 +131,47 @@ def test_static_tree_with_shared_per_depth_draws_is_lossless():
     assert counts[~support].sum() == 0
     wrong = (q[0][:, None] * q[1][None]).flatten()[support]
     assert_matches(counts[support], exact[support], wrong / wrong.sum())
+
+
+def peagle_setup():
+    """A V-token Llama target with peaked distributions and a P-EAGLE head that disagrees with it."""
+    torch.manual_seed(2)
+    config = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    target = LlamaForCausalLM(config).eval()
+    target.lm_head.weight.data *= 4
+    head = build_head(
+        {"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": V, "parallel_drafting": True}, target
+    )
+    head.lm_head.weight.data *= 8
+    return target, head
+
+
+def exact_two_tokens_of(target: nn.Module, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """P(x1, x2) of an HF model as a [V * V] vector: p(x1 | prompt) * p(x2 | prompt, x1)."""
+    with torch.no_grad():
+        first = probabilities(target(prompt).logits[0, -1], sampling)
+        nexts = torch.cat((prompt.expand(V, -1), torch.arange(V)[:, None]), 1)
+        second = probabilities(target(nexts).logits[:, -1], sampling)
+    return (first[:, None] * second).flatten()
+
+
+@pytest.mark.parametrize("choices", [[[0], [0, 0]], [[0], [1], [2], [0, 0], [0, 1], [1, 0]]])
+@pytest.mark.usefixtures("one_thread")
+def test_sampled_peagle_chain_and_tree_are_lossless(choices):
+    # Depth d's tokens are drawn from the head's depth-d q of its one forward, without replacement, and every
+    # parent shares them; the verifier gets those q. The counts must follow the target's own distribution.
+    target, head = peagle_setup()
+    sampling = Sampling(temperature=1.0)
+    torch.manual_seed(0)
+    counts = sample_pairs(target, lambda: PEagle(head, choices=choices), sampling, 1000)
+    proposer = PEagle(head, choices=choices)
+    proposer.reset(sampling)
+    with torch.no_grad():
+        states = target(PROMPT[:, :-1], output_hidden_states=True).hidden_states
+        proposer.update(PROMPT[0], torch.cat([states[i][0] for i in head.hidden_layers], -1))
+    q = probabilities(proposer.logp, sampling)
+    wrong = (q[0][:, None] * q[1][None]).flatten()  # what handing out the drafts unverified would give
+    assert_matches(counts, exact_two_tokens_of(target, PROMPT, sampling), wrong)
