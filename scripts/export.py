@@ -3,7 +3,9 @@
     python -m scripts.export --head runs/demo/eagle3/head --format vllm --out exports/demo-eagle3 [--target PATH]
 
 Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout), ``speculators``
-(EAGLE-3), ``medusa`` (the Medusa repo's layout). The head's config names its target; ``--target``
+(EAGLE-3), ``medusa`` (the Medusa repo's layout). A P-EAGLE head (EAGLE-3 with ``parallel_drafting``) goes
+to ``vllm`` (with ``mask_hidden`` and ``mask_token_id``) or ``speculators`` (type ``peagle``); SGLang has
+no parallel drafting. The head's config names its target; ``--target``
 overrides it. The head is checked against the target's config (hidden size, vocab, attention shape,
 layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
 recorded in training), and the folder appears whole or not at all. See docs/EXPORT.md.

@@ -3,8 +3,8 @@
     python -m scripts.import_head --from eagle3 SRC --out runs/imported/head --target PATH
 
 Sources: ``eagle`` (EAGLE-1/2, the EAGLE repo's layout), ``eagle3`` (the EAGLE repo's EAGLE-3 layout,
-as vLLM and SGLang load it), ``medusa`` (the Medusa repo's layout) and ``speculators`` (speculators'
-eagle3 format); weights as ``model.safetensors``, ``pytorch_model.bin`` (or sharded) or the Medusa
+as vLLM and SGLang load it; with ``mask_hidden``, a P-EAGLE head), ``medusa`` (the Medusa repo's layout)
+and ``speculators`` (speculators' eagle3 and peagle formats); weights as ``model.safetensors``, ``pytorch_model.bin`` (or sharded) or the Medusa
 repo's ``medusa_lm_head.safetensors|.pt``. Our own exports import back to the same weights. The head
 is checked against the target (hidden size, vocab, attention shape, layer ids) before it is written.
 """

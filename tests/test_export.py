@@ -137,6 +137,35 @@ def test_speculators_layout(target, target_dir, tmp_path):
     assert shapes(tensors) == {**EAGLE3_TOP, **eagle3_layer_shapes("layers.0.")}
 
 
+def test_peagle_exports_carry_mask_hidden_and_the_mask_token(target, target_dir, tmp_path):
+    # vLLM 0.32 (llama_eagle3.py) loads any key holding "mask_hidden" as [1, num_aux * target_hidden] and
+    # reads the top-level mask_token_id; speculators' peagle type maps to eagle3 with parallel drafting.
+    head_dir = make_head(target, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 7}, ttt_steps=4)
+    mask_hidden = load_file(str(head_dir / "model.safetensors"))["mask_hidden"]
+    cfg, tensors = read_export(export_head(head_dir, "vllm", tmp_path / "out"))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["mask_token_id"] == 7
+    assert shapes(tensors) == {**EAGLE3_TOP, **eagle3_layer_shapes("midlayer."), "mask_hidden": (1, 3 * H)}
+    assert torch.equal(tensors["mask_hidden"], mask_hidden) and "embed_tokens.weight" not in tensors
+    card = (tmp_path / "out" / "README.md").read_text()
+    spec = {"method": "eagle3", "model": str(tmp_path / "out"), "num_speculative_tokens": 4, "parallel_drafting": True}
+    assert f"vllm serve {target_dir} --speculative-config '{json.dumps(spec)}'" in card
+    assert "P-EAGLE" in card and "sglang.launch_server" not in card and "sgl-project/sglang#23171" in card
+    cfg, tensors = read_export(export_head(head_dir, "speculators", tmp_path / "spec"))
+    assert (cfg["speculators_model_type"], cfg["architectures"], cfg["mask_token_id"]) == (
+        "peagle",
+        ["PEagleSpeculator"],
+        7,
+    )
+    assert cfg["speculators_config"]["algorithm"] == "peagle"
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # every trained depth
+    assert torch.equal(tensors["mask_hidden"], mask_hidden) and "layers.0.hidden_norm.weight" in tensors
+    with pytest.raises(ValueError, match=r"P-EAGLE head .* SGLang 0\.5\.23 cannot draft"):
+        export_head(head_dir, "sglang", tmp_path / "sglang")
+    # A plain EAGLE-3 head's export has neither.
+    cfg, tensors = read_export(export_head(make_head(target, tmp_path, "eagle3", "plain"), "vllm", tmp_path / "p"))
+    assert "mask_token_id" not in cfg and "mask_hidden" not in tensors
+
+
 def test_full_draft_vocab_writes_no_d2t(target, tmp_path):
     # vLLM creates draft_id_to_target_id only when the draft vocab is smaller: a d2t would not load.
     head_dir = make_head(target, tmp_path, "eagle3", draft_vocab_size=V)

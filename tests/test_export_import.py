@@ -58,6 +58,34 @@ def test_export_then_import_gives_the_same_head(target, target_dir, tmp_path, he
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize(("fmt", "source"), [("vllm", "eagle3"), ("speculators", "speculators")])
+def test_peagle_export_then_import_gives_the_same_head(target, target_dir, tmp_path, fmt, source):
+    head_dir = make_head(target, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 5})
+    back = import_head(source, export_head(head_dir, fmt, tmp_path / "export"), tmp_path / "back", target_dir)
+    original, imported = load_head(head_dir, target), load_head(back, target)
+    assert imported.config == original.config and imported.config.options.parallel_drafting.mask_token_id == 5
+    a, b = original.state_dict(), imported.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(original.mask_slots(1, 2)[1], imported.mask_slots(1, 2)[1])
+
+
+def test_published_peagle_checkpoint_names_its_mask_token_as_vllm_reads_it(target, target_dir, tmp_path):
+    # vLLM reads mask_token_id, pard_token or ptd_token_id, and mask_hidden of any shape (speculators: [1, 1, 3H]).
+    head_dir = make_head(target, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 5})
+    out = export_head(head_dir, "vllm", tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    del config["mask_token_id"]
+    (out / "config.json").write_text(json.dumps(config | {"ptd_token_id": 9}))
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file(tensors | {"mask_hidden": tensors["mask_hidden"][None]}, str(out / "model.safetensors"))
+    imported = load_head(import_head("eagle3", out, tmp_path / "back", target_dir), target)
+    assert imported.config.options.parallel_drafting.mask_token_id == 9
+    assert torch.equal(imported.mask_hidden, load_head(head_dir, target).mask_hidden)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="has mask_hidden \\(P-EAGLE\\) but its config.json names no mask token"):
+        import_head("eagle3", out, tmp_path / "again", target_dir)
+
+
 def test_bf16_head_round_trips_in_bf16(target, target_dir, tmp_path):
     head_dir = make_head(target, tmp_path, "eagle3")
     head = load_head(head_dir, target).to(torch.bfloat16)

@@ -10,7 +10,12 @@ from eval.tree_config import load_tree_config
 from heads import HeadConfig
 from scripts.formats.medusa import NOT_SERVED
 
-TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa"}
+TITLES = {
+    "eagle": "EAGLE-1/2",
+    "eagle3": "EAGLE-3",
+    "medusa": "Medusa",
+    "peagle": "P-EAGLE (EAGLE-3, parallel drafting)",
+}
 LAYOUTS = {
     "vllm": "the EAGLE repo's layout, as vLLM loads it",
     "sglang": "the EAGLE repo's layout, as SGLang loads it",
@@ -21,9 +26,12 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this
 
 
-def vllm_command(target: str, draft: str, method: str) -> str:
-    spec = json.dumps({"method": method, "model": draft, "num_speculative_tokens": STEPS})
-    return f"vllm serve {target} --speculative-config '{spec}'"
+def vllm_command(target: str, draft: str, method: str, parallel_depths: int | None = None) -> str:
+    """``parallel_depths``: a P-EAGLE head's trained depths, all drafted in one forward (``parallel_drafting``)."""
+    spec = {"method": method, "model": draft, "num_speculative_tokens": parallel_depths or STEPS}
+    if parallel_depths:
+        spec["parallel_drafting"] = True
+    return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
 
 
 def sglang_command(target: str, draft: str, algorithm: str) -> str:
@@ -38,23 +46,33 @@ def _block(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
-def serve_section(head_type: str, fmt: str, target: str, draft: str, head_dir: str) -> str:
-    """The exact commands that serve this folder, and what to do where an engine cannot read it."""
+def serve_section(
+    head_type: str, fmt: str, target: str, draft: str, head_dir: str, parallel_depths: int | None = None
+) -> str:
+    """The exact commands that serve this folder, and what to do where an engine cannot read it
+    (``parallel_depths``: a P-EAGLE head's, see ``vllm_command``)."""
     reexport = f"python -m scripts.export --head {head_dir} --format {{fmt}} --out {{out}}"
     if head_type == "medusa":
         return (
             f"{NOT_SERVED}.\n\nWith the Medusa repo (it loads the target from `base_model_name_or_path`):\n\n"
             + _block(f"python -m medusa.inference.cli --model {draft}")
         )
+    no_sglang = (
+        "SGLang 0.5.23 cannot serve it: it has no parallel drafting (sgl-project/sglang#23171)."
+        if parallel_depths
+        else "SGLang 0.5.23 does not read the speculators format; export its layout with\n\n"
+        + _block(reexport.format(fmt="sglang", out=draft + "-sglang"))
+    )
     if fmt == "speculators":
         return (
             "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
             + _block(f"vllm serve {draft}")
             + "\n\nor names it itself:\n\n"
-            + _block(vllm_command(target, draft, "eagle3"))
-            + "\n\nSGLang 0.5.23 does not read the speculators format; export its layout with\n\n"
-            + _block(reexport.format(fmt="sglang", out=draft + "-sglang"))
+            + _block(vllm_command(target, draft, "eagle3", parallel_depths))
+            + f"\n\n{no_sglang}"
         )
+    if parallel_depths:  # P-EAGLE: vLLM's eagle3 method with parallel drafting, one forward for all depths
+        return "vLLM:\n\n" + _block(vllm_command(target, draft, "eagle3", parallel_depths)) + f"\n\n{no_sglang}"
     if head_type == "eagle3":  # one folder serves both engines (layer ids written in each one's convention)
         return (
             "vLLM:\n\n"
@@ -75,10 +93,16 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
     """Rows of the card's table for the head's own settings."""
     options = config.options
     if config.type == "eagle3":
-        return [
+        rows = [
             ("target layers fused", f"{options.layer_ids} (HF `hidden_states` indices = vLLM aux layer ids)"),
             ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
         ]
+        if options.parallel_drafting is not None:
+            rows += [
+                ("parallel depths", f"{options.ttt_steps}, drafted in one forward (`num_speculative_tokens` <= this)"),
+                ("mask token", f"{options.parallel_drafting.mask_token_id} (the target's embedding of it)"),
+            ]
+        return rows
     if config.type == "medusa":
         return [
             ("heads", f"{options.num_heads} (head k guesses the token k+2 ahead)"),
@@ -98,7 +122,9 @@ def model_card(
 ) -> str:
     """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
     (a path or a hub id) and ``made_by`` the command that wrote it."""
-    title = TITLES[config.type]
+    parallel = config.options.parallel_drafting if config.type == "eagle3" else None
+    parallel_depths = config.options.ttt_steps if parallel is not None else None
+    title = TITLES["peagle" if parallel is not None else config.type]
     rows = [("head", title), ("target", f"`{target}`"), ("format", LAYOUTS[fmt]), *describe(config)]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     acceptance = (
@@ -113,7 +139,8 @@ def model_card(
         f"---\ntags:\n- speculative-decoding\n- {config.type}\n- headstart\n---\n\n"
         f"# {title} draft head for `{target}`\n\n{table}\n"
         f"Made with headstart: `{made_by}`.\n\n"
-        f"## Serve it\n\n{serve_section(config.type, fmt, target, draft, head_dir)}\n{acceptance}{sections}"
+        f"## Serve it\n\n{serve_section(config.type, fmt, target, draft, head_dir, parallel_depths)}\n"
+        f"{acceptance}{sections}"
     )
 
 

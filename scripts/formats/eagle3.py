@@ -11,6 +11,14 @@ Matched against vllm 0.33.0, sglang 0.5.23 and speculators 0.9.0 (docs/EXPORT.md
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures id + 1 (``llama.py``
   ``set_eagle3_layers_to_capture``): its id is the decoder layer whose OUTPUT is taken, ours minus one.
   The folder carries both, so one export serves both engines.
+- P-EAGLE (``parallel_drafting``), vllm 0.32.0: ``mask_hidden`` is loaded by any key containing it and viewed
+  as [1, num_aux * target_hidden] (``llama_eagle3.py``, ``qwen3_eagle3.py``; it raises when parallel drafting
+  is on and the key is missing); the mask token is the top-level ``mask_token_id`` (``pard_token`` and
+  ``ptd_token_id`` are other names, ``llm_base_proposer.py``). Parallel drafting itself is a speculative-config
+  field (``"parallel_drafting": true``), not a draft-config one. The embedding stays the target's (shared by
+  vLLM, as the head trains it frozen). speculators' type ``peagle`` maps to method eagle3 with parallel
+  drafting and its ``mask_token_id`` to ``pard_token`` (``transformers_utils/configs/speculators/``
+  ``base.py``, ``algos.py``). SGLang 0.5.23 has no parallel drafting (sgl-project/sglang#23171).
 """
 
 from __future__ import annotations
@@ -34,6 +42,18 @@ SPECULATORS_VERSION = "0.9.0"
 # They are always written: vLLM defaults norm_before_residual to TRUE for speculators configs (algos.py).
 NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 DEFAULT_SPECULATIVE_TOKENS = 3
+SPECULATOR_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}  # speculators' models/
+
+
+def mask_token_id(config: HeadConfig) -> int | None:
+    """The P-EAGLE head's mask token; None for an EAGLE-3 head that drafts autoregressively."""
+    parallel = config.options.parallel_drafting
+    return None if parallel is None else parallel.mask_token_id
+
+
+def _parallel_fields(config: HeadConfig) -> dict[str, Any]:
+    token = mask_token_id(config)
+    return {} if token is None else {"mask_token_id": token}
 
 
 def _vocab_tensors(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -50,6 +70,11 @@ def repo_layout(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) ->
     """config.json + tensors in the EAGLE repo's layout, which vLLM and SGLang both load (``fmt``), but for
     a layer with q/k norm (Qwen3 targets), which only vLLM has."""
     qk_norm = config.arch.qk_norm
+    if mask_token_id(config) is not None and fmt == "sglang":
+        raise ValueError(
+            "this is a P-EAGLE head (parallel_drafting), which SGLang 0.5.23 cannot draft (no parallel drafting: "
+            "sgl-project/sglang#23171): export it with --format vllm or speculators"
+        )
     if qk_norm and fmt == "sglang":
         raise ValueError(
             "this EAGLE-3 head has Qwen3's q/k norm, which no SGLang EAGLE-3 draft has (SGLang serves "
@@ -65,6 +90,7 @@ def repo_layout(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) ->
         **NORM_FLAGS,
         "eagle_aux_hidden_state_layer_ids": layer_ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layer_ids], "use_aux_hidden_state": True},
+        **_parallel_fields(config),
     }
     return engine_config, _vocab_tensors(config, state)
 
@@ -75,22 +101,25 @@ def speculators_layout(
     """config.json + tensors in speculators' Eagle3SpeculatorConfig layout (speculators/models/eagle3/config.py),
     as vLLM's ``SpeculatorsConfig`` reads it (transformers_utils/configs/speculators/)."""
     dtype = dtype_name(state)
+    kind = "eagle3" if mask_token_id(config) is None else "peagle"
     engine_config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": [SPECULATOR_ARCHITECTURES[kind]],
+        "speculators_model_type": kind,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": decoder_config(config.arch, dtype),
         "draft_vocab_size": config.options.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(config.options.layer_ids),
         **NORM_FLAGS,
+        **_parallel_fields(config),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": kind,
             # vLLM takes num_speculative_tokens from the first proposal method.
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": DEFAULT_SPECULATIVE_TOKENS,
+                    # P-EAGLE: every trained depth, all drafted in one forward.
+                    "speculative_tokens": DEFAULT_SPECULATIVE_TOKENS if kind == "eagle3" else config.options.ttt_steps,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -114,6 +143,17 @@ def _layer_ids(engine_config: dict[str, Any], target_layers: int) -> list[int]:
     return default_aux_layers(target_layers)
 
 
+def _read_mask_token(engine_config: dict[str, Any]) -> int:
+    """A P-EAGLE checkpoint's mask token, under any name vLLM reads (``llm_base_proposer.py``)."""
+    for key in ("mask_token_id", "pard_token", "ptd_token_id"):
+        if engine_config.get(key) is not None:
+            return engine_config[key]
+    raise ValueError(
+        "this EAGLE-3 checkpoint has mask_hidden (P-EAGLE) but its config.json names no mask token "
+        "(mask_token_id, pard_token or ptd_token_id)"
+    )
+
+
 def _check_norm_flags(engine_config: dict[str, Any], speculators: bool) -> None:
     nested = engine_config.get("eagle_config") or {}
     # vLLM's default for a missing norm_before_residual: true for speculators configs, false otherwise.
@@ -131,10 +171,10 @@ def import_files(
     engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig, speculators: bool
 ) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
     """(head options, draft arch, our tensors) of an EAGLE-repo-layout or speculators EAGLE-3 checkpoint."""
-    if speculators and engine_config.get("speculators_model_type") != "eagle3":
+    if speculators and engine_config.get("speculators_model_type") not in SPECULATOR_ARCHITECTURES:
         raise ValueError(
-            f"speculators_model_type is {engine_config.get('speculators_model_type')!r}; only 'eagle3' maps to a "
-            "headstart head (speculators 0.9.0 has no EAGLE-1 type)"
+            f"speculators_model_type is {engine_config.get('speculators_model_type')!r}; only 'eagle3' and "
+            "'peagle' map to a headstart head (speculators 0.9.0 has no EAGLE-1 type)"
         )
     _check_norm_flags(engine_config, speculators)
     decoder = engine_config["transformer_layer_config"] if speculators else engine_config
@@ -161,6 +201,9 @@ def import_files(
     options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
     # "llama": a Qwen3 target's draft without q/k norm (SpecForge's, SGLang's); else the family's own layer.
     options["draft_layer"] = "target" if arch.qk_norm == arch_from_target(target_config).qk_norm else "llama"
+    if "mask_hidden" in state:  # P-EAGLE: vLLM reads any shape of num_aux * target_hidden values
+        state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)
+        options["parallel_drafting"] = {"mask_token_id": _read_mask_token(engine_config)}
     target_hidden = engine_config.get("target_hidden_size") or target_config.hidden_size
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
