@@ -4,9 +4,10 @@
 
 Sources: ``eagle`` (EAGLE-1/2, the EAGLE repo's layout), ``eagle3`` (the EAGLE repo's EAGLE-3 layout,
 as vLLM and SGLang load it; with ``mask_hidden``, a P-EAGLE head), ``medusa`` (the Medusa repo's layout)
-and ``speculators`` (speculators' eagle3 and peagle formats); weights as ``model.safetensors``, ``pytorch_model.bin`` (or sharded) or the Medusa
-repo's ``medusa_lm_head.safetensors|.pt``. Our own exports import back to the same weights. The head
-is checked against the target (hidden size, vocab, attention shape, layer ids) before it is written.
+and ``speculators`` (speculators' eagle3 and peagle formats); weights as ``model.safetensors``,
+``pytorch_model.bin`` (or sharded) or the Medusa repo's ``medusa_lm_head.safetensors|.pt``. Our own exports
+import back to the same weights. The head is checked against the target (hidden size, vocab, attention
+shape, layer ids) before it is written.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 (``make verify-engines``).
 
     python -m scripts.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
-        [--target assets/demo-target] [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8]
-        [--max-tokens 96] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
+        [--peagle runs/demo/peagle/head] [--target assets/demo-target]
+        [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
+        [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
 
 Runs in two interpreters. This one (the project's venv) exports each head, computes our head's draft
 logits and runs our own engine (``eval.verify.generate`` with a greedy chain of k drafts) on the prompts;
@@ -14,8 +15,10 @@ engine check in a fresh process:
    speculators export must give our head's draft logits on the same target features (max |diff| <=
    1e-4, fp32), and speculators' ``Eagle3Converter`` on our EAGLE-repo export our speculators tensors.
 2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3`` or
-   ``eagle``, ``num_speculative_tokens=k``). The tokens must equal the target's alone, and vLLM's
-   acceptance length (from its own counters) must be at most 5% below ours on the same prompts.
+   ``eagle``, ``num_speculative_tokens=k``; a P-EAGLE head, an EAGLE-3 head trained with
+   ``parallel_drafting``, as ``eagle3`` with ``"parallel_drafting": true``, against our ``PEagle`` chain
+   of k). The tokens must equal the target's alone, and vLLM's acceptance length (from its own counters)
+   must be at most 5% below ours on the same prompts.
 
 Writes ``--out`` (parity.json: both sides' drafts, acceptance length and per-position acceptance) and a
 Markdown table next to it (parity.md), and rewrites each export's model card with the figures
@@ -47,9 +50,17 @@ TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order di
 MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
 STAGES = ("speculators", "vllm-plain", "vllm-spec")
-LAYOUTS = {"eagle3": ("vllm", "speculators"), "eagle": ("vllm",)}  # the exports vLLM serves, per head type
+# The exports vLLM serves, per kind of head (peagle: an EAGLE-3 head with parallel_drafting).
+LAYOUTS = {"eagle3": ("vllm", "speculators"), "eagle": ("vllm",), "peagle": ("vllm", "speculators")}
+# vLLM's speculative config per kind: P-EAGLE is method eagle3 with parallel drafting (vllm/config/speculative.py).
+METHODS = {"eagle3": {"method": "eagle3"}, "eagle": {"method": "eagle"}}
+METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 DATA = "assets/data/gsm8k_test.jsonl"
-NO_SPECULATORS = "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)"
+NO_SPECULATORS = {
+    "eagle": "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)",
+    "peagle": "not run: the draft-logits check covers speculators' Eagle3DraftModel only; vLLM serves both "
+    "P-EAGLE layouts above",
+}
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
@@ -116,19 +127,22 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
 # ---- the project's side: exports, references, our own engine (imports the project lazily: the side venv cannot) ----
 
 
-def resolve_head(head_type: str, path: str, model: torch.nn.Module, work: Path) -> tuple[Path, bool]:
-    """(head folder, random_init): ``path``, checked to hold a ``head_type`` head, else a seeded random one."""
+def resolve_head(kind: str, path: str, model: torch.nn.Module, work: Path) -> tuple[Path, bool]:
+    """(head folder, random_init): ``path``, checked to hold a ``kind`` head, else a seeded random one."""
+    from eval.run import head_method
     from heads import build_head, read_head_config
 
     if Path(path, "config.json").is_file():
-        found = read_head_config(path).type
-        if found != head_type:
-            raise ValueError(f"--{head_type} {path}: its config.json says type {found!r}")
+        found = head_method(read_head_config(path))
+        if found != kind:
+            raise ValueError(f"--{kind} {path}: it is a {found} head (eval.run.head_method)")
         return Path(path), False
     torch.manual_seed(0)
-    options = {"draft_vocab_size": 2048} if head_type == "eagle3" else {}  # the bundled target's 8k vocab
+    # draft_vocab_size: 2048 of the bundled target's 8k tokens.
+    options = {"eagle": {"type": "eagle"}, "eagle3": {"type": "eagle3", "draft_vocab_size": 2048}}
+    options["peagle"] = {**options["eagle3"], "parallel_drafting": True}
     head_dir = work / "random-head"
-    build_head({"type": head_type, **options}, model).save_pretrained(head_dir)
+    build_head(options[kind], model).save_pretrained(head_dir)
     return head_dir, True
 
 
@@ -169,12 +183,17 @@ def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, wo
 
 
 def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, settings: dict[str, Any]) -> dict:
-    """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens)."""
-    from eval.proposers import Eagle
+    """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
+    a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does."""
+    from eval.proposers import Eagle, PEagle
+    from eval.run import head_method
     from eval.verify import generate
 
     k = settings["k"]
-    proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
+    if head_method(head.config) == "peagle":
+        proposer = PEagle(head, depth=k)
+    else:
+        proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
     forwards, accepted, tokens = 0, [0] * k, []
     for messages in prompts(settings["prompts"]):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -240,7 +259,7 @@ def run_vllm(settings: dict[str, Any], facts: dict[str, Any] | None, layout: str
 
     spec = None
     if facts:
-        spec = {"method": facts["type"], "model": facts["exports"][layout], "num_speculative_tokens": settings["k"]}
+        spec = {**METHODS[facts["type"]], "model": facts["exports"][layout], "num_speculative_tokens": settings["k"]}
     llm = LLM(
         model=settings["target"], dtype=settings["dtype"], enforce_eager=True, max_model_len=settings["max_model_len"],
         speculative_config=spec, disable_log_stats=False,
@@ -310,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--eagle3", default="runs/demo/eagle3/head", help="an EAGLE-3 head ('' to skip)")
     parser.add_argument("--eagle", default="runs/demo/eagle/head", help="an EAGLE-1/2 head ('' to skip)")
+    parser.add_argument("--peagle", default="", help="a P-EAGLE head (EAGLE-3 with parallel_drafting; '' to skip)")
     parser.add_argument("--target", default="assets/demo-target")
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
@@ -325,9 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage:
         engine_stage(args.stage, work, args.head_type, args.layout)
         return
-    heads = {t: p for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle)) if p}
+    heads = {t: p for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle), ("peagle", args.peagle)) if p}
     if not heads:
-        parser.error("nothing to check: both --eagle3 and --eagle are empty")
+        parser.error("nothing to check: --eagle3, --eagle and --peagle are all empty")
     report = measure(heads, args, work)
     out = Path(args.out or work / "parity.json")
     write_report(report, out)
@@ -367,7 +387,7 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
             speculators = spawn(python, "speculators", work, head_type)
             engines.add(speculators.get("engine"))
         else:
-            speculators = {"status": "N/A", "detail": NO_SPECULATORS}
+            speculators = {"status": "N/A", "detail": NO_SPECULATORS[head_type]}
         runs = [
             served(plain, spawn(python, "vllm-spec", work, head_type, lay), ours, lay) for lay in LAYOUTS[head_type]
         ]

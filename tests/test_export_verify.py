@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads import build_head
+from heads import build_head, load_head
 from scripts import verify_engines
 from scripts.export import export_head
 from scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
@@ -171,3 +171,28 @@ def test_prompts_are_the_bundled_questions_and_a_bad_line_is_named(tmp_path, mon
     monkeypatch.setattr(verify_engines, "DATA", str(bad))
     with pytest.raises(ValueError, match=rf"^{bad}:2: not a GSM8K row \(not UTF-8 text \(byte 0xe9 at byte 18"):
         prompts(2)
+
+
+def test_a_peagle_head_is_served_with_parallel_drafting_and_drafts_its_chain_in_one_forward(
+    target, tmp_path, one_thread
+):
+    model, tokenizer = target
+    head_dir, random_init = verify_engines.resolve_head("peagle", str(tmp_path / "none"), model, tmp_path)
+    head = load_head(head_dir, model).eval()
+    assert random_init and head.config.options.parallel_drafting.mask_token_id == 3  # the target's pad token
+    assert verify_engines.METHODS["peagle"] == {"method": "eagle3", "parallel_drafting": True}
+    settings = {"k": 4, "prompts": 1, "max_tokens": 8, "eos_token_id": model.generation_config.eos_token_id}
+    lengths = []
+    head.register_forward_hook(lambda _module, args, _out: lengths.append(args[0].shape[1]))
+    ours = our_acceptance(model, head, tokenizer, settings)
+    chat = tokenizer.apply_chat_template(
+        prompts(1)[0], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    first = chat["input_ids"]
+    assert ours["tokens"][0] == model.generate(first, max_new_tokens=8, do_sample=False)[0, first.shape[1] :].tolist()
+    # One head forward per step (the last step's verification ends the run): the pairs just committed (the
+    # prompt's, then at least the root's) and k - 1 = 3 mask slots.
+    assert len(lengths) == ours["drafts"] and lengths[0] == first.shape[1] - 1 + 3 and min(lengths) >= 4
+    build_head({"type": "eagle3"}, model).save_pretrained(tmp_path / "eagle3")
+    with pytest.raises(ValueError, match="it is a eagle3 head"):
+        verify_engines.resolve_head("peagle", str(tmp_path / "eagle3"), model, tmp_path)

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3"}
+TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "peagle": "P-EAGLE"}
 LAYOUT_NAMES = {"vllm": "EAGLE-repo layout", "speculators": "speculators layout"}
 SERVED_HEADER = (
     "| head | measured by | drafts | acceptance length | accepted per position (share of drafts) | greedy tokens "
