@@ -20,9 +20,9 @@ import transformers
 from core.models import load_model, load_tokenizer
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype
 from eval.bench import load_bench
-from eval.proposers import check_draft_vocab
+from eval.proposers import check_draft_vocab, head_method
 from eval.report import write_report
-from eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergences, head_method, run_methods, summarize
+from eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergences, run_methods, summarize
 from eval.timing import machine
 from eval.tree_config import head_tree_configs
 from eval.verify import Sampling
@@ -30,7 +30,7 @@ from heads import load_head, read_head_config
 
 
 def heads_by_method(head_dirs: list[str]) -> dict[str, str]:
-    """Method name (``eval.run.head_method``: the head's type, or peagle) -> head folder; reads only the configs."""
+    """Method name (``eval.proposers.head_method``: the type, or peagle) -> head folder; reads only the configs."""
     found: dict[str, str] = {}
     for head_dir in head_dirs:
         head_type = head_method(read_head_config(head_dir))

@@ -38,6 +38,7 @@ from core.io import atomic_write_text
 from core.models import load_model, load_tokenizer
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
 from eval.bench import load_bench, render
+from eval.proposers import head_method
 from eval.report import write_autotune_report
 from eval.run import calibrate, validate, validation_checks, validation_rows
 from eval.speedup import batch_table, grid, tune
@@ -53,7 +54,7 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.autotune", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder or hub id")
-    p.add_argument("--head", required=True, help="EAGLE-1/2 or EAGLE-3 head folder")
+    p.add_argument("--head", required=True, help="EAGLE-1/2, EAGLE-3 or P-EAGLE head folder")
     p.add_argument(
         "--allow-other-tokenizer",
         action="store_true",
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.write_head:
         atomic_write_text(Path(args.head) / "tree.json", config)
 
-    trees = grid(chosen.tree, rank_probs, args.max_depth)
+    trees = grid(chosen.tree, rank_probs, args.max_depth, dynamic=head_method(head.config) != "peagle")
     runs = validate(target, head, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
     rows = validation_rows(runs, chosen.tree)
     result = meta | {

@@ -38,7 +38,7 @@ from eval.tree import (
 )
 from eval.tree_config import chain_choices
 from eval.verify import Proposer, Sampling, probabilities
-from heads import DraftHead, KVCache
+from heads import DraftHead, HeadConfig, KVCache
 
 
 def draft_logq(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -254,6 +254,18 @@ class PEagle:
         if self.logp is None:  # a one-token prompt: no target feature yet
             return empty_tree(tokens.device)
         return per_depth_tree(self.logp, self.choices, self.sampling)
+
+
+def head_method(config: HeadConfig) -> str:
+    """The method that drafts with a head: its type, ``peagle`` for an EAGLE-3 head with ``parallel_drafting``."""
+    if config.type == "eagle3" and config.options.parallel_drafting is not None:
+        return "peagle"
+    return config.type
+
+
+def shaped_proposer(head: DraftHead) -> Eagle | PEagle:
+    """The proposer drafting an EAGLE head's static shapes (``choices``, set by the tree tuner)."""
+    return PEagle(head) if head_method(head.config) == "peagle" else Eagle(head)
 
 
 class Medusa:

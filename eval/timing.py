@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from core.timing import clock, timed
-from eval.proposers import Eagle, ProposerWrapper
+from eval.proposers import ProposerWrapper, shaped_proposer
 from eval.speedup import Costs
 from eval.tree import Tree, chain
 from eval.verify import Proposer, Sampling, verify_batch
@@ -140,7 +140,8 @@ def measure_drafting(
 
     Each cycle proposes, then commits the next ``accepted`` + 1 context tokens, as decoding does. k parallel
     chains of depth 3 cost two drafting levels of width k more than k children of the root alone; the
-    base is the latter plus the commit (the head reading the accepted rows).
+    base is the latter, the commit (the head reading the accepted rows) included. Both count propose and
+    commit: P-EAGLE drafts every depth in the commit's one forward, so its levels cost mask slots there.
     """
     if len(context) < start + drafting_tokens(widths, repeats, accepted) + 1:
         raise ValueError(f"a context of {len(context)} tokens is too short to measure drafting from {start}")
@@ -163,10 +164,10 @@ def measure_drafting(
 
     level_ms, base = [], []
     for k in widths:
-        one, update_ms = cycles([[r] for r in range(k)])
-        three, _ = cycles([[r] + [0] * d for r in range(k) for d in range(3)])
+        one = sum(cycles([[r] for r in range(k)]))
+        three = sum(cycles([[r] + [0] * d for r in range(k) for d in range(3)]))
         level_ms.append(max(three - one, 0.0) / 2)
-        base.append(one + update_ms)
+        base.append(one)
     return statistics.median(base), level_ms
 
 
@@ -187,5 +188,5 @@ def measure_costs(
     context = context.repeat(needed // len(context) + 1)[:needed]
     nodes = [n for n in VERIFY_NODES if n <= max_nodes]
     verify_ms = measure_verify(target, context[: kv_length + 1], nodes, batches, repeats)
-    base_ms, level_ms = measure_drafting(Eagle(head), target, context, kv_length, DRAFT_WIDTHS, repeats)
+    base_ms, level_ms = measure_drafting(shaped_proposer(head), target, context, kv_length, DRAFT_WIDTHS, repeats)
     return Costs(nodes, verify_ms, list(DRAFT_WIDTHS), level_ms, base_ms)

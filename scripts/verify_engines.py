@@ -129,13 +129,13 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
 
 def resolve_head(kind: str, path: str, model: torch.nn.Module, work: Path) -> tuple[Path, bool]:
     """(head folder, random_init): ``path``, checked to hold a ``kind`` head, else a seeded random one."""
-    from eval.run import head_method
+    from eval.proposers import head_method
     from heads import build_head, read_head_config
 
     if Path(path, "config.json").is_file():
         found = head_method(read_head_config(path))
         if found != kind:
-            raise ValueError(f"--{kind} {path}: it is a {found} head (eval.run.head_method)")
+            raise ValueError(f"--{kind} {path}: it is a {found} head (eval.proposers.head_method)")
         return Path(path), False
     torch.manual_seed(0)
     # draft_vocab_size: 2048 of the bundled target's 8k tokens.
@@ -185,8 +185,7 @@ def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, wo
 def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, settings: dict[str, Any]) -> dict:
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does."""
-    from eval.proposers import Eagle, PEagle
-    from eval.run import head_method
+    from eval.proposers import Eagle, PEagle, head_method
     from eval.verify import generate
 
     k = settings["k"]

@@ -163,3 +163,26 @@ def test_cli_on_tiny_models_writes_a_tree_the_acceptance_cli_reads(tiny_target_d
     argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "eagle3", "--bench", str(gsm8k_file)]
     report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
     assert report["methods"]["eagle3"]["tree_config"]["choices"] == tree["choices"]
+
+
+def test_cli_tunes_a_peagle_heads_static_shape(tiny_target_dir, gsm8k_file, tmp_path, one_thread):
+    # P-EAGLE drafts a tree of each depth's top candidates from one forward: the tuner calibrates it with its
+    # own proposer, measures static shapes only, and eval.acceptance drafts the chosen shape with it.
+    from eval.acceptance import main as acceptance
+    from eval.autotune import main
+
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    head = tmp_path / "head"
+    options = {"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100, "parallel_drafting": True}
+    build_head(options, target).save_pretrained(head)
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--bench", str(gsm8k_file), "--calibration", "1"]
+    argv += ["--heldout", "1", "--max-new-tokens", "8", "--max-nodes", "4", "--max-depth", "3", "--comb-width", "2"]
+    result = main(argv + ["--repeats", "1", "--batch-sizes", "1", "--out", str(tmp_path / "at"), "--write-head"])
+    assert all(row["shape"] == "static" and row["greedy_identical"] for row in result["grid"])
+    assert result["checks"]["beats_eagle_default"] is None
+    assert "not measured (P-EAGLE drafts static shapes only)" in (tmp_path / "at" / "autotune.md").read_text()
+    tree = load_tree_config(head / "tree.json")
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "peagle", "--bench", str(gsm8k_file)]
+    report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
+    assert report["methods"]["peagle"]["tree_config"]["choices"] == tree["choices"]
+    assert report["methods"]["peagle"]["greedy_identical"] is True
