@@ -24,9 +24,11 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from core.config import load_config, save_config
-from core.io import atomic_dir, atomic_path, atomic_write_text, parse_json_line
+from core.errors import DataError
+from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
 from core.runtime import resolve_device, resolve_dtype, seed_everything
 from core.schema import BuildDemoModelsConfig, validate_config
+from data_recipes.errors import get_field
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -50,13 +52,11 @@ CHAT_TEMPLATE = (
 
 def read_gsm8k(path: str | Path) -> list[dict[str, str]]:
     rows = []
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is then that line's error
-        for line_no, line in enumerate(f, 1):
-            try:
-                row = parse_json_line(line)
-                rows.append({"question": row["question"], "answer": row["answer"]})
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"{path}:{line_no}: not a GSM8K row ({err})") from err
+    for location, record in read_jsonl(path):
+        try:
+            rows.append({"question": get_field(record, "question"), "answer": get_field(record, "answer")})
+        except DataError as err:
+            raise DataError(f"not a GSM8K row: {err.message}", location) from None
     return rows
 
 

@@ -127,5 +127,5 @@ def test_malformed_gsm8k_line_names_file_and_line(tmp_path):
 def test_a_gsm8k_line_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"question": "q", "answer": "a"}\n' + '{"question": "Café?", "answer": "a"}'.encode("latin-1"))
-    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not a GSM8K row \(not UTF-8 text \(byte 0xe9 at byte 18"):
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at byte 18"):
         read_gsm8k(path)

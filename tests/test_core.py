@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from core.config import ConfigError, apply_overrides, load_config, save_config
-from core.io import atomic_dir, atomic_path, atomic_write_text
+from core.errors import DataError
+from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
 from core.runtime import resolve_device, resolve_dtype
 
 
@@ -63,3 +64,44 @@ def test_runtime_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_read_jsonl_names_each_line_and_skips_blank_ones(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n  \n[2, 3]\n{oops\n"\xe9"\n7\n')
+    bad: list[DataError] = []
+    assert list(read_jsonl(path, on_bad_record=bad.append)) == [
+        (f"{path}:1", {"a": 1}),
+        (f"{path}:4", [2, 3]),
+        (f"{path}:7", 7),
+    ]
+    assert [str(err) for err in bad] == [
+        f"{path}:5: not valid JSON (Expecting property name enclosed in double quotes at column 2)",
+        f"{path}:6: not UTF-8 text (byte 0xe9 at byte 2 of the line): re-encode the file as UTF-8",
+    ]
+    assert [err.location for err in bad] == [f"{path}:5", f"{path}:6"]
+    with pytest.raises(DataError, match=rf"^{path}:5: not valid JSON"):
+        list(read_jsonl(path))
+
+
+def test_every_jsonl_reader_raises_the_one_bad_record_error(tmp_path, monkeypatch):
+    """Training data, benchmark prompts, the demo models' GSM8K rows and engine verification's prompts."""
+    from data_recipes.sources import read_records
+    from eval.bench import load_bench
+    from scripts import verify_engines
+    from scripts.build_demo_models import read_gsm8k
+
+    path = tmp_path / "gsm.jsonl"
+    path.write_text('{"question": "What is 2+2?", "answer": "4"}\n{"question": "q", "answer"\n')
+    monkeypatch.setattr(verify_engines, "DATA", str(path))
+    readers = {
+        "read_records": lambda: list(read_records(str(path))),
+        "load_bench": lambda: load_bench(path),
+        "read_gsm8k": lambda: read_gsm8k(path),
+        "verify_engines.prompts": lambda: verify_engines.prompts(2),
+    }
+    for name, read in readers.items():
+        with pytest.raises(DataError) as err:
+            read()
+        assert type(err.value) is DataError, name
+        assert str(err.value) == f"{path}:2: not valid JSON (Expecting ':' delimiter at column 27)", name
