@@ -36,6 +36,23 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
+SEED_BASE = 1_000_003  # a prime above any epoch, step or chunk count a run reaches
+
+
+def mix_seed(*parts: int) -> int:
+    """One seed from a run's seed and the counters that pick a random stream (epoch, step, chunk, ...).
+
+    The parts are folded as digits in base ``SEED_BASE``: ``mix_seed(seed, epoch) == seed * 1_000_003 + epoch``.
+    So distinct parts give distinct seeds while every part after the first stays below 1_000_003, the
+    same numbers in every process and Python version (no ``hash()``), and with seed 0 the counters are
+    their own seeds. Taken modulo 2**64, the range ``torch.manual_seed`` accepts.
+    """
+    seed = 0
+    for part in parts:
+        seed = seed * SEED_BASE + part
+    return seed % 2**64
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -26,7 +26,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from core.config import load_config, save_config
 from core.errors import DataError
 from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
-from core.runtime import resolve_device, resolve_dtype, seed_everything
+from core.runtime import mix_seed, resolve_device, resolve_dtype, seed_everything
 from core.schema import BuildDemoModelsConfig, validate_config
 from data_recipes.errors import get_field
 
@@ -152,7 +152,7 @@ def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) 
     """The batch of global step ``step``: a pure function of (seed, step), so resume is exact."""
     steps_per_epoch = len(blocks) // batch_size
     epoch, index = divmod(step, steps_per_epoch)
-    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(mix_seed(seed, epoch)))
     return blocks[order[index * batch_size : (index + 1) * batch_size]]
 
 

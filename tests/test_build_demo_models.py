@@ -95,6 +95,15 @@ def test_batches_depend_only_on_seed_and_step_and_cover_each_epoch():
     assert not torch.equal(epoch0, epoch1)
 
 
+def test_seed_0_keeps_the_order_the_bundled_models_were_trained_in():
+    # The bundled models were built with seed 0, each epoch's order seeded by its epoch number.
+    blocks = torch.arange(20).view(10, 2)
+    for step in (0, 3, 5, 9):
+        epoch, index = divmod(step, 5)
+        order = torch.randperm(10, generator=torch.Generator().manual_seed(epoch))
+        assert torch.equal(batch_for_step(blocks, step, 2, seed=0), blocks[order[index * 2 : (index + 1) * 2]])
+
+
 def test_killed_training_resumes_to_identical_weights(tiny, tmp_path):
     tokenizer, blocks = tiny
 

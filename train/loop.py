@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.config import save_config
-from core.runtime import resolve_device
+from core.runtime import mix_seed, resolve_device
 from data_recipes.capture import OnlineCapture
 from heads import DraftHead, check_tokenizer
 from heads.common import CONFIG_NAME, read_head_config
@@ -173,12 +173,6 @@ def data_order(train: dict[str, Any], data: TrainData) -> dict[str, int | str]:
     }
 
 
-def _micro_seed(seed: int, step: int, chunk: int) -> int:
-    # Dropout (Medusa-2's LoRA) draws from a generator set per micro-batch chunk: the same numbers for
-    # a resumed run and for any number of processes.
-    return (seed * 1_000_003 + step) * 4099 + chunk
-
-
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -199,7 +193,9 @@ def train_step(
     sums: dict[str, torch.Tensor] = {}
     tokens = torch.zeros(())
     for m, batch in enumerate(batches):
-        torch.manual_seed(_micro_seed(seed, step, m * proc.world + proc.rank))
+        # Dropout (Medusa-2's LoRA) draws from a generator set per micro-batch chunk: the same numbers for
+        # a resumed run and for any number of processes.
+        torch.manual_seed(mix_seed(seed, step, m * proc.world + proc.rank))
         batch = _to(batch, proc.device)
         loss, metrics = engine(batch, step)
         finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
