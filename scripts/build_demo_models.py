@@ -26,7 +26,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from core.config import load_config, save_config
 from core.errors import DataError
 from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
-from core.runtime import mix_seed, resolve_device, resolve_dtype, seed_everything
+from core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, seed_everything
 from core.schema import BuildDemoModelsConfig, validate_config
 from data_recipes.errors import get_field
 
@@ -140,12 +140,8 @@ def model_config(arch: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Ll
 
 
 def learning_rate(step: int, hp: dict[str, Any]) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < hp["warmup_steps"]:
-        return hp["lr"] * (step + 1) / hp["warmup_steps"]
-    progress = (step - hp["warmup_steps"]) / max(1, hp["steps"] - hp["warmup_steps"])
-    floor = hp["min_lr_ratio"]
-    return hp["lr"] * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` (``cosine_with_warmup``)."""
+    return hp["lr"] * cosine_with_warmup(step, hp["warmup_steps"], hp["steps"], hp["min_lr_ratio"])
 
 
 def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:

@@ -1,3 +1,4 @@
+import math
 import os
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from core.config import ConfigError, apply_overrides, load_config, save_config
 from core.errors import DataError
 from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
-from core.runtime import mix_seed, resolve_device, resolve_dtype
+from core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype
 
 
 def test_overrides_parse_yaml_values_and_create_sections():
@@ -127,3 +128,17 @@ def test_training_data_order_is_the_one_runs_so_far_used():
     for seed, epoch in [(0, 0), (3, 1), (11, 4)]:
         order = torch.randperm(30, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1)).tolist()
         assert epoch_order(ids, seed, epoch) == [ids[i] for i in order]
+
+
+def test_lr_schedule_is_transformers_decay_after_a_warmup_one_step_ahead():
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 4, 20, min_lr_rate=0.1)
+    theirs = schedule.lr_lambdas[0]
+    ours = [cosine_with_warmup(step, warmup=4, total=20, min_ratio=0.1) for step in range(25)]
+    assert ours[:4] == [0.25, 0.5, 0.75, 1.0] == [theirs(step + 1) for step in range(4)]
+    assert ours[4:21] == [theirs(step) for step in range(4, 21)]  # the decay, to the bit
+    assert ours[12] == 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 16))
+    assert ours[20:] == [0.1] * 5  # the floor at the last step and after
+    assert cosine_with_warmup(0, warmup=0, total=10, min_ratio=0.0) == 1.0  # no warm-up: the decay from step 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import socket
 import time
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.config import save_config
-from core.runtime import mix_seed, resolve_device
+from core.runtime import cosine_with_warmup, mix_seed, resolve_device
 from data_recipes.capture import OnlineCapture
 from heads import DraftHead, check_tokenizer
 from heads.common import CONFIG_NAME, read_head_config
@@ -114,14 +113,6 @@ class HeadLoss(nn.Module):
 def total_steps(train: dict[str, Any], data: TrainData) -> int:
     per_epoch = len(data.train_ids) // train["batch_size"]
     return train["max_steps"] if train["max_steps"] is not None else train["epochs"] * per_epoch
-
-
-def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """lr multiplier for optimizer step ``step`` (0-based): linear warm-up, then cosine down to ``min_ratio``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min((step - warmup) / max(1, total - warmup), 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def deepspeed_config(train: dict[str, Any], world: int, load_universal: bool = False) -> dict[str, Any]:
