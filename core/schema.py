@@ -149,6 +149,14 @@ class Wandb(Section):
     name: str | None = None
 
 
+class Metrics(Section):
+    """Where training metrics go besides metrics.jsonl (always written) and wandb (its own section)."""
+
+    tensorboard: bool = False  # event files in <train.out_dir>/tensorboard
+    mlflow: bool = False  # an MLflow file store in <train.out_dir>/mlruns: no server, no network
+    mlflow_experiment: str = "headstart"  # each launch is one run in it, named after train.out_dir
+
+
 class HeadOptions(Section):
     """A head type's options; ``heads`` takes its defaults from here (``DraftHead.options_model``)."""
 
@@ -333,6 +341,7 @@ class PipelineConfig(Section):
     train: Train | None = None
     lora: Lora | None = None
     wandb: Wandb | None = None
+    metrics: Metrics | None = None
     eval: Eval | None = None
     autotune: Autotune | None = None
     export: Export | None = None
@@ -371,6 +380,7 @@ class TrainConfig(PipelineConfig):
     head: Head
     train: Train
     wandb: Wandb = Wandb()
+    metrics: Metrics = Metrics()
 
 
 def _command_config(section: str) -> type[PipelineConfig]:
