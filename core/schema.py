@@ -16,12 +16,15 @@ YAML 1.1's: it reads ``1e-4`` (an exponent without a dot) as a string, so a floa
 from __future__ import annotations
 
 import contextlib
+import json
 import types
 import typing
+from argparse import Namespace
 from collections.abc import Iterator
+from pathlib import PurePath
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -146,6 +149,14 @@ class Wandb(Section):
     name: str | None = None
 
 
+class Metrics(Section):
+    """Where training metrics go besides metrics.jsonl (always written) and wandb (its own section)."""
+
+    tensorboard: bool = False  # event files in <train.out_dir>/tensorboard
+    mlflow: bool = False  # an MLflow file store in <train.out_dir>/mlruns: no server, no network
+    mlflow_experiment: str = "headstart"  # each launch is one run in it, named after train.out_dir
+
+
 class HeadOptions(Section):
     """A head type's options; ``heads`` takes its defaults from here (``DraftHead.options_model``)."""
 
@@ -203,6 +214,134 @@ HEAD_OPTIONS: dict[str, type[HeadOptions]] = {
 Head = Annotated[Union[tuple(HEAD_OPTIONS.values())], Field(discriminator="type")]  # noqa: UP007
 
 
+# ---- the flag-driven commands: a section each, a field per flag (see ``flags_argv``)
+
+
+class CommandFlags(Section):
+    """The flags of a command driven by flags (``python -m eval.acceptance --target ...``), as a section.
+
+    Each field is the flag of that name (``max_new_tokens`` is ``--max-new-tokens``), with the flag's
+    default; ``positional`` names the fields the command takes as positional arguments. The flags stay
+    the command's own interface; tests/test_cli.py checks every section against its command's parser.
+    """
+
+    positional: ClassVar[tuple[str, ...]] = ()
+
+
+class Eval(CommandFlags):
+    """``python -m eval.acceptance``: acceptance length and speedup against vanilla decoding."""
+
+    target: str
+    head: list[str] = []  # head folders, one per head method
+    draft: str | None = None  # for method draft_model
+    allow_other_tokenizer: bool = False
+    method: Annotated[list[str], Field(min_length=1)]  # eval.run.METHODS
+    bench: str
+    limit: Count | None = None  # null: every prompt
+    max_new_tokens: Count = 128
+    temperature: NonNegativeFloat = 0.0
+    top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
+    top_k: NonNegative = 0
+    tree: str | None = None  # static, dynamic or a tree.json file; null: each method's default
+    top_k_draft: Count = 8
+    depth: Count = 5
+    total_tokens: Count = 48
+    seed: NonNegative = 0
+    device: str = "auto"
+    dtype: Dtype = "fp32"
+    out: str  # the report folder
+
+
+class Autotune(CommandFlags):
+    """``python -m eval.autotune``: the draft tree with the best expected tokens/s on this machine."""
+
+    target: str
+    head: str
+    allow_other_tokenizer: bool = False
+    bench: str = "assets/data/gsm8k_test.jsonl"
+    offset: NonNegative = 0
+    calibration: Count = 8
+    heldout: Count = 8
+    max_new_tokens: Count = 128
+    max_nodes: Count = 48
+    max_depth: Count = 8
+    comb_width: Count = 8
+    batch_size: Count = 1
+    batch_sizes: Annotated[list[Count], Field(min_length=1)] = [1, 2, 4, 8]
+    repeats: Count = 7
+    device: str = "auto"
+    dtype: Dtype = "fp32"
+    seed: NonNegative = 0
+    out: str
+    write_head: bool = False
+
+
+ExportFormat = Literal["vllm", "sglang", "speculators", "medusa"]  # scripts.export.FORMATS
+
+
+class Export(CommandFlags):
+    """``python -m scripts.export``: a trained head in a serving engine's layout."""
+
+    head: str
+    format: ExportFormat
+    out: str
+    overwrite: bool = False
+    target: str | None = None  # null: the target the head's config names
+    parity: str | None = None
+    allow_other_tokenizer: bool = False
+
+
+class ImportHead(CommandFlags):
+    """``python -m scripts.import_head``: a published draft head in headstart's head format."""
+
+    positional: ClassVar[tuple[str, ...]] = ("src",)
+
+    kind: Literal["eagle", "eagle3", "medusa", "speculators"]  # scripts.import_head.SOURCES (flag --from)
+    src: str
+    out: str
+    overwrite: bool = False
+    target: str
+
+
+class Push(CommandFlags):
+    """``python -m scripts.push_to_hub``: a head's export, card and eval report on the Hugging Face Hub."""
+
+    head: str
+    repo_id: str
+    format: ExportFormat = "vllm"
+    target: str | None = None
+    target_id: str | None = None
+    report: str | None = None
+    parity: str | None = None
+    private: bool = False
+    dry_run: bool = False
+
+
+class VerifyEngines(CommandFlags):
+    """``python -m scripts.verify_engines``: served-acceptance parity of the EAGLE exports in vLLM and speculators."""
+
+    eagle3: str = "runs/demo/eagle3/head"  # "": skip
+    eagle: str = "runs/demo/eagle/head"  # "": skip
+    target: str = "assets/demo-target"
+    engines_python: str = ".venv-engines/bin/python"
+    k: Count = 3
+    prompts: Count = 8
+    max_tokens: Count = 96
+    work: str = "runs/verify_engines"
+    out: str | None = None  # null: <work>/parity.json
+
+
+# Section name -> its model; the section is named for its command (``import_head``: ``import`` is Python's).
+COMMAND_FLAGS: dict[str, type[CommandFlags]] = {
+    "eval": Eval,
+    "autotune": Autotune,
+    "export": Export,
+    "import_head": ImportHead,
+    "push": Push,
+    "verify_engines": VerifyEngines,
+}
+
+
 class PipelineConfig(Section):
     """Any stage's config: every section optional, each checked against its schema when present."""
 
@@ -217,6 +356,13 @@ class PipelineConfig(Section):
     train: Train | None = None
     lora: Lora | None = None
     wandb: Wandb | None = None
+    metrics: Metrics | None = None
+    eval: Eval | None = None
+    autotune: Autotune | None = None
+    export: Export | None = None
+    import_head: ImportHead | None = None
+    push: Push | None = None
+    verify_engines: VerifyEngines | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -249,6 +395,19 @@ class TrainConfig(PipelineConfig):
     head: Head
     train: Train
     wandb: Wandb = Wandb()
+    metrics: Metrics = Metrics()
+
+
+def _command_config(section: str) -> type[PipelineConfig]:
+    """The root model of a flag-driven command: any stage's config, with the command's own section required."""
+    flags = COMMAND_FLAGS[section]
+    root = create_model(f"{flags.__name__}Config", __base__=PipelineConfig, __module__=__name__, **{section: flags})
+    root.command = section
+    return root
+
+
+# Section name -> the root model its command (``headstart eval``, ...) checks a config against.
+COMMAND_CONFIGS: dict[str, type[PipelineConfig]] = {section: _command_config(section) for section in COMMAND_FLAGS}
 
 
 class DemoStage(Section):
@@ -336,6 +495,49 @@ def validate_config(config: dict[str, Any], schema: type[Section]) -> dict[str, 
     resolved, problems = check_config(config, schema)
     raise_problems(schema, problems)
     return resolved
+
+
+def flags_argv(section: str, values: dict[str, Any]) -> list[str]:
+    """The command line that a validated flag-driven ``section`` amounts to: one rule for every such command.
+
+    A field is its flag (``max_new_tokens: 64`` is ``--max-new-tokens 64``); a list is comma-joined (the
+    commands split their list flags on commas); true is the bare flag; false, null and an empty list leave
+    the flag out, which is its default; the section's ``positional`` fields come first, as plain values.
+    """
+    flags = COMMAND_FLAGS[section]
+    argv = [str(values[name]) for name in flags.positional]
+    for name, value in values.items():
+        if name in flags.positional or value is None or value is False or value == []:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(",".join(map(str, value)) if isinstance(value, list) else str(value))
+    return argv
+
+
+def flags_config(section: str, args: Namespace) -> dict[str, Any]:
+    """What a flag-driven command's parsed ``args`` amount to as a config: ``{section: {flag: value}}``.
+
+    The command saves it beside what it wrote; ``headstart <command> --config`` on it runs the same again.
+    """
+    values = {name: getattr(args, name) for name in COMMAND_FLAGS[section].model_fields}
+    return {section: {name: _plain(value) for name, value in values.items()}}
+
+
+def section_keys(section: str) -> list[str]:
+    """A flag-driven section's keys for ``headstart <command> --help``: each with its type and default."""
+    lines = []
+    for name, field in COMMAND_FLAGS[section].model_fields.items():
+        default = "required" if field.is_required() else f"default {json.dumps(field.default)}"
+        lines.append(f"{section}.{name}: {_describe(field.annotation)} ({default})")
+    return lines
+
+
+def _plain(value: Any) -> Any:
+    """A parsed flag as YAML writes it: a path as its string, a tuple as a list."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return str(value) if isinstance(value, PurePath) else value
 
 
 def raise_problems(schema: type[Section], problems: list[str]) -> None:

@@ -10,10 +10,11 @@ later turn sees the earlier regenerated ones. The output is OpenAI-messages JSON
 
 Resumable: conversations are processed in chunks; each chunk lands in ``<out>.parts/`` atomically
 (sampling seeded per chunk, so a resumed run writes what an uninterrupted one would), and the final
-file is assembled in one rename once every chunk exists. ``<out>.parts/settings.json`` records what
-made the parts (generation settings, the target's weights and tokenizer hashes, the conversations'
-hash): a run with other settings refuses to mix its replies with theirs, or discards them when told
-to (``regenerate.discard_stale_parts: true``). One run writes a parts folder at a time.
+file is assembled in one rename once every chunk exists, the resolved config beside it as
+``<out>.config.yaml``. ``<out>.parts/settings.json`` records what made the parts (generation settings,
+the target's weights and tokenizer hashes, the conversations' hash): a run with other settings refuses
+to mix its replies with theirs, or discards them when told to (``regenerate.discard_stale_parts:
+true``). One run writes a parts folder at a time.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from core.config import load_config
+from core.config import load_config, save_config
 from core.fingerprint import tokenizer_hash, weights_hash
 from core.io import atomic_path, atomic_write_text, output_lock
 from core.models import load_target
+from core.runtime import mix_seed
 from core.schema import RegenerateConfig, validate_config
 from data_recipes.recipes import read_conversations
 
@@ -157,11 +159,12 @@ def run_regenerate(cfg: dict[str, Any]) -> Path:
             part = parts / f"part-{k:05d}.jsonl"
             if part.exists():
                 continue
-            torch.manual_seed(settings["seed"] * 100_003 + k)
+            torch.manual_seed(mix_seed(settings["seed"], k))
             rows, hit_limit = regenerate_chunk(model, tokenizer, chunk, regen)
             cut_off += hit_limit
             with atomic_path(part) as tmp:
                 tmp.write_text("".join(json.dumps({"messages": r}, ensure_ascii=False) + "\n" for r in rows))
+        save_config(cfg, out.with_name(out.name + ".config.yaml"))  # first: the output never stands without it
         atomic_write_text(out, "".join((parts / f"part-{k:05d}.jsonl").read_text() for k in range(len(chunks))))
         shutil.rmtree(parts)
     print(

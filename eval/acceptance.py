@@ -5,7 +5,8 @@
 
 Every method decodes the same prompts through the one verification core (``eval.verify.generate``, run
 by ``eval.run``); vanilla runs first as the speedup baseline (also when not asked for). ``--out`` gets
-report.json, report.md and PNG plots (``eval.report``).
+report.json, report.md and PNG plots (``eval.report``), and eval_config.yaml: the settings, as the
+``eval:`` section that ``headstart eval --config`` reads.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 import torch
 import transformers
 
+from core.config import save_config
 from core.models import load_model, load_tokenizer
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype
+from core.schema import flags_config
 from eval.bench import load_bench
 from eval.proposers import check_draft_vocab, head_method
 from eval.report import write_report
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         "methods": methods,
     }
     print(write_report(report, args.out))
+    save_config(flags_config("eval", args), args.out / "eval_config.yaml")  # `headstart eval --config`
     if "vanilla" not in args.method:
         print("note: vanilla was not requested; it ran anyway as the speedup baseline", file=sys.stderr)
     for method, entry in methods.items():

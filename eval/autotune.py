@@ -20,7 +20,8 @@
 
 The choice is written as JSON (``tree.json``, ``eval.tree_config``) that ``python -m eval.acceptance --tree
 FILE`` reads (and picks up from a head folder by itself), as do the exports' model cards. ``--out`` also
-gets autotune.json, autotune.md and autotune.png (``eval.report``).
+gets autotune.json, autotune.md and autotune.png (``eval.report``), and autotune_config.yaml: the settings,
+as the ``autotune:`` section that ``headstart autotune --config`` reads.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from pathlib import Path
 
 import torch
 
+from core.config import save_config
 from core.io import atomic_write_text
 from core.models import load_model, load_tokenizer
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
+from core.schema import flags_config
 from eval.bench import load_bench, render
 from eval.proposers import head_method
 from eval.report import write_autotune_report
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = json.dumps(tree_json(chosen, vanilla, batch, meta), indent=2) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "tree.json", config)
+    save_config(flags_config("autotune", args), args.out / "autotune_config.yaml")  # `headstart autotune --config`
     if args.write_head:
         atomic_write_text(Path(args.head) / "tree.json", config)
 

@@ -8,7 +8,8 @@ to ``vllm`` (with ``mask_hidden`` and ``mask_token_id``) or ``speculators`` (typ
 no parallel drafting. The head's config names its target; ``--target``
 overrides it. The head is checked against the target's config (hidden size, vocab, attention shape,
 layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
-recorded in training), and the folder appears whole or not at all. See docs/EXPORT.md.
+recorded in training), and the folder appears whole or not at all, with the command's settings as
+export_config.yaml (the ``export:`` section that ``headstart export --config`` reads). See docs/EXPORT.md.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from core.config import save_config
 from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
+from core.schema import flags_config
 from heads import CONFIG_NAME, HEADS, WEIGHTS_NAME, HeadConfig, check_compatible, check_tokenizer, read_head_config
 from scripts.formats import eagle, eagle3, medusa
 from scripts.formats.card import model_card, tree_card_section
@@ -31,7 +34,8 @@ from scripts.formats.common import check_out, state_problems
 from scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
-EXPORT_FILES = frozenset({"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE})
+CONFIG_FILE = "export_config.yaml"  # the settings of `python -m scripts.export` (`headstart export`)
+EXPORT_FILES = frozenset({"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE, CONFIG_FILE})
 SUPPORTED = {"eagle": ("vllm", "sglang"), "eagle3": ("vllm", "sglang", "speculators"), "medusa": ("medusa",)}
 
 
@@ -121,6 +125,7 @@ def export_head(
     head_name: str | None = None,
     overwrite: bool = False,
     allow_other_tokenizer: bool = False,
+    settings: dict[str, Any] | None = None,
 ) -> Path:
     """Write the head in ``head_dir`` as ``fmt`` to ``out`` (config.json, weights, README.md), atomically.
 
@@ -131,7 +136,8 @@ def export_head(
     ``scripts.verify_engines``) holds for these very weights; its re-export commands name the head folder
     ``head_name`` (default: ``head_dir``). An existing ``out`` is replaced only if it holds an earlier
     export, or with ``overwrite``. A ``target`` given must have the tokenizer the head was trained with,
-    unless ``allow_other_tokenizer``.
+    unless ``allow_other_tokenizer``. ``settings`` (the command's config) go in as export_config.yaml; the
+    hub push leaves them out, as they name local folders.
     """
     head_dir, out = Path(head_dir), Path(out)
     if fmt not in FORMATS:
@@ -165,6 +171,8 @@ def export_head(
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
         (tmp / "README.md").write_text(card)
+        if settings is not None:
+            save_config(settings, tmp / CONFIG_FILE)
     return out
 
 
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             parity=args.parity,
             overwrite=args.overwrite,
             allow_other_tokenizer=args.allow_other_tokenizer,
+            settings=flags_config("export", args),
         )
     except (ValueError, FileNotFoundError) as err:
         parser.exit(2, f"export failed: {err}\n")

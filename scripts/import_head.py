@@ -93,7 +93,7 @@ def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwr
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--from", dest="kind", required=True, choices=SOURCES, help="the checkpoint's layout")
+    parser.add_argument("--from", "--kind", dest="kind", required=True, choices=SOURCES, help="the checkpoint's layout")
     parser.add_argument("src", help="the checkpoint folder")
     parser.add_argument("--out", required=True, help="the head folder to write (new or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out whole even if it holds files")

@@ -37,13 +37,16 @@ import subprocess
 import sys
 import time
 from importlib.metadata import version
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.io import parse_json_line
+from core.errors import DataError
+from core.io import read_jsonl
+from data_recipes.errors import get_field
 from scripts.formats.parity import acceptance, report_markdown, weights_digest
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
@@ -64,12 +67,13 @@ NO_SPECULATORS = {
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
+    """The first ``n`` GSM8K test questions, each as a one-message chat."""
     chats = []
-    for line_no, line in enumerate(Path(DATA).read_bytes().splitlines()[:n], 1):
+    for location, record in islice(read_jsonl(DATA), n):
         try:
-            chats.append([{"role": "user", "content": parse_json_line(line)["question"]}])
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"{DATA}:{line_no}: not a GSM8K row ({err})") from err
+            chats.append([{"role": "user", "content": get_field(record, "question")}])
+        except DataError as err:
+            raise DataError(f"not a GSM8K row: {err.message}", location) from None
     return chats
 
 

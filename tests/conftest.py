@@ -1,6 +1,8 @@
-"""Test-wide settings: no network, no wandb, seeded, one place for the bundled model paths; waiting on a process."""
+"""Test-wide settings: no network, no wandb, seeded, one place for the bundled model paths; the tiny training
+config and its process env; waiting on a process."""
 
 import os
+import socket
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,6 +87,68 @@ def gsm8k_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
     return path
+
+
+# ---- tiny training runs (tests/test_train.py, tests/test_cli.py)
+
+TINY_HEADS = {  # head options for the tiny training runs
+    "eagle": {"type": "eagle"},
+    "eagle3": {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3},
+    "medusa": {"type": "medusa", "num_heads": 2},
+}
+SAMPLES, HELDOUT, BATCH = 16, 4, 4
+
+
+def base_config(target_dir, data_file, shards, out_dir, head_type, **train):
+    return {
+        "target": {"path": str(target_dir), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": str(data_file), "format": "gsm8k", "max_length": 64, "limit": SAMPLES},
+        "capture": {
+            "out_dir": str(shards),
+            "aux_layers": [1, 3, 4],
+            "store_dtype": "fp32",
+            "shard_samples": 8,
+            "batch_tokens": 512,
+        },
+        "head": TINY_HEADS[head_type],
+        "train": {
+            "out_dir": str(out_dir),
+            "seed": 3,
+            "batch_size": BATCH,
+            "micro_batch_size": 2,
+            "max_steps": 6,
+            "lr": 1e-2,
+            "warmup_steps": 1,
+            "zero_stage": 2,
+            "heldout_samples": HELDOUT,
+            "eval_every": 3,
+            **train,
+        },
+    }
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def world_of_one(monkeypatch):
+    """The env of rank 0 of a world of one, undone after the test (a recipe's main() run in this process)."""
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", free_port())
+
+
+def subprocess_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def head_weights(out_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(out_dir / "head" / "model.safetensors"))
 
 
 def children(pid: int) -> list[int]:

@@ -12,8 +12,9 @@ import pytest
 import test_train
 import torch
 import yaml
+from conftest import base_config, head_weights
 from safetensors.torch import load_file, save_file
-from test_train import base_config, head_weights, records, run_here
+from test_train import records, run_here
 
 from data_recipes.capture import run_capture
 from data_recipes.shards import ShardDataset, shard_fingerprint

@@ -7,6 +7,7 @@ from conftest import REPO
 
 from core.config import ConfigError, apply_overrides, load_config
 from core.schema import (
+    COMMAND_CONFIGS,
     HEAD_OPTIONS,
     BuildDemoModelsConfig,
     CaptureConfig,
@@ -28,6 +29,7 @@ COMMANDS_OF = {
     "demo.yaml": [DemoConfig],
     "build-demo-models.yaml": [BuildDemoModelsConfig],
     "demo-regenerate.yaml": [RegenerateConfig],
+    "demo-eval.yaml": [COMMAND_CONFIGS["eval"]],
 }
 
 

@@ -335,8 +335,9 @@ def test_out_holding_a_head_folder_is_refused_unless_overwrite(target, tmp_path,
     (tmp_path / "notes.txt").write_text("keep")
     with pytest.raises(ValueError, match="is a file, not a folder"):
         export_head(head_dir, "vllm", tmp_path / "notes.txt", overwrite=True)
-    main([*argv, "--overwrite"])
-    assert sorted(p.name for p in other.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    main([*argv, "--overwrite"])  # replaced whole: the export and its settings, nothing of the head folder
+    files = ["README.md", "config.json", "export_config.yaml", "model.safetensors"]
+    assert sorted(p.name for p in other.iterdir()) == files
 
 
 def test_every_safetensors_file_gets_the_mode_of_any_new_file(target, tmp_path):

@@ -11,8 +11,9 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import base_config
 from safetensors.torch import load_file
-from test_train import base_config, records, run_here
+from test_train import records, run_here
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,

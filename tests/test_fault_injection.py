@@ -23,15 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, children, wait_for
+from conftest import REPO, children, free_port, wait_for
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_train import free_port
 
 from core.config import load_config
 from data_recipes.capture import run_capture
 from data_recipes.shards import read_manifest, shard_name
-from scripts.export import export_head
+from scripts.export import main as export_main
 from train import eagle
 
 SEED = 2026
@@ -199,7 +198,7 @@ def reference(tiny_target_dir, tmp_path_factory):
         try:
             run_capture(load_config("eagle3.yaml"))
             eagle.main(["--config", "eagle3.yaml"])
-            export_head(HEAD, "vllm", EXPORT)
+            export_main(["--head", str(HEAD), "--format", "vllm", "--out", str(EXPORT)])
         finally:
             torch.set_num_threads(threads)
     return root

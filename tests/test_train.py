@@ -8,14 +8,23 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
-from conftest import REPO, wait_for
+from conftest import (
+    HELDOUT,
+    REPO,
+    SAMPLES,
+    base_config,
+    free_port,
+    head_weights,
+    subprocess_env,
+    wait_for,
+    world_of_one,
+)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,13 +38,6 @@ from train.data import epoch_order, split_heldout
 from train.loop import NonFiniteLoss
 
 TRAINERS = {"eagle": eagle, "eagle3": eagle, "medusa": medusa}
-HEADS = {
-    "eagle": {"type": "eagle"},
-    "eagle3": {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3},
-    "medusa": {"type": "medusa", "num_heads": 2},
-}
-SAMPLES, HELDOUT, BATCH = 16, 4, 4
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,34 +51,6 @@ def sharp_target_dir(tiny_target_dir, tmp_path_factory):
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(out)
     return out
-
-
-def base_config(target_dir, data_file, shards, out_dir, head_type, **train):
-    return {
-        "target": {"path": str(target_dir), "device": "cpu", "dtype": "fp32"},
-        "data": {"source": str(data_file), "format": "gsm8k", "max_length": 64, "limit": SAMPLES},
-        "capture": {
-            "out_dir": str(shards),
-            "aux_layers": [1, 3, 4],
-            "store_dtype": "fp32",
-            "shard_samples": 8,
-            "batch_tokens": 512,
-        },
-        "head": HEADS[head_type],
-        "train": {
-            "out_dir": str(out_dir),
-            "seed": 3,
-            "batch_size": BATCH,
-            "micro_batch_size": 2,
-            "max_steps": 6,
-            "lr": 1e-2,
-            "warmup_steps": 1,
-            "zero_stage": 2,
-            "heldout_samples": HELDOUT,
-            "eval_every": 3,
-            **train,
-        },
-    }
 
 
 @pytest.fixture(scope="module")
@@ -97,23 +71,10 @@ def make_config(sharp_target_dir, gsm8k_file, shards, tmp_path):
     return make
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run_here(monkeypatch, trainer, config, *overrides):
     """The recipe's main() in this process, as rank 0 of a world of one."""
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", free_port())
+    world_of_one(monkeypatch)
     trainer.main(["--config", str(config), *overrides])
-
-
-def subprocess_env():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def run_torchrun(script, config, *overrides, nproc: int = 2) -> str:
@@ -129,10 +90,6 @@ def run_torchrun(script, config, *overrides, nproc: int = 2) -> str:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
-
-
-def head_weights(out_dir):
-    return load_file(str(out_dir / "head" / "model.safetensors"))
 
 
 def records(out_dir, split="train"):

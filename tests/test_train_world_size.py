@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 import test_train
 import torch
-from conftest import REPO
-from test_train import head_weights, records, run_here, run_torchrun
+from conftest import REPO, head_weights
+from test_train import records, run_here, run_torchrun
 
 from train import eagle
 from train.checkpoint import MARKER, check_data_order, complete_steps, loads_universal, tag_for

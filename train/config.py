@@ -15,8 +15,9 @@ from typing import Any
 from core.config import load_config
 from core.schema import TrainConfig, check_config, raise_problems
 
+# train/<trainer>.py -> the head types it trains; `headstart train` picks the recipe by head.type.
 TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",)}
-_TRAINER_OF = {head_type: trainer for trainer, head_types in TRAINERS.items() for head_type in head_types}
+TRAINER_OF = {head_type: trainer for trainer, head_types in TRAINERS.items() for head_type in head_types}
 
 
 def resolve_config(config: dict[str, Any], trainer: str) -> dict[str, Any]:
@@ -25,7 +26,7 @@ def resolve_config(config: dict[str, Any], trainer: str) -> dict[str, Any]:
     # Said beside the schema's problems: a Medusa config run by train/eagle.py has EAGLE-unknown head keys too.
     head = config.get("head")
     head_type = head.get("type") if isinstance(head, dict) else None
-    other = _TRAINER_OF.get(head_type, trainer) if isinstance(head_type, str) else trainer
+    other = TRAINER_OF.get(head_type, trainer) if isinstance(head_type, str) else trainer
     if other != trainer:
         problems.append(f"head.type {head_type!r} is trained by train/{other}.py, not train/{trainer}.py")
     if not problems:

