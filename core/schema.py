@@ -322,6 +322,7 @@ class VerifyEngines(CommandFlags):
 
     eagle3: str = "runs/demo/eagle3/head"  # "": skip
     eagle: str = "runs/demo/eagle/head"  # "": skip
+    peagle: str = ""  # a P-EAGLE head (EAGLE-3 with parallel_drafting); "": skip
     target: str = "assets/demo-target"
     engines_python: str = ".venv-engines/bin/python"
     k: Count = 3
