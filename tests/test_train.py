@@ -216,3 +216,36 @@ def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_state(make_config, s
     assert complete_steps(out / "checkpoints") == [1]
     assert all(torch.isfinite(w).all() for w in head_weights(out).values())
     assert [r["step"] for r in records(out)] == [1]
+
+
+@pytest.mark.slow
+def test_peagle_trains_through_the_eagle3_recipe_and_resumes_exactly(
+    make_config, sharp_target_dir, monkeypatch, capsys
+):
+    # P-EAGLE is an option of the EAGLE-3 recipe: the same shards, checkpoints, held-out metrics and resume.
+    config, out = make_config("eagle3", save_every=3)
+    peagle = "head.parallel_drafting=true"
+    run_here(monkeypatch, eagle, config, peagle)
+    shutil.rmtree(out / "checkpoints" / "step-00000006")  # as if killed after step 3's checkpoint
+    shutil.rmtree(out / "head")
+    capsys.readouterr()
+    run_here(monkeypatch, eagle, config, peagle)
+    assert "resumed from step 3" in capsys.readouterr().out
+    reference_config, reference = make_config("eagle3", name="reference", save_every=3)
+    run_here(monkeypatch, eagle, reference_config, peagle)
+    resumed, uninterrupted = head_weights(out), head_weights(reference)
+    assert "mask_hidden" in resumed and resumed.keys() == uninterrupted.keys()
+    for name in resumed:
+        assert torch.equal(resumed[name], uninterrupted[name]), name
+    assert [r["loss"] for r in records(out)] == [r["loss"] for r in records(reference)]
+    heldout = records(out, "heldout")[-1]
+    assert {k for k in heldout if k.startswith("acc")} == {"acc_0", "acc_1", "acc_2"} and heldout["predicted_tau"] > 1
+    head = load_head(out / "head", AutoModelForCausalLM.from_pretrained(sharp_target_dir))
+    pad = AutoTokenizer.from_pretrained(sharp_target_dir).pad_token_id
+    assert pad is not None and head.config.options.parallel_drafting.mask_token_id == pad  # the default mask token
+    assert head.config.training["predicted_tau"] == pytest.approx(heldout["predicted_tau"])
+    # Online capture: the target runs inside each step instead of reading the shards.
+    online_config, online = make_config("eagle3", name="online", online_capture=True)
+    run_here(monkeypatch, eagle, online_config, peagle)
+    steps = records(online)
+    assert len(steps) == 6 and steps[-1]["loss"] < steps[0]["loss"]
