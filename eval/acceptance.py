@@ -25,15 +25,15 @@ from tqdm import tqdm
 from core.models import load_model, load_tokenizer
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
 from eval.bench import BenchItem, load_bench, render
-from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla, check_draft_vocab
+from eval.proposers import DFlash, DraftModel, Eagle, Medusa, NGram, Vanilla, check_draft_vocab
 from eval.report import write_report
 from eval.tree import MC_SIM_7B_63, Tree, load_tree_config
 from eval.verify import Proposer, Sampling, generate
 from heads import load_head
 from heads.common import read_head_config
 
-METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa")
-HEAD_METHODS = ("eagle", "eagle3", "medusa")  # a head's config["type"] is its method name
+METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "dflash")
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "dflash")  # a head's config["type"] is its method name
 WARMUP_TOKENS = 16
 
 
@@ -302,26 +302,33 @@ def build_proposer(method: str, args: argparse.Namespace, draft, heads: dict) ->
         choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: args.total_tokens]
         return Medusa(head, choices)
     if method in args.tree_configs:
-        return eagle_for_tree(heads[method], args.tree_configs[method])
+        return proposer_for_tree(heads[method], args.tree_configs[method])
+    if method == "dflash":  # one forward drafts every depth: a chain (a tuned tree.json: a static tree)
+        head = heads[method]
+        return DFlash(head, choices=[[0] * d for d in range(1, min(args.depth, head.config["block_size"] - 1) + 1)])
     if args.tree == "static":  # a chain of depth: the one-wide dynamic tree
         return Eagle(heads[method], top_k=1, depth=args.depth, total_tokens=args.depth)
     return Eagle(heads[method], top_k=args.top_k_draft, depth=args.depth, total_tokens=args.total_tokens)
 
 
-def eagle_for_tree(head, config: dict) -> Eagle:
-    """An EAGLE proposer drafting the tree of a tree.json config (``eval.tree.TREE_KEYS``)."""
+def proposer_for_tree(head, config: dict) -> Eagle | DFlash:
+    """An EAGLE or DFlash proposer drafting the tree of a tree.json config (``eval.tree.TREE_KEYS``)."""
+    if head.config["type"] == "dflash":
+        if config["shape"] != "static":
+            raise ValueError("a DFlash head drafts static trees only (every depth comes from one forward)")
+        return DFlash(head, choices=config["choices"])
     if config["shape"] == "static":
         return Eagle(head, choices=config["choices"])
     return Eagle(head, top_k=config["top_k"], depth=config["depth"], total_tokens=config["total_tokens"])
 
 
 def tree_configs(heads: dict[str, str], tree: str | Path | None) -> dict[str, dict]:
-    """EAGLE method -> the tree.json it decodes with: ``--tree FILE``, else its head folder's tree.json (as
+    """EAGLE or DFlash method -> the tree.json it decodes with: ``--tree FILE``, else its head folder's tree.json (as
     ``eval.autotune --write-head`` leaves it); methods without one use the tree flags."""
     found = {}
     for method, head_dir in heads.items():
         path = tree if isinstance(tree, Path) else Path(head_dir) / "tree.json"
-        if method in ("eagle", "eagle3") and tree not in ("static", "dynamic") and path.is_file():
+        if method in ("eagle", "eagle3", "dflash") and tree not in ("static", "dynamic") and path.is_file():
             found[method] = load_tree_config(path)
     return found
 
@@ -380,8 +387,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tree",
         type=_tree,
         help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model and EAGLE "
-        "(n-gram stays a chain, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of EAGLE "
-        "methods; default: chains for ngram/draft_model, EAGLE a head folder's tree.json, else dynamic",
+        "(n-gram and DFlash stay chains, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of "
+        "EAGLE and DFlash methods (DFlash: static ones); default: chains for ngram/draft_model/DFlash, EAGLE and "
+        "DFlash a head folder's tree.json, else EAGLE dynamic",
     )
     p.add_argument("--top-k-draft", type=_positive, default=8, help="children per node in dynamic trees")
     p.add_argument("--depth", type=_positive, default=5, help="draft length / tree depth")

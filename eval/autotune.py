@@ -43,7 +43,7 @@ from transformers import DynamicCache
 from core.io import atomic_write_text
 from core.models import load_model, load_tokenizer
 from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
-from eval.acceptance import eagle_for_tree, machine
+from eval.acceptance import machine, proposer_for_tree
 from eval.bench import load_bench, render
 from eval.proposers import Eagle, Vanilla
 from eval.tree import Tree, chain
@@ -370,7 +370,7 @@ class CombRecorder:
 
 
 def proposer_for(head, tree: TreeSpec) -> Proposer:
-    return eagle_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
+    return proposer_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
 
 
 class TreeRecorder:

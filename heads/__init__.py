@@ -1,4 +1,4 @@
-"""Draft-head modules: EAGLE-1/2, EAGLE-3 and Medusa (built on the shared core only).
+"""Draft-head modules: EAGLE-1/2, EAGLE-3, Medusa and DFlash (built on the shared core only).
 
 head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model, tokenizer)
 head.save_pretrained("runs/x/head")
@@ -14,14 +14,16 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from heads.common import DraftHead, KVCache, check_compatible, check_tokenizer, read_head_config
+from heads.dflash import DFlashHead
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
 from heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
 
-HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead)}
+HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead, DFlashHead)}
 
 __all__ = [
     "HEADS",
+    "DFlashHead",
     "DraftHead",
     "Eagle3Head",
     "EagleHead",

@@ -15,7 +15,7 @@ from typing import Any
 from core.config import load_config
 from core.schema import TrainConfig, check_config, raise_problems
 
-TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",)}
+TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",), "dflash": ("dflash",)}
 _TRAINER_OF = {head_type: trainer for trainer, head_types in TRAINERS.items() for head_type in head_types}
 
 

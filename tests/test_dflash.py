@@ -1,0 +1,259 @@
+"""DFlash block drafters: the block attention, training blocks == served blocks, the loss and its metrics,
+drafting through the verifier (greedy identity, lossless sampling), training with exact resume, export and
+import in vLLM's layout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TARGET
+from test_eval_sampling import assert_matches
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from eval.autotune import comb_choices
+from eval.proposers import DFlash
+from eval.verify import Sampling, generate, generate_batch, probabilities
+from heads import build_head
+from heads.dflash import block_attention, resolve_mask_token_id
+
+V, NEW = 300, 16
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_llama(seed: int = 0, layers: int = 6) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_llama()
+    model.lm_head.weight.data *= 20  # peaked distributions, so greedy paths and acceptance mean something
+    return model.requires_grad_(False)  # frozen, as core.models.load_target leaves a target
+
+
+def dflash_head(target, seed: int = 1, **options):
+    torch.manual_seed(seed)
+    return build_head({"type": "dflash", "layer_ids": [1, 3, 4], "block_size": 5, "num_layers": 2, **options}, target)
+
+
+def features(target, ids, layers):
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([states[i] for i in layers], dim=-1), states[-1]
+
+
+def test_block_attention_equals_dense_masked_attention():
+    # N blocks of B slots over a context: what one SDPA call with the dense [N*B, C + N*B] mask computes.
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, blocks, size, ctx, dim = 2, 3, 4, 5, 9, 8
+    q, k, v = (torch.randn(batch, heads, blocks * size, dim, generator=gen) for _ in range(3))
+    ck, cv = (torch.randn(batch, heads, ctx, dim, generator=gen) for _ in range(2))
+    anchors = torch.randint(0, ctx, (batch, blocks), generator=gen)
+    visible = torch.arange(ctx) < anchors[..., None]  # [batch, N, C]: a block sees the context before its anchor
+    for causal in (False, True):
+        own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool)] * blocks)
+        if causal:
+            own &= torch.ones(blocks * size, blocks * size, dtype=torch.bool).tril()
+        mask = torch.cat((visible.repeat_interleave(size, 1), own.expand(batch, -1, -1)), -1)[:, None]
+        dense = F.scaled_dot_product_attention(q, torch.cat((ck, k), 2), torch.cat((cv, v), 2), attn_mask=mask)
+        torch.testing.assert_close(block_attention(q, k, v, ck, cv, visible, causal), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_many_training_blocks_equal_one_served_block_each(target):
+    # The training forward (every anchor's block in one pass, the context masked per block) gives each
+    # block the logits drafting computes from a context cut at its anchor; the context's keys come from
+    # the target's states at the context tokens' own positions.
+    head = dflash_head(target).eval()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, V, (1, 24), generator=gen)
+    aux, _ = features(target, ids, head.config["layer_ids"])
+    anchors = torch.tensor([[0, 5, 11, 19]])
+    size = head.config["block_size"]
+    positions = anchors[..., None] + torch.arange(size)
+    blocks = torch.full_like(positions, head.mask_token_id)
+    blocks[..., 0] = ids[0, anchors]
+    with torch.no_grad():
+        context = head.context_kv(aux, torch.arange(24)[None])
+        visible = torch.arange(24) < anchors[..., None]
+        together = head.logits(head(blocks.flatten(1), positions.flatten(1), context, visible)).view(4, size, V)
+        for n, a in enumerate(anchors[0].tolist()):
+            alone = head.draft_block(ids[0, a], a, head.context_kv(aux[:, :a], torch.arange(a)[None]), size - 1)
+            torch.testing.assert_close(together[n, 1:], alone, atol=1e-4, rtol=1e-4)
+        # Bidirectional: slot 1 sees the later mask slots, so a shorter block drafts it differently.
+        short = head.draft_block(ids[0, 11], 11, head.context_kv(aux[:, :11], torch.arange(11)[None]), 2)
+        assert (short[0] - together[2, 1]).abs().max() > 1e-3
+
+
+def test_mask_token_and_layer_ids():
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    config = AutoModelForCausalLM.from_pretrained(TARGET).config
+    # The bundled tokenizer fills all 8192 rows: its pad token (3) is the mask.
+    assert len(tokenizer) == config.vocab_size and resolve_mask_token_id(config, tokenizer) == tokenizer.pad_token_id
+    config.vocab_size = 8200  # a table with rows no text uses: the first of them
+    assert resolve_mask_token_id(config, tokenizer) == 8192
+    target = tiny_llama()
+    head = build_head({"type": "dflash"}, target)
+    assert head.config["layer_ids"] == [2, 3] and head.mask_token_id == 0  # (2, L//2, L-3) and pad
+    with pytest.raises(ValueError, match=r"DFlash layer_ids \[0\] out of range: the target's layers 1..5"):
+        build_head({"type": "dflash", "layer_ids": [0, 2]}, target)
+    with pytest.raises(ValueError, match="mask_token_id 300 is not a row of the target's 300 embeddings"):
+        build_head({"type": "dflash", "mask_token_id": 300}, target)
+
+
+def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(target):
+    # With at least as many anchors as positions every candidate is an anchor: the loss and its metrics,
+    # recomputed block by block through the drafting path.
+    head = dflash_head(target, num_anchors=64, loss_gamma=2.0)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, V, (2, 14), generator=gen)
+    attention = torch.ones_like(ids)
+    attention[1, 11:] = 0
+    loss_mask = attention.clone()
+    loss_mask[:, :4] = 0
+    aux, last = features(target, ids, head.config["layer_ids"])
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux}
+    batch["last_hidden"] = last
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(150):  # fit these blocks a little, so that acceptance chains get long enough to count
+        optimizer.zero_grad()
+        head.loss(batch)[0].backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    loss, metrics = head.loss(batch)
+
+    size, weights = head.config["block_size"], torch.exp(-torch.arange(4) / 2.0)
+    ce_sum, counts, tried, hits = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    with torch.no_grad():
+        for b in range(2):
+            n = int(attention[b].sum())
+            for a in range(n - 1):
+                if not loss_mask[b, a + 1]:
+                    continue  # an anchor needs a label right after it
+                context = head.context_kv(aux[b : b + 1, :a], torch.arange(a)[None])
+                logp = head.draft_block(ids[b, a], a, context, size - 1).log_softmax(-1)
+                target_logp = target.lm_head(last[b, a : a + size - 1]).log_softmax(-1)
+                chain = True
+                for k in range(min(size - 1, n - 1 - a)):
+                    if not loss_mask[b, a + 1 + k]:
+                        break
+                    ce_sum[k] -= (target_logp[k].exp() * logp[k]).sum()
+                    counts[k] += 1
+                    if chain:
+                        tried[k] += 1
+                        chain = bool(logp[k].argmax() == target_logp[k].argmax())
+                        hits[k] += chain
+    expected = (weights * ce_sum / counts).sum() / weights.sum()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+    assert hits.min() > 0, (tried, hits)  # the chains reach every slot
+    torch.testing.assert_close(torch.stack([metrics[f"acc_{k}"] for k in range(4)]), hits / tried)
+    slot_losses = torch.stack([metrics[f"loss_{k}"] for k in range(4)])
+    torch.testing.assert_close(slot_losses, ce_sum / counts, atol=1e-4, rtol=1e-4)
+    assert counts.tolist() == [17, 15, 13, 11] and sorted(metrics) == sorted(
+        [f"acc_{k}" for k in range(4)] + [f"loss_{k}" for k in range(4)]
+    )
+    loss.backward()  # gradients reach the draft, never the frozen target
+    assert head.fc.weight.grad is not None and target.lm_head.weight.grad is None
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    return [
+        torch.tensor([[7]]),
+        torch.randint(2, V, (1, 5), generator=gen),
+        torch.randint(2, V, (1, 12), generator=gen),
+    ]
+
+
+def greedy_reference(target, prompt, new=NEW):
+    eos = target.config.eos_token_id
+    return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+
+
+def test_the_tree_holds_each_depths_candidates_from_one_block(target):
+    head = dflash_head(target)
+    proposer = DFlash(head, choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    tokens = prompts()[2][0]
+    aux, _ = features(target, tokens[None, :-1], proposer.hidden_layers)
+    proposer.reset(Sampling())
+    with torch.no_grad():
+        proposer.update(tokens, aux[0])
+        tree = proposer.propose(tokens)
+        top = head.draft_block(tokens[-1], len(tokens) - 1, head.context_kv(aux, torch.arange(11)[None]), 4).topk(2)
+    assert tree.depths.tolist() == [1, 1, 2, 2, 2, 3] and tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    ranks = [0, 1, 0, 1, 0, 0]
+    assert tree.tokens.tolist() == [int(top.indices[d - 1, r]) for d, r in zip(tree.depths.tolist(), ranks)]
+    with pytest.raises(ValueError, match="tree depth 5 needs more than the block's 4 mask slots"):
+        proposer.choices = comb_choices(5, 2)
+
+
+@pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]], ids=["chain", "tree"])
+def test_greedy_output_equals_target_greedy(target, choices):
+    proposer = DFlash(dflash_head(target), choices=choices)
+    for prompt in prompts():
+        out, stats = generate(target, proposer, prompt, NEW, eos_token_id=target.config.eos_token_id)
+        assert torch.equal(out, greedy_reference(target, prompt))
+        assert stats.target_forwards == len(stats.accepted_lengths)
+    # Batched verification: each sequence keeps its own draft context.
+    outputs, _ = generate_batch(target, [DFlash(proposer.head, choices) for _ in prompts()], prompts(), NEW)
+    assert all(torch.equal(out, greedy_reference(target, p)) for out, p in zip(outputs, prompts()))
+
+
+def test_greedy_output_equals_the_bundled_targets_own():
+    # The bundled 22M Llama and a fresh DFlash head on its EAGLE-3 layers: drafts are mostly rejected,
+    # the output must still be the target's greedy tokens, token for token.
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    torch.manual_seed(0)
+    head = build_head({"type": "dflash", "block_size": 8}, model, tokenizer)
+    question = [{"role": "user", "content": "Tom has 3 boxes of 12 pencils. He gives away 7. How many are left?"}]
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = prompt["input_ids"]
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id)
+    for choices in (None, [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]):
+        out, stats = generate(model, DFlash(head, choices=choices), prompt, 24)
+        assert torch.equal(out, expected[:, : out.shape[1]]) and out.shape[1] == expected.shape[1]
+
+
+def test_sampled_block_tree_is_lossless():
+    # The first two generated tokens follow the target's exact distribution (a chi-square test at 0.001,
+    # as in test_eval_sampling.py), drafting a tree whose depth-1 siblings are drawn without replacement
+    # from the first mask slot's q. A 5-token vocabulary keeps every one of the 25 cells populated.
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=5, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    target = LlamaForCausalLM(config).eval().requires_grad_(False)
+    target.lm_head.weight.data *= 5  # the target's and the draft's distributions differ, but overlap
+    head = dflash_head(target, seed=4)
+    sampling = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
+    with torch.no_grad():
+        first = probabilities(target(prompt).logits[0, -1], sampling)
+        pairs = torch.cat((prompt.expand(5, -1), torch.arange(5)[:, None]), 1)
+        exact = (first[:, None] * probabilities(target(pairs).logits[:, -1], sampling)).flatten()
+        aux, _ = features(target, prompt[:, :-1], head.config["layer_ids"])
+        context = head.context_kv(aux, torch.arange(6)[None])
+        q = probabilities(head.draft_block(prompt[0, -1], 6, context, 4), sampling)
+    torch.manual_seed(0)
+    counts, accepted = torch.zeros(25), 0
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    for _ in range(10):
+        outputs, stats = generate_batch(
+            target, [DFlash(head, choices) for _ in range(100)], [prompt] * 100, 2, sampling
+        )
+        for out, stat in zip(outputs, stats):
+            counts[out[0, -2] * 5 + out[0, -1]] += 1
+            accepted += stat.accepted_lengths[0] - 1
+    assert accepted > 300  # the drafts are often right: acceptance is exercised, not only the residual
+    # A sampler returning the draft's own tokens would fail by far (assert_matches checks that power).
+    assert_matches(counts, exact, (q[0][:, None] * q[1][None]).flatten())
