@@ -2,11 +2,11 @@
 
     python -m scripts.export --head runs/demo/eagle3/head --format vllm --out exports/demo-eagle3 [--target PATH]
 
-Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout), ``speculators``
-(EAGLE-3), ``medusa`` (the Medusa repo's layout). The head's config names its target; ``--target``
-overrides it. The head is checked against the target's config (hidden size, vocab, attention shape,
-layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
-recorded in training), and the folder appears whole or not at all. See docs/EXPORT.md.
+Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout; DFlash: vLLM's
+DFlash layout), ``speculators`` (EAGLE-3), ``medusa`` (the Medusa repo's layout). The head's config
+names its target; ``--target`` overrides it. The head is checked against the target's config (hidden
+size, vocab, attention shape, layer ids) before anything is written, and against a ``--target``'s
+tokenizer (the hash the head recorded in training), and the folder appears whole or not at all. See docs/EXPORT.md.
 """
 
 from __future__ import annotations
@@ -25,14 +25,19 @@ from core.io import atomic_dir
 from eval.tree import tree_card_section
 from heads import HEADS, check_compatible, check_tokenizer
 from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
-from scripts.formats import eagle, eagle3, medusa
+from scripts.formats import dflash, eagle, eagle3, medusa
 from scripts.formats.card import model_card
 from scripts.formats.common import check_out, state_problems
 from scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
-EXPORT_FILES = frozenset({"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE})
-SUPPORTED = {"eagle": ("vllm", "sglang"), "eagle3": ("vllm", "sglang", "speculators"), "medusa": ("medusa",)}
+EXPORT_FILES = frozenset({"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE, dflash.MASK_EMBEDDING_FILE})
+SUPPORTED = {
+    "eagle": ("vllm", "sglang"),
+    "eagle3": ("vllm", "sglang", "speculators"),
+    "medusa": ("medusa",),
+    "dflash": ("vllm",),
+}
 
 
 def load_target_config(target: str | None, head_config: dict[str, Any]) -> tuple[str, PretrainedConfig]:
@@ -81,16 +86,21 @@ def engine_files(
     if fmt not in SUPPORTED[head_type]:
         if head_type == "medusa":
             raise ValueError(f"cannot export a Medusa head as {fmt!r}: {medusa.NOT_SERVED}")
-        why = (
-            "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer methods)"
-            if fmt == "speculators"
-            else f"the {fmt!r} format holds Medusa heads only"
-        )
+        why = {
+            "speculators": "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)",
+            "sglang": "SGLang 0.5.23 has no DFlash draft",
+            "medusa": "the 'medusa' format holds Medusa heads only",
+        }[fmt]
+        if head_type == "dflash" and fmt == "speculators":
+            why = "export vLLM's own DFlash layout: vLLM 0.32 runs a speculators DFlash folder causal unless it sets "
+            why += "sliding_window_non_causal (docs/EXPORT.md)"
         raise ValueError(f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {SUPPORTED[head_type]}")
     if head_type == "medusa":
         return (*medusa.export_files(config, state, target), medusa.WEIGHTS_FILE)
     if head_type == "eagle":
         return (*eagle.export_files(config, state, fmt), WEIGHTS_NAME)
+    if head_type == "dflash":
+        return (*dflash.export_files(config, state), WEIGHTS_NAME)
     if fmt == "speculators":
         return (*eagle3.speculators_layout(config, state, target, target_config), WEIGHTS_NAME)
     return (*eagle3.repo_layout(config, state, fmt), WEIGHTS_NAME)
@@ -166,6 +176,9 @@ def export_head(
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
+        mask_embedding = dflash.mask_embedding_file(config, state) if config["type"] == "dflash" else None
+        if mask_embedding is not None:
+            (tmp / dflash.MASK_EMBEDDING_FILE).write_bytes(mask_embedding)
         (tmp / "README.md").write_text(card)
     return out
 

