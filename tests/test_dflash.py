@@ -3,10 +3,13 @@ drafting through the verifier (greedy identity, lossless sampling), training wit
 import in vLLM's layout."""
 
 import json
+import shutil
+import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from conftest import TARGET
 from safetensors.torch import load_file
 from test_eval_sampling import assert_matches
@@ -19,6 +22,7 @@ from heads import build_head, load_head
 from heads.dflash import block_attention, resolve_mask_token_id
 from scripts.export import export_head
 from scripts.import_head import import_head
+from train import dflash as dflash_trainer
 
 V, NEW = 300, 16
 
@@ -302,3 +306,43 @@ def test_export_for_vllm_and_import_back(target, tmp_path):
         import_head("dflash", out, tmp_path / "refused", str(target_dir))
     with pytest.raises(ValueError, match=r"cannot export a dflash head as 'sglang': SGLang 0.5.23 has no DFlash"):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
+
+
+def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
+    # train/dflash.py through DeepSpeed (a world of one, online capture): 4 steps straight, then the same
+    # run resumed from its step-2 checkpoint. The blocks of every step are drawn from the generator the
+    # loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for bit.
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    out = tmp_path / "run"
+    config = {
+        "target": {"path": str(tiny_target_dir), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": str(gsm8k_file), "format": "gsm8k", "max_length": 64, "limit": 12},
+        "capture": {"aux_layers": [1, 3, 4], "store_dtype": "fp32"},
+        "head": {"type": "dflash", "block_size": 4, "num_anchors": 8, "mask_embedding": True},
+        "train": {"out_dir": str(out), "seed": 5, "batch_size": 4, "micro_batch_size": 2, "max_steps": 4,
+                  "lr": 1e-2, "online_capture": True, "heldout_samples": 4, "eval_every": 2, "save_every": 2,
+                  "keep_checkpoints": 0},
+    }  # fmt: skip
+    path = tmp_path / "dflash.yaml"
+    path.write_text(yaml.safe_dump(config))
+    dflash_trainer.main(["--config", str(path)])
+    straight = load_file(str(out / "head" / "model.safetensors"))
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    heldout = [r for r in lines if r["split"] == "heldout"]
+    assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
+    assert sorted(k for k in heldout[1] if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]
+    head_config = json.loads((out / "head" / "config.json").read_text())
+    assert head_config["training"]["predicted_tau"] == heldout[1]["predicted_tau"]
+    assert head_config["layer_ids"] == [1, 3, 4]  # the capture's layers
+
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    dflash_trainer.main(["--config", str(path)])
+    resumed = load_file(str(out / "head" / "model.safetensors"))
+    assert straight.keys() == resumed.keys() and "mask_embedding" in resumed
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    relogged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"], r["loss"]) for r in relogged] == [(r["step"], r["split"], r["loss"]) for r in lines]
