@@ -7,7 +7,8 @@ out of room (full disk, quota, file-size limit) raises ``OutOfSpaceError`` sayin
 leaves the previous file in place. ``output_lock`` keeps a second writer out of a folder in use, and
 ``check_writable`` says "read-only" where a free-space check would say "full".
 
-Reading: ``parse_json_line`` decodes one JSON Lines line, read as bytes, and says what is wrong with it.
+Reading: ``read_jsonl`` is the one JSON Lines reader; a line it cannot decode is a ``DataError`` naming
+``file:line`` and what is wrong with it (``parse_json_line``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from core.errors import DataError
 
 NO_ROOM = {
     errno.ENOSPC: "no space left on the device",
@@ -32,7 +35,8 @@ NO_ROOM = {
 
 
 class OutOfSpaceError(OSError):
-    """A write ran out of room; the message names the file, what ran out and the free space."""
+    """Out of room: a write that ran out (the message names the file, what ran out and the free space), or
+    a free-space check before a long write (``data_recipes.capture.check_free_disk``) that says it would."""
 
 
 def _umask() -> int:
@@ -147,11 +151,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 
 def parse_json_line(raw: bytes) -> Any:
-    """One JSON Lines line -> its value, or ValueError saying what is wrong; the caller adds ``file:line``.
-
-    Readers open the file in binary and decode line by line: a text-mode iterator meeting bytes that are
-    not UTF-8 raises UnicodeDecodeError from inside the loop, naming neither the file nor the line.
-    """
+    """One JSON Lines line, as bytes -> its value, or ValueError saying what is wrong (``read_jsonl`` adds
+    ``file:line``)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -160,9 +161,34 @@ def parse_json_line(raw: bytes) -> Any:
             f"re-encode the file as UTF-8"
         ) from err
     try:
-        return json.loads(text)
+        return json.loads(text.rstrip("\r\n"))  # so an error at the end of the line is not "column 1" of the next
     except json.JSONDecodeError as err:
         raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from err
+
+
+def read_jsonl(path: str | Path, on_bad_record: Callable[[DataError], None] | None = None) -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, value)`` for each non-blank line of a JSON Lines file; ``location`` is ``path:line``
+    (``path`` as given, lines counted from 1).
+
+    A line that is not UTF-8 or not JSON raises DataError naming it, or is handed to ``on_bad_record`` and
+    skipped when one is given (a generator cannot go on after raising, so the caller decides here).
+    The file is read as bytes: a text-mode iterator meeting bytes that are not UTF-8 raises
+    UnicodeDecodeError from inside the loop, naming neither the file nor the line.
+    """
+    with Path(path).expanduser().open("rb") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            location = f"{path}:{line_no}"
+            try:
+                value = parse_json_line(line)
+            except ValueError as err:
+                bad = DataError(str(err), location)
+                if on_bad_record is None:
+                    raise bad from err
+                on_bad_record(bad)
+                continue
+            yield location, value
 
 
 class NotWritableError(OSError):

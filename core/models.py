@@ -30,3 +30,18 @@ def load_target(target: dict[str, Any]) -> tuple[PreTrainedModel, PreTrainedToke
     """The ``target:`` section of a config (path, device, dtype) -> (model, tokenizer)."""
     path = target["path"]
     return load_model(path, target.get("device", "auto"), target.get("dtype", "fp32")), load_tokenizer(path)
+
+
+def default_aux_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high target layers (2, L//2, L-3), as vLLM and SpecForge pick them: what the capture
+    stores, the head fuses and an import assumes when a published config names none.
+
+    Layer id i is the residual stream entering decoder layer i (HF ``hidden_states[i]``).
+    """
+    layers = sorted({2, num_hidden_layers // 2, num_hidden_layers - 3})
+    if len(layers) < 3 or layers[0] < 1:
+        raise ValueError(
+            f"the target has {num_hidden_layers} layers, too few for EAGLE-3's default layers (2, L//2, L-3) to be "
+            "three distinct target layers: name three in capture.aux_layers (and head.layer_ids)"
+        )
+    return layers

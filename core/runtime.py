@@ -1,7 +1,8 @@
-"""Device, dtype and seeding from config: the CPU is the tested path, CUDA works the same way."""
+"""Device, dtype, seeding and the learning-rate schedule: the CPU is the tested path, CUDA works the same way."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -36,10 +37,44 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
+SEED_BASE = 1_000_003  # a prime above any epoch, step or chunk count a run reaches
+
+
+def mix_seed(*parts: int) -> int:
+    """One seed from a run's seed and the counters that pick a random stream (epoch, step, chunk, ...).
+
+    The parts are folded as digits in base ``SEED_BASE``: ``mix_seed(seed, epoch) == seed * 1_000_003 + epoch``.
+    So distinct parts give distinct seeds while every part after the first stays below 1_000_003, the
+    same numbers in every process and Python version (no ``hash()``), and with seed 0 the counters are
+    their own seeds. Taken modulo 2**64, the range ``torch.manual_seed`` accepts.
+    """
+    seed = 0
+    for part in parts:
+        seed = seed * SEED_BASE + part
+    return seed % 2**64
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """lr multiplier for optimizer step ``step`` (0-based): linear warm-up ``(step + 1) / warmup`` up to 1 at
+    step ``warmup - 1``, then a half cosine from 1 at step ``warmup`` down to ``min_ratio`` at step ``total``
+    (and after).
+
+    The decay is transformers' ``get_cosine_with_min_lr_schedule_with_warmup`` (``min_lr_rate=min_ratio``),
+    to the bit; its warm-up is ``step / warmup`` instead, which trains the first step at lr 0 and reaches
+    the peak one step later. No shift of ``step`` makes the two equal (this warm-up ends on the step before
+    the decay starts at 1, so the peak lasts two steps), and the trained heads, the bundled models and the
+    figures in docs/BENCHMARKS.md come from this one.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min((step - warmup) / max(1, total - warmup), 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def prepare_decoding(device: torch.device) -> None:

@@ -81,7 +81,7 @@ class TokenizedData(Data):
 
 class Capture(Section):
     out_dir: str | None = None  # the shards; training may compute the states online instead
-    aux_layers: Literal["auto"] | list[NonNegative] = "auto"  # auto: EAGLE-3's (2, L//2, L-3); [] none
+    aux_layers: Literal["auto"] | list[NonNegative] = "auto"  # auto: core.models.default_aux_layers; [] none
     store_dtype: Dtype = "bf16"
     shard_samples: Count = 256
     batch_tokens: Count = 8192  # padded tokens per forward
@@ -146,8 +146,16 @@ class Wandb(Section):
     name: str | None = None
 
 
+class Metrics(Section):
+    """Where training metrics go besides metrics.jsonl (always written) and wandb (its own section)."""
+
+    tensorboard: bool = False  # event files in <train.out_dir>/tensorboard
+    mlflow: bool = False  # an MLflow file store in <train.out_dir>/mlruns: no server, no network
+    mlflow_experiment: str = "headstart"  # each launch is one run in it, named after train.out_dir
+
+
 class HeadOptions(Section):
-    """A head type's options; ``heads`` takes its defaults from here (``DraftHead.defaults``)."""
+    """A head type's options; ``heads`` takes its defaults from here (``DraftHead.options_model``)."""
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
@@ -164,7 +172,7 @@ class EagleOptions(HeadOptions):
 
 class Eagle3Options(HeadOptions):
     type: Literal["eagle3"] = "eagle3"
-    # null: (2, L//2, L-3) as vLLM and SpecForge pick them; the capture must use the same.
+    # null: core.models.default_aux_layers, (2, L//2, L-3); the capture must use the same.
     layer_ids: list[NonNegative] | None = None
     draft_vocab_size: Count = 32000
     ttt_steps: Count = 7  # training-time-test depth
@@ -221,6 +229,7 @@ class PipelineConfig(Section):
     train: Train | None = None
     lora: Lora | None = None
     wandb: Wandb | None = None
+    metrics: Metrics | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -253,6 +262,7 @@ class TrainConfig(PipelineConfig):
     head: Head
     train: Train
     wandb: Wandb = Wandb()
+    metrics: Metrics = Metrics()
 
 
 class DemoStage(Section):

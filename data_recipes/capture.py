@@ -31,8 +31,8 @@ from transformers import PreTrainedModel
 
 from core.config import load_config, save_config
 from core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
-from core.io import check_writable, output_lock
-from core.models import load_target
+from core.io import OutOfSpaceError, check_writable, output_lock
+from core.models import default_aux_layers, load_target
 from core.runtime import resolve_dtype
 from core.schema import CaptureConfig, validate_config
 from data_recipes.recipes import Sample, load_samples, require_samples
@@ -49,24 +49,6 @@ from data_recipes.shards import (
     write_manifest,
     write_shard,
 )
-
-
-class DiskFullError(OSError):
-    """Not enough free disk for the capture: says how much is needed and how much is free."""
-
-
-def default_aux_layers(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high layers (2, L//2, L-3), as vLLM and SpecForge pick them.
-
-    Layer id i is the residual stream entering decoder layer i (HF ``hidden_states[i]``).
-    """
-    layers = sorted({2, num_hidden_layers // 2, num_hidden_layers - 3})
-    if len(layers) < 3 or layers[0] < 1:
-        raise ValueError(
-            f"the target has {num_hidden_layers} layers, too few for EAGLE-3's default layers (2, L//2, L-3): "
-            f"name three distinct layers in capture.aux_layers"
-        )
-    return layers
 
 
 def resolve_aux_layers(setting: Any, num_hidden_layers: int) -> list[int]:
@@ -189,7 +171,7 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
     existing = next(p for p in [out_dir, *out_dir.absolute().parents] if p.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
-        raise DiskFullError(
+        raise OutOfSpaceError(
             f"capture needs {needed / 1e9:.2f} GB more in {out_dir} but only {free / 1e9:.2f} GB is free: "
             f"free space, capture fewer samples (data.limit), store bf16 (capture.store_dtype), or train online "
             f"(train.online_capture: true) without shards"

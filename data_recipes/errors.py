@@ -1,24 +1,12 @@
-"""The one error type of the data recipes: a bad record, named by where it came from."""
+"""Field checks for the data recipes' records, raising the one bad-record error (``core.errors.DataError``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from core.errors import DataError
 
-class DataError(ValueError):
-    """A record that cannot become a training sample; ``str(err)`` starts with its location.
-
-    Format functions see a bare record, so they raise without a location; the reader that knows the
-    file and line attaches it with :meth:`at`.
-    """
-
-    def __init__(self, message: str, location: str | None = None):
-        super().__init__(f"{location}: {message}" if location else message)
-        self.message = message
-        self.location = location
-
-    def at(self, location: str) -> DataError:
-        return DataError(self.message, location)
+__all__ = ["DataError", "get_field"]  # DataError is re-exported: the recipes and formats import it from here
 
 
 def get_field(record: Any, key: str, kind: type = str, *, required: bool = True, where: str = "") -> Any:

@@ -33,6 +33,7 @@ from core.config import load_config
 from core.fingerprint import tokenizer_hash, weights_hash
 from core.io import atomic_path, atomic_write_text, output_lock
 from core.models import load_target
+from core.runtime import mix_seed
 from core.schema import RegenerateConfig, validate_config
 from data_recipes.recipes import read_conversations
 
@@ -157,7 +158,7 @@ def run_regenerate(cfg: dict[str, Any]) -> Path:
             part = parts / f"part-{k:05d}.jsonl"
             if part.exists():
                 continue
-            torch.manual_seed(settings["seed"] * 100_003 + k)
+            torch.manual_seed(mix_seed(settings["seed"], k))
             rows, hit_limit = regenerate_chunk(model, tokenizer, chunk, regen)
             cut_off += hit_limit
             with atomic_path(part) as tmp:

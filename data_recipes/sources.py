@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from core.io import parse_json_line
+from core.io import read_jsonl
 from data_recipes.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -28,7 +28,7 @@ def read_records(
     suffix = path.suffix.lower()
     if path.is_file():
         if suffix == ".jsonl":
-            yield from _read_jsonl(source, path, on_bad_record)
+            yield from read_jsonl(source, on_bad_record)
         elif suffix == ".json":
             yield from _read_json(source, path)
         elif suffix == ".parquet":
@@ -42,25 +42,6 @@ def read_records(
         raise FileNotFoundError(f"data file not found: {source}")
     else:
         yield from _read_hub(source, split)
-
-
-def _read_jsonl(
-    source: str, path: Path, on_bad_record: Callable[[DataError], None] | None
-) -> Iterator[tuple[str, dict]]:
-    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is then that line's error (parse_json_line)
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            location = f"{source}:{line_no}"
-            try:
-                record = parse_json_line(line)
-            except ValueError as err:
-                bad = DataError(str(err), location)
-                if on_bad_record is None:
-                    raise bad from err
-                on_bad_record(bad)
-                continue
-            yield location, record
 
 
 def _read_json(source: str, path: Path) -> Iterator[tuple[str, dict]]:

@@ -19,16 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from core.io import parse_json_line
-
-
-class BenchError(ValueError):
-    """A bad benchmark record, with the ``file:line`` it came from."""
-
-    def __init__(self, message: str, location: str):
-        super().__init__(f"{location}: {message}")
-        self.location = location
+from core.errors import DataError
+from core.io import read_jsonl
 
 
 @dataclass
@@ -39,25 +33,17 @@ class BenchItem:
     history: list[dict[str, str]] = field(default_factory=list)  # earlier messages (system, past turns)
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is then that line's error
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            location = f"{path}:{line_no}"
-            try:
-                record = parse_json_line(line)
-            except ValueError as err:
-                raise BenchError(str(err), location) from err
-            if not isinstance(record, dict):
-                raise BenchError(f"expected a JSON object, got {type(record).__name__}", location)
-            yield location, record
+def _records(path: Path) -> Iterator[tuple[str, dict]]:
+    for location, record in read_jsonl(path):
+        if not isinstance(record, dict):
+            raise DataError(f"expected a JSON object, got {type(record).__name__}", location)
+        yield location, record
 
 
 def _text(record: dict, key: str, location: str) -> str:
     value = record[key]
     if not isinstance(value, str) or not value.strip():
-        raise BenchError(f"{key!r} must be a non-empty string", location)
+        raise DataError(f"{key!r} must be a non-empty string", location)
     return value
 
 
@@ -66,11 +52,11 @@ def _chat_item(record: dict, location: str, default_category: str) -> BenchItem:
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
-        raise BenchError("'messages' must be a list of {'role': str, 'content': str}", location)
+        raise DataError("'messages' must be a list of {'role': str, 'content': str}", location)
     while messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]
     if not messages or messages[-1]["role"] != "user":
-        raise BenchError("'messages' must contain a user message after any system/assistant ones", location)
+        raise DataError("'messages' must contain a user message after any system/assistant ones", location)
     category = record.get("category", default_category)
     return BenchItem(location, str(category), [messages[-1]["content"]], list(messages[:-1]))
 
@@ -80,9 +66,9 @@ def parse_record(record: dict, location: str, default_category: str) -> BenchIte
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise BenchError("'turns' must be a non-empty list of non-empty strings", location)
+            raise DataError("'turns' must be a non-empty list of non-empty strings", location)
         if "category" not in record:
-            raise BenchError("a Spec-Bench record needs 'category'", location)
+            raise DataError("a Spec-Bench record needs 'category'", location)
         return BenchItem(str(record.get("question_id", location)), str(record["category"]), turns)
     if "question" in record:
         return BenchItem(location, "gsm8k", [_text(record, "question", location)])
@@ -91,7 +77,7 @@ def parse_record(record: dict, location: str, default_category: str) -> BenchIte
     if "prompt" in record:
         category = str(record.get("category", default_category))
         return BenchItem(location, category, [_text(record, "prompt", location)])
-    raise BenchError(
+    raise DataError(
         f"unknown record shape (keys {sorted(record)}); expected 'turns' (Spec-Bench), 'question' (GSM8K), "
         "'messages' or 'prompt'",
         location,
@@ -107,9 +93,9 @@ def load_bench(path: str | Path, limit: int | None = None) -> list[BenchItem]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file not found: {path}")
-    items = [parse_record(record, location, path.stem) for location, record in _read_jsonl(path)]
+    items = [parse_record(record, location, path.stem) for location, record in _records(path)]
     if not items:
-        raise BenchError("no benchmark records", str(path))
+        raise DataError("no benchmark records", str(path))
     if limit is None or limit >= len(items):
         return items
     by_category: dict[str, list[BenchItem]] = {}
@@ -123,7 +109,7 @@ def load_bench(path: str | Path, limit: int | None = None) -> list[BenchItem]:
     return picked
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> torch.Tensor:
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
     """Token ids [1, S] of ``messages`` through the tokenizer's chat template, ready for the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template to render prompts with")

@@ -10,6 +10,7 @@
 - ``Medusa``: Medusa heads filling a static tree from their per-head candidates.
 - ``DFlash``: a DFlash block drafter: one forward drafts every depth at once, handed over as a chain or as
   a static tree of each depth's top candidates.
+- ``ProposerWrapper``: any of them behind a wrapper that records what passes through (timings, ranks).
 
 Greedy runs propose top-k tokens (point masses for the verifier). Sampling runs draw from the draft
 distribution q (the draft's logits through the same temperature / top-k / top-p as the target) and
@@ -35,7 +36,7 @@ from eval.tree import (
     shaped_tree,
     static_tree,
 )
-from eval.verify import Sampling, probabilities
+from eval.verify import Proposer, Sampling, probabilities
 from heads import DraftHead, KVCache
 
 
@@ -63,7 +64,7 @@ class NGram(Vanilla):
     """Prompt lookup decoding: find the last ``n`` tokens earlier in the context (longest n first, latest
     match) and propose the ``k`` tokens that followed them."""
 
-    def __init__(self, k: int = 5, max_n: int = 3, min_n: int = 1):
+    def __init__(self, k: int = 5, max_n: int = 3, min_n: int = 1) -> None:
         self.k, self.max_n, self.min_n = k, max_n, min_n
 
     def propose(self, tokens: torch.Tensor) -> Tree:
@@ -102,7 +103,7 @@ class DraftModel:
         top_k: int = 1,
         total_tokens: int | None = None,
         choices: Sequence[Sequence[int]] | None = None,
-    ):
+    ) -> None:
         self.model, self.k, self.top_k = model, k, top_k
         self.total_tokens = total_tokens or k * top_k
         self.choices = [list(c) for c in choices] if choices is not None else None
@@ -118,7 +119,9 @@ class DraftModel:
             return shaped_tree(root_logq, self._expand, self.choices, sample)
         return dynamic_tree(root_logq, self._expand, self.top_k, self.k, self.total_tokens, sample)
 
-    def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
+    def _expand(
+        self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor
+    ) -> torch.Tensor:
         prefix = torch.ones(len(tokens), self.read, dtype=torch.bool, device=tokens.device)
         out = self.model(
             tokens[None],
@@ -151,14 +154,10 @@ class Eagle:
         depth: int = 5,
         total_tokens: int = 48,
         choices: Sequence[Sequence[int]] | None = None,
-    ):
+    ) -> None:
         self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
         self.choices = [list(c) for c in choices] if choices is not None else None
-        config = head.config
-        if config["type"] == "eagle3":
-            self.hidden_layers = tuple(config["layer_ids"])
-        else:  # the final normed state, what lm_head reads
-            self.hidden_layers = (config["arch"]["num_hidden_layers"],)
+        self.hidden_layers = head.hidden_layers
 
     def reset(self, sampling: Sampling) -> None:
         self.sampling, self.cache, self.root, self.committed = sampling, KVCache(), None, 0
@@ -184,7 +183,9 @@ class Eagle:
             return shaped_tree(root_logq, self._expand, self.choices, sample)
         return dynamic_tree(root_logq, self._expand, self.top_k, self.depth, self.total_tokens, sample)
 
-    def _expand(self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor):
+    def _expand(
+        self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor
+    ) -> torch.Tensor:
         prefix = torch.ones(len(tokens), self.committed, dtype=torch.bool, device=tokens.device)
         features = torch.cat(self.slot_features)[parent_slots + 1]
         positions = torch.full((1, len(tokens)), self.committed - 1 + depth, device=tokens.device)
@@ -206,13 +207,14 @@ class Medusa:
     sampling draws them without replacement from each head's q.
     """
 
-    def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES):
+    def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES) -> None:
         self.head, self.choices = head, [list(c) for c in choices]
         self.depth = max(len(c) for c in self.choices)
         self.width = max(c[-1] for c in self.choices) + 1
-        if self.depth > head.config["num_heads"]:
-            raise ValueError(f"tree depth {self.depth} needs more than the head's {head.config['num_heads']} heads")
-        self.hidden_layers = (head.config["arch"]["num_hidden_layers"],)
+        heads = head.config.options.num_heads
+        if self.depth > heads:
+            raise ValueError(f"tree depth {self.depth} needs more than the head's {heads} heads")
+        self.hidden_layers = head.hidden_layers
 
     def reset(self, sampling: Sampling) -> None:
         self.sampling, self.last_hidden = sampling, None
@@ -246,10 +248,10 @@ class DFlash:
 
     def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, masks: int | None = None):
         self.head = head
-        self.masks = masks or head.config["block_size"] - 1
+        self.masks = masks or head.config.options.block_size - 1
         chain = [[0] * d for d in range(1, self.masks + 1)]
         self.choices = [list(c) for c in choices] if choices is not None else chain
-        self.hidden_layers = tuple(head.config["layer_ids"])
+        self.hidden_layers = head.hidden_layers
 
     @property
     def choices(self) -> list[list[int]]:
@@ -287,3 +289,20 @@ class DFlash:
             return static_tree(self.choices, logq.topk(width, dim=-1).indices)
         candidates, _ = pick_children(torch.zeros(depth, device=logq.device), logq, width, True)
         return static_tree(self.choices, candidates, logq.exp())
+
+
+class ProposerWrapper:
+    """A proposer that hands every call to ``proposer``; subclasses record what passes through."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        self.hidden_layers = proposer.hidden_layers
+
+    def reset(self, sampling: Sampling) -> None:
+        self.proposer.reset(sampling)
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        return self.proposer.propose(tokens)
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.proposer.update(tokens, hidden)

@@ -1,4 +1,5 @@
-"""Write an acceptance report: report.json (stable keys), report.md (tables) and PNG plots.
+"""Reports as files: the acceptance report (report.json with stable keys, report.md, PNG plots) and the tree
+tuner's (autotune.json, autotune.md, autotune.png).
 
 report.json, as ``eval.acceptance`` builds it:
 
@@ -17,12 +18,14 @@ report.json, as ``eval.acceptance`` builds it:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from core.io import atomic_path, atomic_write_text  # noqa: E402
@@ -107,13 +110,15 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _save(fig, path: Path) -> None:
+def save_figure(fig: Figure, path: Path) -> None:
+    """Write ``fig`` as a PNG, atomically, and free it."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
 
 
 def plot_tau_per_category(report: dict, path: Path) -> None:
+    """Bars of tau per benchmark category, one per method."""
     methods = report["methods"]
     categories = sorted({c for e in methods.values() for c in e["per_category"]})
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) + 2), 4))
@@ -126,10 +131,11 @@ def plot_tau_per_category(report: dict, path: Path) -> None:
     ax.set_title("Acceptance length per category")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_acceptance_by_depth(report: dict, path: Path) -> None:
+    """Each method's acceptance rate of depth d given d - 1, against d."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, e in report["methods"].items():
         rates = [float("nan") if r is None else r for r in e["acceptance_by_depth"]]  # never tried: a gap
@@ -143,16 +149,112 @@ def plot_acceptance_by_depth(report: dict, path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def write_report(report: dict, out_dir: str | Path) -> str:
     """Write report.json, report.md and the PNG plots into ``out_dir``; returns the Markdown."""
+    return _write(
+        out_dir, "report", report, markdown, {PLOTS[0]: plot_tau_per_category, PLOTS[1]: plot_acceptance_by_depth}
+    )
+
+
+def _write(
+    out_dir: str | Path,
+    stem: str,
+    result: dict,
+    to_markdown: Callable[[dict], str],
+    plots: dict[str, Callable[[dict, Path], None]],
+) -> str:
+    """<stem>.json, <stem>.md and each plot (file name -> plotter) of ``result`` in ``out_dir``; the Markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    atomic_write_text(out / "report.md", md)
-    plot_tau_per_category(report, out / PLOTS[0])
-    plot_acceptance_by_depth(report, out / PLOTS[1])
+    atomic_write_text(out / f"{stem}.json", json.dumps(result, indent=2) + "\n")
+    md = to_markdown(result)
+    atomic_write_text(out / f"{stem}.md", md)
+    for name, plot in plots.items():
+        plot(result, out / name)
     return md
+
+
+# ------------------------------------------------------------------------------------------- autotune
+
+
+def autotune_markdown(result: dict) -> str:
+    """The tuner's result as Markdown: costs and acceptance measured, the validation grid, the batch table."""
+    rows = result["grid"]
+    best = max(r["tokens_per_s"] for r in rows)
+    lines = [
+        f"# Tree auto-tuning: {result['head']}",
+        "",
+        f"- machine: {result['machine']} ({result['device']}, {result['dtype']}); KV length {result['kv_length']}",
+        f"- calibration: {result['calibration_prompts']} prompts; held out: {result['heldout_prompts']} prompts, "
+        f"{result['max_new_tokens']} new tokens, greedy",
+        "- verify ms (nodes: ms, batch 1): "
+        + ", ".join(f"{n}: {ms:.1f}" for n, ms in zip(result["costs"]["nodes"], result["costs"]["verify_ms"]["1"])),
+        f"- drafting: base {result['costs']['base_ms']:.2f} ms, one level "
+        + ", ".join(f"w{w}: {ms:.2f}" for w, ms in zip(result["costs"]["widths"], result["costs"]["level_ms"]))
+        + " ms",
+        "- acceptance p[depth][rank]: "
+        + "; ".join(f"d{d + 1}: " + " ".join(f"{p:.2f}" for p in ps[:4]) for d, ps in enumerate(result["rank_probs"])),
+        "",
+        "| tree | nodes | tau measured | tau predicted | tokens/s measured | tokens/s predicted | speedup "
+        "| identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mark = " **(chosen)**" if r["chosen"] else ""
+        lines.append(
+            f"| {r['name']}{mark} | {r['total_tokens']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} "
+            f"| {r['tokens_per_s']:.1f}{' (best)' if r['tokens_per_s'] == best else ''} "
+            f"| {r['predicted_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['greedy_identical'] else 'NO'} |"
+        )
+    checks = result["checks"]
+    lines += [
+        "",
+        f"- chosen within 10% of the best measured: {'yes' if checks['within_10pct_of_best'] else 'NO'} "
+        f"({checks['chosen_vs_best']:.3f} of the best)",
+        f"- chosen beats EAGLE's default tree (60 nodes, depth 6, top-k 10): "
+        f"{'yes' if checks['beats_eagle_default'] else 'NO'} ({checks['chosen_vs_eagle_default']:.2f}x)",
+        "",
+        "## Batch size (model; drafting runs per sequence)",
+        "",
+        "| batch | best tree | tau | tokens/s | vanilla tokens/s | speculate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b, row in result["batch"].items():
+        lines.append(
+            f"| {b} | {row['tree']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | {row['vanilla_tokens_per_s']:.1f} "
+            f"| {'yes' if row['speculate'] else 'no: large batch does not benefit'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_autotune(result: dict, path: Path) -> None:
+    """Left: the verify cost curves per batch size; right: measured against predicted tokens/s of the grid."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    costs = result["costs"]
+    for b, ms in costs["verify_ms"].items():
+        left.plot(costs["nodes"], ms, marker="o", label=f"batch {b}")
+    left.set_xlabel("tree nodes verified (root excluded)")
+    left.set_ylabel("ms per verification step")
+    left.set_title("Target verify cost")
+    left.legend(fontsize="small")
+    rows = result["grid"]
+    for r in rows:
+        style = {"marker": "*", "s": 200, "color": "red"} if r["chosen"] else {"marker": "o", "s": 40}
+        right.scatter(r["predicted_tokens_per_s"], r["tokens_per_s"], **style)
+        right.annotate(r["name"], (r["predicted_tokens_per_s"], r["tokens_per_s"]), fontsize=7)
+    lo = min(min(r["predicted_tokens_per_s"], r["tokens_per_s"]) for r in rows)
+    hi = max(max(r["predicted_tokens_per_s"], r["tokens_per_s"]) for r in rows)
+    right.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
+    right.set_xlabel("predicted tokens/s")
+    right.set_ylabel("measured tokens/s (held out)")
+    right.set_title("Tree grid (red star: chosen)")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write_autotune_report(result: dict, out_dir: str | Path) -> str:
+    """Write autotune.json, autotune.md and autotune.png into ``out_dir``; returns the Markdown."""
+    return _write(out_dir, "autotune", result, autotune_markdown, {"autotune.png": plot_autotune})

@@ -13,12 +13,10 @@ the tokens are deterministic proposals (n-gram lookup, greedy top-k): each is a 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -150,7 +148,7 @@ class DraftSlots:
     ``anc`` lists the slots that are slot s or its ancestors; row 0 (the root) sees none of them.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         self.slot_of = torch.empty(0, dtype=torch.long, device=device)  # per tree node; -1 = not expanded
         self.anc = torch.zeros(1, 0, dtype=torch.bool, device=device)
 
@@ -330,58 +328,3 @@ def tree_batch_inputs(
         depths[b, 1 : m + 1] = tree.depths
     positions = valid.sum(1, keepdim=True) + depths  # a sequence's root sits at its committed length
     return ids, additive_mask(allowed, dtype), positions
-
-
-# tree.json (written by ``python -m eval.autotune``; read by ``eval.acceptance --tree FILE``, which also finds
-# it in a head's folder, and by the exports' model cards):
-#   shape: "static" (``choices``: Medusa-style rank paths, drafted by ``shaped_tree``) or "dynamic" (EAGLE-2:
-#   ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);
-#   depth, top_k (static: the most children of any node), total_tokens (draft nodes, the root excluded);
-#   plus what the tuner predicted and where it ran (machine, device, dtype, torch_threads, ...).
-TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
-
-
-def load_tree_config(path: str | Path) -> dict:
-    """A tree.json, checked: the keys ``eval.acceptance`` and the model cards read."""
-    path = Path(path)
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
-    missing = [k for k in TREE_KEYS if k not in config]
-    if missing:
-        raise ValueError(f"{path}: tree config lacks {missing}; expected keys {list(TREE_KEYS)}")
-    if config["shape"] not in ("static", "dynamic"):
-        raise ValueError(f"{path}: shape must be 'static' or 'dynamic', got {config['shape']!r}")
-    if config["shape"] == "static" and not config["choices"]:
-        raise ValueError(f"{path}: a static tree needs a non-empty 'choices' list")
-    return config
-
-
-def tree_card_section(head_dir: str | Path) -> list[str]:
-    """The model-card section naming the head's tuned tree (``<head>/tree.json``); empty without one."""
-    path = Path(head_dir) / "tree.json"
-    if not path.is_file():
-        return []
-    tree = load_tree_config(path)
-    where = ", ".join(f"{k} {tree[k]}" for k in ("machine", "device", "dtype", "batch_size") if k in tree)
-    lines = [
-        "## Tuned draft tree",
-        "",
-        f"`python -m eval.autotune` picked this tree for the hardware it ran on ({where or 'not recorded'}):",
-        "",
-        f"- shape: {tree['shape']}, depth {tree['depth']}, top-k {tree['top_k']} (the most children of a node), "
-        f"{tree['total_tokens']} draft tokens (the root excluded)",
-    ]
-    if tree["shape"] == "static":
-        lines.append(f"- rank paths (Medusa-style choices): `{json.dumps(tree['choices'])}`")
-    if "predicted_tau" in tree:
-        lines.append(
-            f"- predicted: {tree['predicted_tau']:.2f} tokens per target forward, "
-            f"{tree['predicted_tokens_per_s']:.1f} tokens/s "
-            f"(plain decoding: {tree['predicted_vanilla_tokens_per_s']:.1f})"
-        )
-    if "speculate_max_batch" in tree:
-        lines.append(f"- speculation pays off up to batch size {tree['speculate_max_batch']} on that machine")
-    lines += ["", "Trees that pay off on a GPU can lose on a CPU (and back): re-tune on the serving hardware."]
-    return ["\n".join(lines)]

@@ -1,8 +1,14 @@
 """Draft-head modules: EAGLE-1/2, EAGLE-3, Medusa and DFlash (built on the shared core only).
 
 head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model, tokenizer)
+head.config.options.layer_ids, head.config.arch.hidden_size, head.hidden_layers
 head.save_pretrained("runs/x/head")
 head = load_head("runs/x/head", target_model, tokenizer)   # checks the head fits this target and tokenizer
+
+One file per job: ``config`` (the typed head config and its config.json), ``target`` (the target's layer
+shape, the families served, compatibility and tokenizer checks), ``base`` (``DraftHead``: build, save,
+load), ``layers`` (the Llama draft layer: norm, rotary, attention over the KV cache, MLP), ``losses``
+(label alignment, soft cross-entropy), and one file per head: ``eagle``, ``eagle3``, ``medusa``, ``dflash``.
 """
 
 from __future__ import annotations
@@ -13,22 +19,30 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from heads.common import DraftHead, KVCache, check_compatible, check_tokenizer, read_head_config
+from heads.base import WEIGHTS_NAME, DraftHead
+from heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
 from heads.dflash import DFlashHead
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
+from heads.layers import KVCache
 from heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
+from heads.target import arch_from_target, check_compatible, check_tokenizer
 
 HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead, DFlashHead)}
 
 __all__ = [
+    "CONFIG_NAME",
     "HEADS",
+    "WEIGHTS_NAME",
     "DFlashHead",
+    "DraftArch",
     "DraftHead",
     "Eagle3Head",
     "EagleHead",
+    "HeadConfig",
     "KVCache",
     "MedusaHead",
+    "arch_from_target",
     "build_head",
     "build_vocab_mapping",
     "check_compatible",
@@ -37,6 +51,7 @@ __all__ = [
     "medusa2_wrap",
     "medusa_loss",
     "medusa_weight_at",
+    "read_head_config",
     "ttt_attention_mask",
 ]
 
@@ -67,5 +82,5 @@ def load_head(
 
     With the target's ``tokenizer``, a head trained with another one is refused (``check_tokenizer``).
     """
-    head_class = _head_class(read_head_config(head_dir)["type"])
+    head_class = _head_class(read_head_config(head_dir).type)
     return head_class.from_pretrained(head_dir, target_model, tokenizer, allow_other_tokenizer)

@@ -36,17 +36,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from core.models import default_aux_layers
 from core.schema import DflashOptions
-from heads.common import (
-    MLP,
-    Attention,
-    DraftHead,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    default_positions,
-    label_mask,
-)
+from heads.base import DraftHead
+from heads.config import DraftArch, HeadConfig
+from heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
+from heads.losses import label_mask, soft_cross_entropy
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
 
@@ -106,23 +101,20 @@ def block_attention(
 class DFlashLayer(nn.Module):
     """A pre-norm Qwen3 decoder layer whose attention also reads the context's keys and values."""
 
-    def __init__(self, arch: dict[str, Any]):
+    def __init__(self, arch: DraftArch):
         super().__init__()
-        hidden, eps = arch["hidden_size"], arch["rms_norm_eps"]
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = Attention(arch, hidden)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(arch)
 
-    def context_kv(
-        self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's keys (k_norm, rotary) and values of the context [B, C, H]: the same projections
-        as the block's, on the context itself (no input_layernorm)."""
+    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, then rotary) and values [B, kv_heads, n, head_dim] of the inputs ``x`` [B, n, H]."""
         attn = self.self_attn
-        b, c, _ = context.shape
-        k = attn.k_norm(attn.k_proj(context).view(b, c, attn.n_kv, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(context).view(b, c, attn.n_kv, attn.head_dim).transpose(1, 2)
+        b, n, _ = x.shape
+        k = attn.k_norm(attn.k_proj(x).view(b, n, attn.n_kv, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(b, n, attn.n_kv, attn.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
     def forward(
@@ -135,7 +127,11 @@ class DFlashLayer(nn.Module):
         causal: bool,
     ) -> torch.Tensor:
         attn = self.self_attn
-        q, k, v = attn.project(self.input_layernorm(x), cos, sin)
+        normed = self.input_layernorm(x)
+        b, n, _ = x.shape
+        q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.key_values(normed, cos, sin)
         groups = attn.n_heads // attn.n_kv
         k, v, context_k, context_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, *context_kv))
         out = block_attention(q, k, v, context_k, context_v, context_visible, causal)
@@ -145,28 +141,28 @@ class DFlashLayer(nn.Module):
 
 class DFlashHead(DraftHead):
     head_type = "dflash"
-    defaults = DflashOptions.defaults()
+    options_model = DflashOptions
+    config: HeadConfig[DflashOptions]
 
     @classmethod
-    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> dict[str, Any]:
+    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[DflashOptions]:
         config = super().make_config(head_cfg, target_config)
-        arch = config["arch"]
+        options, arch = config.options, config.arch
         # vLLM builds the draft's layers as Qwen3's (q/k norm, SiLU, biases only with attention_bias,
         # which would add one to o_proj too), whatever the target family.
-        arch.update(qk_norm=True, qkv_bias=False, hidden_act="silu")
-        if config["intermediate_size"] is not None:
-            arch["intermediate_size"] = config["intermediate_size"]
+        arch.qk_norm, arch.qkv_bias, arch.hidden_act = True, False, "silu"
+        if options.intermediate_size is not None:
+            arch.intermediate_size = options.intermediate_size
         layers = target_config.num_hidden_layers
-        ids = config["layer_ids"] or [2, layers // 2, layers - 3]
-        config["layer_ids"] = sorted(set(ids))
-        # Our id i is the residual stream entering layer i; vLLM's dflash id i - 1 (the output of layer
+        options.layer_ids = sorted(set(options.layer_ids or default_aux_layers(layers)))
+        # Our id i is the residual stream entering layer i; vLLM's dflash id is i - 1 (the output of layer
         # i - 1), so id 0 (the embeddings) has no DFlash name.
-        bad = [i for i in config["layer_ids"] if not 1 <= i < layers]
+        bad = [i for i in options.layer_ids if not 1 <= i < layers]
         if bad:
             raise ValueError(f"DFlash layer_ids {bad} out of range: the target's layers 1..{layers - 1} can be fused")
-        mask = config["mask_token_id"]
-        if mask is not None and not 0 <= mask < config["vocab_size"]:
-            rows = config["vocab_size"]
+        mask = options.mask_token_id
+        if mask is not None and not 0 <= mask < config.vocab_size:
+            rows = config.vocab_size
             raise ValueError(f"head.mask_token_id {mask} is not a row of the target's {rows} embeddings")
         return config
 
@@ -178,24 +174,29 @@ class DFlashHead(DraftHead):
             head_cfg = {**head_cfg, "mask_token_id": resolve_mask_token_id(target_model.config, tokenizer)}
         head = super().build(head_cfg, target_model, tokenizer)
         if head.mask_embedding is not None:  # a learned vector starts from the row it replaces
-            row = target_model.get_input_embeddings().weight[head.config["mask_token_id"]]
+            row = target_model.get_input_embeddings().weight[head.mask_token_id]
             head.mask_embedding.data.copy_(row.detach().float())
         return head
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: HeadConfig[DflashOptions]):
         super().__init__(config)
-        arch = config["arch"]
-        hidden = arch["hidden_size"]
-        self.fc = nn.Linear(len(config["layer_ids"]) * config["target_hidden_size"], hidden, bias=False)
-        self.hidden_norm = RMSNorm(hidden, arch["rms_norm_eps"])
-        self.layers = nn.ModuleList(DFlashLayer(arch) for _ in range(config["num_layers"]))
-        self.norm = RMSNorm(hidden, arch["rms_norm_eps"])
-        self.rotary = RotaryEmbedding(arch["rope"], arch["head_dim"])
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if config["mask_embedding"] else None
+        arch, options = config.arch, config.options
+        hidden = arch.hidden_size
+        self.fc = nn.Linear(len(options.layer_ids) * config.target_hidden_size, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(arch) for _ in range(options.num_layers))
+        self.norm = RMSNorm(hidden, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch)
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if options.mask_embedding else None
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The fused target layers (``hidden_states`` indices, ascending)."""
+        return tuple(self.config.options.layer_ids)
 
     @property
     def mask_token_id(self) -> int:
-        return self.config["mask_token_id"]
+        return self.config.options.mask_token_id
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's embeddings of ``input_ids``; with ``mask_embedding``, that vector at the mask id."""
@@ -210,7 +211,7 @@ class DFlashHead(DraftHead):
         dtype = self.fc.weight.dtype
         context = self.hidden_norm(self.fc(aux_hidden.to(dtype)))
         cos, sin = self.rotary(position_ids, dtype)
-        return [layer.context_kv(context, cos, sin) for layer in self.layers]
+        return [layer.key_values(context, cos, sin) for layer in self.layers]
 
     def forward(
         self,
@@ -225,7 +226,7 @@ class DFlashHead(DraftHead):
         cos, sin = self.rotary(position_ids, dtype)
         x = self.embed(block_ids)
         for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, kv, context_visible, self.config["causal"])
+            x = layer(x, cos, sin, kv, context_visible, self.config.options.causal)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -251,7 +252,8 @@ class DFlashHead(DraftHead):
         if not self.training:
             generator = torch.Generator(candidates.device).manual_seed(0)
         scores = torch.rand(candidates.shape, generator=generator, device=candidates.device)
-        top = scores.masked_fill(~candidates, -1.0).topk(min(self.config["num_anchors"], candidates.shape[1]), dim=1)
+        count = min(self.config.options.num_anchors, candidates.shape[1])
+        top = scores.masked_fill(~candidates, -1.0).topk(count, dim=1)
         return top.indices, top.values >= 0
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -269,13 +271,14 @@ class DFlashHead(DraftHead):
         ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks.
         """
         ids = batch["input_ids"]
-        batch_size, seq = ids.shape
-        size = self.config["block_size"]
+        seq = ids.shape[1]
+        options = self.config.options
+        size = options.block_size
         anchors, real = self.sample_anchors(label_mask(batch, 1))
         positions = anchors[..., None] + torch.arange(size, device=ids.device)  # [B, N, S]
         block_ids = torch.full_like(positions, self.mask_token_id)
         block_ids[..., 0] = ids.gather(1, anchors)
-        context_kv = self.context_kv(batch["aux_hidden"], default_positions(batch_size, seq, ids.device))
+        context_kv = self.context_kv(batch["aux_hidden"], default_positions(ids))
         before_anchor = torch.arange(seq, device=ids.device) < anchors[..., None]
         visible = before_anchor & batch["attention_mask"].bool()[:, None, :]
         hidden = self(block_ids.flatten(1), positions.flatten(1), context_kv, visible)
@@ -285,19 +288,18 @@ class DFlashHead(DraftHead):
             labelled = label_mask(batch, 0).gather(1, label_at.clamp(max=seq - 1).flatten(1)).view_as(label_at)
             labelled &= (label_at < seq) & real[..., None]
         rows = labelled.nonzero(as_tuple=True)  # score only labelled slots: the lm_head is the big matmul
-        logp = self.logits(hidden[rows]).float().log_softmax(-1)
+        logits = self.logits(hidden[rows])
         with torch.no_grad():
-            target_hidden = batch["last_hidden"][rows[0], label_at[rows] - 1]
-            target_logp = self.logits(target_hidden).float().log_softmax(-1)
-        cross_entropy = -(target_logp.exp() * logp).sum(-1)
+            target_logits = self.logits(batch["last_hidden"][rows[0], label_at[rows] - 1])
+        cross_entropy = soft_cross_entropy(logits, target_logits.float().softmax(-1))
         slot = rows[2]
         counts = torch.bincount(slot, minlength=size - 1)
         slot_loss = torch.zeros(size - 1, device=ids.device).index_add(0, slot, cross_entropy) / counts.clamp(min=1)
-        weights = torch.exp(-torch.arange(size - 1, device=ids.device) / self.config["loss_gamma"])
+        weights = torch.exp(-torch.arange(size - 1, device=ids.device) / options.loss_gamma)
         total = (weights * slot_loss).sum() / weights.sum()
         with torch.no_grad():
             agree = torch.zeros_like(labelled)
-            agree[rows] = logp.argmax(-1) == target_logp.argmax(-1)
+            agree[rows] = logits.argmax(-1) == target_logits.argmax(-1)
             # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
             right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()
             tried = labelled & right_before

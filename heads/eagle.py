@@ -14,43 +14,40 @@ pairs f_i with the embedding of input_ids[i+1], at rotary position i, and predic
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from core.schema import EagleOptions
-from heads.common import (
-    DecoderLayer,
-    DraftHead,
-    KVCache,
-    RotaryEmbedding,
-    check_eagle_family,
-    default_positions,
-    label_mask,
-    shift_left,
-)
+from heads.base import DraftHead
+from heads.config import HeadConfig
+from heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
+from heads.losses import label_mask, shift_left, soft_cross_entropy
+from heads.target import check_eagle_family
 
 
 class EagleHead(DraftHead):
     head_type = "eagle"
-    defaults = EagleOptions.defaults()
+    options_model = EagleOptions
+    config: HeadConfig[EagleOptions]
 
     @classmethod
-    def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
+    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[EagleOptions]:
         check_eagle_family(target_config, cls.head_type)
         config = super().make_config(head_cfg, target_config)
         # No engine's EAGLE-1 layer has Qwen3's q/k norm: vLLM serves EagleLlamaForCausalLM only.
-        config["arch"]["qk_norm"] = False
+        config.arch.qk_norm = False
         return config
 
-    def __init__(self, config: dict):
+    def __init__(self, config: HeadConfig[EagleOptions]):
         super().__init__(config)
-        arch = config["arch"]
-        hidden = arch["hidden_size"]
-        self.fc = nn.Linear(2 * hidden, hidden, bias=config["fc_bias"])
+        arch = config.arch
+        self.fc = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=config.options.fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(arch, input_norm=False)])
-        self.rotary = RotaryEmbedding(arch["rope"], arch["head_dim"])
+        self.rotary = RotaryEmbedding(arch)
 
     def first_features(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The head's input features from the target's states: its last (post-norm) hidden state."""
@@ -76,8 +73,7 @@ class EagleHead(DraftHead):
         """
         dtype = self.fc.weight.dtype
         if position_ids is None:
-            past = cache.length if cache is not None else 0
-            position_ids = default_positions(input_ids.shape[0], input_ids.shape[1], input_ids.device, past)
+            position_ids = default_positions(input_ids, cache)
         embeds = self.target.embed_tokens(input_ids).to(dtype)
         x = self.fc(torch.cat((embeds, features.to(dtype)), dim=-1))
         cos, sin = self.rotary(position_ids, dtype)
@@ -112,9 +108,10 @@ class EagleHead(DraftHead):
         mask = label_mask(batch, 2).float()
         count = mask.sum().clamp(min=1)
         vloss = F.smooth_l1_loss(predicted.float(), target_features.float(), reduction="none").mean(-1)
-        ploss = -(target_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        ploss = soft_cross_entropy(logits, target_logits.softmax(-1))
         vloss, ploss = (vloss * mask).sum() / count, (ploss * mask).sum() / count
-        loss = self.config["vloss_weight"] * vloss + self.config["ploss_weight"] * ploss
+        options = self.config.options
+        loss = options.vloss_weight * vloss + options.ploss_weight * ploss
         agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(mask.dtype)
         metrics = {"vloss": vloss.detach(), "ploss": ploss.detach(), "acc": (agree * mask).sum() / count}
         return loss, metrics

@@ -19,27 +19,24 @@ plus its own keys from steps 1..j (``ttt_attention_mask``).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from core.models import default_aux_layers
 from core.schema import Eagle3Options
-from heads.common import (
-    MLP,
-    Attention,
-    DraftHead,
-    KVCache,
-    RMSNorm,
-    RotaryEmbedding,
-    causal_mask,
-    check_eagle_family,
-    default_positions,
-    label_mask,
-    shift_left,
-)
+from heads.base import DraftHead
+from heads.config import DraftArch, HeadConfig
+from heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
+from heads.losses import label_mask, shift_left, soft_cross_entropy
+from heads.target import check_eagle_family
+
+DRAFT_LAYERS = typing.get_args(Eagle3Options.model_fields["draft_layer"].annotation)  # ("target", "llama")
 
 
 def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,24 +85,14 @@ class Eagle3Layer(nn.Module):
     the layer's qkv projection by a 2H-wide one without (``llama_eagle3.py``, ``attention_bias`` false).
     """
 
-    def __init__(self, arch: dict):
+    def __init__(self, arch: DraftArch):
         super().__init__()
-        hidden, eps = arch["hidden_size"], arch["rms_norm_eps"]
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.self_attn = Attention(arch, 2 * hidden)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(arch)
-
-    def qkv(
-        self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(features)), dim=-1)
-        return self.self_attn.project(x, cos, sin)
-
-    def finish(self, features: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        x = features + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(
         self,
@@ -114,58 +101,60 @@ class Eagle3Layer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | GradKVCache | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv(embeds, features, cos, sin)
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.append(k, v)
-        if mask is None:
-            mask = causal_mask(embeds.shape[1], past, embeds.device)
-        return self.finish(features, self.self_attn.attend(q, k, v, mask))
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(features)), dim=-1)
+        x = features + self.self_attn(x, cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Eagle3Head(DraftHead):
     head_type = "eagle3"
-    defaults = Eagle3Options.defaults()
-    draft_layers = ("target", "llama")
+    options_model = Eagle3Options
+    config: HeadConfig[Eagle3Options]
 
     @classmethod
-    def make_config(cls, head_cfg: dict, target_config: PretrainedConfig) -> dict:
+    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[Eagle3Options]:
         check_eagle_family(target_config, cls.head_type)
+        draft_layer = head_cfg.get("draft_layer", "target")
+        if draft_layer not in DRAFT_LAYERS:
+            raise ValueError(f"head.draft_layer must be one of {list(DRAFT_LAYERS)}, got {draft_layer!r}")
         config = super().make_config(head_cfg, target_config)
-        config["arch"]["qkv_bias"] = False  # see Eagle3Layer
-        if config["draft_layer"] not in cls.draft_layers:
-            raise ValueError(f"head.draft_layer must be one of {list(cls.draft_layers)}, got {config['draft_layer']!r}")
-        if config["draft_layer"] == "llama":
-            config["arch"]["qk_norm"] = False
+        options = config.options
+        config.arch.qkv_bias = False  # see Eagle3Layer
+        if options.draft_layer == "llama":
+            config.arch.qk_norm = False
         layers = target_config.num_hidden_layers
-        ids = config["layer_ids"] or [2, layers // 2, layers - 3]
-        config["layer_ids"] = sorted(set(ids))
-        if len(config["layer_ids"]) != 3:
+        ids = options.layer_ids or default_aux_layers(layers)
+        options.layer_ids = sorted(set(ids))
+        if len(options.layer_ids) != 3:
             raise ValueError(
                 f"EAGLE-3 fuses three distinct target layers, got {ids} for a {layers}-layer target: set layer_ids"
             )
-        config["draft_vocab_size"] = min(config["draft_vocab_size"], config["vocab_size"])
+        options.draft_vocab_size = min(options.draft_vocab_size, config.vocab_size)
         return config
 
-    def __init__(self, config: dict):
+    def __init__(self, config: HeadConfig[Eagle3Options]):
         super().__init__(config)
-        arch = config["arch"]
-        hidden, vocab, draft_vocab = arch["hidden_size"], config["vocab_size"], config["draft_vocab_size"]
-        self.fc = nn.Linear(len(config["layer_ids"]) * config["target_hidden_size"], hidden, bias=False)
+        arch, options = config.arch, config.options
+        hidden, vocab, draft_vocab = arch.hidden_size, config.vocab_size, options.draft_vocab_size
+        self.fc = nn.Linear(len(options.layer_ids) * config.target_hidden_size, hidden, bias=False)
         self.midlayer = Eagle3Layer(arch)
-        self.norm = RMSNorm(hidden, arch["rms_norm_eps"])
+        self.norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
-        self.rotary = RotaryEmbedding(arch["rope"], arch["head_dim"])
+        self.rotary = RotaryEmbedding(arch)
         # Until set_vocab_mapping: the first draft_vocab target ids.
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(vocab) < draft_vocab)
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The fused target layers (``hidden_states`` indices, ascending)."""
+        return tuple(self.config.options.layer_ids)
+
     def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
         """Pick the draft vocabulary from target-token frequencies in the training data ([V] counts)."""
-        d2t, t2d = build_vocab_mapping(token_counts, self.config["draft_vocab_size"])
+        d2t, t2d = build_vocab_mapping(token_counts, self.config.options.draft_vocab_size)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
@@ -175,7 +164,7 @@ class Eagle3Head(DraftHead):
 
     def to_target_vocab(self, draft_scores: torch.Tensor) -> torch.Tensor:
         """[..., draft_vocab] -> [..., V]; target ids outside the draft vocabulary get -inf."""
-        out = draft_scores.new_full((*draft_scores.shape[:-1], self.config["vocab_size"]), float("-inf"))
+        out = draft_scores.new_full((*draft_scores.shape[:-1], self.config.vocab_size), float("-inf"))
         out[..., self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))] = draft_scores
         return out
 
@@ -196,8 +185,7 @@ class Eagle3Head(DraftHead):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-vocab logits [B,n,draft_vocab], output features before ``norm`` [B,n,H])."""
         if position_ids is None:
-            past = cache.length if cache is not None else 0
-            position_ids = default_positions(input_ids.shape[0], input_ids.shape[1], input_ids.device, past)
+            position_ids = default_positions(input_ids, cache)
         dtype = self.fc.weight.dtype
         cos, sin = self.rotary(position_ids, dtype)
         out = self.midlayer(self.embed(input_ids), features.to(dtype), cos, sin, mask, cache)
@@ -218,21 +206,17 @@ class Eagle3Head(DraftHead):
     def ttt_features(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
         """Yield the midlayer's output features [B,S,H] for training-time-test steps 0..steps-1.
 
-        ``features`` are the step-0 inputs (``first_features``). All steps share one growing list of
+        ``features`` are the step-0 inputs (``first_features``). All steps share one growing cache of
         keys; step j attends with ``ttt_step_mask`` (its block row of ``ttt_attention_mask``).
         """
-        batch, seq = input_ids.shape
+        seq = input_ids.shape[1]
         dtype = self.fc.weight.dtype
-        positions = default_positions(batch, seq, input_ids.device)
-        keys, values = [], []
+        positions = default_positions(input_ids)
+        cache = GradKVCache()
         for j in range(steps):
             cos, sin = self.rotary(positions + j, dtype)
-            q, k, v = self.midlayer.qkv(self.embed(shift_left(input_ids, j + 1)), features, cos, sin)
-            keys.append(k)
-            values.append(v)
             mask = ttt_step_mask(seq, j, input_ids.device)
-            attn = self.midlayer.self_attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-            features = self.midlayer.finish(features, attn)
+            features = self.midlayer(self.embed(shift_left(input_ids, j + 1)), features, cos, sin, mask, cache)
             yield features
 
     def loss(
@@ -256,20 +240,21 @@ class Eagle3Head(DraftHead):
                 target_logits = lm_head(batch["last_hidden"].to(lm_head.weight.dtype))
         with torch.no_grad():
             draft_in_target = self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
-            target_logp = target_logits[..., draft_in_target].float().log_softmax(-1)
+            target_probs = target_logits[..., draft_in_target].float().softmax(-1)
             in_vocab = self.t2d[target_logits.argmax(-1)]
         features = self.first_features(batch["aux_hidden"])
         total, metrics = 0.0, {}
-        for j, out in enumerate(self.ttt_features(features, batch["input_ids"], self.config["ttt_steps"])):
-            logp = self.lm_head(self.norm(out)).float().log_softmax(-1)
+        options = self.config.options
+        for j, out in enumerate(self.ttt_features(features, batch["input_ids"], options.ttt_steps)):
+            logits = self.lm_head(self.norm(out))
             with torch.no_grad():
                 labelled = label_mask(batch, j + 2)
                 counted = (labelled & shift_left(in_vocab, j + 1, False)).float()
                 count = labelled.sum().clamp(min=1)
-                target = shift_left(target_logp, j + 1)
-            step_loss = (-(target.exp() * logp).sum(-1) * counted).sum() / count
-            total = total + self.config["ttt_decay"] ** j * step_loss
-            agree = (logp.argmax(-1) == target.argmax(-1)).float()
+                target = shift_left(target_probs, j + 1)
+            step_loss = (soft_cross_entropy(logits, target) * counted).sum() / count
+            total = total + options.ttt_decay**j * step_loss
+            agree = (logits.argmax(-1) == target.argmax(-1)).float()
             metrics[f"loss_{j}"] = step_loss.detach()
             metrics[f"acc_{j}"] = ((agree * counted).sum() / count).detach()
         return total, metrics

@@ -25,22 +25,36 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from core.schema import MedusaOptions
-from heads.common import DraftHead, ResBlock, label_mask, shift_left
+from core.schema import Lora, MedusaOptions
+from heads.base import DraftHead
+from heads.config import HeadConfig, parse_section
+from heads.losses import label_mask, shift_left
+
+
+class ResBlock(nn.Module):
+    """Medusa's block x + SiLU(Wx + b); W starts at zero (as in Medusa), so a fresh block only adds SiLU(b)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
 
 
 class MedusaHead(DraftHead):
     head_type = "medusa"
-    defaults = MedusaOptions.defaults()
+    options_model = MedusaOptions
+    config: HeadConfig[MedusaOptions]
 
-    def __init__(self, config: dict):
+    def __init__(self, config: HeadConfig[MedusaOptions]):
         super().__init__(config)
-        hidden, vocab = config["target_hidden_size"], config["vocab_size"]
+        hidden, vocab, options = config.target_hidden_size, config.vocab_size, config.options
         self.medusa_head = nn.ModuleList(
-            nn.Sequential(
-                *[ResBlock(hidden) for _ in range(config["num_layers"])], nn.Linear(hidden, vocab, bias=False)
-            )
-            for _ in range(config["num_heads"])
+            nn.Sequential(*[ResBlock(hidden) for _ in range(options.num_layers)], nn.Linear(hidden, vocab, bias=False))
+            for _ in range(options.num_heads)
         )
 
     @classmethod
@@ -66,7 +80,7 @@ class MedusaHead(DraftHead):
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Medusa-1 loss on a batch with ``input_ids``, ``loss_mask``, ``attention_mask``, ``last_hidden``."""
-        return medusa_loss(self(batch["last_hidden"]), batch, self.config["decay"])
+        return medusa_loss(self(batch["last_hidden"]), batch, self.config.options.decay)
 
 
 def _token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: int) -> tuple[torch.Tensor, ...]:
@@ -112,20 +126,18 @@ def medusa_weight_at(step: int, warmup_steps: int, final_weight: float = 1.0) ->
     return final_weight * min(step / warmup_steps, 1.0)
 
 
-def medusa2_wrap(target: nn.Module, lora_cfg: dict[str, Any]) -> PeftModel:
+def medusa2_wrap(target: nn.Module, lora: dict[str, Any]) -> PeftModel:
     """The target with LoRA adapters (peft): only the adapters train; the base weights stay frozen.
 
-    ``lora_cfg`` keys: r (16), alpha (32), dropout (0.05), target_modules (the attention projections).
+    ``lora`` is a config's ``lora:`` section (``core.schema.Lora``: its keys, defaults and ranges).
     The target is modified in place, as peft does.
     """
-    unknown = sorted(set(lora_cfg) - {"r", "alpha", "dropout", "target_modules"})
-    if unknown:
-        raise ValueError(f"unknown lora options {unknown}; known: alpha, dropout, r, target_modules")
+    settings = parse_section(Lora, lora, "lora")
     config = LoraConfig(
-        r=lora_cfg.get("r", 16),
-        lora_alpha=lora_cfg.get("alpha", 32),
-        lora_dropout=lora_cfg.get("dropout", 0.05),
-        target_modules=lora_cfg.get("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(target, config)

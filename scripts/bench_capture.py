@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from core.config import load_config
 from core.models import load_target
 from core.runtime import resolve_dtype
 from core.schema import CaptureConfig, validate_config
+from core.timing import timed
 from data_recipes.capture import capture_shard, length_batches, resolve_aux_layers
 from data_recipes.recipes import load_samples
 from data_recipes.shards import write_shard
@@ -64,22 +64,13 @@ def main(argv: list[str] | None = None) -> None:
             )
             write_shard(out / f"shard-{k:05d}.safetensors", tensors, "bench")
 
-    def timed(fn, *fn_args) -> float:
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        start = time.perf_counter()
-        fn(*fn_args)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        return time.perf_counter() - start
-
     bare_s, capture_s = [], []
     with tempfile.TemporaryDirectory(
         dir=Path(cap["out_dir"]).parent if Path(cap["out_dir"]).parent.exists() else None
     ) as tmp:
         for _ in range(args.repeats):
-            bare_s.append(timed(bare))
-            capture_s.append(timed(capture, Path(tmp)))
+            bare_s.append(timed(model.device, bare)[1])
+            capture_s.append(timed(model.device, capture, Path(tmp))[1])
     bare_tps, capture_tps = tokens / min(bare_s), tokens / min(capture_s)
     device = (
         torch.cuda.get_device_name(model.device)

@@ -11,7 +11,6 @@ number is the trainer's ceiling on one process, without DeepSpeed's communicatio
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -19,6 +18,7 @@ from core.config import load_config
 from core.models import load_target
 from core.runtime import resolve_dtype
 from core.schema import TrainConfig, validate_config
+from core.timing import timed
 from data_recipes.capture import OnlineCapture, resolve_aux_layers
 from data_recipes.recipes import load_samples
 from data_recipes.shards import pad_collate
@@ -29,25 +29,26 @@ from train.data import SampleDataset
 def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:
     """The config's own head options when it trains this type, else the head's defaults."""
     options = dict(cfg.get("head", {})) if cfg.get("head", {}).get("type") == head_type else {"type": head_type}
-    if head_type == "eagle3":
+    if "layer_ids" in HEADS[head_type].options_model.model_fields:  # EAGLE-3, DFlash: the captured layers
         options["layer_ids"] = aux_layers
     return options
 
 
 def bench(head, batches: list[dict[str, torch.Tensor]], steps: int) -> float:
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
-    tokens, seconds = 0, 0.0
-    for step in range(steps + 1):  # step 0 warms up (allocations, kernel choice) and is not timed
-        batch = batches[step % len(batches)]
-        start = time.perf_counter()
+
+    def train_step(batch: dict[str, torch.Tensor]) -> None:
         loss, _ = head.loss(batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if batch["input_ids"].device.type == "cuda":
-            torch.cuda.synchronize()
+
+    tokens, seconds = 0, 0.0
+    for step in range(steps + 1):  # step 0 warms up (allocations, kernel choice) and is not timed
+        batch = batches[step % len(batches)]
+        _, step_s = timed(batch["input_ids"].device, train_step, batch)
         if step:
-            seconds += time.perf_counter() - start
+            seconds += step_s
             tokens += int(batch["attention_mask"].sum())
     return tokens / seconds
 

@@ -24,9 +24,11 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from core.config import load_config, save_config
-from core.io import atomic_dir, atomic_path, atomic_write_text, parse_json_line
-from core.runtime import resolve_device, resolve_dtype, seed_everything
+from core.errors import DataError
+from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
+from core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, seed_everything
 from core.schema import BuildDemoModelsConfig, validate_config
+from data_recipes.errors import get_field
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -50,13 +52,11 @@ CHAT_TEMPLATE = (
 
 def read_gsm8k(path: str | Path) -> list[dict[str, str]]:
     rows = []
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is then that line's error
-        for line_no, line in enumerate(f, 1):
-            try:
-                row = parse_json_line(line)
-                rows.append({"question": row["question"], "answer": row["answer"]})
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"{path}:{line_no}: not a GSM8K row ({err})") from err
+    for location, record in read_jsonl(path):
+        try:
+            rows.append({"question": get_field(record, "question"), "answer": get_field(record, "answer")})
+        except DataError as err:
+            raise DataError(f"not a GSM8K row: {err.message}", location) from None
     return rows
 
 
@@ -140,19 +140,15 @@ def model_config(arch: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Ll
 
 
 def learning_rate(step: int, hp: dict[str, Any]) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < hp["warmup_steps"]:
-        return hp["lr"] * (step + 1) / hp["warmup_steps"]
-    progress = (step - hp["warmup_steps"]) / max(1, hp["steps"] - hp["warmup_steps"])
-    floor = hp["min_lr_ratio"]
-    return hp["lr"] * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` (``cosine_with_warmup``)."""
+    return hp["lr"] * cosine_with_warmup(step, hp["warmup_steps"], hp["steps"], hp["min_lr_ratio"])
 
 
 def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
     """The batch of global step ``step``: a pure function of (seed, step), so resume is exact."""
     steps_per_epoch = len(blocks) // batch_size
     epoch, index = divmod(step, steps_per_epoch)
-    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(mix_seed(seed, epoch)))
     return blocks[order[index * batch_size : (index + 1) * batch_size]]
 
 

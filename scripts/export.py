@@ -22,11 +22,9 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
-from eval.tree import tree_card_section
-from heads import HEADS, check_compatible, check_tokenizer
-from heads.common import CONFIG_NAME, WEIGHTS_NAME, read_head_config
+from heads import CONFIG_NAME, HEADS, WEIGHTS_NAME, HeadConfig, check_compatible, check_tokenizer, read_head_config
 from scripts.formats import dflash, eagle, eagle3, medusa
-from scripts.formats.card import model_card
+from scripts.formats.card import model_card, tree_card_section
 from scripts.formats.common import check_out, state_problems
 from scripts.formats.parity import card_section, weights_digest
 
@@ -40,9 +38,9 @@ SUPPORTED = {
 }
 
 
-def load_target_config(target: str | None, head_config: dict[str, Any]) -> tuple[str, PretrainedConfig]:
+def load_target_config(target: str | None, head_config: HeadConfig) -> tuple[str, PretrainedConfig]:
     """The target's name and config: ``target`` if given, else the one the head was trained on."""
-    name = target or head_config.get("target")
+    name = target or head_config.target
     if not name:
         raise ValueError("the head's config names no target: pass --target PATH")
     try:
@@ -51,10 +49,10 @@ def load_target_config(target: str | None, head_config: dict[str, Any]) -> tuple
         raise FileNotFoundError(f"cannot read the target's config from {name!r}: {err}") from err
 
 
-def check_target_tokenizer(config: dict[str, Any], target: str, head_dir: Path) -> None:
+def check_target_tokenizer(config: HeadConfig, target: str, head_dir: Path) -> None:
     """The head's recorded tokenizer against ``target``'s (read only when the head records one)."""
     target_hash = None
-    if "tokenizer_hash" in config:
+    if config.tokenizer_hash is not None:
         try:
             target_hash = tokenizer_hash(AutoTokenizer.from_pretrained(target))
         except OSError as err:
@@ -64,14 +62,14 @@ def check_target_tokenizer(config: dict[str, Any], target: str, head_dir: Path) 
     check_tokenizer(config, target_hash, head_dir)
 
 
-def load_head_state(head_dir: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def load_head_state(head_dir: Path, config: HeadConfig) -> dict[str, torch.Tensor]:
     """The head's tensors, checked name by name and shape by shape against what its config builds."""
     path = head_dir / WEIGHTS_NAME
     if not path.is_file():
         raise FileNotFoundError(f"missing {WEIGHTS_NAME} in {head_dir}")
     state = load_file(str(path))
     with torch.device("meta"):  # the expected names and shapes, without allocating a head
-        expected = HEADS[config["type"]](config).state_dict()
+        expected = HEADS[config.type](config).state_dict()
     problems = state_problems(expected, state)
     if problems:
         raise ValueError(f"{path} does not match its config.json: " + "; ".join(problems))
@@ -79,10 +77,10 @@ def load_head_state(head_dir: Path, config: dict[str, Any]) -> dict[str, torch.T
 
 
 def engine_files(
-    config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+    config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
     """(config.json, tensors, weights file name) of the head in ``fmt``; ValueError where ``fmt`` cannot hold it."""
-    head_type = config["type"]
+    head_type = config.type
     if fmt not in SUPPORTED[head_type]:
         if head_type == "medusa":
             raise ValueError(f"cannot export a Medusa head as {fmt!r}: {medusa.NOT_SERVED}")
@@ -91,9 +89,8 @@ def engine_files(
             "sglang": "SGLang 0.5.23 has no DFlash draft",
             "medusa": "the 'medusa' format holds Medusa heads only",
         }[fmt]
-        if head_type == "dflash" and fmt == "speculators":
-            why = "export vLLM's own DFlash layout: vLLM 0.32 runs a speculators DFlash folder causal unless it sets "
-            why += "sliding_window_non_causal (docs/EXPORT.md)"
+        if head_type == "dflash" and fmt == "speculators":  # docs/EXPORT.md, "DFlash"
+            why = "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout"
         raise ValueError(f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {SUPPORTED[head_type]}")
     if head_type == "medusa":
         return (*medusa.export_files(config, state, target), medusa.WEIGHTS_FILE)
@@ -149,8 +146,6 @@ def export_head(
     if not (head_dir / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"missing {CONFIG_NAME} in {head_dir}: not a headstart head folder")
     config = read_head_config(head_dir)
-    if config.get("type") not in SUPPORTED:
-        raise ValueError(f"unknown head type {config.get('type')!r} in {head_dir / CONFIG_NAME}")
     # An earlier export: its card and nothing else an export does not write (a head folder has no card).
     earlier = EXPORT_FILES if (out / "README.md").is_file() else frozenset()
     check_out(out, head_dir, "head folder", overwrite, earlier)
@@ -166,7 +161,7 @@ def export_head(
     public_target = target_name or target
     engine_config, tensors, weights_file = engine_files(config, state, fmt, public_target, target_config)
     command = f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}"
-    if target != config.get("target"):
+    if target != config.target:
         command += f" --target {target}"
     # The tree eval.autotune tuned for this head, when its folder has a tree.json.
     sections.extend(tree_card_section(head_dir))
@@ -176,7 +171,7 @@ def export_head(
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
-        mask_embedding = dflash.mask_embedding_file(config, state) if config["type"] == "dflash" else None
+        mask_embedding = dflash.mask_embedding_file(config, state) if config.type == "dflash" else None
         if mask_embedding is not None:
             (tmp / dflash.MASK_EMBEDDING_FILE).write_bytes(mask_embedding)
         (tmp / "README.md").write_text(card)

@@ -14,13 +14,14 @@ before it is written.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from heads import HEADS, DraftHead, check_compatible
+from heads import HEADS, DraftArch, DraftHead, check_compatible
 from scripts.formats import dflash, eagle, eagle3, medusa
 from scripts.formats.common import (
     DRAFT_ARCH_KEYS,
@@ -35,7 +36,9 @@ from scripts.formats.common import (
 SOURCES = ("eagle", "eagle3", "medusa", "speculators", "dflash")
 
 
-def read_source(kind: str, src: Path, target_config: PretrainedConfig) -> tuple[dict, dict, dict[str, torch.Tensor]]:
+def read_source(
+    kind: str, src: Path, target_config: PretrainedConfig
+) -> tuple[dict, DraftArch, dict[str, torch.Tensor]]:
     """(head options, draft arch, our tensors) of the checkpoint in ``src``."""
     engine_config = read_json(src / "config.json")
     if kind == "medusa":
@@ -53,7 +56,7 @@ def read_source(kind: str, src: Path, target_config: PretrainedConfig) -> tuple[
 
 def build_imported(
     options: dict[str, Any],
-    arch: dict[str, Any],
+    arch: DraftArch,
     state: dict[str, torch.Tensor],
     target: str,
     target_config: PretrainedConfig,
@@ -62,10 +65,10 @@ def build_imported(
     """A head of our format holding ``state``, its config from the target plus the draft's own layer shape."""
     cls = HEADS[options["type"]]
     config = cls.make_config(options, target_config)
-    config["arch"].update({k: arch[k] for k in DRAFT_ARCH_KEYS})
+    config.arch = replace(config.arch, **{k: getattr(arch, k) for k in DRAFT_ARCH_KEYS})
     # The published draft's attention shape, vocab and layer ids against the target's: a named mismatch.
-    check_compatible({**config, "arch": arch, "target": source}, target_config)
-    config["target"] = target
+    check_compatible(replace(config, arch=arch, target=source), target_config)
+    config.target = target
     head = cls(config)
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     head.to(dtype)  # keep the checkpoint's precision: a bf16 head stays bf16

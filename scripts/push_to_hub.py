@@ -28,7 +28,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from heads.common import read_head_config
+from heads import read_head_config
 from scripts.export import FORMATS, export_head
 from scripts.formats.common import file_inside
 
@@ -111,7 +111,7 @@ def stage(
         parity=parity,
         head_name=HEAD_NAME,
     )
-    problem = local_target_problem(target_id, target or read_head_config(head_dir)["target"])
+    problem = local_target_problem(target_id, target or read_head_config(head_dir).target)
     if problem and not dry_run:
         raise ValueError(problem)
     if problem:

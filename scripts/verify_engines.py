@@ -35,13 +35,16 @@ import subprocess
 import sys
 import time
 from importlib.metadata import version
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.io import parse_json_line
+from core.errors import DataError
+from core.io import read_jsonl
+from data_recipes.errors import get_field
 from scripts.formats.parity import acceptance, report_markdown, weights_digest
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
@@ -58,12 +61,13 @@ NO_SPECULATORS = {
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
+    """The first ``n`` GSM8K test questions, each as a one-message chat."""
     chats = []
-    for line_no, line in enumerate(Path(DATA).read_bytes().splitlines()[:n], 1):
+    for location, record in islice(read_jsonl(DATA), n):
         try:
-            chats.append([{"role": "user", "content": parse_json_line(line)["question"]}])
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"{DATA}:{line_no}: not a GSM8K row ({err})") from err
+            chats.append([{"role": "user", "content": get_field(record, "question")}])
+        except DataError as err:
+            raise DataError(f"not a GSM8K row: {err.message}", location) from None
     return chats
 
 
@@ -123,11 +127,10 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
 
 def resolve_head(head_type: str, path: str, model: torch.nn.Module, work: Path) -> tuple[Path, bool]:
     """(head folder, random_init): ``path``, checked to hold a ``head_type`` head, else a seeded random one."""
-    from heads import build_head
-    from heads.common import read_head_config
+    from heads import build_head, read_head_config
 
     if Path(path, "config.json").is_file():
-        found = read_head_config(path).get("type")
+        found = read_head_config(path).type
         if found != head_type:
             raise ValueError(f"--{head_type} {path}: its config.json says type {found!r}")
         return Path(path), False
@@ -151,7 +154,7 @@ def prepare(head_type: str, path: str, settings: dict[str, Any], model, tokenize
     facts = {"type": head_type, "head": str(head_dir), "random_init": random_init, "exports": exports}
     facts["weights_sha256"] = weights_digest(head_dir)
     if head_type == "eagle3":
-        facts["layer_ids"] = head.config["layer_ids"]
+        facts["layer_ids"] = list(head.hidden_layers)
         write_reference(model, head, tokenizer, work)
     facts["ours"] = our_acceptance(model, head, tokenizer, settings)
     (work / "facts.json").write_text(json.dumps(facts, indent=2))
@@ -166,7 +169,7 @@ def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, wo
     ids = ids["input_ids"]
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
-        aux = torch.cat([states[i] for i in head.config["layer_ids"]], dim=-1)
+        aux = torch.cat([states[i] for i in head.hidden_layers], dim=-1)
         # Step 0 as EAGLE-3 drafts it: features of positions 0..S-2 with the tokens 1..S-1, rotary positions 0..S-2.
         logits, _ = head(ids[:, 1:], head.first_features(aux[:, :-1]))
     save_file(
@@ -180,10 +183,8 @@ def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, set
     from eval.verify import generate
 
     k = settings["k"]
-    if head.config["type"] == "dflash":
-        proposer = DFlash(head, masks=k)
-    else:
-        proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
+    dflash = head.config.type == "dflash"  # vLLM's block: the newest token and k masks
+    proposer = DFlash(head, masks=k) if dflash else Eagle(head, top_k=1, depth=k, total_tokens=k)
     forwards, accepted, tokens = 0, [0] * k, []
     for messages in prompts(settings["prompts"]):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -7,21 +7,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval.autotune import (
-    Costs,
-    RankCounts,
-    TreeSpec,
-    best_shape,
-    comb_choices,
-    expected_tau,
-    predict,
-    tree_tau,
-    tune,
-)
+from core.acceptance import expected_tau
 from eval.proposers import Eagle
-from eval.tree import load_tree_config, tree_card_section
+from eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
+from eval.tree_config import TreeSpec, comb_choices, load_tree_config
 from eval.verify import Sampling
 from heads import build_head
+from scripts.formats.card import tree_card_section
 
 # Synthetic acceptance: p[depth][rank], falling with rank and (slowly) with depth.
 RANK_PROBS = [[0.7, 0.12, 0.05], [0.75, 0.1, 0.04], [0.78, 0.08, 0.03], [0.8, 0.07, 0.02]]

@@ -95,6 +95,15 @@ def test_batches_depend_only_on_seed_and_step_and_cover_each_epoch():
     assert not torch.equal(epoch0, epoch1)
 
 
+def test_seed_0_keeps_the_order_the_bundled_models_were_trained_in():
+    # The bundled models were built with seed 0, each epoch's order seeded by its epoch number.
+    blocks = torch.arange(20).view(10, 2)
+    for step in (0, 3, 5, 9):
+        epoch, index = divmod(step, 5)
+        order = torch.randperm(10, generator=torch.Generator().manual_seed(epoch))
+        assert torch.equal(batch_for_step(blocks, step, 2, seed=0), blocks[order[index * 2 : (index + 1) * 2]])
+
+
 def test_killed_training_resumes_to_identical_weights(tiny, tmp_path):
     tokenizer, blocks = tiny
 
@@ -127,5 +136,5 @@ def test_malformed_gsm8k_line_names_file_and_line(tmp_path):
 def test_a_gsm8k_line_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"question": "q", "answer": "a"}\n' + '{"question": "Café?", "answer": "a"}'.encode("latin-1"))
-    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not a GSM8K row \(not UTF-8 text \(byte 0xe9 at byte 18"):
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at byte 18"):
         read_gsm8k(path)

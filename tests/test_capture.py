@@ -12,11 +12,11 @@ import torch
 from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.io import OutOfSpaceError
+from core.models import default_aux_layers
 from data_recipes.capture import (
-    DiskFullError,
     OnlineCapture,
     check_free_disk,
-    default_aux_layers,
     length_batches,
     resolve_aux_layers,
     run_capture,
@@ -122,7 +122,7 @@ def test_online_capture_yields_the_stored_tensors(captured, tiny_target_dir):
 
 def test_storage_check_refuses_and_names_the_shortfall(tmp_path):
     free = __import__("shutil").disk_usage(tmp_path).free
-    with pytest.raises(DiskFullError, match=r"needs .* GB more in .* but only .* GB is free"):
+    with pytest.raises(OutOfSpaceError, match=r"needs .* GB more in .* but only .* GB is free"):
         check_free_disk(tmp_path, free + 10**9)
     check_free_disk(tmp_path / "not" / "yet" / "made", 1)
 

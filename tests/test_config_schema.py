@@ -54,7 +54,7 @@ def test_every_bundled_config_validates_for_each_command_that_reads_it(path):
 
 def test_the_schema_knows_the_heads_and_formats_the_code_has():
     assert set(HEAD_OPTIONS) == set(HEADS)
-    assert all(HEADS[name].defaults == options.defaults() for name, options in HEAD_OPTIONS.items())
+    assert all(HEADS[name].options_model is options for name, options in HEAD_OPTIONS.items())
     assert set(Formats.__args__) == set(FORMATS)
 
 
@@ -82,7 +82,7 @@ def test_defaults_fill_in_and_yaml_exponents_read_as_floats(tmp_path):
     assert config["train"]["lr"] == "1e-4"  # YAML 1.1
     resolved = validate_config(config, TrainConfig)
     assert resolved["train"]["lr"] == 1e-4 and resolved["capture"]["shard_samples"] == 256
-    assert resolved["head"] == {"type": "eagle3", **HEADS["eagle3"].defaults}
+    assert resolved["head"] == {"type": "eagle3", **HEADS["eagle3"].options_model.defaults()}
     assert "lora" not in resolved and "regenerate" not in resolved
 
 
@@ -137,7 +137,10 @@ def test_capture_without_shard_settings_uses_the_defaults(tiny_target_dir, gsm8k
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["regenerate.temprature=0.7"], r"unknown key regenerate\.temprature \(known: chunk_size, discard_stale_parts, max_new_tokens"),
+        (
+            ["regenerate.temprature=0.7"],
+            r"unknown key regenerate\.temprature \(known: chunk_size, discard_stale_parts, max_new_tokens",
+        ),
         (["regenerate.max_new_tokens=0"], r"regenerate\.max_new_tokens must be >= 1, got 0"),
         (["regenerate.temperature=-1"], r"regenerate\.temperature must be >= 0, got -1"),
         (["regenerate.top_p=0"], r"regenerate\.top_p must be > 0, got 0"),

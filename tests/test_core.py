@@ -1,11 +1,13 @@
+import math
 import os
 
 import pytest
 import torch
 
 from core.config import ConfigError, apply_overrides, load_config, save_config
-from core.io import atomic_dir, atomic_path, atomic_write_text
-from core.runtime import resolve_device, resolve_dtype
+from core.errors import DataError
+from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
+from core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype
 
 
 def test_overrides_parse_yaml_values_and_create_sections():
@@ -63,3 +65,80 @@ def test_runtime_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_read_jsonl_names_each_line_and_skips_blank_ones(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n  \n[2, 3]\n{oops\n"\xe9"\n7\n')
+    bad: list[DataError] = []
+    assert list(read_jsonl(path, on_bad_record=bad.append)) == [
+        (f"{path}:1", {"a": 1}),
+        (f"{path}:4", [2, 3]),
+        (f"{path}:7", 7),
+    ]
+    assert [str(err) for err in bad] == [
+        f"{path}:5: not valid JSON (Expecting property name enclosed in double quotes at column 2)",
+        f"{path}:6: not UTF-8 text (byte 0xe9 at byte 2 of the line): re-encode the file as UTF-8",
+    ]
+    assert [err.location for err in bad] == [f"{path}:5", f"{path}:6"]
+    with pytest.raises(DataError, match=rf"^{path}:5: not valid JSON"):
+        list(read_jsonl(path))
+
+
+def test_every_jsonl_reader_raises_the_one_bad_record_error(tmp_path, monkeypatch):
+    """Training data, benchmark prompts, the demo models' GSM8K rows and engine verification's prompts."""
+    from data_recipes.sources import read_records
+    from eval.bench import load_bench
+    from scripts import verify_engines
+    from scripts.build_demo_models import read_gsm8k
+
+    path = tmp_path / "gsm.jsonl"
+    path.write_text('{"question": "What is 2+2?", "answer": "4"}\n{"question": "q", "answer"\n')
+    monkeypatch.setattr(verify_engines, "DATA", str(path))
+    readers = {
+        "read_records": lambda: list(read_records(str(path))),
+        "load_bench": lambda: load_bench(path),
+        "read_gsm8k": lambda: read_gsm8k(path),
+        "verify_engines.prompts": lambda: verify_engines.prompts(2),
+    }
+    for name, read in readers.items():
+        with pytest.raises(DataError) as err:
+            read()
+        assert type(err.value) is DataError, name
+        assert str(err.value) == f"{path}:2: not valid JSON (Expecting ':' delimiter at column 27)", name
+
+
+def test_mix_seed_folds_its_parts_in_base_1_000_003():
+    assert mix_seed(7) == 7
+    assert mix_seed(3, 5) == 3 * 1_000_003 + 5
+    assert mix_seed(2, 3, 4) == (2 * 1_000_003 + 3) * 1_000_003 + 4
+    assert mix_seed(0, 0, 9) == 9  # seed 0: the counters are their own seeds
+    assert len({mix_seed(s, e, c) for s in range(4) for e in range(4) for c in range(4)}) == 64
+    big = mix_seed(2**70, 1)
+    assert big == (2**70 * 1_000_003 + 1) % 2**64
+    torch.Generator().manual_seed(big)  # within what torch accepts
+
+
+def test_training_data_order_is_the_one_runs_so_far_used():
+    """Each epoch's order is seeded ``seed * 1_000_003 + epoch + 1``, as before mix_seed: the trained demo
+    heads (and the figures in docs/BENCHMARKS.md) come out the same."""
+    from train.data import epoch_order
+
+    ids = list(range(100, 130))
+    for seed, epoch in [(0, 0), (3, 1), (11, 4)]:
+        order = torch.randperm(30, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1)).tolist()
+        assert epoch_order(ids, seed, epoch) == [ids[i] for i in order]
+
+
+def test_lr_schedule_is_transformers_decay_after_a_warmup_one_step_ahead():
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 4, 20, min_lr_rate=0.1)
+    theirs = schedule.lr_lambdas[0]
+    ours = [cosine_with_warmup(step, warmup=4, total=20, min_ratio=0.1) for step in range(25)]
+    assert ours[:4] == [0.25, 0.5, 0.75, 1.0] == [theirs(step + 1) for step in range(4)]
+    assert ours[4:21] == [theirs(step) for step in range(4, 21)]  # the decay, to the bit
+    assert ours[12] == 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 16))
+    assert ours[20:] == [0.1] * 5  # the floor at the last step and after
+    assert cosine_with_warmup(0, warmup=0, total=10, min_ratio=0.0) == 1.0  # no warm-up: the decay from step 0

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from test_eval_sampling import assert_matches
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eval.autotune import comb_choices
 from eval.proposers import DFlash
+from eval.tree_config import comb_choices
 from eval.verify import Sampling, generate, generate_batch, probabilities
 from heads import build_head, load_head
 from heads.dflash import block_attention, resolve_mask_token_id
@@ -86,9 +86,9 @@ def test_many_training_blocks_equal_one_served_block_each(target):
     head = dflash_head(target).eval()
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(2, V, (1, 24), generator=gen)
-    aux, _ = features(target, ids, head.config["layer_ids"])
+    aux, _ = features(target, ids, head.hidden_layers)
     anchors = torch.tensor([[0, 5, 11, 19]])
-    size = head.config["block_size"]
+    size = head.config.options.block_size
     positions = anchors[..., None] + torch.arange(size)
     blocks = torch.full_like(positions, head.mask_token_id)
     blocks[..., 0] = ids[0, anchors]
@@ -112,12 +112,11 @@ def test_mask_token_and_layer_ids():
     config.vocab_size = 8200  # a table with rows no text uses: the first of them
     assert resolve_mask_token_id(config, tokenizer) == 8192
     target = tiny_llama()
-    head = build_head({"type": "dflash"}, target)
-    assert head.config["layer_ids"] == [2, 3] and head.mask_token_id == 0  # (2, L//2, L-3) and pad
+    assert build_head({"type": "dflash", "layer_ids": [2, 3]}, target).mask_token_id == 0  # the config's pad
     with pytest.raises(ValueError, match=r"DFlash layer_ids \[0\] out of range: the target's layers 1..5"):
         build_head({"type": "dflash", "layer_ids": [0, 2]}, target)
     with pytest.raises(ValueError, match="mask_token_id 300 is not a row of the target's 300 embeddings"):
-        build_head({"type": "dflash", "mask_token_id": 300}, target)
+        build_head({"type": "dflash", "layer_ids": [2, 3], "mask_token_id": 300}, target)
 
 
 def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(target):
@@ -130,7 +129,7 @@ def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(target):
     attention[1, 11:] = 0
     loss_mask = attention.clone()
     loss_mask[:, :4] = 0
-    aux, last = features(target, ids, head.config["layer_ids"])
+    aux, last = features(target, ids, head.hidden_layers)
     batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux}
     batch["last_hidden"] = last
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
@@ -141,7 +140,7 @@ def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(target):
     optimizer.zero_grad()
     loss, metrics = head.loss(batch)
 
-    size, weights = head.config["block_size"], torch.exp(-torch.arange(4) / 2.0)
+    size, weights = head.config.options.block_size, torch.exp(-torch.arange(4) / 2.0)
     ce_sum, counts, tried, hits = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
     with torch.no_grad():
         for b in range(2):
@@ -225,6 +224,7 @@ def test_greedy_output_equals_the_bundled_targets_own():
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     torch.manual_seed(0)
     head = build_head({"type": "dflash", "block_size": 8}, model, tokenizer)
+    assert head.hidden_layers == (2, 5, 7) and head.mask_token_id == tokenizer.pad_token_id  # the defaults
     question = [{"role": "user", "content": "Tom has 3 boxes of 12 pencils. He gives away 7. How many are left?"}]
     prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt = prompt["input_ids"]
@@ -250,7 +250,7 @@ def test_sampled_block_tree_is_lossless():
         first = probabilities(target(prompt).logits[0, -1], sampling)
         pairs = torch.cat((prompt.expand(5, -1), torch.arange(5)[:, None]), 1)
         exact = (first[:, None] * probabilities(target(pairs).logits[:, -1], sampling)).flatten()
-        aux, _ = features(target, prompt[:, :-1], head.config["layer_ids"])
+        aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
         context = head.context_kv(aux, torch.arange(6)[None])
         q = probabilities(head.draft_block(prompt[0, -1], 6, context, 4), sampling)
     torch.manual_seed(0)
@@ -295,8 +295,8 @@ def test_export_for_vllm_and_import_back(target, tmp_path):
     mine = head.state_dict()
     assert imported.state_dict().keys() == mine.keys()
     assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
-    same = ("layer_ids", "num_layers", "block_size", "mask_token_id", "mask_embedding", "causal", "arch")
-    assert {k: imported.config[k] for k in same} == {k: head.config[k] for k in same}
+    assert imported.config.options == head.config.options.model_copy(update={"intermediate_size": 96})
+    assert imported.config.arch == head.config.arch
 
     # What the head cannot be is refused by name, not half-imported.
     config["dflash_config"]["use_swa"] = True

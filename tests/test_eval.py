@@ -4,7 +4,6 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from eval.autotune import comb_choices
 from eval.proposers import DraftModel, Eagle, Medusa, NGram, Vanilla
 from eval.tree import (
     MC_SIM_7B_63,
@@ -15,6 +14,7 @@ from eval.tree import (
     static_tree,
     tree_batch_inputs,
 )
+from eval.tree_config import comb_choices
 from eval.verify import Sampling, accept, generate, generate_batch, verify
 from heads import KVCache, build_head
 

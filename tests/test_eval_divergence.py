@@ -4,8 +4,8 @@ import copy
 
 import torch
 
-from eval.acceptance import divergence
 from eval.bench import BenchItem, render
+from eval.run import divergence
 
 
 def _greedy(target, ids: torch.Tensor, n: int) -> list[int]:

@@ -8,9 +8,11 @@ import torch
 from conftest import REPO
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from eval.acceptance import chain_acceptance, main, predicted_speedup
-from eval.bench import BenchError, load_bench, render
+from core.errors import DataError
+from eval.acceptance import main
+from eval.bench import load_bench, render
 from eval.report import markdown
+from eval.speedup import chain_acceptance, predicted_speedup
 from heads import build_head
 
 SPEC_BENCH = [
@@ -73,7 +75,7 @@ def test_gsm8k_messages_and_prompt_records(tmp_path):
 )
 def test_bad_records_name_file_and_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, "", row])
-    with pytest.raises(BenchError, match=message) as err:
+    with pytest.raises(DataError, match=message) as err:
         load_bench(path)
     assert str(err.value).startswith(f"{path}:3: ")
 
@@ -211,6 +213,6 @@ def test_missing_head_or_draft_fails_before_any_work(models, tmp_path, extra, me
 def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "bench.jsonl"
     path.write_bytes(b'{"prompt": "fine"}\n' + '{"prompt": "Café?"}'.encode("latin-1") + b"\n")
-    with pytest.raises(BenchError) as err:
+    with pytest.raises(DataError) as err:
         load_bench(path)
     assert str(err.value) == f"{path}:2: not UTF-8 text (byte 0xe9 at byte 16 of the line): re-encode the file as UTF-8"

@@ -54,7 +54,7 @@ def make_head(target, tmp_path, head_type, name="head", **options):
     head = build_head(cfg, target)
     for p in head.parameters():
         p.data.normal_(0, 0.1)
-    if head_type == "eagle3" and head.config["draft_vocab_size"] < V:
+    if head_type == "eagle3" and head.config.options.draft_vocab_size < V:
         head.set_vocab_mapping(torch.arange(V, dtype=torch.float))  # keeps ids 100..299: offsets of 100
     head.save_pretrained(tmp_path / name)
     return tmp_path / name

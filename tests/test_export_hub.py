@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import LlamaForCausalLM
 
-from heads.common import read_head_config
+from heads import read_head_config
 from scripts.push_to_hub import main, stage
 from tests.test_export import make_head, save_target
 
@@ -100,7 +100,7 @@ def test_links_and_files_inside_the_report_folder_are_staged_as_regular_files(ta
 
 def test_a_local_target_is_never_published(target, tmp_path, capsys):
     head_dir, report = make_run(target, tmp_path)
-    local = read_head_config(head_dir)["target"]  # the folder the head was trained on
+    local = read_head_config(head_dir).target  # the folder the head was trained on
     with pytest.raises(ValueError, match=f"the target {local} is a local folder: pass --target-id"):
         stage(head_dir, REPO, "speculators", tmp_path / "staged", report)
     with pytest.raises(ValueError, match="--target-id '/models/llama' is not a hub id"):

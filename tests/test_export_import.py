@@ -29,9 +29,9 @@ def draft_outputs(head, target, seed=0):
     ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         states = target(ids, output_hidden_states=True).hidden_states
-        if head.config["type"] == "medusa":
+        if head.config.type == "medusa":
             return (head(states[-1]),)
-        source = torch.cat([states[i] for i in LAYER_IDS], -1) if head.config["type"] == "eagle3" else states[-1]
+        source = torch.cat([states[i] for i in LAYER_IDS], -1) if head.config.type == "eagle3" else states[-1]
         return head.draft_step(ids, head.first_features(source), torch.arange(8).expand(2, 8), KVCache())
 
 
@@ -117,8 +117,8 @@ def test_eagle_repo_eagle3_checkpoint_in_pytorch_model_bin(target, target_dir, t
     state |= {"d2t": d2t, "embed_tokens.weight": torch.randn(V, 32)}  # no t2d: rebuilt from d2t
     torch.save(state, src / "pytorch_model.bin")
     head = load_head(import_head("eagle3", src, tmp_path / "head", target_dir), target)
-    assert head.config["layer_ids"] == LAYER_IDS and head.config["draft_vocab_size"] == 100
-    assert head.config["arch"]["intermediate_size"] == 48 and head.config["target"] == target_dir
+    assert head.config.options.layer_ids == LAYER_IDS and head.config.options.draft_vocab_size == 100
+    assert head.config.arch.intermediate_size == 48 and head.config.target == target_dir
     assert torch.equal(head.midlayer.self_attn.q_proj.weight, state["layers.0.self_attn.q_proj.weight"])
     assert head.target_ids(torch.tensor([0, 99])).tolist() == [200, 299] and head.t2d.sum() == 100
     logp, _ = draft_outputs(head, target)
@@ -132,7 +132,7 @@ def test_eagle_repo_eagle1_checkpoint_with_bias_and_embedding(target, target_dir
     state = layer_tensors("layers.0.", 32) | {"fc.weight": torch.randn(32, 64), "fc.bias": torch.randn(32)}
     save_file(state | {"embed_tokens.weight": torch.randn(V, 32)}, str(src / "model.safetensors"))
     head = load_head(import_head("eagle", src, tmp_path / "head", target_dir), target)
-    assert head.config["fc_bias"] is True and torch.equal(head.fc.bias, state["fc.bias"])
+    assert head.config.options.fc_bias is True and torch.equal(head.fc.bias, state["fc.bias"])
     assert all(torch.isfinite(t).all() for t in draft_outputs(head, target))
 
 
@@ -151,7 +151,7 @@ def test_medusa_repo_checkpoint_in_pt(target, target_dir, tmp_path):
         }
     torch.save(state, src / "medusa_lm_head.pt")
     head = load_head(import_head("medusa", src, tmp_path / "head", target_dir), target)
-    assert head.config["num_heads"] == 2 and torch.equal(head.medusa_head[1][1].weight, state["1.1.weight"])
+    assert head.config.options.num_heads == 2 and torch.equal(head.medusa_head[1][1].weight, state["1.1.weight"])
 
 
 def test_import_errors_name_the_problem(target, target_dir, tmp_path):

@@ -169,5 +169,5 @@ def test_prompts_are_the_bundled_questions_and_a_bad_line_is_named(tmp_path, mon
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"question": "q", "answer": "a"}\n' + '{"question": "Café?"}'.encode("latin-1") + b"\n")
     monkeypatch.setattr(verify_engines, "DATA", str(bad))
-    with pytest.raises(ValueError, match=rf"^{bad}:2: not a GSM8K row \(not UTF-8 text \(byte 0xe9 at byte 18"):
+    with pytest.raises(ValueError, match=rf"^{bad}:2: not UTF-8 text \(byte 0xe9 at byte 18"):
         prompts(2)

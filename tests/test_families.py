@@ -31,8 +31,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 from data_recipes.capture import run_capture
 from eval.proposers import Eagle, Medusa
 from eval.verify import generate
-from heads import build_head, load_head
-from heads.common import WEIGHTS_NAME, DecoderLayer, RotaryEmbedding, arch_from_target
+from heads import WEIGHTS_NAME, arch_from_target, build_head, load_head, read_head_config
+from heads.layers import DecoderLayer, RotaryEmbedding
 from scripts.export import SUPPORTED, engine_files, export_head
 from scripts.import_head import import_head
 from train import eagle, medusa
@@ -134,21 +134,21 @@ def check_eagle3_export(exported, tensors, fmt, family):
 
 
 def check_export(head_dir, family, target_dir):
-    config = json.loads((head_dir / "config.json").read_text())
+    config = read_head_config(head_dir)
     state = load_file(str(head_dir / WEIGHTS_NAME))
     target_config = AutoModelForCausalLM.from_pretrained(target_dir).config
-    for fmt in SUPPORTED[config["type"]]:
-        if config["type"] == "eagle3" and family == "qwen3" and fmt == "sglang":
+    for fmt in SUPPORTED[config.type]:
+        if config.type == "eagle3" and family == "qwen3" and fmt == "sglang":
             with pytest.raises(ValueError, match="q/k norm, which no SGLang EAGLE-3 draft has"):
                 engine_files(config, state, fmt, str(target_dir), target_config)
             continue
         exported, tensors, _ = engine_files(config, state, fmt, str(target_dir), target_config)
-        if config["type"] == "eagle":
+        if config.type == "eagle":
             check_eagle_export(exported, tensors, fmt, family)
-        elif config["type"] == "eagle3":
+        elif config.type == "eagle3":
             check_eagle3_export(exported, tensors, fmt, family)
         else:
-            assert exported["medusa_num_heads"] == config["num_heads"]
+            assert exported["medusa_num_heads"] == config.options.num_heads
             assert {k.split(".")[0] for k in tensors} == {"0", "1"}
 
 
@@ -164,7 +164,7 @@ def test_heads_train_decode_greedily_and_export_for_each_family(family_run, gsm8
         assert [r["step"] for r in steps] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
         assert json.loads((out / "head" / "config.json").read_text())["training"]["step"] == 3
         head = load_head(out / "head", target)
-        assert head.config["arch"]["family"] == family
+        assert head.config.arch.family == family
         medusa_tree = [(0,), (1,), (0, 0), (0, 1), (1, 0)]  # two heads: a tree two deep
         proposer = Medusa(head, medusa_tree) if head_type == "medusa" else Eagle(head, top_k=3, depth=3, total_tokens=8)
         got, stats = generate(target, proposer, prompt, 12)
@@ -226,7 +226,7 @@ def test_draft_layer_with_the_family_options_computes_the_family_layer(family):
     position_embeddings = getattr(module, f"{prefix}RotaryEmbedding")(config)(x, positions)
     expected = theirs(x, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
     expected = expected[0] if isinstance(expected, tuple) else expected
-    cos, sin = RotaryEmbedding(arch["rope"], arch["head_dim"])(positions, x.dtype)
+    cos, sin = RotaryEmbedding(arch)(positions, x.dtype)
     torch.testing.assert_close(ours(x, cos, sin), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -247,5 +247,5 @@ def test_qwen3_eagle3_head_with_a_llama_layer_exports_for_sglang(tiny_target_dir
     head.save_pretrained(tmp_path / "head")
     exported = export_head(tmp_path / "head", "sglang", tmp_path / "export", str(tmp_path / "qwen3"))
     imported = load_head(import_head("eagle3", exported, tmp_path / "imported", str(tmp_path / "qwen3")), target)
-    assert imported.config["draft_layer"] == "llama" and not imported.config["arch"]["qk_norm"]
+    assert imported.config.options.draft_layer == "llama" and not imported.config.arch.qk_norm
     assert all(torch.equal(imported.state_dict()[k], v) for k, v in state.items())

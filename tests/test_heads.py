@@ -1,22 +1,29 @@
 """Draft heads: shapes, the EAGLE-3 vocab mapping and TTT mask, save/load, compatibility, incremental drafting."""
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from core.models import default_aux_layers
+from core.schema import Eagle3Options, Lora
 from heads import (
     Eagle3Head,
     EagleHead,
     KVCache,
+    arch_from_target,
     build_head,
     build_vocab_mapping,
     load_head,
     medusa2_wrap,
     medusa_loss,
     medusa_weight_at,
+    read_head_config,
     ttt_attention_mask,
 )
-from heads.common import DecoderLayer, RotaryEmbedding, arch_from_target, label_mask, rope_inv_freq
+from heads.layers import DecoderLayer, RotaryEmbedding
+from heads.losses import label_mask
 
 V, H, LAYER_IDS = 300, 32, [1, 3, 5]
 
@@ -65,29 +72,59 @@ def test_decoder_layer_matches_hf_llama_layer():
     ids = torch.randint(0, V, (2, 9))
     with torch.no_grad():
         expected = target(ids, output_hidden_states=True).hidden_states[1]  # output of layer 0
-        cos, sin = RotaryEmbedding(arch_from_target(target.config)["rope"], 8)(
-            torch.arange(9).expand(2, 9), torch.float32
-        )
+        cos, sin = RotaryEmbedding(arch_from_target(target.config))(torch.arange(9).expand(2, 9), torch.float32)
         ours = layer(target.model.embed_tokens(ids), cos, sin)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_llama3_rope_matches_transformers_and_unknown_types_are_refused():
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+ROPE_TYPES = {
+    "default": {},
+    "linear": {"factor": 4.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 64},  # attention factor 1 + 0.1 ln 4
+    "dynamic": {"factor": 2.0},  # NTK base grows past max_position_embeddings (256)
+    "longrope": {  # long factors past original_max_position_embeddings, attention factor from 256 / 64
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+        "original_max_position_embeddings": 64,
+    },
+}
 
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    cfg = LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072, rope_parameters=rope)
-    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    torch.testing.assert_close(rope_inv_freq(arch_from_target(cfg)["rope"], 128), expected.float())
-    with pytest.raises(NotImplementedError, match="'yarn'"):
-        rope_inv_freq({"rope_type": "yarn", "rope_theta": 1e4}, 128)
+
+@pytest.mark.parametrize("rope_type", ROPE_TYPES)
+def test_rotary_types_match_transformers_rotary_embedding(rope_type):
+    # Our cos/sin (frequencies from transformers' ROPE_INIT_FUNCTIONS, times the type's attention factor) equal
+    # transformers' own Llama rotary embedding, within and past the pretraining length.
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, **ROPE_TYPES[rope_type]}
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_parameters=rope)
+    ours = RotaryEmbedding(arch_from_target(cfg))
+    for last in (40, 100, 600):  # within the original 64, within max_position_embeddings, past both
+        positions = torch.arange(last - 30, last).expand(2, -1)
+        expected = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), positions)
+        torch.testing.assert_close(ours(positions, torch.float32), expected, atol=1e-5, rtol=1e-5)
+    if rope_type in ("yarn", "longrope"):
+        assert ours.attention_scaling > 1.1
+    with pytest.raises(NotImplementedError, match="'axial'"):
+        RotaryEmbedding(arch_from_target(LlamaConfig(rope_parameters={"rope_type": "axial", "rope_theta": 1e4})))
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3"])
+def test_eagle_heads_draft_for_long_context_rope_targets(head_type):
+    # A yarn target (Qwen2.5/3-style long context) gets a head whose rotary is the target's, scaling included.
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    target = tiny_target(max_position_embeddings=256, rope_parameters=rope)
+    head = build_head({"type": head_type}, target) if head_type == "eagle" else eagle3(target)
+    positions = torch.arange(100, 110).expand(2, -1)
+    expected = target.model.rotary_emb(torch.zeros(1), positions)
+    torch.testing.assert_close(head.rotary(positions, torch.float32), expected, atol=1e-5, rtol=1e-5)
+    batch = make_batch(target, seq=8)
+    source = batch["aux_hidden"] if head_type == "eagle3" else batch["last_hidden"]
+    with torch.no_grad():
+        features = head.first_features(source)
+        logp, _ = head.draft_step(batch["input_ids"], features, torch.arange(8).expand(2, 8), KVCache())
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, 8))
 
 
 def test_eagle_shapes(target):
@@ -208,6 +245,46 @@ def test_draft_step_with_cache_equals_full_forward(target, kind):
     assert torch.isfinite(full_logits).all()
 
 
+def test_kv_cache_writes_in_place_and_doubles_when_outgrown():
+    torch.manual_seed(0)
+    chunks = [torch.randn(2, 2, n, 4) for n in (3, 1, 2, 5)]
+    cache = KVCache(min_capacity=4)
+    k, _ = cache.append(chunks[0], -chunks[0])
+    storage, capacity = k.untyped_storage(), k.untyped_storage().nbytes() // (2 * 2 * 4 * 4)
+    assert capacity == 4
+    k, v = cache.append(chunks[1], -chunks[1])  # fits: written into the same buffer, no copy of the cache
+    assert k.untyped_storage().data_ptr() == storage.data_ptr() and cache.length == 4
+    k, v = cache.append(chunks[2], -chunks[2])  # 6 > 4: the buffer doubles, the cached keys move over
+    assert k.untyped_storage().nbytes() // (2 * 2 * 4 * 4) == 8
+    assert torch.equal(k, torch.cat(chunks[:3], 2)) and torch.equal(v, -torch.cat(chunks[:3], 2))
+    cache.crop(2)  # the rejected slots are overwritten by the next append
+    k, v = cache.append(chunks[3], -chunks[3])  # 7 fits in 8
+    assert torch.equal(k, torch.cat((chunks[0][:, :, :2], chunks[3]), 2)) and cache.length == 7
+    cache.keep(torch.tensor([[0, 6], [1, 2]]))  # per-row slots
+    assert torch.equal(cache.k[0], torch.stack((chunks[0][0, :, 0], chunks[3][0, :, 4]), 1))
+    assert torch.equal(cache.v[1], -torch.stack((chunks[0][1, :, 1], chunks[3][1, :, 0]), 1))
+    with pytest.raises(ValueError, match="negative length"):
+        cache.crop(-1)
+
+
+def test_drafting_through_cache_growth_equals_a_full_forward(target):
+    head = eagle3(target)
+    batch = make_batch(target, seq=12)
+    with torch.no_grad():
+        features = head.first_features(batch["aux_hidden"])
+        full_logp, full_out = head.draft_step(batch["input_ids"], features, torch.arange(12).expand(2, 12), KVCache())
+        cache, logps, outs = KVCache(min_capacity=2), [], []
+        for start in range(0, 12, 3):  # the buffer grows 3 -> 6 -> 12
+            positions = torch.arange(start, start + 3).expand(2, -1)
+            logp, out = head.draft_step(
+                batch["input_ids"][:, start : start + 3], features[:, start : start + 3], positions, cache
+            )
+            logps.append(logp)
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), full_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(logps, 1), full_logp, atol=1e-5, rtol=1e-5)
+
+
 def test_tree_mask_and_keep_commit_a_branch(target):
     # Prefix of 6, then a tree a -> {b1, b2} drafted in one step; b2's output equals drafting a, b2 in a line,
     # and keeping the prefix + a + b2 slots leaves the cache a linear drafting would have.
@@ -259,9 +336,9 @@ def test_save_load_round_trip(target, tmp_path, cfg):
             )
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     config = head.config
-    assert config["type"] == cfg["type"] and config["target_hidden_size"] == H and config["vocab_size"] == V
+    assert config.type == cfg["type"] and config.target_hidden_size == H and config.vocab_size == V
     if cfg["type"] == "eagle3":
-        assert config["layer_ids"] == LAYER_IDS and config["draft_vocab_size"] == 200
+        assert config.options.layer_ids == LAYER_IDS and config.options.draft_vocab_size == 200
         assert torch.equal(loaded.d2t, head.d2t) and loaded.d2t[0] == 100
 
 
@@ -280,6 +357,59 @@ def test_loading_on_the_wrong_target_names_the_mismatch(target, tmp_path):
         build_head({"type": "eagle3"}, target)  # (2, L//2, L-3) collide for 6 layers
     with pytest.raises(ValueError, match="unknown eagle head options"):
         build_head({"type": "eagle", "ttt_steps": 3}, target)
+
+
+def test_eagle3_default_layers_are_the_captures_default():
+    # One rule (core.models.default_aux_layers) for what the capture stores and the head fuses.
+    head = build_head({"type": "eagle3"}, tiny_target(num_hidden_layers=10))
+    assert head.config.options.layer_ids == default_aux_layers(10) == [2, 5, 7]
+    assert head.hidden_layers == (2, 5, 7)
+    for layers in (3, 6):  # (2, 1, 0) would fuse the embeddings; (2, 3, 3) has two layers
+        with pytest.raises(ValueError, match="too few for EAGLE-3's default layers"):
+            build_head({"type": "eagle3"}, tiny_target(num_hidden_layers=layers))
+
+
+def test_heads_read_the_final_hidden_state_unless_they_fuse_layers(target):
+    assert build_head({"type": "eagle"}, target).hidden_layers == (6,)  # hidden_states[6]: after the final norm
+    assert build_head({"type": "medusa"}, target).hidden_layers == (6,)
+    assert eagle3(target).hidden_layers == tuple(LAYER_IDS)
+
+
+def test_medusa2_takes_the_lora_section_with_the_schema_defaults():
+    # The config's whole lora: section (loss weights included), its defaults from core.schema.Lora.
+    model = medusa2_wrap(tiny_target(), {"r": 4, "head_weight": 0.5, "head_weight_warmup": 10})
+    peft = model.peft_config["default"]
+    defaults = Lora()
+    assert peft.r == 4 and peft.lora_alpha == defaults.alpha and peft.lora_dropout == defaults.dropout
+    assert peft.target_modules == set(defaults.target_modules)
+    with pytest.raises(ValueError, match=r"lora: unknown key 'rank' \(known: alpha, dropout"):
+        medusa2_wrap(tiny_target(), {"rank": 4})
+
+
+def test_head_config_is_typed_and_keeps_the_config_json_layout(target, tmp_path):
+    head = eagle3(target)
+    head.config.training = {"step": 3}
+    head.save_pretrained(tmp_path / "head")
+    saved = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert list(saved) == [
+        "type", "target", "target_hidden_size", "vocab_size",
+        "layer_ids", "draft_vocab_size", "ttt_steps", "ttt_decay", "draft_layer", "arch", "training",
+    ]  # fmt: skip
+    assert saved["layer_ids"] == LAYER_IDS and saved["arch"]["num_key_value_heads"] == 2
+    assert list(saved["arch"]) == [
+        "family", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope", "vocab_size", "num_hidden_layers",
+        "qkv_bias", "qk_norm",
+    ]  # fmt: skip
+    config = read_head_config(tmp_path / "head")
+    assert isinstance(config.options, Eagle3Options) and config.arch.head_dim == 8 and config == head.config
+    path = tmp_path / "head" / "config.json"
+    path.write_text(json.dumps({**saved, "ttt_steps": 0}))
+    with pytest.raises(ValueError, match=r"config\.json: ttt_steps must be >= 1, got 0"):
+        read_head_config(tmp_path / "head")
+    path.write_text(json.dumps({**saved, "type": "hydra"}))
+    with pytest.raises(ValueError, match=r"config\.json: unknown head type 'hydra'"):
+        load_head(tmp_path / "head", target)
 
 
 def test_medusa2_trains_only_lora_and_heads():

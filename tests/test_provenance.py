@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from core.fingerprint import tokenizer_hash, weights_hash
-from core.io import FolderLockedError, NotWritableError, output_lock
-from data_recipes.capture import DiskFullError, check_free_disk, run_capture
+from core.io import FolderLockedError, NotWritableError, OutOfSpaceError, output_lock
+from data_recipes.capture import check_free_disk, run_capture
 from data_recipes.errors import DataError
 from data_recipes.regenerate import run_regenerate
 from data_recipes.shards import ManifestMismatch, ShardDataset, ShardError, read_manifest, shard_name, verify_capture
@@ -388,7 +388,7 @@ def test_a_read_only_mount_is_read_only_not_full(tmp_path):
         pytest.skip(f"no private read-only mount here: {done.stderr.strip()}")
     assert done.stdout.startswith(f"NotWritableError [Errno 30] {tmp_path / 'shards'} cannot be made: "), done
     assert f"{tmp_path} is on a read-only file system" in done.stdout
-    assert DiskFullError.__name__ not in done.stdout
+    assert OutOfSpaceError.__name__ not in done.stdout
 
 
 # Item 18: online training on data without assistant tokens.

@@ -172,7 +172,7 @@ def test_eagle3_head_trained_on_smollm2_decodes_its_greedy_output_exactly(smollm
     target = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     head = load_head(tmp_path / "run" / "head", target)
-    assert head.config["layer_ids"] == [2, 15, 27] and head.config["draft_vocab_size"] == 4096
+    assert head.config.options.layer_ids == [2, 15, 27] and head.config.options.draft_vocab_size == 4096
     eos = tokenizer.eos_token_id
     answers = {  # the target's own greedy answers: the dequantized model is a working instruct model
         "What is the capital of France?": "The capital of France is Paris.<|im_end|>",

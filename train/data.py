@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from core.fingerprint import tokenizer_hash, weights_hash
-from core.runtime import resolve_dtype
+from core.runtime import mix_seed, resolve_dtype
 from data_recipes.capture import OnlineCapture, resolve_aux_layers, samples_hash
 from data_recipes.recipes import Sample, load_samples, require_samples
 from data_recipes.shards import ShardDataset, check_manifest, pad_collate
@@ -110,7 +110,7 @@ def split_heldout(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]
 
 
 def epoch_order(train_ids: list[int], seed: int, epoch: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1)
+    generator = torch.Generator().manual_seed(mix_seed(seed, epoch + 1))
     return [train_ids[i] for i in torch.randperm(len(train_ids), generator=generator).tolist()]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import socket
 import time
@@ -26,10 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from core.config import save_config
-from core.runtime import resolve_device
+from core.runtime import cosine_with_warmup, mix_seed, resolve_device
 from data_recipes.capture import OnlineCapture
-from heads import DraftHead, check_tokenizer
-from heads.common import CONFIG_NAME, read_head_config
+from heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
 from train.checkpoint import (
     agreed_newest_verified,
     all_finite,
@@ -116,14 +114,6 @@ def total_steps(train: dict[str, Any], data: TrainData) -> int:
     return train["max_steps"] if train["max_steps"] is not None else train["epochs"] * per_epoch
 
 
-def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """lr multiplier for optimizer step ``step`` (0-based): linear warm-up, then cosine down to ``min_ratio``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min((step - warmup) / max(1, total - warmup), 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def deepspeed_config(train: dict[str, Any], world: int, load_universal: bool = False) -> dict[str, Any]:
     """The engine's config. ``batch_size`` is the global batch, fixed for the run: the process count only
     changes how many micro-batches each rank accumulates (so a run may resume on another count)."""
@@ -173,12 +163,6 @@ def data_order(train: dict[str, Any], data: TrainData) -> dict[str, int | str]:
     }
 
 
-def _micro_seed(seed: int, step: int, chunk: int) -> int:
-    # Dropout (Medusa-2's LoRA) draws from a generator set per micro-batch chunk: the same numbers for
-    # a resumed run and for any number of processes.
-    return (seed * 1_000_003 + step) * 4099 + chunk
-
-
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -199,7 +183,9 @@ def train_step(
     sums: dict[str, torch.Tensor] = {}
     tokens = torch.zeros(())
     for m, batch in enumerate(batches):
-        torch.manual_seed(_micro_seed(seed, step, m * proc.world + proc.rank))
+        # Dropout (Medusa-2's LoRA) draws from a generator set per micro-batch chunk: the same numbers for
+        # a resumed run and for any number of processes.
+        torch.manual_seed(mix_seed(seed, step, m * proc.world + proc.rank))
         batch = _to(batch, proc.device)
         loss, metrics = engine(batch, step)
         finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
@@ -257,7 +243,7 @@ def train(
 ) -> None:
     """Resume, then step to the end: log every step, evaluate and checkpoint on schedule, stop on NaN/inf.
 
-    Each held-out evaluation's accuracies and predicted acceptance go into ``head.config["training"]``,
+    Each held-out evaluation's accuracies and predicted acceptance go into ``head.config.training``,
     so the head saved next (``save_artifacts``) carries them in its config.json.
     """
     train_cfg = cfg["train"]
@@ -269,7 +255,7 @@ def train(
         # The steps still to come must see the tokens the resumed ones saw.
         saved = out_dir / "head"
         remedy = "train into a new train.out_dir"
-        check_tokenizer(read_head_config(saved), head.config.get("tokenizer_hash"), saved, remedy=remedy)
+        check_tokenizer(read_head_config(saved), head.config.tokenizer_hash, saved, remedy=remedy)
     if proc.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
         if start:
@@ -286,7 +272,7 @@ def train(
             if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:
                 record = evaluate(engine, data, train_cfg, done, proc)
                 log.log(record)
-                head.config["training"] = training_summary(record)
+                head.config.training = training_summary(record)
             if _due(done, train_cfg["save_every"], total):
                 if not all_finite(engine):
                     raise NonFiniteLoss(f"the weights became non-finite at step {done}")

@@ -26,8 +26,6 @@ from train.config import parse_args
 from train.data import load_data
 from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
 
-LORA_OPTIONS = ("r", "alpha", "dropout", "target_modules")
-
 
 class Medusa2Loss(nn.Module):
     """The engine's module for Medusa-2: the LoRA-wrapped target and the heads train together."""
@@ -43,7 +41,9 @@ class Medusa2Loss(nn.Module):
         )
         weight = medusa_weight_at(step, self.warmup, self.head_weight)
         head_logits = self.head(out.hidden_states[-1])  # the last state after the final norm, as lm_head reads it
-        return medusa_loss(head_logits, batch, self.head.config["decay"], lm_logits=out.logits, medusa_weight=weight)
+        return medusa_loss(
+            head_logits, batch, self.head.config.options.decay, lm_logits=out.logits, medusa_weight=weight
+        )
 
 
 def save_medusa(head: MedusaHead, model: PeftModel | None, out_dir: Path) -> None:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     if lora is None:
         module: nn.Module = HeadLoss(head, data.capture)
     else:
-        model = medusa2_wrap(target, {key: lora[key] for key in LORA_OPTIONS})
+        model = medusa2_wrap(target, lora)
         module = Medusa2Loss(head, model, lora)
 
     engine = build_engine(module, cfg["train"], proc.world, total_steps(cfg["train"], data))

@@ -1,4 +1,5 @@
-"""Rank 0's record of a run: ``metrics.jsonl`` always, wandb when enabled, a tqdm bar on the terminal.
+"""Rank 0's record of a run: ``metrics.jsonl`` always; TensorBoard, MLflow and wandb when the config turns
+them on (``metrics.tensorboard``, ``metrics.mlflow``, ``wandb.mode``); a tqdm bar on the terminal.
 
 Each held-out evaluation also predicts the head's acceptance length from its per-position top-1
 accuracies (``predicted_tau``, docs/TRAINING.md), so a run shows early whether it is worth finishing.
@@ -7,12 +8,15 @@ accuracies (``predicted_tau``, docs/TRAINING.md), so a run shows early whether i
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from core.io import atomic_write_text
+from core.acceptance import chain_tau as predicted_tau  # the chain model on held-out top-1 accuracies
+from core.io import atomic_write_text, read_jsonl
 
 
 def heldout_top1(record: dict[str, Any]) -> list[float]:
@@ -24,35 +28,34 @@ def heldout_top1(record: dict[str, Any]) -> list[float]:
     return [record[f"acc_{j}"] for j in positions]
 
 
-def predicted_tau(top1: list[float]) -> float:
-    """Expected tokens per verification of a k-token draft chain, 1 + a_1 + a_1 a_2 + ... + a_1...a_k,
-    assuming position j is accepted with probability a_j independently of the positions before it."""
-    tau, survive = 1.0, 1.0
-    for accuracy in top1:
-        survive *= accuracy
-        tau += survive
-    return tau
-
-
 def training_summary(record: dict[str, Any]) -> dict[str, Any]:
     """What a head's ``config.json`` keeps of its last held-out evaluation (key ``training``)."""
     top1 = heldout_top1(record)
     return {"heldout_top1": top1, "predicted_tau": predicted_tau(top1), "step": record["step"]}
 
 
+class Backend(Protocol):
+    """A metrics library beside metrics.jsonl: each record's numbers at its step, then closed once."""
+
+    def log(self, values: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLog:
-    """One JSON line per training step and per held-out evaluation (rank 0 only; other ranks log nothing)."""
+    """One JSON line per training step and per held-out evaluation, and the same numbers to each backend
+    the config turns on (rank 0 only; other ranks log nothing)."""
 
     def __init__(self, cfg: dict[str, Any], rank: int, start: int, total: int):
         self.active = rank == 0
-        out_dir = Path(cfg["train"]["out_dir"])
         self.file = None
-        self.run = None
+        self.backends: list[Backend] = []
         if self.active:
+            out_dir = Path(cfg["train"]["out_dir"])
             path = out_dir / "metrics.jsonl"
             _drop_after(path, start)
             self.file = path.open("a")
-            self.run = _wandb_run(cfg, out_dir)
+            self.backends = open_backends(cfg, out_dir, start)
         self.bar = tqdm(total=total, initial=start, disable=not self.active, desc="train", unit="step")
 
     def log(self, record: dict[str, Any]) -> None:
@@ -60,10 +63,9 @@ class MetricsLog:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.run is not None:
-            prefix = "" if record["split"] == "train" else f"{record['split']}/"
-            values = {prefix + k: v for k, v in record.items() if k not in ("step", "split")}
-            self.run.log(values, step=record["step"])
+        values = _named_values(record)
+        for backend in self.backends:
+            backend.log(values, record["step"])
         if record["split"] == "train":
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -74,8 +76,15 @@ class MetricsLog:
         self.bar.close()
         if self.file is not None:
             self.file.close()
-        if self.run is not None:
-            self.run.finish()
+        for backend in self.backends:
+            backend.close()
+
+
+def _named_values(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as the backends name them: ``loss`` for a training step, ``heldout/loss`` for an
+    evaluation."""
+    prefix = "" if record["split"] == "train" else f"{record['split']}/"
+    return {prefix + k: v for k, v in record.items() if k not in ("step", "split")}
 
 
 def _brief(record: dict[str, Any]) -> str:
@@ -83,20 +92,90 @@ def _brief(record: dict[str, Any]) -> str:
 
 
 def _drop_after(path: Path, step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: forget what the killed run logged for them."""
+    """A resumed run redoes the steps after its checkpoint: forget what the killed run logged for them.
+
+    A line cut short by the kill (the record being written) is one of those steps, and is dropped too.
+    """
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    atomic_write_text(path, "".join(line + "\n" for line in lines))  # a kill here must not lose the kept steps
+    kept = [record for _, record in read_jsonl(path, on_bad_record=lambda err: None) if record["step"] <= step]
+    atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))  # a kill here keeps the kept
 
 
-def _wandb_run(cfg: dict[str, Any], out_dir: Path) -> Any:
-    settings = cfg["wandb"]
-    if settings["mode"] == "disabled":
-        return None
-    import wandb  # only when asked for: it is slow to import
+def open_backends(cfg: dict[str, Any], out_dir: Path, start: int) -> list[Backend]:
+    """The backends the config turns on, each writing under ``out_dir`` (wandb: its ``wandb/`` folder)."""
+    backends: list[Backend] = []
+    if cfg["metrics"]["tensorboard"]:
+        backends.append(TensorBoard(out_dir / "tensorboard", start))
+    if cfg["metrics"]["mlflow"]:
+        backends.append(MLflow(out_dir, cfg["metrics"]["mlflow_experiment"], start))
+    if cfg["wandb"]["mode"] != "disabled":
+        backends.append(Wandb(cfg, out_dir))
+    return backends
 
-    # mode offline never talks to the server, so it never asks for a login.
-    return wandb.init(
-        project=settings["project"], name=settings["name"], mode=settings["mode"], dir=str(out_dir), config=cfg
-    )
+
+class TensorBoard:
+    """Event files for ``tensorboard --logdir <out_dir>/tensorboard``, through torch's SummaryWriter."""
+
+    def __init__(self, log_dir: Path, start: int):
+        from torch.utils.tensorboard import SummaryWriter  # only when asked for: it imports tensorboard
+
+        # TensorBoard hides the events at steps >= purge_step that earlier writers left: the steps a
+        # resumed run redoes.
+        self.writer = SummaryWriter(str(log_dir), purge_step=start + 1)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflow:
+    """A local MLflow file store in ``<out_dir>/mlruns`` (``mlflow ui --backend-store-uri <that folder>``).
+
+    Each launch is one run of ``experiment``; a resumed launch logs only the steps after its checkpoint.
+    """
+
+    def __init__(self, out_dir: Path, experiment: str, start: int):
+        # MLflow 3 refuses its file store unless told (it would have a database server), and reports usage
+        # over the network unless told not to.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.entities import Metric  # only when asked for: it is slow to import
+        from mlflow.tracking import MlflowClient
+
+        self.metric = Metric
+        self.client = MlflowClient(tracking_uri=(out_dir / "mlruns").absolute().as_uri())
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        name = out_dir.name if start == 0 else f"{out_dir.name} (resumed at step {start})"
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self.metric(name, float(value), now, step) for name, value in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class Wandb:
+    """A wandb run in ``<out_dir>/wandb``; ``wandb.mode: offline`` never talks to the server, so it never asks
+    for a login."""
+
+    def __init__(self, cfg: dict[str, Any], out_dir: Path):
+        import wandb  # only when asked for: it is slow to import
+
+        settings = cfg["wandb"]
+        self.run = wandb.init(
+            project=settings["project"], name=settings["name"], mode=settings["mode"], dir=str(out_dir), config=cfg
+        )
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()

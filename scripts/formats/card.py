@@ -1,10 +1,13 @@
-"""The README.md model card every export carries: what the head is, its target, how to serve it."""
+"""The README.md model card every export carries: what the head is, its target, how to serve it, and the
+draft tree ``eval.autotune`` tuned for it."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
 
+from eval.tree_config import load_tree_config
+from heads import HeadConfig
 from scripts.formats.medusa import NOT_SERVED
 
 TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "medusa": "Medusa", "dflash": "DFlash"}
@@ -35,9 +38,9 @@ def _block(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
-def serve_section(head_config: dict[str, Any], fmt: str, target: str, draft: str, head_dir: str) -> str:
+def serve_section(head_config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
     """The exact commands that serve this folder, and what to do where an engine cannot read it."""
-    head_type = head_config["type"]
+    head_type = head_config.type
     reexport = f"python -m scripts.export --head {head_dir} --format {{fmt}} --out {{out}}"
     if head_type == "medusa":
         return (
@@ -49,7 +52,7 @@ def serve_section(head_config: dict[str, Any], fmt: str, target: str, draft: str
         return (
             "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
             "config):\n\n"
-            + _block(vllm_command(target, draft, "dflash", head_config["block_size"] - 1))
+            + _block(vllm_command(target, draft, "dflash", head_config.options.block_size - 1))
             + "\n\nSGLang 0.5.23 has no DFlash draft."
         )
     if fmt == "speculators":
@@ -77,34 +80,32 @@ def serve_section(head_config: dict[str, Any], fmt: str, target: str, draft: str
     )
 
 
-def describe(config: dict[str, Any]) -> list[tuple[str, str]]:
+def describe(config: HeadConfig) -> list[tuple[str, str]]:
     """Rows of the card's table for the head's own settings."""
-    if config["type"] == "eagle3":
+    options = config.options
+    if config.type == "eagle3":
         return [
-            ("target layers fused", f"{config['layer_ids']} (HF `hidden_states` indices = vLLM aux layer ids)"),
-            ("draft vocabulary", f"{config['draft_vocab_size']} of the target's {config['vocab_size']} tokens"),
+            ("target layers fused", f"{options.layer_ids} (HF `hidden_states` indices = vLLM aux layer ids)"),
+            ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
         ]
-    if config["type"] == "dflash":
-        attention = "causal" if config["causal"] else "bidirectional"
+    if config.type == "dflash":
+        attention = "causal" if options.causal else "bidirectional"
         return [
-            ("target layers fused", f"{config['layer_ids']} (vLLM `dflash_config.target_layer_ids`: each minus 1)"),
-            ("draft layers", str(config["num_layers"])),
-            (
-                "block",
-                f"{config['block_size']} slots, the newest token + {config['block_size'] - 1} masks: {attention}",
-            ),
-            ("mask token", f"id {config['mask_token_id']}" + (", learned vector" if config["mask_embedding"] else "")),
+            ("target layers fused", f"{options.layer_ids} (vLLM `dflash_config.target_layer_ids`: each minus 1)"),
+            ("draft layers", str(options.num_layers)),
+            ("block", f"{options.block_size} slots, the newest token + {options.block_size - 1} masks: {attention}"),
+            ("mask token", f"id {options.mask_token_id}" + (", learned vector" if options.mask_embedding else "")),
         ]
-    if config["type"] == "medusa":
+    if config.type == "medusa":
         return [
-            ("heads", f"{config['num_heads']} (head k guesses the token k+2 ahead)"),
-            ("blocks per head", str(config["num_layers"])),
+            ("heads", f"{options.num_heads} (head k guesses the token k+2 ahead)"),
+            ("blocks per head", str(options.num_layers)),
         ]
     return [("feature", "the target's last hidden state (after its final norm)")]
 
 
 def model_card(
-    config: dict[str, Any],
+    config: HeadConfig,
     fmt: str,
     target: str,
     draft: str,
@@ -114,21 +115,50 @@ def model_card(
 ) -> str:
     """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
     (a path or a hub id) and ``made_by`` the command that wrote it."""
-    title = TITLES[config["type"]]
-    layout = "vLLM's DFlash layout (`DFlashDraftModel`)" if config["type"] == "dflash" else LAYOUTS[fmt]
+    title = TITLES[config.type]
+    layout = "vLLM's DFlash layout (`DFlashDraftModel`)" if config.type == "dflash" else LAYOUTS[fmt]
     rows = [("head", title), ("target", f"`{target}`"), ("format", layout), *describe(config)]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     acceptance = (
         "\n## Is it working?\n\nA wrongly exported head still runs but accepts almost nothing. Build vLLM's "
         "`LLM(..., disable_log_stats=False)` and read `llm.get_metrics()`: acceptance length = 1 + "
         "sum(`vllm:spec_decode_num_accepted_tokens_per_pos`) / `vllm:spec_decode_num_drafts`.\n"
-        if config["type"] != "medusa"
+        if config.type != "medusa"
         else ""
     )
     sections = "".join(f"\n{s.rstrip()}\n" for s in extra_sections or [])
     return (
-        f"---\ntags:\n- speculative-decoding\n- {config['type']}\n- headstart\n---\n\n"
+        f"---\ntags:\n- speculative-decoding\n- {config.type}\n- headstart\n---\n\n"
         f"# {title} draft head for `{target}`\n\n{table}\n"
         f"Made with headstart: `{made_by}`.\n\n"
         f"## Serve it\n\n{serve_section(config, fmt, target, draft, head_dir)}\n{acceptance}{sections}"
     )
+
+
+def tree_card_section(head_dir: str | Path) -> list[str]:
+    """The model-card section naming the head's tuned tree (``<head>/tree.json``); empty without one."""
+    path = Path(head_dir) / "tree.json"
+    if not path.is_file():
+        return []
+    tree = load_tree_config(path)
+    where = ", ".join(f"{k} {tree[k]}" for k in ("machine", "device", "dtype", "batch_size") if k in tree)
+    lines = [
+        "## Tuned draft tree",
+        "",
+        f"`python -m eval.autotune` picked this tree for the hardware it ran on ({where or 'not recorded'}):",
+        "",
+        f"- shape: {tree['shape']}, depth {tree['depth']}, top-k {tree['top_k']} (the most children of a node), "
+        f"{tree['total_tokens']} draft tokens (the root excluded)",
+    ]
+    if tree["shape"] == "static":
+        lines.append(f"- rank paths (Medusa-style choices): `{json.dumps(tree['choices'])}`")
+    if "predicted_tau" in tree:
+        lines.append(
+            f"- predicted: {tree['predicted_tau']:.2f} tokens per target forward, "
+            f"{tree['predicted_tokens_per_s']:.1f} tokens/s "
+            f"(plain decoding: {tree['predicted_vanilla_tokens_per_s']:.1f})"
+        )
+    if "speculate_max_batch" in tree:
+        lines.append(f"- speculation pays off up to batch size {tree['speculate_max_batch']} on that machine")
+    lines += ["", "Trees that pay off on a GPU can lose on a CPU (and back): re-tune on the serving hardware."]
+    return ["\n".join(lines)]

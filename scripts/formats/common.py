@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 
-from heads.common import arch_from_target
+from heads import DraftArch, arch_from_target
 
 # The draft's own layer shape: taken from a published checkpoint's config on import (an EAGLE head
 # may use another MLP width than its target); the attention shape must equal the target's.
@@ -38,27 +38,27 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": rope["rope_theta"], "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
 
 
-def decoder_config(arch: dict[str, Any], dtype: str) -> dict[str, Any]:
+def decoder_config(arch: DraftArch, dtype: str) -> dict[str, Any]:
     """A one-layer config of the draft's decoder layer (vocab = the target's): Llama's, or Qwen3's when
     the layer has q/k norm (``model_type`` picks the engine's layer class).
 
-    q/k/v biases (``arch["qkv_bias"]``) are spelled as vLLM's and SGLang's Llama layer read them
+    q/k/v biases (``arch.qkv_bias``) are spelled as vLLM's and SGLang's Llama layer read them
     (llama.py: ``attention_bias`` sets the o_proj bias and, unless ``qkv_bias`` is given, the q/k/v ones).
     """
-    bias = {"qkv_bias": True} if arch.get("qkv_bias", False) else {}
+    bias = {"qkv_bias": True} if arch.qkv_bias else {}
     return {
-        "model_type": "qwen3" if arch.get("qk_norm", False) else "llama",
-        "hidden_size": arch["hidden_size"],
-        "intermediate_size": arch["intermediate_size"],
+        "model_type": "qwen3" if arch.qk_norm else "llama",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
         "num_hidden_layers": 1,
-        "num_attention_heads": arch["num_attention_heads"],
-        "num_key_value_heads": arch["num_key_value_heads"],
-        "head_dim": arch["head_dim"],
-        "hidden_act": arch["hidden_act"],
-        "rms_norm_eps": arch["rms_norm_eps"],
-        "max_position_embeddings": arch["max_position_embeddings"],
-        **rope_fields(arch["rope"]),
-        "vocab_size": arch["vocab_size"],
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": arch.hidden_act,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "max_position_embeddings": arch.max_position_embeddings,
+        **rope_fields(arch.rope),
+        "vocab_size": arch.vocab_size,
         "attention_bias": False,
         **bias,
         "mlp_bias": False,
@@ -68,11 +68,11 @@ def decoder_config(arch: dict[str, Any], dtype: str) -> dict[str, Any]:
     }
 
 
-def arch_from_decoder(config: dict[str, Any], target_config: PretrainedConfig) -> dict[str, Any]:
-    """Our ``arch`` dict read from a published draft's decoder config (family and layer count: the target's)."""
+def arch_from_decoder(config: dict[str, Any], target_config: PretrainedConfig) -> DraftArch:
+    """Our draft arch read from a published draft's decoder config (family and layer count: the target's)."""
     skip = ("architectures", "auto_map", "num_hidden_layers", "model_type")
     arch = arch_from_target(LlamaConfig(**{k: v for k, v in config.items() if k not in skip}))
-    arch["family"], arch["num_hidden_layers"] = target_config.model_type, target_config.num_hidden_layers
+    arch.family, arch.num_hidden_layers = target_config.model_type, target_config.num_hidden_layers
     return arch
 
 

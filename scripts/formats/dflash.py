@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from heads import DraftArch, HeadConfig
 from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -35,36 +36,35 @@ UNSUPPORTED = {
 }
 
 
-def export_files(config: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
+def export_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
     """config.json + tensors of vLLM's DFlash layout (the mask embedding, if learned, goes in its own file)."""
-    dtype = dtype_name(state)
-    layers = config["num_layers"]
+    options = config.options
     engine_config = {
         "architectures": [ARCHITECTURE],
-        **decoder_config(config["arch"], dtype),
-        "num_hidden_layers": layers,
-        "layer_types": ["full_attention"] * layers,
+        **decoder_config(config.arch, dtype_name(state)),
+        "num_hidden_layers": options.num_layers,
+        "layer_types": ["full_attention"] * options.num_layers,
         "use_sliding_window": False,
         "sliding_window": None,
-        "target_hidden_size": config["target_hidden_size"],
+        "target_hidden_size": config.target_hidden_size,
         # Read by SpecForge's and z-lab's tools; vLLM takes the draft length from num_speculative_tokens.
-        "block_size": config["block_size"],
-        "num_target_layers": config["arch"]["num_hidden_layers"],
+        "block_size": options.block_size,
+        "num_target_layers": config.arch.num_hidden_layers,
         "dflash_config": {
-            "mask_token_id": config["mask_token_id"],
-            "target_layer_ids": [i - 1 for i in config["layer_ids"]],
-            "causal": config["causal"],
+            "mask_token_id": options.mask_token_id,
+            "target_layer_ids": [i - 1 for i in options.layer_ids],
+            "causal": options.causal,
         },
     }
     return engine_config, {k: v for k, v in state.items() if k != "mask_embedding"}
 
 
-def mask_embedding_file(config: dict[str, Any], state: dict[str, torch.Tensor]) -> bytes | None:
+def mask_embedding_file(config: HeadConfig, state: dict[str, torch.Tensor]) -> bytes | None:
     """The bytes of ``mask_embedding.pt`` for a head that learned its mask vector, else None."""
     if "mask_embedding" not in state:
         return None
     buffer = io.BytesIO()
-    torch.save({"embedding": state["mask_embedding"].clone(), "mask_token_id": config["mask_token_id"]}, buffer)
+    torch.save({"embedding": state["mask_embedding"].clone(), "mask_token_id": config.options.mask_token_id}, buffer)
     return buffer.getvalue()
 
 
@@ -123,7 +123,7 @@ def import_files(
     state: dict[str, torch.Tensor],
     target_config: PretrainedConfig,
     mask_embedding: bytes | None = None,
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
     """(head options, draft arch, our tensors) of a checkpoint in vLLM's DFlash layout."""
     architectures = engine_config.get("architectures") or []
     if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
@@ -157,5 +157,5 @@ def import_files(
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
     decoder = {k: v for k, v in engine_config.items() if k not in ("layer_types", "dflash_config", "eagle_config")}
     arch = arch_from_decoder(decoder, target_config)
-    arch.update(qk_norm=True, qkv_bias=False)  # the DFlash layer is Qwen3's (checked above: no biases)
+    arch.qk_norm, arch.qkv_bias = True, False  # the DFlash layer is Qwen3's (checked above: no biases)
     return options, arch, state

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from heads import DraftArch, HeadConfig
 from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name
 
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
@@ -27,7 +28,7 @@ ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEag
 SGLANG_QKV_BIAS = {"architectures": ["Qwen2ForCausalLMEagle"], "model_type": "qwen2"}
 
 
-def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
+def export_files(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
     """config.json + tensors of an EAGLE-1/2 head for ``fmt`` ("vllm" or "sglang")."""
     tensors = dict(state)
     if fmt == "vllm" and "fc.bias" in tensors:
@@ -38,15 +39,15 @@ def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: st
     if fmt == "sglang" and "fc.bias" not in tensors:
         weight = tensors["fc.weight"]
         tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
-    engine_config = {"architectures": [ARCHITECTURES[fmt]], **decoder_config(config["arch"], dtype_name(state))}
-    if fmt == "sglang" and config["arch"].get("qkv_bias", False):
+    engine_config = {"architectures": [ARCHITECTURES[fmt]], **decoder_config(config.arch, dtype_name(state))}
+    if fmt == "sglang" and config.arch.qkv_bias:
         engine_config |= SGLANG_QKV_BIAS
     return engine_config, tensors
 
 
 def import_files(
     engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
     """(head options, draft arch, our tensors) of an EAGLE-1/2 checkpoint in the EAGLE repo's layout."""
     extra_layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.") and not k.startswith("layers.0.")})
     if extra_layers:
@@ -63,5 +64,5 @@ def import_files(
     options = {"type": "eagle", "fc_bias": "fc.bias" in state}
     arch = arch_from_decoder(engine_config, target_config)
     # The weights say it, whatever the config spells (EAGLE repo Qwen2 heads, our SGLang Qwen2 export).
-    arch["qkv_bias"] = "layers.0.self_attn.q_proj.bias" in state
+    arch.qkv_bias = "layers.0.self_attn.q_proj.bias" in state
     return options, arch, state

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from heads.common import arch_from_target
+from core.models import default_aux_layers
+from heads import DraftArch, HeadConfig, arch_from_target
 from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
 
 REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
@@ -35,32 +36,32 @@ NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm":
 DEFAULT_SPECULATIVE_TOKENS = 3
 
 
-def _vocab_tensors(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _vocab_tensors(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop d2t/t2d when the draft vocab is the whole target vocab: vLLM then has no ``draft_id_to_target_id``
     parameter and a ``d2t`` in the checkpoint fails to load (llama_eagle3.py)."""
-    if config["draft_vocab_size"] != config["vocab_size"]:
+    if config.options.draft_vocab_size != config.vocab_size:
         return dict(state)
     if state["d2t"].any():
         raise ValueError("d2t has non-zero offsets although the draft vocab is the whole target vocab")
     return {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
 
 
-def repo_layout(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
+def repo_layout(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
     """config.json + tensors in the EAGLE repo's layout, which vLLM and SGLang both load (``fmt``), but for
     a layer with q/k norm (Qwen3 targets), which only vLLM has."""
-    qk_norm = config["arch"].get("qk_norm", False)
+    qk_norm = config.arch.qk_norm
     if qk_norm and fmt == "sglang":
         raise ValueError(
             "this EAGLE-3 head has Qwen3's q/k norm, which no SGLang EAGLE-3 draft has (SGLang serves "
             "LlamaForCausalLMEagle3 only): export it with --format vllm or speculators (vLLM's "
             "Eagle3Qwen3ForCausalLM), or train the head with draft_layer: llama for SGLang"
         )
-    layer_ids = list(config["layer_ids"])
+    layer_ids = list(config.options.layer_ids)
     engine_config = {
         "architectures": [QK_NORM_ARCHITECTURE if qk_norm else REPO_ARCHITECTURE],
-        **decoder_config(config["arch"], dtype_name(state)),
-        "draft_vocab_size": config["draft_vocab_size"],
-        "target_hidden_size": config["target_hidden_size"],
+        **decoder_config(config.arch, dtype_name(state)),
+        "draft_vocab_size": config.options.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
         **NORM_FLAGS,
         "eagle_aux_hidden_state_layer_ids": layer_ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layer_ids], "use_aux_hidden_state": True},
@@ -69,7 +70,7 @@ def repo_layout(config: dict[str, Any], state: dict[str, torch.Tensor], fmt: str
 
 
 def speculators_layout(
-    config: dict[str, Any], state: dict[str, torch.Tensor], target: str, target_config: PretrainedConfig
+    config: HeadConfig, state: dict[str, torch.Tensor], target: str, target_config: PretrainedConfig
 ) -> tuple[dict[str, Any], dict]:
     """config.json + tensors in speculators' Eagle3SpeculatorConfig layout (speculators/models/eagle3/config.py),
     as vLLM's ``SpeculatorsConfig`` reads it (transformers_utils/configs/speculators/)."""
@@ -78,10 +79,10 @@ def speculators_layout(
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": decoder_config(config["arch"], dtype),
-        "draft_vocab_size": config["draft_vocab_size"],
-        "target_hidden_size": config["target_hidden_size"],
-        "eagle_aux_hidden_state_layer_ids": list(config["layer_ids"]),
+        "transformer_layer_config": decoder_config(config.arch, dtype),
+        "draft_vocab_size": config.options.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(config.options.layer_ids),
         **NORM_FLAGS,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -104,13 +105,13 @@ def speculators_layout(
 
 def _layer_ids(engine_config: dict[str, Any], target_layers: int) -> list[int]:
     """Our layer ids from a published config: top-level ids (vLLM/speculators convention), else SGLang's
-    ``eagle_config`` ids (+1), else the default both engines use, (2, L//2, L-3)."""
+    ``eagle_config`` ids (+1), else the default both engines use (``default_aux_layers``)."""
     if engine_config.get("eagle_aux_hidden_state_layer_ids"):
         return list(engine_config["eagle_aux_hidden_state_layer_ids"])
     nested = (engine_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested:
         return [i + 1 for i in nested]
-    return [2, target_layers // 2, target_layers - 3]
+    return default_aux_layers(target_layers)
 
 
 def _check_norm_flags(engine_config: dict[str, Any], speculators: bool) -> None:
@@ -128,7 +129,7 @@ def _check_norm_flags(engine_config: dict[str, Any], speculators: bool) -> None:
 
 def import_files(
     engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig, speculators: bool
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
     """(head options, draft arch, our tensors) of an EAGLE-repo-layout or speculators EAGLE-3 checkpoint."""
     if speculators and engine_config.get("speculators_model_type") != "eagle3":
         raise ValueError(
@@ -156,10 +157,10 @@ def import_files(
         state["t2d"] = t2d
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     arch = arch_from_decoder(decoder, target_config)
-    arch["qk_norm"] = "midlayer.self_attn.q_norm.weight" in state  # vLLM's Eagle3Qwen3ForCausalLM layer
+    arch.qk_norm = "midlayer.self_attn.q_norm.weight" in state  # vLLM's Eagle3Qwen3ForCausalLM layer
     options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
     # "llama": a Qwen3 target's draft without q/k norm (SpecForge's, SGLang's); else the family's own layer.
-    options["draft_layer"] = "target" if arch["qk_norm"] == arch_from_target(target_config)["qk_norm"] else "llama"
+    options["draft_layer"] = "target" if arch.qk_norm == arch_from_target(target_config).qk_norm else "llama"
     target_hidden = engine_config.get("target_hidden_size") or target_config.hidden_size
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")

@@ -12,12 +12,13 @@ vLLM 0.33 and SGLang 0.5.23 no longer serve Medusa (no ``medusa`` speculative me
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
-from heads.common import arch_from_target
+from heads import DraftArch, HeadConfig, arch_from_target
 from scripts.formats.common import dtype_name, rename_prefixes
 
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
@@ -28,10 +29,10 @@ NOT_SERVED = (
 )
 
 
-def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], target: str) -> tuple[dict[str, Any], dict]:
+def export_files(config: HeadConfig, state: dict[str, torch.Tensor], target: str) -> tuple[dict[str, Any], dict]:
     """config.json + tensors in the Medusa repo's layout."""
-    layers = config["num_layers"]
-    for k in range(config["num_heads"]):
+    layers = config.options.num_layers
+    for k in range(config.options.num_heads):
         blocks = [state[f"medusa_head.{k}.{j}.linear.weight"] for j in range(layers)]
         biases = [state[f"medusa_head.{k}.{j}.linear.bias"] for j in range(layers)]
         if any(not torch.equal(blocks[0], w) or not torch.equal(biases[0], b) for w, b in zip(blocks, biases)):
@@ -40,11 +41,11 @@ def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], target:
                 "num_layers times, so it cannot hold them (train with num_layers: 1)"
             )
     engine_config = {
-        "medusa_num_heads": config["num_heads"],
+        "medusa_num_heads": config.options.num_heads,
         "medusa_num_layers": layers,
         "base_model_name_or_path": target,
-        "hidden_size": config["target_hidden_size"],
-        "vocab_size": config["vocab_size"],
+        "hidden_size": config.target_hidden_size,
+        "vocab_size": config.vocab_size,
         "torch_dtype": dtype_name(state),
     }
     return engine_config, rename_prefixes(state, {"medusa_head.": ""})
@@ -52,12 +53,12 @@ def export_files(config: dict[str, Any], state: dict[str, torch.Tensor], target:
 
 def import_files(
     engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
     """(head options, arch, our tensors) of a Medusa-repo checkpoint."""
     heads, layers = engine_config["medusa_num_heads"], engine_config.get("medusa_num_layers", 1)
     state = {k if k.startswith("medusa_head.") else f"medusa_head.{k}": v for k, v in state.items()}
     # Some Medusa checkpoints carry more heads than the config asks for; the repo loads non-strictly.
     state = {k: v for k, v in state.items() if int(k.split(".")[1]) < heads}
     vocab, hidden = state[f"medusa_head.0.{layers}.weight"].shape
-    arch = {**arch_from_target(target_config), "hidden_size": hidden, "vocab_size": vocab}
+    arch = replace(arch_from_target(target_config), hidden_size=hidden, vocab_size=vocab)
     return {"type": "medusa", "num_heads": heads, "num_layers": layers}, arch, state

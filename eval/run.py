@@ -1,0 +1,430 @@
+"""Decoding runs: every method over a benchmark (``eval.acceptance``), and the tree tuner's calibration and
+validation runs (``eval.autotune``), all through the one verification core (``eval.verify.generate``).
+
+Greedy runs must reproduce vanilla decoding token for token; where a method's output leaves vanilla's,
+``divergence`` says where and whether the target's logits there were a near-tie (reduced-precision
+rounding) or a real choice (a bug).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from core.runtime import seed_everything
+from eval.bench import BenchItem, render
+from eval.proposers import DFlash, DraftModel, Eagle, Medusa, NGram, ProposerWrapper, Vanilla
+from eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
+from eval.timing import TimedProposer, peak_memory_mb
+from eval.tree import MC_SIM_7B_63, Tree
+from eval.tree_config import TreeSpec, chain_choices, comb_choices
+from eval.verify import Proposer, Sampling, Stats, generate
+from heads import DraftHead
+
+METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "medusa", "dflash")
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "dflash")  # a head's config["type"] is its method name
+WARMUP_TOKENS = 16
+
+# ------------------------------------------------------------------------------------------- proposers
+
+
+@dataclass(frozen=True)
+class TreeFlags:
+    """How methods draft when no tree.json says otherwise: ``shape`` None (each method's usual: chains
+    for ngram, draft_model and DFlash, Medusa's fixed tree, EAGLE's dynamic tree), "static" (chains; Medusa
+    its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model and EAGLE too; DFlash stays a chain)."""
+
+    shape: str | None = None
+    top_k: int = 8  # children per node in dynamic trees
+    depth: int = 5  # draft length / tree depth
+    total_tokens: int = 48  # tree nodes kept (dynamic and Medusa trees)
+
+
+def build_proposer(
+    method: str,
+    flags: TreeFlags,
+    draft: nn.Module | None = None,
+    heads: dict[str, DraftHead] | None = None,
+    tree_config: dict | None = None,
+) -> Proposer:
+    """The proposer of ``method`` (``METHODS``): ``draft`` for draft_model, ``heads[method]`` for the head
+    methods; an EAGLE or DFlash method drafts ``tree_config`` (a tree.json) when given, else the tree ``flags``."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
+    if method == "vanilla":
+        return Vanilla()
+    if method == "ngram":
+        return NGram(k=flags.depth)
+    if method == "draft_model":
+        if flags.shape == "dynamic":
+            return DraftModel(draft, k=flags.depth, top_k=flags.top_k, total_tokens=flags.total_tokens)
+        return DraftModel(draft, k=flags.depth)
+    head = heads[method]
+    if method == "medusa":
+        depth = min(flags.depth, head.config.options.num_heads)
+        # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
+        choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens]
+        return Medusa(head, choices)
+    if tree_config is not None:
+        return proposer_for_tree(head, tree_config)
+    if method == "dflash":  # one forward drafts every depth at once: a chain of them
+        return DFlash(head, choices=chain_choices(min(flags.depth, head.config.options.block_size - 1)))
+    if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
+        return Eagle(head, top_k=1, depth=flags.depth, total_tokens=flags.depth)
+    return Eagle(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
+
+
+def proposer_for_tree(head: DraftHead, config: dict) -> Eagle | DFlash:
+    """An EAGLE or DFlash proposer drafting the tree of a tree.json config (``eval.tree_config.TREE_KEYS``)."""
+    if head.config.type == "dflash":
+        if config["shape"] != "static":
+            raise ValueError("a DFlash head drafts static trees only: every depth comes from one forward")
+        return DFlash(head, choices=config["choices"])
+    if config["shape"] == "static":
+        return Eagle(head, choices=config["choices"])
+    return Eagle(head, top_k=config["top_k"], depth=config["depth"], total_tokens=config["total_tokens"])
+
+
+def proposer_for(head: DraftHead, tree: TreeSpec) -> Proposer:
+    """The head drafting ``tree``; vanilla for the empty tree."""
+    return proposer_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
+
+
+# ------------------------------------------------------------------------------------------- tallies
+
+
+@dataclass
+class Tally:
+    """What decoding runs add up: new tokens, wall seconds (``generate``'s own clock: prefill and decoding,
+    not the chat template), target forwards and tokens committed (bonus included)."""
+
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    forwards: int = 0
+    committed: int = 0
+
+    def add(self, new_tokens: int, stats: Stats) -> None:
+        self.new_tokens += new_tokens
+        self.wall_s += stats.wall_time
+        self.forwards += stats.target_forwards
+        self.committed += sum(stats.accepted_lengths)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.committed / max(self.forwards, 1)
+
+
+# ------------------------------------------------------------------------------ methods on a benchmark
+
+
+@dataclass
+class MethodRun(Tally):
+    ids: list[str] = field(default_factory=list)  # item ids, in run order
+    outputs: list[list[list[int]]] = field(default_factory=list)  # per item: new tokens per turn
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per target forward
+    by_category: dict[str, Tally] = field(default_factory=dict)
+    timer: TimedProposer | None = None
+    peak_memory_mb: float = 0.0
+
+
+def decode_item(
+    target: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    proposer: Proposer,
+    item: BenchItem,
+    max_new_tokens: int,
+    sampling: Sampling,
+) -> Iterator[tuple[torch.Tensor, Stats]]:
+    """Yield (new tokens [n], stats) per turn; each turn is asked after the model's own previous answer."""
+    messages = list(item.history)
+    for turn in item.turns:
+        messages.append({"role": "user", "content": turn})
+        prompt = render(tokenizer, messages).to(target.device)
+        out, stats = generate(target, proposer, prompt, max_new_tokens, sampling, tokenizer.eos_token_id)
+        new = out[0, prompt.shape[1] :]
+        messages.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
+        yield new, stats
+
+
+def run_method(
+    target: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    proposer: Proposer,
+    items: list[BenchItem],
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+    name: str,
+) -> MethodRun:
+    """Decode every item with ``proposer``, after an untimed warm-up on the first one."""
+    device = target.device
+    seed_everything(seed)
+    for _ in decode_item(target, tokenizer, proposer, items[0], min(WARMUP_TOKENS, max_new_tokens), sampling):
+        pass
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seed_everything(seed)
+    run = MethodRun(timer=TimedProposer(proposer, device))
+    hooks = [
+        target.register_forward_pre_hook(run.timer.before_forward),
+        target.register_forward_hook(run.timer.after_forward),
+    ]
+    try:
+        for item in tqdm(items, desc=name, leave=False):
+            category = run.by_category.setdefault(item.category, Tally())
+            run.ids.append(item.id)
+            run.outputs.append([])
+            for new, stats in decode_item(target, tokenizer, run.timer, item, max_new_tokens, sampling):
+                run.outputs[-1].append(new.tolist())
+                run.accepted.extend(n - 1 for n in stats.accepted_lengths)
+                run.add(len(new), stats)
+                category.add(len(new), stats)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    run.peak_memory_mb = peak_memory_mb(device)
+    return run
+
+
+def run_methods(
+    target: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    proposers: dict[str, Proposer],
+    items: list[BenchItem],
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+) -> dict[str, MethodRun]:
+    """``run_method`` for every method, in the order given (the speedup baseline first)."""
+    return {
+        method: run_method(target, tokenizer, proposer, items, max_new_tokens, sampling, seed, method)
+        for method, proposer in tqdm(proposers.items(), desc="methods")
+    }
+
+
+def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
+    """The report entry of one method (stable keys; see ``eval.report``)."""
+    timer = run.timer
+    by_depth, alpha = chain_acceptance(timer.depths, run.accepted)
+    k = max(timer.depths, default=0)
+    forward_s = timer.target_s / max(timer.target_calls, 1)
+    # c: one draft call's cost in target forwards, with k draft calls per step.
+    c = timer.draft_s / max(len(timer.depths), 1) / (k * forward_s) if k and forward_s else 0.0
+    base_tokens_per_s = baseline.tokens_per_s
+    mismatched = [i for i, out, ref in zip(run.ids, run.outputs, baseline.outputs) if out != ref] if greedy else []
+    return {
+        "tau": sum(run.accepted) / max(len(run.accepted), 1) + 1,
+        "acceptance_by_depth": by_depth,
+        "alpha": alpha,
+        "mean_accepted": sum(run.accepted) / max(len(run.accepted), 1),
+        "target_forwards": len(run.accepted),
+        "new_tokens": run.new_tokens,
+        "wall_s": run.wall_s,
+        "tokens_per_s": run.tokens_per_s,
+        "speedup_vs_vanilla": run.tokens_per_s / base_tokens_per_s if base_tokens_per_s else 0.0,
+        "draft_depth": k,
+        "draft_cost_ratio": c,
+        "target_forward_ms": forward_s * 1e3,
+        "predicted_speedup": predicted_speedup(alpha, c, k),
+        "peak_memory_mb": run.peak_memory_mb,
+        "greedy_identical": not mismatched if greedy else None,
+        "mismatched_prompts": mismatched,
+        "per_category": {
+            cat: {"tau": tally.tau, "target_forwards": tally.forwards} for cat, tally in run.by_category.items()
+        },
+    }
+
+
+# A greedy mismatch is a near-tie when the target's two candidate logits differ by less than this many
+# units in the last place of the compute dtype (at the logits' scale): reduced precision (bf16) rounds a
+# tree forward and a one-token forward differently, and such a gap is inside that rounding.
+NEAR_TIE_ULPS = 4
+
+
+@torch.no_grad()
+def divergence(
+    target: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    item: BenchItem,
+    ref_turns: list[list[int]],
+    out_turns: list[list[int]],
+) -> dict:
+    """Where a method's greedy output first leaves vanilla's: turn, token index, both tokens, and the
+    target's logit gap between them there (one full forward over the shared prefix), with ``near_tie``."""
+    messages = list(item.history)
+    for turn_index, (turn, ref, out) in enumerate(zip(item.turns, ref_turns, out_turns)):
+        messages.append({"role": "user", "content": turn})
+        if ref != out:
+            at = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+            entry = {"prompt": item.id, "turn": turn_index, "token": at}
+            if at == min(len(ref), len(out)):  # one output is a prefix of the other: a stop, not a token choice
+                return entry | {"vanilla_token": None, "method_token": None, "logit_gap": None, "near_tie": False}
+            prompt = render(tokenizer, messages).to(target.device)[0]
+            ids = torch.cat((prompt, torch.tensor(ref[:at], dtype=prompt.dtype, device=prompt.device)))
+            logits = target(ids[None]).logits[0, -1].float()
+            gap = float(logits[ref[at]] - logits[out[at]])
+            tolerance = NEAR_TIE_ULPS * torch.finfo(target.dtype).eps * float(logits.abs().max())
+            return entry | {
+                "vanilla_token": ref[at],
+                "method_token": out[at],
+                "logit_gap": gap,
+                "near_tie": abs(gap) <= tolerance,
+            }
+        messages.append({"role": "assistant", "content": tokenizer.decode(ref, skip_special_tokens=True)})
+    raise ValueError(f"{item.id}: outputs do not differ")
+
+
+def divergences(
+    target: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    items: list[BenchItem],
+    baseline: MethodRun,
+    run: MethodRun,
+    mismatched: list[str],
+) -> list[dict]:
+    """``divergence`` of each mismatched item id of ``run`` from ``baseline``."""
+    by_id = {item.id: item for item in items}
+    outputs, reference = dict(zip(run.ids, run.outputs)), dict(zip(baseline.ids, baseline.outputs))
+    return [divergence(target, tokenizer, by_id[i], reference[i], outputs[i]) for i in mismatched]
+
+
+# ----------------------------------------------------------------------------------- tree calibration
+
+
+class CombRecorder(ProposerWrapper):
+    """Wraps a proposer that takes ``choices``: drafts the comb and records which ranks the target accepted."""
+
+    def __init__(self, proposer: Proposer, depth: int, width: int) -> None:
+        super().__init__(proposer)
+        self.depth, self.width = depth, width
+        self.proposer.choices = comb_choices(depth, width)
+        self.counts, self.tree = RankCounts(), None
+
+    def reset(self, sampling: Sampling) -> None:
+        self.tree = None
+        super().reset(sampling)
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        self.tree = self.proposer.propose(tokens)
+        self.proposed_len = len(tokens)
+        return self.tree
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        if self.tree is not None and len(self.tree):
+            accepted = tokens[self.proposed_len : -1].tolist()  # the bonus is the last new token
+            children, node, ranks = self.tree.children(), -1, []
+            for token in accepted:
+                kids = children[node + 1]
+                rank = [int(self.tree.tokens[k]) for k in kids].index(token)
+                node, ranks = kids[rank], ranks + [rank]
+            self.counts.record(self.depth, self.width, ranks)
+        super().update(tokens, hidden)
+
+
+def calibrate(
+    target: nn.Module,
+    head: DraftHead,
+    prompts: list[torch.Tensor],
+    depth: int,
+    width: int,
+    max_new_tokens: int,
+    eos: int | None,
+) -> tuple[list[list[float]], list[torch.Tensor]]:
+    """(rank_probs, the decoded sequences) from greedy decoding of ``prompts`` with a "comb" tree (the
+    rank-0 chain with ``width`` siblings at every depth): p[d][r] = P(the target's token at depth d is the
+    head's rank-r candidate | depth d - 1 was accepted on the rank-0 chain)."""
+    recorder = CombRecorder(Eagle(head), depth, width)
+    outputs = []
+    for prompt in tqdm(prompts, desc="calibrate", leave=False):
+        out, _ = generate(target, recorder, prompt, max_new_tokens, Sampling(), eos)
+        outputs.append(out[0])
+    return recorder.counts.rank_probs(), outputs
+
+
+# ------------------------------------------------------------------------------------ tree validation
+
+
+class TreeRecorder(ProposerWrapper):
+    """Wraps a proposer; keeps the model's expected tau of every tree it proposes."""
+
+    def __init__(self, proposer: Proposer, rank_probs: Sequence[Sequence[float]]) -> None:
+        super().__init__(proposer)
+        self.rank_probs, self.expected = rank_probs, []
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        tree = self.proposer.propose(tokens)
+        self.expected.append(tree_tau(self.rank_probs, tree))
+        return tree
+
+
+@dataclass(kw_only=True)
+class Measured(Tally):
+    tree: TreeSpec
+    outputs: list[list[int]] = field(default_factory=list)
+    predicted_tau: float = 0.0
+    predicted_tokens_per_s: float = 0.0
+
+
+@torch.no_grad()
+def validate(
+    target: nn.Module,
+    head: DraftHead,
+    prompts: list[torch.Tensor],
+    trees: list[TreeSpec],
+    costs: Costs,
+    rank_probs: Sequence[Sequence[float]],
+    max_new_tokens: int,
+    eos: int | None,
+) -> list[Measured]:
+    """Decode every prompt with every tree (greedy), interleaved prompt by prompt so that a shared CPU's load
+    drifts over all of them alike; vanilla should be first."""
+    runs = [Measured(tree=tree) for tree in trees]
+    recorders = [TreeRecorder(proposer_for(head, tree), rank_probs) for tree in trees]
+    for recorder in recorders:  # warm-up, untimed
+        generate(target, recorder, prompts[0], 8, Sampling(), eos)
+        recorder.expected.clear()
+    for prompt in tqdm(prompts, desc="validate", leave=False):
+        for run, recorder in zip(runs, recorders):
+            out, stats = generate(target, recorder, prompt, max_new_tokens, Sampling(), eos)
+            run.outputs.append(out[0, prompt.shape[1] :].tolist())
+            run.add(out.shape[1] - prompt.shape[1], stats)
+    for run, recorder in zip(runs, recorders):
+        run.predicted_tau = statistics.fmean(recorder.expected) if recorder.expected else 1.0
+        run.predicted_tokens_per_s = 1e3 * run.predicted_tau / costs.step(run.tree)
+    return runs
+
+
+def validation_rows(runs: list[Measured], chosen: TreeSpec) -> list[dict]:
+    """The grid table: per tree, measured and predicted tau and tokens/s, speedup over the first run
+    (vanilla) and whether its greedy output matched vanilla's."""
+    vanilla = runs[0]
+    return [
+        {"name": r.tree.name, "chosen": r.tree.config() == chosen.config(), **r.tree.config(), "tau": r.tau,
+         "predicted_tau": r.predicted_tau, "tokens_per_s": r.tokens_per_s,
+         "predicted_tokens_per_s": r.predicted_tokens_per_s,
+         "speedup": r.tokens_per_s / vanilla.tokens_per_s, "greedy_identical": r.outputs == vanilla.outputs}
+        for r in runs
+    ]  # fmt: skip
+
+
+def validation_checks(rows: list[dict], eagle_default: TreeSpec) -> dict:
+    """Whether the chosen tree is within 10% of the best measured one and beats ``eagle_default``."""
+    chosen = next(r for r in rows if r["chosen"])
+    eagle = next(r for r in rows if r["name"] == eagle_default.name)
+    best = max(r["tokens_per_s"] for r in rows)
+    return {
+        "chosen_vs_best": chosen["tokens_per_s"] / best,
+        "within_10pct_of_best": chosen["tokens_per_s"] >= 0.9 * best,
+        "chosen_vs_eagle_default": chosen["tokens_per_s"] / eagle["tokens_per_s"],
+        "beats_eagle_default": chosen["tokens_per_s"] > eagle["tokens_per_s"],
+    }

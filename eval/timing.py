@@ -1,0 +1,191 @@
+"""Measurement on the machine at hand: drafting vs target time inside decoding runs, the verify and
+drafting cost curves the tree model (``eval.speedup.Costs``) interpolates, peak memory and the machine's
+name. Every clock read goes through ``core.timing`` (device-synchronised)."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from core.timing import clock, timed
+from eval.proposers import Eagle, ProposerWrapper
+from eval.speedup import Costs
+from eval.tree import Tree, chain
+from eval.verify import Proposer, Sampling, verify_batch
+from heads import DraftHead
+
+VERIFY_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+DRAFT_WIDTHS = (1, 2, 4, 8)
+
+
+class TimedProposer(ProposerWrapper):
+    """A proposer wrapper that times drafting apart from the target's forwards (hooked on the target).
+
+    Only decoding steps count: the target's prompt prefill and the drafter's first read of the prompt
+    features (``update`` before the first ``propose``) are left out, as the speedup model has no term
+    for them. A draft model reads the prompt inside its first ``propose``, which therefore counts.
+    """
+
+    def __init__(self, proposer: Proposer, device: torch.device) -> None:
+        super().__init__(proposer)
+        self.device = device
+        self.depths: list[int] = []  # proposed tree depth per step
+        self.draft_s = self.target_s = 0.0
+        self.target_calls, self.decoding, self._start = 0, False, 0.0
+
+    def reset(self, sampling: Sampling) -> None:
+        self.decoding = False
+        super().reset(sampling)
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        self.decoding = True
+        tree, seconds = timed(self.device, self.proposer.propose, tokens)
+        self.draft_s += seconds
+        self.depths.append(int(tree.depths.max()) if len(tree) else 0)
+        return tree
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        _, seconds = timed(self.device, self.proposer.update, tokens, hidden)
+        if self.decoding:
+            self.draft_s += seconds
+
+    def before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self._start = clock(self.device)
+
+    def after_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.decoding:
+            self.target_s += clock(self.device) - self._start
+            self.target_calls += 1
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: the most memory allocated since the last reset of the peak statistics; CPU: the process's
+    peak resident set so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss: in KiB on Linux and bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def machine(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and torch's thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")  # Linux names the model here; platform.processor() often is empty
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    return f"{cpu}, {torch.get_num_threads()} torch threads"
+
+
+def _ms(device: torch.device, fn: Callable[..., Any], *args: Any) -> float:
+    return timed(device, fn, *args)[1] * 1e3
+
+
+@torch.no_grad()
+def measure_verify(
+    target: nn.Module, context: torch.Tensor, nodes: Sequence[int], batches: Sequence[int], repeats: int
+) -> dict[int, list[float]]:
+    """Median ms of one verification step (forward, acceptance, KV commit) of ``batches`` sequences over a
+    chain of n nodes, at KV length len(context); the cache is cropped back after every step."""
+    out: dict[int, list[float]] = {}
+    for batch in batches:
+        cache = DynamicCache(config=target.config)
+        rows = context[None].expand(batch, -1)
+        target(rows[:, :-1], past_key_values=cache, use_cache=True)
+        length = cache.get_seq_length()
+        valid = torch.ones(batch, length, dtype=torch.bool, device=context.device)
+        ms = []
+        for n in nodes:
+            trees, roots = [chain(context[:n])] * batch, rows[:, -1]
+            times = []
+            for _ in range(repeats):
+                times.append(_ms(context.device, verify_batch, target, cache, valid, roots, trees, Sampling()))
+                cache.crop(length - cache.get_seq_length())
+            ms.append(statistics.median(times))
+        out[batch] = ms
+    return out
+
+
+def drafting_tokens(widths: Sequence[int], repeats: int, accepted: int) -> int:
+    """Context tokens ``measure_drafting`` commits after its start."""
+    return 2 * len(widths) * repeats * (accepted + 1)
+
+
+@torch.no_grad()
+def measure_drafting(
+    proposer: Proposer,
+    target: nn.Module,
+    context: torch.Tensor,
+    start: int,
+    widths: Sequence[int],
+    repeats: int,
+    accepted: int = 2,
+) -> tuple[float, list[float]]:
+    """(base ms, [ms of one drafting level per width]) from propose/update cycles of ``proposer`` (one that
+    takes ``choices``) on the target's real features of ``context``, from KV length ``start`` on.
+
+    Each cycle proposes, then commits the next ``accepted`` + 1 context tokens, as decoding does. k parallel
+    chains of depth 3 cost two drafting levels of width k more than k children of the root alone; the
+    base is the latter plus the commit (the head reading the accepted rows).
+    """
+    if len(context) < start + drafting_tokens(widths, repeats, accepted) + 1:
+        raise ValueError(f"a context of {len(context)} tokens is too short to measure drafting from {start}")
+    states = target(context[None, :-1], output_hidden_states=True).hidden_states
+    hidden = torch.cat([states[i][0] for i in proposer.hidden_layers], -1) if proposer.hidden_layers else None
+    m = accepted + 1
+
+    def cycles(choices: list[list[int]]) -> tuple[float, float]:
+        nonlocal start
+        proposer.reset(Sampling())
+        proposer.choices = choices
+        proposer.update(context[: start + 1], None if hidden is None else hidden[:start])
+        propose_ms, update_ms = [], []
+        for _ in range(repeats):
+            propose_ms.append(_ms(context.device, proposer.propose, context[: start + 1]))
+            rows = None if hidden is None else hidden[start : start + m]
+            update_ms.append(_ms(context.device, proposer.update, context[: start + 1 + m], rows))
+            start += m
+        return statistics.median(propose_ms), statistics.median(update_ms)
+
+    level_ms, base = [], []
+    for k in widths:
+        one, update_ms = cycles([[r] for r in range(k)])
+        three, _ = cycles([[r] + [0] * d for r in range(k) for d in range(3)])
+        level_ms.append(max(three - one, 0.0) / 2)
+        base.append(one + update_ms)
+    return statistics.median(base), level_ms
+
+
+def measure_costs(
+    target: nn.Module,
+    head: DraftHead,
+    decoded: list[torch.Tensor],
+    kv_length: int,
+    max_nodes: int,
+    batches: Sequence[int],
+    repeats: int,
+) -> Costs:
+    """The verify curve (``VERIFY_NODES`` up to ``max_nodes``, for each batch size) at KV length
+    ``kv_length`` and the head's drafting costs (``DRAFT_WIDTHS``), on a context of ``decoded`` sequences
+    repeated to the length the measurements need."""
+    context = torch.cat(decoded)
+    needed = kv_length + drafting_tokens(DRAFT_WIDTHS, repeats, 2) + 1
+    context = context.repeat(needed // len(context) + 1)[:needed]
+    nodes = [n for n in VERIFY_NODES if n <= max_nodes]
+    verify_ms = measure_verify(target, context[: kv_length + 1], nodes, batches, repeats)
+    base_ms, level_ms = measure_drafting(Eagle(head), target, context, kv_length, DRAFT_WIDTHS, repeats)
+    return Costs(nodes, verify_ms, list(DRAFT_WIDTHS), level_ms, base_ms)

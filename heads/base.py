@@ -1,0 +1,110 @@
+"""``DraftHead``: what every head shares (its typed config, the parts borrowed from the target, build,
+save and load), and a head folder's files: ``config.json`` (``heads.config``) + ``model.safetensors``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from core.fingerprint import tokenizer_hash
+from core.io import atomic_dir
+from core.schema import HeadOptions
+from heads.config import HeadConfig, parse_section, read_head_config, write_head_config
+from heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def load_head_weights(head: nn.Module, head_dir: str | Path, device: torch.device) -> nn.Module:
+    """Load the saved tensors into ``head`` and move it to ``device`` in the dtype it was saved in."""
+    state = load_file(str(Path(head_dir) / WEIGHTS_NAME))
+    head.load_state_dict(state, strict=True)
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    return head.to(device=device, dtype=dtype)
+
+
+class DraftHead(nn.Module):
+    """What every head shares: its config, the borrowed target parts, build/save/load.
+
+    Subclasses set ``head_type`` and ``options_model`` (the head's options model in ``core.schema``, where
+    the options' defaults and ranges live) and take the full config (``make_config``'s output) in ``__init__``.
+    """
+
+    head_type: ClassVar[str]
+    options_model: ClassVar[type[HeadOptions]]
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.target: TargetParts | None = None
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target's ``hidden_states`` the head reads: by default the last one (after the final norm,
+        what ``lm_head`` reads)."""
+        return (self.config.arch.num_hidden_layers,)
+
+    @classmethod
+    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig:
+        """The config of a fresh head: ``head_cfg``'s options (checked against ``options_model``) for this target."""
+        options = {k: v for k, v in head_cfg.items() if k != "type"}
+        known = sorted(set(cls.options_model.model_fields) - {"type"})
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"unknown {cls.head_type} head options {unknown}; known: {known}")
+        return HeadConfig(
+            options=parse_section(cls.options_model, {**options, "type": cls.head_type}, f"{cls.head_type} head"),
+            target=getattr(target_config, "_name_or_path", "") or None,
+            target_hidden_size=target_config.hidden_size,
+            vocab_size=target_config.vocab_size,
+            arch=arch_from_target(target_config),
+        )
+
+    @classmethod
+    def build(
+        cls, head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> DraftHead:
+        """A fresh head for ``target_model``, on the target's device (fp32; the trainer picks precision).
+
+        ``tokenizer``, the target's, is recorded as its hash in the config, so loading the head on a target
+        with another tokenizer fails (``check_tokenizer``).
+        """
+        config = cls.make_config(head_cfg, target_model.config)
+        if tokenizer is not None:
+            config.tokenizer_hash = tokenizer_hash(tokenizer)
+        head = cls(config)
+        head.attach(target_model)
+        return head.to(target_model.get_input_embeddings().weight.device)
+
+    def attach(self, target_model: nn.Module) -> None:
+        self.target = target_parts(target_model)
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        """``config.json`` + ``model.safetensors``, written atomically (a reader never sees half a head)."""
+        state = {name: t.detach().contiguous().cpu() for name, t in self.state_dict().items()}
+        with atomic_dir(out_dir) as tmp:
+            write_head_config(self.config, tmp)
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        head_dir: str | Path,
+        target_model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        allow_other_tokenizer: bool = False,
+    ) -> DraftHead:
+        """The saved head, checked against ``target_model`` (shapes) and, when given, its ``tokenizer``."""
+        config = read_head_config(head_dir)
+        check_compatible(config, target_model.config, cls.head_type)
+        if tokenizer is not None:
+            check_tokenizer(config, tokenizer_hash(tokenizer), head_dir, allow_other_tokenizer)
+        head = cls(config)
+        load_head_weights(head, head_dir, target_model.get_input_embeddings().weight.device)
+        head.attach(target_model)
+        return head

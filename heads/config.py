@@ -1,0 +1,107 @@
+"""A head's config, typed: the draft layer's shape (``DraftArch``), the user's options (``core.schema``'s
+head options model) and what ties the head to its target; and its on-disk form, ``config.json``.
+
+The JSON keeps the layout heads have always been saved in (the options at the top level, beside ``type``,
+``target`` and the sizes; the layer shape under ``arch``), which the exports and imports read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from core.schema import HEAD_OPTIONS, HeadOptions, Section, check_config
+
+CONFIG_NAME = "config.json"
+
+Options = TypeVar("Options", bound=HeadOptions)
+Parsed = TypeVar("Parsed", bound=Section)
+
+
+def parse_section(model: type[Parsed], data: dict[str, Any], where: str | Path) -> Parsed:
+    """``data`` checked by ``model`` (``core.schema``); ValueError naming ``where`` and each problem as the
+    config schema words it (``ttt_steps must be >= 1, got 0``)."""
+    _, problems = check_config(data, model)
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+    return model.model_validate(data)
+
+
+@dataclass(kw_only=True)
+class DraftArch:
+    """The draft decoder layer's shape: the target's (``heads.target.arch_from_target``), or a published draft's
+    own MLP width, norm eps and rotary on import. Field order is the JSON order."""
+
+    family: str | None = None  # the target's model_type; heads saved before families record none
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    rope: dict[str, Any]  # transformers' rope_parameters: rope_type, rope_theta and the type's own keys
+    vocab_size: int
+    num_hidden_layers: int  # the target's: its last hidden state is hidden_states[num_hidden_layers]
+    # Heads saved before these two flags existed are plain Llama layers.
+    qkv_bias: bool = False  # biases on q/k/v, not o (Qwen2's attention)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before rotary (Qwen3's attention)
+
+
+@dataclass(kw_only=True)
+class HeadConfig(Generic[Options]):
+    """Everything a saved head needs to be rebuilt without its target, and checked against one."""
+
+    options: Options  # the head's type and its options, checked by core.schema's model of that type
+    target: str | None  # the target's path or hub id, as it was loaded
+    target_hidden_size: int
+    vocab_size: int  # the target's
+    arch: DraftArch
+    tokenizer_hash: str | None = None  # the target tokenizer's (core.fingerprint), when training recorded one
+    training: dict[str, Any] | None = None  # the last held-out evaluation's summary (train.loop)
+
+    @property
+    def type(self) -> str:
+        return self.options.type
+
+    def to_json(self) -> dict[str, Any]:
+        """The config.json form: the keys in the order heads have always been saved with."""
+        out = {
+            "type": self.type,
+            "target": self.target,
+            "target_hidden_size": self.target_hidden_size,
+            "vocab_size": self.vocab_size,
+            **self.options.model_dump(exclude={"type"}),
+            "arch": asdict(self.arch),
+        }
+        if self.tokenizer_hash is not None:
+            out["tokenizer_hash"] = self.tokenizer_hash
+        if self.training is not None:
+            out["training"] = self.training
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str | Path) -> HeadConfig:
+        """The config of a config.json's content; ValueError naming ``where`` and the key when it is not one."""
+        head_type = data.get("type")
+        if head_type not in HEAD_OPTIONS:
+            raise ValueError(f"{where}: unknown head type {head_type!r}; known: {sorted(HEAD_OPTIONS)}")
+        own = {f.name for f in fields(cls)} - {"options"}
+        options = parse_section(HEAD_OPTIONS[head_type], {k: v for k, v in data.items() if k not in own}, where)
+        try:
+            arch = DraftArch(**data["arch"])
+            return cls(options=options, arch=arch, **{k: data[k] for k in own - {"arch"} if k in data})
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{where}: not a {head_type} head config ({err})") from None
+
+
+def read_head_config(head_dir: str | Path) -> HeadConfig:
+    path = Path(head_dir) / CONFIG_NAME
+    return HeadConfig.from_json(json.loads(path.read_text()), path)
+
+
+def write_head_config(config: HeadConfig, head_dir: Path) -> None:
+    (head_dir / CONFIG_NAME).write_text(json.dumps(config.to_json(), indent=2) + "\n")

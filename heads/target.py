@@ -1,0 +1,156 @@
+"""The target a head drafts for: its layer shape, the families EAGLE heads serve, whether a saved head
+(and the tokenizer it was trained with) fits it, and the frozen parts a head borrows from it.
+
+A head is built from the target's config once (``arch_from_target``); the shape goes into the head's
+``config.json``, so a saved head rebuilds without the target's config and is checked against the target
+it is loaded on (``check_compatible``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from heads.config import DraftArch, HeadConfig
+
+# Target families whose EAGLE draft layer the engines build (docs/EXPORT.md, "Target families"): a Llama
+# decoder layer sized from the target, with the family's q/k/v biases (Qwen2) or q/k RMSNorm (Qwen3)
+# where an engine builds them: ``arch.qkv_bias`` and ``arch.qk_norm`` describe the draft's layer,
+# and each head keeps only what its engines have (``EagleHead``/``Eagle3Head.make_config``).
+EAGLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Families refused by the EAGLE heads, with the reason. (Medusa reads only the last hidden state and the
+# target's lm_head, so it trains on any causal LM.)
+UNSERVED_FAMILIES = {
+    family: (
+        "no serving engine has an EAGLE draft for Gemma-style targets (vLLM's speculative registry and SGLang "
+        "have none), and a Llama draft layer would differ from Gemma's: embeddings scaled by sqrt(hidden), "
+        "(1 + w) RMSNorm, GELU MLP; train a Medusa head (head.type: medusa) instead"
+    )
+    for family in ("gemma", "gemma2", "gemma3", "gemma3_text")
+}
+
+
+def arch_from_target(cfg: PretrainedConfig) -> DraftArch:
+    """The decoder-layer shape of the target (``family`` is its ``model_type``)."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    # transformers < 5 kept rope_theta beside rope_scaling (whose type key was once "type").
+    rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
+    return DraftArch(
+        family=cfg.model_type,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        rms_norm_eps=cfg.rms_norm_eps,
+        # Gemma configs name it hidden_activation.
+        hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope=rope,
+        vocab_size=cfg.vocab_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        qkv_bias=_qkv_bias(cfg),
+        qk_norm=cfg.model_type == "qwen3",
+    )
+
+
+def _qkv_bias(cfg: PretrainedConfig) -> bool:
+    """Whether the target's q/k/v projections have biases: always for Qwen2, else the config says so
+    (``qkv_bias``, as vLLM and SGLang's Llama layer read it, then Llama's ``attention_bias``)."""
+    if cfg.model_type == "qwen2":
+        return True
+    qkv_bias = getattr(cfg, "qkv_bias", None)
+    return bool(getattr(cfg, "attention_bias", False) if qkv_bias is None else qkv_bias)
+
+
+def check_eagle_family(cfg: PretrainedConfig, head_type: str) -> None:
+    """NotImplementedError naming the target's family when an EAGLE head cannot be built (and served) for it."""
+    family = cfg.model_type
+    if family in UNSERVED_FAMILIES:
+        raise NotImplementedError(
+            f"{head_type} heads for {family} targets are not supported: {UNSERVED_FAMILIES[family]}"
+        )
+    if family not in EAGLE_FAMILIES:
+        raise NotImplementedError(
+            f"{head_type} heads for {family} targets are not supported: "
+            f"the draft layer is known for {', '.join(EAGLE_FAMILIES)} targets only (docs/EXPORT.md); "
+            "Medusa heads (head.type: medusa) train on any causal LM"
+        )
+    if getattr(cfg, "attention_bias", False) and getattr(cfg, "qkv_bias", None) is None and family != "qwen2":
+        raise NotImplementedError(
+            f"{head_type} heads for a {family} target with attention_bias: true (an o_proj bias) are not supported"
+        )
+
+
+def check_compatible(head_config: HeadConfig, target_config: PretrainedConfig, head_type: str | None = None) -> None:
+    """Raise ValueError naming every way the saved head does not fit this target (or the expected type)."""
+    problems = []
+    if head_type is not None and head_config.type != head_type:
+        problems.append(f"head type {head_config.type!r} vs {head_type!r}")
+    target = arch_from_target(target_config)
+    for key in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        ours, theirs = getattr(head_config.arch, key), getattr(target, key)
+        if ours != theirs:
+            problems.append(f"{key.replace('_', ' ')} {ours} vs {theirs}")
+    layers = target.num_hidden_layers
+    bad_layers = [i for i in getattr(head_config.options, "layer_ids", None) or [] if not 0 <= i < layers]
+    if bad_layers:
+        problems.append(f"layer ids {bad_layers} outside the target's {layers} layers")
+    if problems:
+        raise ValueError(
+            f"head built for {head_config.target!r} does not fit this target "
+            f"({getattr(target_config, '_name_or_path', '') or 'unnamed'}): "
+            + "; ".join(problems)
+            + " (head vs target)"
+        )
+
+
+def check_tokenizer(
+    head_config: HeadConfig,
+    target_hash: str | None,
+    where: Any,
+    allow_other: bool = False,
+    remedy: str = "pass --allow-other-tokenizer if you know the two tokenizers agree",
+) -> None:
+    """Refuse a head trained with another tokenizer than the target's (``target_hash``): same vocabulary size or
+    not, its ids would stand for other tokens. ``allow_other`` makes that a warning; a head that records no
+    tokenizer (trained before heads recorded it) loads with a warning, as nothing can be checked.
+    """
+    recorded = head_config.tokenizer_hash
+    if recorded is None:
+        warnings.warn(
+            f"{where}: the head records no tokenizer hash (trained before heads recorded one): "
+            "cannot check that the target's tokenizer is the one it was trained with",
+            stacklevel=2,
+        )
+        return
+    if recorded == target_hash:
+        return
+    message = (
+        f"{where}: the head was trained with another tokenizer than the target's "
+        f"(tokenizer hash {recorded} in the head, {target_hash} in the target)"
+    )
+    if not allow_other:
+        raise ValueError(
+            f"{message}: the same ids would mean other tokens (or another chat template); use the target it was "
+            f"trained for, or {remedy}"
+        )
+    warnings.warn(f"{message}; going on as asked", stacklevel=2)
+
+
+@dataclass
+class TargetParts:
+    """Frozen modules borrowed from the target. A plain attribute, not a submodule: they are never saved
+    with the head, never trained, and ``head.to(dtype)`` does not cast the target's own weights."""
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+
+
+def target_parts(target_model: nn.Module) -> TargetParts:
+    return TargetParts(target_model.get_input_embeddings(), target_model.get_output_embeddings())
