@@ -291,6 +291,11 @@ class DFlash:
         return static_tree(self.choices, candidates, logq.exp())
 
 
+def head_drafter(head: DraftHead) -> Eagle | DFlash:
+    """The proposer a head drafts with, in its default shape; ``eval.autotune`` sets its ``choices``."""
+    return DFlash(head) if head.config.type == "dflash" else Eagle(head)
+
+
 class ProposerWrapper:
     """A proposer that hands every call to ``proposer``; subclasses record what passes through."""
 

@@ -214,8 +214,12 @@ def autotune_markdown(result: dict) -> str:
         "",
         f"- chosen within 10% of the best measured: {'yes' if checks['within_10pct_of_best'] else 'NO'} "
         f"({checks['chosen_vs_best']:.3f} of the best)",
-        f"- chosen beats EAGLE's default tree (60 nodes, depth 6, top-k 10): "
-        f"{'yes' if checks['beats_eagle_default'] else 'NO'} ({checks['chosen_vs_eagle_default']:.2f}x)",
+        "- chosen beats EAGLE's default tree (60 nodes, depth 6, top-k 10): "
+        + (
+            f"{'yes' if checks['beats_eagle_default'] else 'NO'} ({checks['chosen_vs_eagle_default']:.2f}x)"
+            if checks["beats_eagle_default"] is not None
+            else "not measured (the head drafts no dynamic tree)"
+        ),
         "",
         "## Batch size (model; drafting runs per sequence)",
         "",

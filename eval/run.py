@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from core.runtime import seed_everything
 from eval.bench import BenchItem, render
-from eval.proposers import DFlash, DraftModel, Eagle, Medusa, NGram, ProposerWrapper, Vanilla
+from eval.proposers import DFlash, DraftModel, Eagle, Medusa, NGram, ProposerWrapper, Vanilla, head_drafter
 from eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
 from eval.timing import TimedProposer, peak_memory_mb
 from eval.tree import MC_SIM_7B_63, Tree
@@ -343,7 +343,7 @@ def calibrate(
     """(rank_probs, the decoded sequences) from greedy decoding of ``prompts`` with a "comb" tree (the
     rank-0 chain with ``width`` siblings at every depth): p[d][r] = P(the target's token at depth d is the
     head's rank-r candidate | depth d - 1 was accepted on the rank-0 chain)."""
-    recorder = CombRecorder(Eagle(head), depth, width)
+    recorder = CombRecorder(head_drafter(head), depth, width)
     outputs = []
     for prompt in tqdm(prompts, desc="calibrate", leave=False):
         out, _ = generate(target, recorder, prompt, max_new_tokens, Sampling(), eos)
@@ -418,13 +418,14 @@ def validation_rows(runs: list[Measured], chosen: TreeSpec) -> list[dict]:
 
 
 def validation_checks(rows: list[dict], eagle_default: TreeSpec) -> dict:
-    """Whether the chosen tree is within 10% of the best measured one and beats ``eagle_default``."""
+    """Whether the chosen tree is within 10% of the best measured one and beats ``eagle_default`` (None for
+    a head that drafts no dynamic tree: DFlash)."""
     chosen = next(r for r in rows if r["chosen"])
-    eagle = next(r for r in rows if r["name"] == eagle_default.name)
+    eagle = next((r for r in rows if r["name"] == eagle_default.name), None)
     best = max(r["tokens_per_s"] for r in rows)
     return {
         "chosen_vs_best": chosen["tokens_per_s"] / best,
         "within_10pct_of_best": chosen["tokens_per_s"] >= 0.9 * best,
-        "chosen_vs_eagle_default": chosen["tokens_per_s"] / eagle["tokens_per_s"],
-        "beats_eagle_default": chosen["tokens_per_s"] > eagle["tokens_per_s"],
+        "chosen_vs_eagle_default": chosen["tokens_per_s"] / eagle["tokens_per_s"] if eagle else None,
+        "beats_eagle_default": chosen["tokens_per_s"] > eagle["tokens_per_s"] if eagle else None,
     }

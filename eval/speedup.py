@@ -168,15 +168,19 @@ def batch_table(
     return table
 
 
-def grid(chosen: TreeSpec, rank_probs: Sequence[Sequence[float]], max_depth: int) -> list[TreeSpec]:
-    """The alternatives measured beside the choice: vanilla, chains, other tuned sizes, dynamic trees."""
+def grid(
+    chosen: TreeSpec, rank_probs: Sequence[Sequence[float]], max_depth: int, dynamic: bool = True
+) -> list[TreeSpec]:
+    """The alternatives measured beside the choice: vanilla, chains, other tuned sizes, and dynamic trees
+    for heads that draft them (not DFlash)."""
     trees = [TreeSpec.static([]), chosen]
     trees += [TreeSpec.static(chain_choices(d)) for d in (2, 4, 6, 8) if d <= max_depth]
     for n in (6, 12, 24, 48):
         shape = best_shape(rank_probs, n, max_depth)
         if len(shape) == n:
             trees.append(TreeSpec.static(shape))
-    trees += [TreeSpec.from_config(EAGLE_DEFAULT), TreeSpec("dynamic", 5, 8, 48), TreeSpec("dynamic", 6, 2, 10)]
+    if dynamic:
+        trees += [TreeSpec.from_config(EAGLE_DEFAULT), TreeSpec("dynamic", 5, 8, 48), TreeSpec("dynamic", 6, 2, 10)]
     unique: dict[str, TreeSpec] = {}
     for tree in trees:
         unique.setdefault(json.dumps(tree.config()), tree)

@@ -346,3 +346,25 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     relogged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["split"], r["loss"]) for r in relogged] == [(r["step"], r["split"], r["loss"]) for r in lines]
+
+
+def test_autotune_picks_a_static_tree_within_the_block_that_acceptance_decodes(tiny_target_dir, gsm8k_file, tmp_path):
+    from eval.acceptance import main as acceptance
+    from eval.autotune import main as autotune
+
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    head = tmp_path / "head"
+    torch.manual_seed(0)
+    build_head({"type": "dflash", "layer_ids": [1, 3, 4], "block_size": 4}, target).save_pretrained(head)
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--bench", str(gsm8k_file), "--calibration", "1"]
+    argv += ["--heldout", "1", "--max-new-tokens", "8", "--max-nodes", "6", "--max-depth", "8", "--comb-width", "2"]
+    result = autotune(argv + ["--repeats", "1", "--batch-sizes", "1", "--out", str(tmp_path / "at"), "--write-head"])
+    names = [row["name"] for row in result["grid"]]
+    assert names[0] == "vanilla" and not any(name.startswith("dynamic") for name in names)
+    assert all(row["greedy_identical"] for row in result["grid"]) and result["checks"]["beats_eagle_default"] is None
+    tree = json.loads((head / "tree.json").read_text())
+    assert tree["shape"] == "static" and tree["depth"] <= 3  # the block's 3 mask slots, not --max-depth 8
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "dflash", "--bench", str(gsm8k_file)]
+    report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
+    entry = report["methods"]["dflash"]
+    assert entry["tree_config"]["choices"] == tree["choices"] and entry["greedy_identical"]
