@@ -315,7 +315,7 @@ class ImportHead(CommandFlags):
 
     positional: ClassVar[tuple[str, ...]] = ("src",)
 
-    kind: Literal["eagle", "eagle3", "medusa", "speculators"]  # scripts.import_head.SOURCES (flag --from)
+    kind: Literal["eagle", "eagle3", "medusa", "speculators", "dflash"]  # scripts.import_head.SOURCES (flag --from)
     src: str
     out: str
     overwrite: bool = False

@@ -306,7 +306,9 @@ class DFlash:
     in ``Medusa``).
     """
 
-    def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, masks: int | None = None):
+    def __init__(
+        self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, masks: int | None = None
+    ) -> None:
         self.head = head
         self.masks = masks or head.config.options.block_size - 1
         chain = [[0] * d for d in range(1, self.masks + 1)]

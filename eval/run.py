@@ -101,7 +101,10 @@ def proposer_for_tree(head: DraftHead, config: dict) -> Eagle | PEagle | DFlash:
     method = head_method(head.config)
     if method in ("peagle", "dflash"):
         if config["shape"] != "static":
-            raise ValueError(f"a {method} head drafts static trees only: every depth comes from one forward")
+            title = "P-EAGLE" if method == "peagle" else "DFlash"
+            raise ValueError(
+                f"{title} drafts static shapes only (every depth from one forward), not a {config['shape']} tree"
+            )
         return (PEagle if method == "peagle" else DFlash)(head, choices=config["choices"])
     if config["shape"] == "static":
         return Eagle(head, choices=config["choices"])
