@@ -207,8 +207,27 @@ class MedusaOptions(HeadOptions):
     decay: Decay = 0.8  # loss weight decay**k for head k
 
 
+class DflashOptions(HeadOptions):
+    type: Literal["dflash"] = "dflash"
+    # Target layers fused by fc, in capture.aux_layers' convention (HF hidden_states index; vLLM's
+    # dflash_config.target_layer_ids is one less). null: the capture's layers; its auto default
+    # (2, L//2, L-3) is EAGLE-3's, so one capture feeds both heads.
+    layer_ids: list[NonNegative] | None = None
+    num_layers: Count = 1  # draft decoder layers (Qwen3-style, q/k norm)
+    block_size: Annotated[int, Field(ge=2)] = 16  # one forward: the real token + block_size - 1 mask slots
+    intermediate_size: Count | None = None  # the draft MLP's width; null: the target's
+    # The token fed in the mask slots; null: the tokenizer's mask token, else the first row past the
+    # tokenizer (an unused embedding row), else pad, else eos (heads/dflash.py, resolve_mask_token_id).
+    mask_token_id: NonNegative | None = None
+    mask_embedding: bool = False  # learn the mask slots' input vector (vLLM: mask_embedding.pt) instead of its row
+    causal: bool = False  # causal attention inside the block (the DFlash paper's blocks are bidirectional)
+    num_anchors: Count = 512  # blocks sampled per sequence and training step
+    loss_gamma: Positive = 7.0  # block position k's loss weight exp(-(k-1)/gamma): 7 for blocks of 16
+
+
 HEAD_OPTIONS: dict[str, type[HeadOptions]] = {
-    options.model_fields["type"].default: options for options in (EagleOptions, Eagle3Options, MedusaOptions)
+    options.model_fields["type"].default: options
+    for options in (EagleOptions, Eagle3Options, MedusaOptions, DflashOptions)
 }
 # The head section: its ``type`` picks the options model, so a key is checked against that head's options.
 Head = Annotated[Union[tuple(HEAD_OPTIONS.values())], Field(discriminator="type")]  # noqa: UP007
@@ -296,7 +315,7 @@ class ImportHead(CommandFlags):
 
     positional: ClassVar[tuple[str, ...]] = ("src",)
 
-    kind: Literal["eagle", "eagle3", "medusa", "speculators"]  # scripts.import_head.SOURCES (flag --from)
+    kind: Literal["eagle", "eagle3", "medusa", "speculators", "dflash"]  # scripts.import_head.SOURCES (flag --from)
     src: str
     out: str
     overwrite: bool = False
@@ -323,6 +342,7 @@ class VerifyEngines(CommandFlags):
     eagle3: str = "runs/demo/eagle3/head"  # "": skip
     eagle: str = "runs/demo/eagle/head"  # "": skip
     peagle: str = ""  # a P-EAGLE head (EAGLE-3 with parallel_drafting); "": skip
+    dflash: str = "runs/demo/dflash/head"  # "": skip
     target: str = "assets/demo-target"
     engines_python: str = ".venv-engines/bin/python"
     k: Count = 3

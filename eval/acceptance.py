@@ -103,8 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tree",
         type=_tree,
         help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model and EAGLE "
-        "(n-gram stays a chain, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of EAGLE "
-        "methods; default: chains for ngram/draft_model, EAGLE a head folder's tree.json, else dynamic",
+        "(n-gram and DFlash stay chains, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of "
+        "EAGLE and DFlash methods (DFlash: static ones); default: chains for ngram/draft_model/DFlash, EAGLE "
+        "and DFlash a head folder's tree.json, else EAGLE dynamic",
     )
     p.add_argument("--top-k-draft", type=_positive, default=8, help="children per node in dynamic trees")
     p.add_argument("--depth", type=_positive, default=5, help="draft length / tree depth")

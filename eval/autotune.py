@@ -14,9 +14,10 @@
    probabilities (``core.acceptance``); the best n-node tree is the n most valuable nodes, and the tree with
    the highest expected tokens/s at the batch size asked for is chosen.
 4. Validation on held-out prompts (``eval.run.validate``): the chosen tree, chains, other sizes and dynamic
-   EAGLE-2 trees (EAGLE's default among them) decode the same prompts, interleaved prompt by prompt so that
-   a shared CPU's load drifts over all of them alike; the table puts measured and predicted tau and
-   tokens/s side by side.
+   EAGLE-2 trees (EAGLE's default among them; none for a DFlash head, whose every depth comes from one
+   forward, so its trees are static and no deeper than its block) decode the same prompts, interleaved
+   prompt by prompt so that a shared CPU's load drifts over all of them alike; the table puts measured and
+   predicted tau and tokens/s side by side.
 
 The choice is written as JSON (``tree.json``, ``eval.tree_config``) that ``python -m eval.acceptance --tree
 FILE`` reads (and picks up from a head folder by itself), as do the exports' model cards. ``--out`` also
@@ -57,7 +58,11 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.autotune", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder or hub id")
-    p.add_argument("--head", required=True, help="EAGLE-1/2, EAGLE-3 or P-EAGLE head folder")
+    p.add_argument(
+        "--head",
+        required=True,
+        help="EAGLE-1/2, EAGLE-3, P-EAGLE or DFlash head folder (DFlash: static trees within its block)",
+    )
     p.add_argument(
         "--allow-other-tokenizer",
         action="store_true",
@@ -101,13 +106,16 @@ def main(argv: list[str] | None = None) -> dict:
     calib, heldout = prompts[: args.calibration], prompts[args.calibration :]
     eos = tokenizer.eos_token_id
 
-    rank_probs, decoded = calibrate(target, head, calib, args.max_depth, args.comb_width, args.max_new_tokens, eos)
+    # A DFlash head drafts static trees no deeper than its block.
+    dflash = head.config.type == "dflash"
+    max_depth = min(args.max_depth, head.config.options.block_size - 1) if dflash else args.max_depth
+    rank_probs, decoded = calibrate(target, head, calib, max_depth, args.comb_width, args.max_new_tokens, eos)
     kv_length = round(statistics.fmean(p.shape[1] for p in calib) + args.max_new_tokens / 2)
     # The verify curve reaches EAGLE's default tree too: the validation grid predicts its speed.
     curve_nodes = max(args.max_nodes, EAGLE_DEFAULT["total_tokens"])
     costs = measure_costs(target, head, decoded, kv_length, curve_nodes, args.batch_sizes, args.repeats)
-    batch = batch_table(costs, rank_probs, args.max_nodes, args.max_depth, args.batch_sizes)
-    chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, args.max_depth, args.batch_size)
+    batch = batch_table(costs, rank_probs, args.max_nodes, max_depth, args.batch_sizes)
+    chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, max_depth, args.batch_size)
     meta = {
         "machine": machine(device),
         "device": str(device),
@@ -127,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.write_head:
         atomic_write_text(Path(args.head) / "tree.json", config)
 
-    trees = grid(chosen.tree, rank_probs, args.max_depth, dynamic=head_method(head.config) != "peagle")
+    # P-EAGLE and DFlash draft every depth in one forward: they have no dynamic trees to compare with.
+    trees = grid(chosen.tree, rank_probs, max_depth, dynamic=head_method(head.config) not in ("peagle", "dflash"))
     runs = validate(target, head, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
     rows = validation_rows(runs, chosen.tree)
     result = meta | {

@@ -10,6 +10,8 @@
 - ``PEagle``: a P-EAGLE head (EAGLE-3 with ``parallel_drafting``) drafting every depth in one forward, handed
   over as a chain or as a static tree of each depth's top candidates.
 - ``Medusa``: Medusa heads filling a static tree from their per-head candidates.
+- ``DFlash``: a DFlash block drafter: one forward drafts every depth at once, handed over as a chain or as
+  a static tree of each depth's top candidates.
 - ``ProposerWrapper``: any of them behind a wrapper that records what passes through (timings, ranks).
 
 Greedy runs propose top-k tokens (point masses for the verifier). Sampling runs draw from the draft
@@ -263,11 +265,6 @@ def head_method(config: HeadConfig) -> str:
     return config.type
 
 
-def shaped_proposer(head: DraftHead) -> Eagle | PEagle:
-    """The proposer drafting an EAGLE head's static shapes (``choices``, set by the tree tuner)."""
-    return PEagle(head) if head_method(head.config) == "peagle" else Eagle(head)
-
-
 class Medusa:
     """Medusa heads on the target's last hidden state, filling a static tree (``choices``).
 
@@ -295,6 +292,73 @@ class Medusa:
         if self.last_hidden is None:
             return empty_tree(tokens.device)
         return per_depth_tree(self.head.draft(self.last_hidden)[0, : self.depth], self.choices, self.sampling)
+
+
+class DFlash:
+    """A DFlash head: one forward of the block [root, mask x ``masks``] over the target's features of every
+    committed token gives a distribution per depth d = 1..masks, all at once (the block is not causal, so
+    no depth waits for another). They fill a static tree, as Medusa's heads do: node [.., j] at depth d
+    holds depth d's j-th candidate; the default shape is the chain of every depth's best.
+
+    ``masks`` is vLLM's ``num_speculative_tokens`` (the served block is exactly this one); it defaults to
+    block_size - 1, the block the head was trained on, and bounds the tree's depth. Greedy runs take each
+    depth's top candidates; sampling runs draw them without replacement from each depth's q (lossless, as
+    in ``Medusa``).
+    """
+
+    def __init__(
+        self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, masks: int | None = None
+    ) -> None:
+        self.head = head
+        self.masks = masks or head.config.options.block_size - 1
+        chain = [[0] * d for d in range(1, self.masks + 1)]
+        self.choices = [list(c) for c in choices] if choices is not None else chain
+        self.hidden_layers = head.hidden_layers
+
+    @property
+    def choices(self) -> list[list[int]]:
+        return self._choices
+
+    @choices.setter
+    def choices(self, choices: list[list[int]]) -> None:  # eval.autotune sets its comb here
+        depth = max((len(c) for c in choices), default=0)
+        if depth > self.masks:
+            raise ValueError(f"tree depth {depth} needs more than the block's {self.masks} mask slots")
+        self._choices = choices
+
+    def reset(self, sampling: Sampling) -> None:
+        self.sampling, self.committed = sampling, 0
+        self.context = [KVCache() for _ in self.head.layers]
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """The newly committed rows' features become context: their keys and values in every layer."""
+        if hidden is None or len(hidden) == 0:
+            return
+        positions = torch.arange(self.committed, self.committed + len(hidden), device=tokens.device)
+        for cache, (k, v) in zip(self.context, self.head.context_kv(hidden[None], positions[None])):
+            cache.append(k, v)
+        self.committed += len(hidden)
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        if self.committed == 0:  # a one-token prompt: no target feature yet
+            return empty_tree(tokens.device)
+        context = [(cache.k, cache.v) for cache in self.context]
+        logits = self.head.draft_block(tokens[-1], self.committed, context, self.masks)
+        depth = max(len(c) for c in self.choices)
+        width = max(c[-1] for c in self.choices) + 1
+        logq = draft_logq(logits[:depth], self.sampling)
+        if self.sampling.greedy or self.sampling.acceptance == "typical":
+            return static_tree(self.choices, logq.topk(width, dim=-1).indices)
+        candidates, _ = pick_children(torch.zeros(depth, device=logq.device), logq, width, True)
+        return static_tree(self.choices, candidates, logq.exp())
+
+
+def head_drafter(head: DraftHead) -> Eagle | PEagle | DFlash:
+    """The proposer a head drafts with, in its default shape; ``eval.autotune`` sets its ``choices``."""
+    method = head_method(head.config)
+    if method == "dflash":
+        return DFlash(head)
+    return PEagle(head) if method == "peagle" else Eagle(head)
 
 
 class ProposerWrapper:

@@ -211,7 +211,7 @@ def autotune_markdown(result: dict) -> str:
         )
     checks = result["checks"]
     versus_eagle = (
-        "not measured (P-EAGLE drafts static shapes only)"
+        "not measured (P-EAGLE and DFlash draft static shapes only)"
         if checks["beats_eagle_default"] is None
         else f"{'yes' if checks['beats_eagle_default'] else 'NO'} ({checks['chosen_vs_eagle_default']:.2f}x)"
     )

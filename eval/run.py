@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from core.runtime import seed_everything
 from eval.bench import BenchItem, render
 from eval.proposers import (
+    DFlash,
     DraftModel,
     Eagle,
     Medusa,
@@ -27,18 +28,18 @@ from eval.proposers import (
     PEagle,
     ProposerWrapper,
     Vanilla,
+    head_drafter,
     head_method,
-    shaped_proposer,
 )
 from eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
 from eval.timing import TimedProposer, peak_memory_mb
 from eval.tree import MC_SIM_7B_63, Tree
-from eval.tree_config import TreeSpec, comb_choices
+from eval.tree_config import TreeSpec, chain_choices, comb_choices
 from eval.verify import Proposer, Sampling, Stats, generate
 from heads import DraftHead
 
-METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "peagle", "medusa")
-HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa")  # eval.proposers.head_method
+METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "peagle", "medusa", "dflash")
+HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # eval.proposers.head_method
 WARMUP_TOKENS = 16
 
 # ------------------------------------------------------------------------------------------- proposers
@@ -47,8 +48,8 @@ WARMUP_TOKENS = 16
 @dataclass(frozen=True)
 class TreeFlags:
     """How methods draft when no tree.json says otherwise: ``shape`` None (each method's usual: chains
-    for ngram and draft_model, Medusa's fixed tree, EAGLE's dynamic tree), "static" (chains; Medusa its
-    fixed tree) or "dynamic" (EAGLE-2 trees for draft_model and EAGLE too)."""
+    for ngram, draft_model and DFlash, Medusa's fixed tree, EAGLE's dynamic tree), "static" (chains; Medusa
+    its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model and EAGLE too; DFlash stays a chain)."""
 
     shape: str | None = None
     top_k: int = 8  # children per node in dynamic trees
@@ -64,7 +65,7 @@ def build_proposer(
     tree_config: dict | None = None,
 ) -> Proposer:
     """The proposer of ``method`` (``METHODS``): ``draft`` for draft_model, ``heads[method]`` for the head
-    methods; an EAGLE method drafts ``tree_config`` (a tree.json) when given, else the tree ``flags``."""
+    methods; an EAGLE or DFlash method drafts ``tree_config`` (a tree.json) when given, else the tree ``flags``."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
     if method == "vanilla":
@@ -82,37 +83,37 @@ def build_proposer(
         choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens]
         return Medusa(head, choices)
     if method == "peagle":  # one forward drafts every depth: chains, or a tuned static shape
-        return peagle_for_tree(head, tree_config) if tree_config is not None else PEagle(head, flags.depth)
+        return proposer_for_tree(head, tree_config) if tree_config is not None else PEagle(head, flags.depth)
     if tree_config is not None:
-        return eagle_for_tree(head, tree_config)
+        return proposer_for_tree(head, tree_config)
+    if method == "dflash":  # one forward drafts every depth at once: a chain of them
+        return DFlash(head, choices=chain_choices(min(flags.depth, head.config.options.block_size - 1)))
     if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
         return Eagle(head, top_k=1, depth=flags.depth, total_tokens=flags.depth)
     return Eagle(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
 
 
-def eagle_for_tree(head: DraftHead, config: dict) -> Eagle:
-    """An EAGLE proposer drafting the tree of a tree.json config (``eval.tree_config.TREE_KEYS``)."""
+def proposer_for_tree(head: DraftHead, config: dict) -> Eagle | PEagle | DFlash:
+    """The head's proposer drafting the tree of a tree.json config (``eval.tree_config.TREE_KEYS``).
+
+    P-EAGLE and DFlash draft every depth in one forward, so they fill static shapes only.
+    """
+    method = head_method(head.config)
+    if method in ("peagle", "dflash"):
+        if config["shape"] != "static":
+            title = "P-EAGLE" if method == "peagle" else "DFlash"
+            raise ValueError(
+                f"{title} drafts static shapes only (every depth from one forward), not a {config['shape']} tree"
+            )
+        return (PEagle if method == "peagle" else DFlash)(head, choices=config["choices"])
     if config["shape"] == "static":
         return Eagle(head, choices=config["choices"])
     return Eagle(head, top_k=config["top_k"], depth=config["depth"], total_tokens=config["total_tokens"])
 
 
-def peagle_for_tree(head: DraftHead, config: dict) -> PEagle:
-    """A P-EAGLE proposer drafting a tree.json's static shape (its depths come from one forward: no dynamic trees)."""
-    if config["shape"] != "static":
-        raise ValueError(f"P-EAGLE drafts static shapes only (per-depth candidates), not a {config['shape']} tree")
-    return PEagle(head, choices=config["choices"])
-
-
 def proposer_for(head: DraftHead, tree: TreeSpec) -> Proposer:
     """The head drafting ``tree``; vanilla for the empty tree."""
-    if not tree.total_tokens:
-        return Vanilla()
-    return (
-        peagle_for_tree(head, tree.config())
-        if head_method(head.config) == "peagle"
-        else eagle_for_tree(head, tree.config())
-    )
+    return proposer_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
 
 
 # ------------------------------------------------------------------------------------------- tallies
@@ -362,7 +363,7 @@ def calibrate(
     """(rank_probs, the decoded sequences) from greedy decoding of ``prompts`` with a "comb" tree (the
     rank-0 chain with ``width`` siblings at every depth): p[d][r] = P(the target's token at depth d is the
     head's rank-r candidate | depth d - 1 was accepted on the rank-0 chain)."""
-    recorder = CombRecorder(shaped_proposer(head), depth, width)
+    recorder = CombRecorder(head_drafter(head), depth, width)
     outputs = []
     for prompt in tqdm(prompts, desc="calibrate", leave=False):
         out, _ = generate(target, recorder, prompt, max_new_tokens, Sampling(), eos)
@@ -438,7 +439,7 @@ def validation_rows(runs: list[Measured], chosen: TreeSpec) -> list[dict]:
 
 def validation_checks(rows: list[dict], eagle_default: TreeSpec) -> dict:
     """Whether the chosen tree is within 10% of the best measured one and beats ``eagle_default`` (None where
-    that was not measured: P-EAGLE drafts no dynamic trees)."""
+    that was not measured: P-EAGLE and DFlash draft no dynamic trees)."""
     chosen = next(r for r in rows if r["chosen"])
     eagle = next((r for r in rows if r["name"] == eagle_default.name), None)
     best = max(r["tokens_per_s"] for r in rows)

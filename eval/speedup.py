@@ -172,7 +172,7 @@ def grid(
     chosen: TreeSpec, rank_probs: Sequence[Sequence[float]], max_depth: int, dynamic: bool = True
 ) -> list[TreeSpec]:
     """The alternatives measured beside the choice: vanilla, chains, other tuned sizes, and dynamic trees for a
-    head that drafts them (not P-EAGLE's one forward)."""
+    head that drafts them (not P-EAGLE's or DFlash's one forward)."""
     trees = [TreeSpec.static([]), chosen]
     trees += [TreeSpec.static(chain_choices(d)) for d in (2, 4, 6, 8) if d <= max_depth]
     for n in (6, 12, 24, 48):

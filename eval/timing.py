@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from core.timing import clock, timed
-from eval.proposers import ProposerWrapper, shaped_proposer
+from eval.proposers import ProposerWrapper, head_drafter
 from eval.speedup import Costs
 from eval.tree import Tree, chain
 from eval.verify import Proposer, Sampling, verify_batch
@@ -188,5 +188,5 @@ def measure_costs(
     context = context.repeat(needed // len(context) + 1)[:needed]
     nodes = [n for n in VERIFY_NODES if n <= max_nodes]
     verify_ms = measure_verify(target, context[: kv_length + 1], nodes, batches, repeats)
-    base_ms, level_ms = measure_drafting(shaped_proposer(head), target, context, kv_length, DRAFT_WIDTHS, repeats)
+    base_ms, level_ms = measure_drafting(head_drafter(head), target, context, kv_length, DRAFT_WIDTHS, repeats)
     return Costs(nodes, verify_ms, list(DRAFT_WIDTHS), level_ms, base_ms)

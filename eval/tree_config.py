@@ -96,13 +96,13 @@ def load_tree_config(path: str | Path) -> dict:
 
 
 def head_tree_configs(heads: dict[str, str], tree: str | Path | None) -> dict[str, dict]:
-    """EAGLE method -> the tree.json it decodes with: ``tree`` when it is a file, else its head folder's
+    """EAGLE or DFlash method -> the tree.json it decodes with: ``tree`` when it is a file, else its head folder's
     tree.json (as ``eval.autotune --write-head`` leaves it); "static" or "dynamic" (the tree flags) and
     methods without one get none."""
     found = {}
     for method, head_dir in heads.items():
         path = tree if isinstance(tree, Path) else Path(head_dir) / "tree.json"
-        if method in ("eagle", "eagle3", "peagle") and tree not in ("static", "dynamic") and path.is_file():
+        if method in ("eagle", "eagle3", "peagle", "dflash") and tree not in ("static", "dynamic") and path.is_file():
             found[method] = load_tree_config(path)
     return found
 

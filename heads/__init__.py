@@ -1,4 +1,4 @@
-"""Draft-head modules: EAGLE-1/2, EAGLE-3 and Medusa (built on the shared core only).
+"""Draft-head modules: EAGLE-1/2, EAGLE-3, Medusa and DFlash (built on the shared core only).
 
 head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model, tokenizer)
 head.config.options.layer_ids, head.config.arch.hidden_size, head.hidden_layers
@@ -8,7 +8,7 @@ head = load_head("runs/x/head", target_model, tokenizer)   # checks the head fit
 One file per job: ``config`` (the typed head config and its config.json), ``target`` (the target's layer
 shape, the families served, compatibility and tokenizer checks), ``base`` (``DraftHead``: build, save,
 load), ``layers`` (the Llama draft layer: norm, rotary, attention over the KV cache, MLP), ``losses``
-(label alignment, soft cross-entropy), and one file per head: ``eagle``, ``eagle3``, ``medusa``.
+(label alignment, soft cross-entropy), and one file per head: ``eagle``, ``eagle3``, ``medusa``, ``dflash``.
 """
 
 from __future__ import annotations
@@ -21,18 +21,20 @@ from transformers import PreTrainedTokenizerBase
 
 from heads.base import WEIGHTS_NAME, DraftHead
 from heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
+from heads.dflash import DFlashHead
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
 from heads.layers import KVCache
 from heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
 from heads.target import arch_from_target, check_compatible, check_tokenizer
 
-HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead)}
+HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead, DFlashHead)}
 
 __all__ = [
     "CONFIG_NAME",
     "HEADS",
     "WEIGHTS_NAME",
+    "DFlashHead",
     "DraftArch",
     "DraftHead",
     "Eagle3Head",

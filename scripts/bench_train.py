@@ -29,7 +29,7 @@ from train.data import SampleDataset
 def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:
     """The config's own head options when it trains this type, else the head's defaults."""
     options = dict(cfg.get("head", {})) if cfg.get("head", {}).get("type") == head_type else {"type": head_type}
-    if head_type == "eagle3":
+    if "layer_ids" in HEADS[head_type].options_model.model_fields:  # EAGLE-3, DFlash: the captured layers
         options["layer_ids"] = aux_layers
     return options
 

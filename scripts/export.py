@@ -2,12 +2,12 @@
 
     python -m scripts.export --head runs/demo/eagle3/head --format vllm --out exports/demo-eagle3 [--target PATH]
 
-Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout), ``speculators``
-(EAGLE-3), ``medusa`` (the Medusa repo's layout). A P-EAGLE head (EAGLE-3 with ``parallel_drafting``) goes
-to ``vllm`` (with ``mask_hidden`` and ``mask_token_id``) or ``speculators`` (type ``peagle``); SGLang has
-no parallel drafting. The head's config names its target; ``--target``
-overrides it. The head is checked against the target's config (hidden size, vocab, attention shape,
-layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
+Formats: ``vllm`` and ``sglang`` (EAGLE-1/2 and EAGLE-3, the EAGLE repo's layout; DFlash: vLLM's DFlash
+layout, ``vllm`` only), ``speculators`` (EAGLE-3), ``medusa`` (the Medusa repo's layout). A P-EAGLE head
+(EAGLE-3 with ``parallel_drafting``) goes to ``vllm`` (with ``mask_hidden`` and ``mask_token_id``) or
+``speculators`` (type ``peagle``); SGLang has no parallel drafting. The head's config names its target;
+``--target`` overrides it. The head is checked against the target's config (hidden size, vocab, attention
+shape, layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
 recorded in training), and the folder appears whole or not at all, with the command's settings as
 export_config.yaml (the ``export:`` section that ``headstart export --config`` reads). See docs/EXPORT.md.
 """
@@ -28,15 +28,22 @@ from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
 from core.schema import flags_config
 from heads import CONFIG_NAME, HEADS, WEIGHTS_NAME, HeadConfig, check_compatible, check_tokenizer, read_head_config
-from scripts.formats import eagle, eagle3, medusa
+from scripts.formats import dflash, eagle, eagle3, medusa
 from scripts.formats.card import model_card, tree_card_section
 from scripts.formats.common import check_out, state_problems
 from scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
 CONFIG_FILE = "export_config.yaml"  # the settings of `python -m scripts.export` (`headstart export`)
-EXPORT_FILES = frozenset({"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE, CONFIG_FILE})
-SUPPORTED = {"eagle": ("vllm", "sglang"), "eagle3": ("vllm", "sglang", "speculators"), "medusa": ("medusa",)}
+EXPORT_FILES = frozenset(
+    {"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE, dflash.MASK_EMBEDDING_FILE, CONFIG_FILE}
+)
+SUPPORTED = {
+    "eagle": ("vllm", "sglang"),
+    "eagle3": ("vllm", "sglang", "speculators"),
+    "medusa": ("medusa",),
+    "dflash": ("vllm",),
+}
 
 
 def load_target_config(target: str | None, head_config: HeadConfig) -> tuple[str, PretrainedConfig]:
@@ -85,16 +92,20 @@ def engine_files(
     if fmt not in SUPPORTED[head_type]:
         if head_type == "medusa":
             raise ValueError(f"cannot export a Medusa head as {fmt!r}: {medusa.NOT_SERVED}")
-        why = (
-            "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer methods)"
-            if fmt == "speculators"
-            else f"the {fmt!r} format holds Medusa heads only"
-        )
+        why = {
+            "speculators": "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)",
+            "sglang": "SGLang 0.5.23 has no DFlash draft",
+            "medusa": "the 'medusa' format holds Medusa heads only",
+        }[fmt]
+        if head_type == "dflash" and fmt == "speculators":  # docs/EXPORT.md, "DFlash"
+            why = "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout"
         raise ValueError(f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {SUPPORTED[head_type]}")
     if head_type == "medusa":
         return (*medusa.export_files(config, state, target), medusa.WEIGHTS_FILE)
     if head_type == "eagle":
         return (*eagle.export_files(config, state, fmt), WEIGHTS_NAME)
+    if head_type == "dflash":
+        return (*dflash.export_files(config, state), WEIGHTS_NAME)
     if fmt == "speculators":
         return (*eagle3.speculators_layout(config, state, target, target_config), WEIGHTS_NAME)
     return (*eagle3.repo_layout(config, state, fmt), WEIGHTS_NAME)
@@ -170,6 +181,9 @@ def export_head(
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
+        mask_embedding = dflash.mask_embedding_file(config, state) if config.type == "dflash" else None
+        if mask_embedding is not None:
+            (tmp / dflash.MASK_EMBEDDING_FILE).write_bytes(mask_embedding)
         (tmp / "README.md").write_text(card)
         if settings is not None:
             save_config(settings, tmp / CONFIG_FILE)

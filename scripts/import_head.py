@@ -3,8 +3,9 @@
     python -m scripts.import_head --from eagle3 SRC --out runs/imported/head --target PATH
 
 Sources: ``eagle`` (EAGLE-1/2, the EAGLE repo's layout), ``eagle3`` (the EAGLE repo's EAGLE-3 layout,
-as vLLM and SGLang load it; with ``mask_hidden``, a P-EAGLE head), ``medusa`` (the Medusa repo's layout)
-and ``speculators`` (speculators' eagle3 and peagle formats); weights as ``model.safetensors``,
+as vLLM and SGLang load it; with ``mask_hidden``, a P-EAGLE head), ``medusa`` (the Medusa repo's layout),
+``speculators`` (speculators' eagle3 and peagle formats) and ``dflash`` (vLLM's DFlash layout, as z-lab and
+SpecForge publish it, with its ``mask_embedding.pt`` when there is one); weights as ``model.safetensors``,
 ``pytorch_model.bin`` (or sharded) or the Medusa repo's ``medusa_lm_head.safetensors|.pt``. Our own exports
 import back to the same weights. The head is checked against the target (hidden size, vocab, attention
 shape, layer ids) before it is written.
@@ -21,10 +22,18 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from heads import HEADS, DraftArch, DraftHead, check_compatible
-from scripts.formats import eagle, eagle3, medusa
-from scripts.formats.common import DRAFT_ARCH_KEYS, check_out, read_checkpoint, read_json, state_problems
+from scripts.formats import dflash, eagle, eagle3, medusa
+from scripts.formats.common import (
+    DRAFT_ARCH_KEYS,
+    check_out,
+    checkpoint_roots,
+    file_inside,
+    read_checkpoint,
+    read_json,
+    state_problems,
+)
 
-SOURCES = ("eagle", "eagle3", "medusa", "speculators")
+SOURCES = ("eagle", "eagle3", "medusa", "speculators", "dflash")
 
 
 def read_source(
@@ -38,6 +47,10 @@ def read_source(
     state = read_checkpoint(src)
     if kind == "eagle":
         return eagle.import_files(engine_config, state, target_config)
+    if kind == "dflash":
+        mask = src / dflash.MASK_EMBEDDING_FILE
+        data = file_inside(mask, checkpoint_roots(src)).read_bytes() if mask.exists() else None
+        return dflash.import_files(engine_config, state, target_config, data)
     return eagle3.import_files(engine_config, state, target_config, speculators=kind == "speculators")
 
 

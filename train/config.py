@@ -16,7 +16,7 @@ from core.config import load_config
 from core.schema import TrainConfig, check_config, raise_problems
 
 # train/<trainer>.py -> the head types it trains; `headstart train` picks the recipe by head.type.
-TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",)}
+TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",), "dflash": ("dflash",)}
 TRAINER_OF = {head_type: trainer for trainer, head_types in TRAINERS.items() for head_type in head_types}
 
 

@@ -22,8 +22,9 @@ from train.loop import HeadLoss, build_engine, init_distributed, target_settings
 
 
 def head_settings(head_cfg: dict[str, Any], aux_layers: list[int]) -> dict[str, Any]:
-    """The head's options; EAGLE-3 fuses exactly the layers the capture recorded."""
-    if head_cfg["type"] != "eagle3":
+    """The head's options; a head that fuses target layers (a ``layer_ids`` option: EAGLE-3, DFlash) fuses
+    exactly the layers the capture recorded."""
+    if "layer_ids" not in head_cfg:
         return head_cfg
     given = head_cfg.get("layer_ids")
     if given is not None and sorted(set(given)) != aux_layers:

@@ -15,6 +15,7 @@ TITLES = {
     "eagle3": "EAGLE-3",
     "medusa": "Medusa",
     "peagle": "P-EAGLE (EAGLE-3, parallel drafting)",
+    "dflash": "DFlash",
 }
 LAYOUTS = {
     "vllm": "the EAGLE repo's layout, as vLLM loads it",
@@ -26,12 +27,19 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this
 
 
-def vllm_command(target: str, draft: str, method: str, parallel_depths: int | None = None) -> str:
-    """``parallel_depths``: a P-EAGLE head's trained depths, all drafted in one forward (``parallel_drafting``)."""
-    spec = {"method": method, "model": draft, "num_speculative_tokens": parallel_depths or STEPS}
-    if parallel_depths:
+def vllm_command(target: str, draft: str, method: str, steps: int = STEPS, parallel: bool = False) -> str:
+    """``parallel``: every depth drafted in one forward (P-EAGLE's ``parallel_drafting``)."""
+    spec = {"method": method, "model": draft, "num_speculative_tokens": steps}
+    if parallel:
         spec["parallel_drafting"] = True
     return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+
+
+def parallel_depths(config: HeadConfig) -> int | None:
+    """A P-EAGLE head's trained depths, all drafted in one forward; None for any other head."""
+    if config.type == "eagle3" and config.options.parallel_drafting is not None:
+        return config.options.ttt_steps
+    return None
 
 
 def sglang_command(target: str, draft: str, algorithm: str) -> str:
@@ -46,20 +54,26 @@ def _block(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
-def serve_section(
-    head_type: str, fmt: str, target: str, draft: str, head_dir: str, parallel_depths: int | None = None
-) -> str:
-    """The exact commands that serve this folder, and what to do where an engine cannot read it
-    (``parallel_depths``: a P-EAGLE head's, see ``vllm_command``)."""
+def serve_section(head_config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
+    """The exact commands that serve this folder, and what to do where an engine cannot read it."""
+    head_type, depths = head_config.type, parallel_depths(head_config)
     reexport = f"python -m scripts.export --head {head_dir} --format {{fmt}} --out {{out}}"
     if head_type == "medusa":
         return (
             f"{NOT_SERVED}.\n\nWith the Medusa repo (it loads the target from `base_model_name_or_path`):\n\n"
             + _block(f"python -m medusa.inference.cli --model {draft}")
         )
+    if head_type == "dflash":
+        # The block the head was trained on: the newest token and block_size - 1 mask slots.
+        return (
+            "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
+            "config):\n\n"
+            + _block(vllm_command(target, draft, "dflash", head_config.options.block_size - 1))
+            + "\n\nSGLang 0.5.23 has no DFlash draft."
+        )
     no_sglang = (
         "SGLang 0.5.23 cannot serve it: it has no parallel drafting (sgl-project/sglang#23171)."
-        if parallel_depths
+        if depths
         else "SGLang 0.5.23 does not read the speculators format; export its layout with\n\n"
         + _block(reexport.format(fmt="sglang", out=draft + "-sglang"))
     )
@@ -68,11 +82,11 @@ def serve_section(
             "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
             + _block(f"vllm serve {draft}")
             + "\n\nor names it itself:\n\n"
-            + _block(vllm_command(target, draft, "eagle3", parallel_depths))
+            + _block(vllm_command(target, draft, "eagle3", depths or STEPS, parallel=bool(depths)))
             + f"\n\n{no_sglang}"
         )
-    if parallel_depths:  # P-EAGLE: vLLM's eagle3 method with parallel drafting, one forward for all depths
-        return "vLLM:\n\n" + _block(vllm_command(target, draft, "eagle3", parallel_depths)) + f"\n\n{no_sglang}"
+    if depths:  # P-EAGLE: vLLM's eagle3 method with parallel drafting, one forward for all depths
+        return "vLLM:\n\n" + _block(vllm_command(target, draft, "eagle3", depths, parallel=True)) + f"\n\n{no_sglang}"
     if head_type == "eagle3":  # one folder serves both engines (layer ids written in each one's convention)
         return (
             "vLLM:\n\n"
@@ -103,6 +117,14 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
                 ("mask token", f"{options.parallel_drafting.mask_token_id} (the target's embedding of it)"),
             ]
         return rows
+    if config.type == "dflash":
+        attention = "causal" if options.causal else "bidirectional"
+        return [
+            ("target layers fused", f"{options.layer_ids} (vLLM `dflash_config.target_layer_ids`: each minus 1)"),
+            ("draft layers", str(options.num_layers)),
+            ("block", f"{options.block_size} slots, the newest token + {options.block_size - 1} masks: {attention}"),
+            ("mask token", f"id {options.mask_token_id}" + (", learned vector" if options.mask_embedding else "")),
+        ]
     if config.type == "medusa":
         return [
             ("heads", f"{options.num_heads} (head k guesses the token k+2 ahead)"),
@@ -122,10 +144,9 @@ def model_card(
 ) -> str:
     """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
     (a path or a hub id) and ``made_by`` the command that wrote it."""
-    parallel = config.options.parallel_drafting if config.type == "eagle3" else None
-    parallel_depths = config.options.ttt_steps if parallel is not None else None
-    title = TITLES["peagle" if parallel is not None else config.type]
-    rows = [("head", title), ("target", f"`{target}`"), ("format", LAYOUTS[fmt]), *describe(config)]
+    title = TITLES["peagle" if parallel_depths(config) else config.type]
+    layout = "vLLM's DFlash layout (`DFlashDraftModel`)" if config.type == "dflash" else LAYOUTS[fmt]
+    rows = [("head", title), ("target", f"`{target}`"), ("format", layout), *describe(config)]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     acceptance = (
         "\n## Is it working?\n\nA wrongly exported head still runs but accepts almost nothing. Build vLLM's "
@@ -139,8 +160,7 @@ def model_card(
         f"---\ntags:\n- speculative-decoding\n- {config.type}\n- headstart\n---\n\n"
         f"# {title} draft head for `{target}`\n\n{table}\n"
         f"Made with headstart: `{made_by}`.\n\n"
-        f"## Serve it\n\n{serve_section(config.type, fmt, target, draft, head_dir, parallel_depths)}\n"
-        f"{acceptance}{sections}"
+        f"## Serve it\n\n{serve_section(config, fmt, target, draft, head_dir)}\n{acceptance}{sections}"
     )
 
 

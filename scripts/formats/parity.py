@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "peagle": "P-EAGLE"}
+TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}
 LAYOUT_NAMES = {"vllm": "EAGLE-repo layout", "speculators": "speculators layout"}
 SERVED_HEADER = (
     "| head | measured by | drafts | acceptance length | accepted per position (share of drafts) | greedy tokens "
@@ -55,7 +55,8 @@ def served_rows(entry: dict[str, Any], k: int) -> str:
     ours = entry["ours"]
     rows = [f"| {title} | headstart `eval`, chain of {k} | {ours['drafts']} | {_length(ours)} | {_rates(ours)} | - | |"]
     for run in entry["served"]:
-        where = f"{run['engine']}, {LAYOUT_NAMES[run['layout']]}"
+        layout = "DFlash layout" if entry["type"] == "dflash" else LAYOUT_NAMES[run["layout"]]
+        where = f"{run['engine']}, {layout}"
         if "engine_acceptance" not in run:
             rows.append(f"| {title} | {where} | - | - | - | - | {run['status']}: {run['detail']} |")
             continue

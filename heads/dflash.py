@@ -1,0 +1,311 @@
+"""DFlash: a block drafter. One forward drafts a whole block of tokens from the target's fused layers.
+
+The layout is the one vLLM 0.32 serves as ``method: dflash`` (``qwen3_dflash.py``, architecture
+``DFlashDraftModel``), with its loader's weight names (no ``model.`` prefix):
+
+- ``fc`` [H, n * H_target] and ``hidden_norm``: the context, hidden_norm(fc(the target's layers
+  ``layer_ids``, concatenated in ascending order)), one vector per context token.
+- ``layers.{i}``: Qwen3 decoder layers (per-head q/k RMSNorm, SiLU MLP, no biases) whatever the target's
+  family. Each layer attends over the context through its OWN ``k_proj``/``v_proj`` (then ``k_norm`` and
+  rotary at the context token's position): the same context feeds every layer, never its
+  input_layernorm or MLP, and it does not flow from layer to layer (``precompute_and_store_context_kv``).
+- ``norm``, then the target's frozen ``lm_head``; the block is embedded with the target's frozen
+  embedding. Neither is saved: vLLM shares the target's when the draft has none.
+
+A block anchored at position a is [x_a, mask, ..., mask] at positions a .. a + B - 1. It attends to the
+context strictly before a and to every slot of the block (bidirectional unless ``causal``); slot k >= 1
+predicts the token at its own position a + k. Serving: a = the newest token (vLLM's bonus token), the
+context every token the target has verified before it, k = 1 .. num_speculative_tokens.
+
+Mask token. The mask slots hold ``mask_token_id``, embedded by the target's row for it (frozen, as in
+DFlash/SpecForge/speculators); by default the tokenizer's mask token, else the first embedding row past
+the tokenizer (a row no text ever uses), else pad, else eos (``resolve_mask_token_id``). With
+``mask_embedding: true`` the head learns the mask slots' input vector instead (started from that row);
+vLLM reads it from ``mask_embedding.pt`` and puts it in place of the embedding of ``mask_token_id`` in
+the draft only (``qwen3_dflash.py`` ``embed_input_ids``), as ``embed`` does here. A reduced draft
+vocabulary (vLLM reads ``draft_vocab_size`` + ``d2t`` for DFlash too) is not offered: the head drafts
+with the target's own lm_head, which the export does not ship.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from core.models import default_aux_layers
+from core.schema import DflashOptions
+from heads.base import DraftHead
+from heads.config import DraftArch, HeadConfig
+from heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
+from heads.losses import label_mask, soft_cross_entropy
+
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
+
+
+def resolve_mask_token_id(target_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None) -> int:
+    """The id fed in the mask slots: the tokenizer's mask token, else the first embedding row past the
+    tokenizer (never produced by text), else pad, else eos (SpecForge's order), else the last row."""
+    vocab = target_config.vocab_size
+    if tokenizer is not None:
+        if tokenizer.mask_token_id is not None:
+            return tokenizer.mask_token_id
+        if len(tokenizer) < vocab:
+            return len(tokenizer)
+        candidates = [tokenizer.pad_token_id, tokenizer.eos_token_id]
+    else:
+        candidates = [getattr(target_config, "pad_token_id", None), getattr(target_config, "eos_token_id", None)]
+    return next((c for c in candidates if isinstance(c, int) and 0 <= c < vocab), vocab - 1)
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_k: torch.Tensor,
+    context_v: torch.Tensor,
+    context_visible: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Attention of N blocks of B slots each over the shared context and their own block only.
+
+    q, k, v: [batch, heads, N * B, head_dim] (k, v already expanded to the query heads), blocks laid out one
+    after another; context_k, context_v: [batch, heads, C, head_dim]; ``context_visible`` [batch, N, C] says
+    which context tokens each block sees (None: all). One softmax over (context, own block), computed
+    without an [N * B, N * B] score matrix, so training many blocks per sequence costs N * B * (C + B).
+    """
+    batch, heads, n, dim = q.shape
+    blocks = 1 if context_visible is None else context_visible.shape[1]
+    size = n // blocks
+    scale = 1 / math.sqrt(dim)
+    context_scores = (q @ context_k.transpose(-1, -2)) * scale  # [batch, heads, N * B, C]
+    if context_visible is not None:
+        hidden = ~context_visible.repeat_interleave(size, dim=1)[:, None]
+        context_scores = context_scores.masked_fill(hidden, float("-inf"))
+    q_blocks = q.view(batch, heads, blocks, size, dim)
+    k_blocks, v_blocks = k.view(batch, heads, blocks, size, dim), v.view(batch, heads, blocks, size, dim)
+    block_scores = (q_blocks @ k_blocks.transpose(-1, -2)) * scale  # [batch, heads, N, B, B]
+    if causal:
+        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+        block_scores = block_scores.masked_fill(later, float("-inf"))
+    scores = torch.cat((context_scores, block_scores.reshape(batch, heads, n, size)), dim=-1)
+    probs = scores.float().softmax(-1).to(q.dtype)  # every query sees its own slot: never an empty row
+    context_probs, block_probs = probs.split([context_k.shape[2], size], dim=-1)
+    own = block_probs.reshape(batch, heads, blocks, size, size) @ v_blocks
+    return context_probs @ context_v + own.reshape(batch, heads, n, dim)
+
+
+class DFlashLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer whose attention also reads the context's keys and values."""
+
+    def __init__(self, arch: DraftArch):
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(arch, hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(arch)
+
+    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, then rotary) and values [B, kv_heads, n, head_dim] of the inputs ``x`` [B, n, H]."""
+        attn = self.self_attn
+        b, n, _ = x.shape
+        k = attn.k_norm(attn.k_proj(x).view(b, n, attn.n_kv, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(b, n, attn.n_kv, attn.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        context_visible: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        attn = self.self_attn
+        normed = self.input_layernorm(x)
+        b, n, _ = x.shape
+        q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.key_values(normed, cos, sin)
+        groups = attn.n_heads // attn.n_kv
+        k, v, context_k, context_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, *context_kv))
+        out = block_attention(q, k, v, context_k, context_v, context_visible, causal)
+        x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashHead(DraftHead):
+    head_type = "dflash"
+    options_model = DflashOptions
+    config: HeadConfig[DflashOptions]
+
+    @classmethod
+    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[DflashOptions]:
+        config = super().make_config(head_cfg, target_config)
+        options, arch = config.options, config.arch
+        # vLLM builds the draft's layers as Qwen3's (q/k norm, SiLU, biases only with attention_bias,
+        # which would add one to o_proj too), whatever the target family.
+        arch.qk_norm, arch.qkv_bias, arch.hidden_act = True, False, "silu"
+        if options.intermediate_size is not None:
+            arch.intermediate_size = options.intermediate_size
+        layers = target_config.num_hidden_layers
+        options.layer_ids = sorted(set(options.layer_ids or default_aux_layers(layers)))
+        # Our id i is the residual stream entering layer i; vLLM's dflash id is i - 1 (the output of layer
+        # i - 1), so id 0 (the embeddings) has no DFlash name.
+        bad = [i for i in options.layer_ids if not 1 <= i < layers]
+        if bad:
+            raise ValueError(f"DFlash layer_ids {bad} out of range: the target's layers 1..{layers - 1} can be fused")
+        mask = options.mask_token_id
+        if mask is not None and not 0 <= mask < config.vocab_size:
+            rows = config.vocab_size
+            raise ValueError(f"head.mask_token_id {mask} is not a row of the target's {rows} embeddings")
+        return config
+
+    @classmethod
+    def build(
+        cls, head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> DFlashHead:
+        if head_cfg.get("mask_token_id") is None:
+            head_cfg = {**head_cfg, "mask_token_id": resolve_mask_token_id(target_model.config, tokenizer)}
+        head = super().build(head_cfg, target_model, tokenizer)
+        if head.mask_embedding is not None:  # a learned vector starts from the row it replaces
+            row = target_model.get_input_embeddings().weight[head.mask_token_id]
+            head.mask_embedding.data.copy_(row.detach().float())
+        return head
+
+    def __init__(self, config: HeadConfig[DflashOptions]):
+        super().__init__(config)
+        arch, options = config.arch, config.options
+        hidden = arch.hidden_size
+        self.fc = nn.Linear(len(options.layer_ids) * config.target_hidden_size, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(arch) for _ in range(options.num_layers))
+        self.norm = RMSNorm(hidden, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch)
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if options.mask_embedding else None
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The fused target layers (``hidden_states`` indices, ascending)."""
+        return tuple(self.config.options.layer_ids)
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.options.mask_token_id
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings of ``input_ids``; with ``mask_embedding``, that vector at the mask id."""
+        embeds = self.target.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        if self.mask_embedding is None:
+            return embeds
+        return torch.where((input_ids == self.mask_token_id)[..., None], self.mask_embedding, embeds)
+
+    def context_kv(self, aux_hidden: torch.Tensor, position_ids: torch.Tensor) -> ContextKV:
+        """Every layer's keys and values for context tokens with target states ``aux_hidden`` [B, C, n * H_t]
+        at ``position_ids`` [B, C]."""
+        dtype = self.fc.weight.dtype
+        context = self.hidden_norm(self.fc(aux_hidden.to(dtype)))
+        cos, sin = self.rotary(position_ids, dtype)
+        return [layer.key_values(context, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        context_kv: ContextKV,
+        context_visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Normed outputs [B, N * S, H] of N blocks of S slots (``block_ids``, ``position_ids`` [B, N * S]),
+        each seeing the context tokens ``context_visible`` [B, N, C] marks (None: all); see ``block_attention``."""
+        dtype = self.fc.weight.dtype
+        cos, sin = self.rotary(position_ids, dtype)
+        x = self.embed(block_ids)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, kv, context_visible, self.config.options.causal)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target-vocab logits of normed outputs, through the target's frozen lm_head."""
+        lm_head = self.target.lm_head
+        return lm_head(hidden.to(lm_head.weight.dtype))
+
+    def draft_block(self, root: torch.Tensor, position: int, context_kv: ContextKV, masks: int) -> torch.Tensor:
+        """Logits [masks, V] of the tokens after ``root`` (the newest token, at ``position``) from one block
+        [root, mask * masks] over the context before it: what vLLM drafts with ``masks`` speculative tokens."""
+        block = torch.cat((root.view(1), root.new_full((masks,), self.mask_token_id)))
+        positions = torch.arange(position, position + masks + 1, device=root.device)
+        return self.logits(self(block[None], positions[None], context_kv)[0, 1:])
+
+    def sample_anchors(self, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors [B, N], real [B, N]): up to ``num_anchors`` distinct positions per sequence drawn uniformly
+        from ``candidates`` [B, S]; ``real`` is False for the fillers of a sequence with fewer candidates.
+
+        Training draws from torch's generator (the loop seeds it per micro-batch: a resumed run draws the
+        same blocks); evaluation uses a fixed seed, so held-out figures compare across steps.
+        """
+        generator = None
+        if not self.training:
+            generator = torch.Generator(candidates.device).manual_seed(0)
+        scores = torch.rand(candidates.shape, generator=generator, device=candidates.device)
+        count = min(self.config.options.num_anchors, candidates.shape[1])
+        top = scores.masked_fill(~candidates, -1.0).topk(count, dim=1)
+        return top.indices, top.values >= 0
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Block loss over random anchors: soft cross-entropy of each mask slot to the target's distribution.
+
+        Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, ``last_hidden``. Anchors
+        are positions whose next token is a label; slot k of the block at anchor a is scored on the target's
+        distribution over the token at a + k (its logits at a + k - 1, from ``last_hidden`` through the frozen
+        lm_head), where that token is a label. Soft labels rather than the data tokens: acceptance is decided
+        by the target's distribution, and the data need not be the target's own text. Position k's mean loss
+        is weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1.
+
+        Metrics (detached 0-d): ``loss_j`` for slot j + 1 and ``acc_j``, the rate at which slot j + 1's argmax is
+        the target's among blocks whose slots 1..j all were: the chain acceptance rate of position j + 1, so
+        ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks.
+        """
+        ids = batch["input_ids"]
+        seq = ids.shape[1]
+        options = self.config.options
+        size = options.block_size
+        anchors, real = self.sample_anchors(label_mask(batch, 1))
+        positions = anchors[..., None] + torch.arange(size, device=ids.device)  # [B, N, S]
+        block_ids = torch.full_like(positions, self.mask_token_id)
+        block_ids[..., 0] = ids.gather(1, anchors)
+        context_kv = self.context_kv(batch["aux_hidden"], default_positions(ids))
+        before_anchor = torch.arange(seq, device=ids.device) < anchors[..., None]
+        visible = before_anchor & batch["attention_mask"].bool()[:, None, :]
+        hidden = self(block_ids.flatten(1), positions.flatten(1), context_kv, visible)
+        hidden = hidden.view(*positions.shape, -1)[:, :, 1:]  # the mask slots
+        label_at = positions[..., 1:]  # [B, N, S - 1]: where each slot's token is
+        with torch.no_grad():
+            labelled = label_mask(batch, 0).gather(1, label_at.clamp(max=seq - 1).flatten(1)).view_as(label_at)
+            labelled &= (label_at < seq) & real[..., None]
+        rows = labelled.nonzero(as_tuple=True)  # score only labelled slots: the lm_head is the big matmul
+        logits = self.logits(hidden[rows])
+        with torch.no_grad():
+            target_logits = self.logits(batch["last_hidden"][rows[0], label_at[rows] - 1])
+        cross_entropy = soft_cross_entropy(logits, target_logits.float().softmax(-1))
+        slot = rows[2]
+        counts = torch.bincount(slot, minlength=size - 1)
+        slot_loss = torch.zeros(size - 1, device=ids.device).index_add(0, slot, cross_entropy) / counts.clamp(min=1)
+        weights = torch.exp(-torch.arange(size - 1, device=ids.device) / options.loss_gamma)
+        total = (weights * slot_loss).sum() / weights.sum()
+        with torch.no_grad():
+            agree = torch.zeros_like(labelled)
+            agree[rows] = logits.argmax(-1) == target_logits.argmax(-1)
+            # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
+            right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()
+            tried = labelled & right_before
+            chain = (tried & agree).flatten(0, 1).sum(0) / tried.flatten(0, 1).sum(0).clamp(min=1)
+        metrics = {}
+        for j in range(size - 1):
+            metrics[f"loss_{j}"] = slot_loss[j].detach()
+            metrics[f"acc_{j}"] = chain[j]
+        return total, metrics

