@@ -148,11 +148,11 @@ def resolve_head(kind: str, path: str, model: torch.nn.Module, work: Path) -> tu
             raise ValueError(f"--{kind} {path}: it is a {found} head (eval.proposers.head_method)")
         return Path(path), False
     torch.manual_seed(0)
-    # draft_vocab_size: 2048 of the bundled target's 8k tokens.
-    options = {"eagle": {"type": "eagle"}, "eagle3": {"type": "eagle3", "draft_vocab_size": 2048}}
+    # draft_vocab_size: 2048 of the bundled target's 8k tokens; the other kinds take their defaults.
+    options = {"eagle3": {"type": "eagle3", "draft_vocab_size": 2048}}
     options["peagle"] = {**options["eagle3"], "parallel_drafting": True}
     head_dir = work / "random-head"
-    build_head(options[kind], model).save_pretrained(head_dir)
+    build_head(options.get(kind, {"type": kind}), model).save_pretrained(head_dir)
     return head_dir, True
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads import build_head, load_head
+from eval.proposers import head_method
+from heads import build_head, load_head, read_head_config
 from scripts import verify_engines
 from scripts.export import export_head
 from scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
@@ -196,3 +197,11 @@ def test_a_peagle_head_is_served_with_parallel_drafting_and_drafts_its_chain_in_
     build_head({"type": "eagle3"}, model).save_pretrained(tmp_path / "eagle3")
     with pytest.raises(ValueError, match="it is a eagle3 head"):
         verify_engines.resolve_head("peagle", str(tmp_path / "eagle3"), model, tmp_path)
+
+
+@pytest.mark.parametrize("kind", sorted(verify_engines.LAYOUTS))
+def test_a_missing_head_folder_gets_a_random_head_of_its_kind(target, tmp_path, kind):
+    # make verify-engines checks every kind by default; a kind not trained yet is served untrained, never skipped.
+    model, _ = target
+    head_dir, random_init = verify_engines.resolve_head(kind, str(tmp_path / "none"), model, tmp_path)
+    assert random_init and head_method(read_head_config(head_dir)) == kind
