@@ -70,32 +70,33 @@ def block_attention(
     context_visible: torch.Tensor | None,
     causal: bool,
 ) -> torch.Tensor:
-    """Attention of N blocks of B slots each over the shared context and their own block only.
+    """Attention of N blocks of S slots each over the shared context and their own block only.
 
-    q, k, v: [batch, heads, N * B, head_dim] (k, v already expanded to the query heads), blocks laid out one
-    after another; context_k, context_v: [batch, heads, C, head_dim]; ``context_visible`` [batch, N, C] says
-    which context tokens each block sees (None: all). One softmax over (context, own block), computed
-    without an [N * B, N * B] score matrix, so training many blocks per sequence costs N * B * (C + B).
+    q: [batch, heads, N * S, head_dim], blocks laid out one after another; k, v: [batch, kv_heads, N * S,
+    head_dim] and context_k, context_v: [batch, kv_heads, C, head_dim], each key/value head serving its group
+    of query heads (as ``repeat_interleave`` would pair them, without the copies); ``context_visible``
+    [batch, N, C] says which context tokens each block sees (None: all). One softmax over (context, own
+    block), without an [N * S, N * S] score matrix: many blocks per sequence cost N * S * (C + S).
     """
     batch, heads, n, dim = q.shape
-    blocks = 1 if context_visible is None else context_visible.shape[1]
-    size = n // blocks
-    scale = 1 / math.sqrt(dim)
-    context_scores = (q @ context_k.transpose(-1, -2)) * scale  # [batch, heads, N * B, C]
+    kv_heads, context = k.shape[1], context_k.shape[2]
+    groups, blocks = heads // kv_heads, 1 if context_visible is None else context_visible.shape[1]
+    size, scale = n // blocks, 1 / math.sqrt(dim)
+    # Per key/value head and block: its query heads' slots, [batch, kv_heads, N, groups * S, head_dim].
+    q = q.view(batch, kv_heads, groups, blocks, size, dim).transpose(2, 3).reshape(batch, kv_heads, blocks, -1, dim)
+    context_scores = q.flatten(2, 3) @ context_k.transpose(-1, -2) * scale
+    context_scores = context_scores.view(batch, kv_heads, blocks, groups * size, context)
     if context_visible is not None:
-        hidden = ~context_visible.repeat_interleave(size, dim=1)[:, None]
-        context_scores = context_scores.masked_fill(hidden, float("-inf"))
-    q_blocks = q.view(batch, heads, blocks, size, dim)
-    k_blocks, v_blocks = k.view(batch, heads, blocks, size, dim), v.view(batch, heads, blocks, size, dim)
-    block_scores = (q_blocks @ k_blocks.transpose(-1, -2)) * scale  # [batch, heads, N, B, B]
+        context_scores = context_scores.masked_fill(~context_visible[:, None, :, None], float("-inf"))
+    k_blocks, v_blocks = (t.view(batch, kv_heads, blocks, size, dim) for t in (k, v))
+    block_scores = q @ k_blocks.transpose(-1, -2) * scale  # [batch, kv_heads, N, groups * S, S]
     if causal:
-        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1).repeat(groups, 1)
         block_scores = block_scores.masked_fill(later, float("-inf"))
-    scores = torch.cat((context_scores, block_scores.reshape(batch, heads, n, size)), dim=-1)
-    probs = scores.float().softmax(-1).to(q.dtype)  # every query sees its own slot: never an empty row
-    context_probs, block_probs = probs.split([context_k.shape[2], size], dim=-1)
-    own = block_probs.reshape(batch, heads, blocks, size, size) @ v_blocks
-    return context_probs @ context_v + own.reshape(batch, heads, n, dim)
+    probs = torch.cat((context_scores, block_scores), -1).float().softmax(-1).to(q.dtype)  # never an empty row
+    context_probs, block_probs = probs.split([context, size], dim=-1)
+    out = (context_probs.flatten(2, 3) @ context_v).view_as(q) + block_probs @ v_blocks
+    return out.view(batch, kv_heads, blocks, groups, size, dim).transpose(2, 3).reshape(batch, heads, n, dim)
 
 
 class DFlashLayer(nn.Module):
@@ -132,9 +133,7 @@ class DFlashLayer(nn.Module):
         q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k, v = self.key_values(normed, cos, sin)
-        groups = attn.n_heads // attn.n_kv
-        k, v, context_k, context_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, *context_kv))
-        out = block_attention(q, k, v, context_k, context_v, context_visible, causal)
+        out = block_attention(q, k, v, *context_kv, context_visible, causal)
         x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -63,20 +63,28 @@ def features(target, ids, layers):
 
 
 def test_block_attention_equals_dense_masked_attention():
-    # N blocks of B slots over a context: what one SDPA call with the dense [N*B, C + N*B] mask computes.
+    # N blocks of S slots over a context, 6 query heads on 2 key/value heads: what one SDPA call computes
+    # with the dense [N*S, C + N*S] mask and each key/value head repeated for its group.
     gen = torch.Generator().manual_seed(0)
-    batch, heads, blocks, size, ctx, dim = 2, 3, 4, 5, 9, 8
-    q, k, v = (torch.randn(batch, heads, blocks * size, dim, generator=gen) for _ in range(3))
-    ck, cv = (torch.randn(batch, heads, ctx, dim, generator=gen) for _ in range(2))
+    batch, heads, kv_heads, blocks, size, ctx, dim = 2, 6, 2, 4, 5, 9, 8
+    q = torch.randn(batch, heads, blocks * size, dim, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, blocks * size, dim, generator=gen) for _ in range(2))
+    ck, cv = (torch.randn(batch, kv_heads, ctx, dim, generator=gen) for _ in range(2))
     anchors = torch.randint(0, ctx, (batch, blocks), generator=gen)
     visible = torch.arange(ctx) < anchors[..., None]  # [batch, N, C]: a block sees the context before its anchor
+    keys, values = (torch.cat(pair, 2).repeat_interleave(3, dim=1) for pair in ((ck, k), (cv, v)))
     for causal in (False, True):
         own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool)] * blocks)
         if causal:
             own &= torch.ones(blocks * size, blocks * size, dtype=torch.bool).tril()
         mask = torch.cat((visible.repeat_interleave(size, 1), own.expand(batch, -1, -1)), -1)[:, None]
-        dense = F.scaled_dot_product_attention(q, torch.cat((ck, k), 2), torch.cat((cv, v), 2), attn_mask=mask)
+        dense = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         torch.testing.assert_close(block_attention(q, k, v, ck, cv, visible, causal), dense, atol=1e-5, rtol=1e-5)
+    one = block_attention(q[:, :, :size], k[:, :, :size], v[:, :, :size], ck, cv, None, False)  # served: sees all
+    full = F.scaled_dot_product_attention(
+        q[:, :, :size], *(torch.cat(p, 2) for p in ((ck, k[:, :, :size]), (cv, v[:, :, :size]))), enable_gqa=True
+    )
+    torch.testing.assert_close(one, full, atol=1e-5, rtol=1e-5)
 
 
 def test_many_training_blocks_equal_one_served_block_each(target):
