@@ -308,9 +308,9 @@ def test_export_for_vllm_and_import_back(target, tmp_path):
 
     # What the head cannot be is refused by name, not half-imported.
     config["dflash_config"]["use_swa"] = True
-    config["draft_vocab_size"] = 100
+    config["vocab_size"] = 100
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="uses sliding-window attention, a draft vocabulary of 100"):
+    with pytest.raises(ValueError, match="uses sliding-window attention, an embedding table of 100 rows"):
         import_head("dflash", out, tmp_path / "refused", str(target_dir))
     with pytest.raises(ValueError, match=r"cannot export a dflash head as 'sglang': SGLang 0.5.23 has no DFlash"):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
@@ -376,3 +376,36 @@ def test_autotune_picks_a_static_tree_within_the_block_that_acceptance_decodes(t
     report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
     entry = report["methods"]["dflash"]
     assert entry["tree_config"]["choices"] == tree["choices"] and entry["greedy_identical"]
+
+
+def test_a_reduced_draft_vocabulary_drafts_the_target_rows_and_serves_as_d2t(target, tmp_path):
+    # draft_vocab_size: the target lm_head's rows for the most frequent tokens (frozen), d2t offsets; the
+    # logits over the target vocabulary are the full-vocabulary head's there and -inf elsewhere.
+    full = dflash_head(target)
+    head = dflash_head(target, draft_vocab_size=120)
+    head.load_state_dict(full.state_dict(), strict=False)  # the same draft layers
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[torch.arange(0, V, 2)] = torch.arange(150, 0, -1)  # the even ids, 0 the most frequent
+    head.set_vocab_mapping(counts)
+    kept = torch.arange(0, 240, 2)
+    assert torch.equal(head.draft_ids(), kept) and torch.equal(head.lm_head.weight, target.lm_head.weight[kept])
+    assert not head.lm_head.weight.requires_grad  # the target's rows stay the target's
+    tokens = prompts()[2][0]
+    aux, _ = features(target, tokens[None, :-1], head.hidden_layers)
+    with torch.no_grad():
+        context = head.context_kv(aux, torch.arange(11)[None])
+        mine, theirs = head.draft_block(tokens[-1], 11, context, 4), full.draft_block(tokens[-1], 11, context, 4)
+    torch.testing.assert_close(mine[:, kept], theirs[:, kept])
+    assert torch.isinf(mine[:, 1::2]).all()
+    out, _ = generate(target, DFlash(head), prompts()[1], NEW)
+    assert torch.equal(out, greedy_reference(target, prompts()[1]))
+
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    head.save_pretrained(tmp_path / "head")
+    export = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    config, tensors = json.loads((export / "config.json").read_text()), load_file(str(export / "model.safetensors"))
+    assert config["draft_vocab_size"] == 120 and torch.equal(tensors["d2t"], kept - torch.arange(120))
+    assert tensors["lm_head.weight"].shape == (120, 64) and "t2d" not in tensors  # vLLM skips t2d
+    imported = load_head(import_head("dflash", export, tmp_path / "imported", str(target_dir)), target)
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in head.state_dict().items())
