@@ -220,6 +220,9 @@ class DflashOptions(HeadOptions):
     # tokenizer (an unused embedding row), else pad, else eos (heads/dflash.py, resolve_mask_token_id).
     mask_token_id: NonNegative | None = None
     mask_embedding: bool = False  # learn the mask slots' input vector (vLLM: mask_embedding.pt) instead of its row
+    # null: draft over the target's whole vocabulary with its lm_head. A number: the most frequent training
+    # tokens only, with the target lm_head's rows for them (frozen), shipped as lm_head + d2t (a smaller matmul).
+    draft_vocab_size: Count | None = None
     causal: bool = False  # causal attention inside the block (the DFlash paper's blocks are bidirectional)
     num_anchors: Count = 512  # blocks sampled per sequence and training step
     loss_gamma: Positive = 7.0  # block position k's loss weight exp(-(k-1)/gamma): 7 for blocks of 16

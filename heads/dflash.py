@@ -22,9 +22,13 @@ DFlash/SpecForge/speculators); by default the tokenizer's mask token, else the f
 the tokenizer (a row no text ever uses), else pad, else eos (``resolve_mask_token_id``). With
 ``mask_embedding: true`` the head learns the mask slots' input vector instead (started from that row);
 vLLM reads it from ``mask_embedding.pt`` and puts it in place of the embedding of ``mask_token_id`` in
-the draft only (``qwen3_dflash.py`` ``embed_input_ids``), as ``embed`` does here. A reduced draft
-vocabulary (vLLM reads ``draft_vocab_size`` + ``d2t`` for DFlash too) is not offered: the head drafts
-with the target's own lm_head, which the export does not ship.
+the draft only (``qwen3_dflash.py`` ``embed_input_ids``), as ``embed`` does here.
+
+Draft vocabulary. By default the head drafts over the target's whole vocabulary with the target's frozen
+lm_head. With ``draft_vocab_size`` it drafts over the most frequent training tokens only: ``lm_head`` holds
+the target lm_head's rows for them (frozen, copied by ``set_vocab_mapping``) and ``d2t`` their target ids
+as offsets; vLLM reads both for DFlash (``draft_vocab_size``, ``compute_logits``), and the lm_head matmul,
+a large share of a tiny draft's time, shrinks in proportion.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from core.models import default_aux_layers
 from core.schema import DflashOptions
 from heads.base import DraftHead
 from heads.config import DraftArch, HeadConfig
+from heads.eagle3 import build_vocab_mapping
 from heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
 from heads.losses import label_mask, soft_cross_entropy
 
@@ -70,32 +75,33 @@ def block_attention(
     context_visible: torch.Tensor | None,
     causal: bool,
 ) -> torch.Tensor:
-    """Attention of N blocks of B slots each over the shared context and their own block only.
+    """Attention of N blocks of S slots each over the shared context and their own block only.
 
-    q, k, v: [batch, heads, N * B, head_dim] (k, v already expanded to the query heads), blocks laid out one
-    after another; context_k, context_v: [batch, heads, C, head_dim]; ``context_visible`` [batch, N, C] says
-    which context tokens each block sees (None: all). One softmax over (context, own block), computed
-    without an [N * B, N * B] score matrix, so training many blocks per sequence costs N * B * (C + B).
+    q: [batch, heads, N * S, head_dim], blocks laid out one after another; k, v: [batch, kv_heads, N * S,
+    head_dim] and context_k, context_v: [batch, kv_heads, C, head_dim], each key/value head serving its group
+    of query heads (as ``repeat_interleave`` would pair them, without the copies); ``context_visible``
+    [batch, N, C] says which context tokens each block sees (None: all). One softmax over (context, own
+    block), without an [N * S, N * S] score matrix: many blocks per sequence cost N * S * (C + S).
     """
     batch, heads, n, dim = q.shape
-    blocks = 1 if context_visible is None else context_visible.shape[1]
-    size = n // blocks
-    scale = 1 / math.sqrt(dim)
-    context_scores = (q @ context_k.transpose(-1, -2)) * scale  # [batch, heads, N * B, C]
+    kv_heads, context = k.shape[1], context_k.shape[2]
+    groups, blocks = heads // kv_heads, 1 if context_visible is None else context_visible.shape[1]
+    size, scale = n // blocks, 1 / math.sqrt(dim)
+    # Per key/value head and block: its query heads' slots, [batch, kv_heads, N, groups * S, head_dim].
+    q = q.view(batch, kv_heads, groups, blocks, size, dim).transpose(2, 3).reshape(batch, kv_heads, blocks, -1, dim)
+    context_scores = q.flatten(2, 3) @ context_k.transpose(-1, -2) * scale
+    context_scores = context_scores.view(batch, kv_heads, blocks, groups * size, context)
     if context_visible is not None:
-        hidden = ~context_visible.repeat_interleave(size, dim=1)[:, None]
-        context_scores = context_scores.masked_fill(hidden, float("-inf"))
-    q_blocks = q.view(batch, heads, blocks, size, dim)
-    k_blocks, v_blocks = k.view(batch, heads, blocks, size, dim), v.view(batch, heads, blocks, size, dim)
-    block_scores = (q_blocks @ k_blocks.transpose(-1, -2)) * scale  # [batch, heads, N, B, B]
+        context_scores = context_scores.masked_fill(~context_visible[:, None, :, None], float("-inf"))
+    k_blocks, v_blocks = (t.view(batch, kv_heads, blocks, size, dim) for t in (k, v))
+    block_scores = q @ k_blocks.transpose(-1, -2) * scale  # [batch, kv_heads, N, groups * S, S]
     if causal:
-        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1).repeat(groups, 1)
         block_scores = block_scores.masked_fill(later, float("-inf"))
-    scores = torch.cat((context_scores, block_scores.reshape(batch, heads, n, size)), dim=-1)
-    probs = scores.float().softmax(-1).to(q.dtype)  # every query sees its own slot: never an empty row
-    context_probs, block_probs = probs.split([context_k.shape[2], size], dim=-1)
-    own = block_probs.reshape(batch, heads, blocks, size, size) @ v_blocks
-    return context_probs @ context_v + own.reshape(batch, heads, n, dim)
+    probs = torch.cat((context_scores, block_scores), -1).float().softmax(-1).to(q.dtype)  # never an empty row
+    context_probs, block_probs = probs.split([context, size], dim=-1)
+    out = (context_probs.flatten(2, 3) @ context_v).view_as(q) + block_probs @ v_blocks
+    return out.view(batch, kv_heads, blocks, groups, size, dim).transpose(2, 3).reshape(batch, heads, n, dim)
 
 
 class DFlashLayer(nn.Module):
@@ -132,9 +138,7 @@ class DFlashLayer(nn.Module):
         q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k, v = self.key_values(normed, cos, sin)
-        groups = attn.n_heads // attn.n_kv
-        k, v, context_k, context_v = (t.repeat_interleave(groups, dim=1) for t in (k, v, *context_kv))
-        out = block_attention(q, k, v, context_k, context_v, context_visible, causal)
+        out = block_attention(q, k, v, *context_kv, context_visible, causal)
         x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -160,6 +164,8 @@ class DFlashHead(DraftHead):
         bad = [i for i in options.layer_ids if not 1 <= i < layers]
         if bad:
             raise ValueError(f"DFlash layer_ids {bad} out of range: the target's layers 1..{layers - 1} can be fused")
+        if options.draft_vocab_size is not None and options.draft_vocab_size >= config.vocab_size:
+            options.draft_vocab_size = None  # the whole vocabulary: the target's own lm_head
         mask = options.mask_token_id
         if mask is not None and not 0 <= mask < config.vocab_size:
             rows = config.vocab_size
@@ -176,6 +182,8 @@ class DFlashHead(DraftHead):
         if head.mask_embedding is not None:  # a learned vector starts from the row it replaces
             row = target_model.get_input_embeddings().weight[head.mask_token_id]
             head.mask_embedding.data.copy_(row.detach().float())
+        if head.lm_head is not None:  # until set_vocab_mapping: the first draft_vocab_size target ids
+            head.set_vocab_mapping(torch.arange(head.config.vocab_size, 0, -1))
         return head
 
     def __init__(self, config: HeadConfig[DflashOptions]):
@@ -188,6 +196,12 @@ class DFlashHead(DraftHead):
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch)
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if options.mask_embedding else None
+        self.lm_head = None
+        if options.draft_vocab_size is not None:
+            draft_vocab = options.draft_vocab_size
+            self.lm_head = nn.Linear(hidden, draft_vocab, bias=False).requires_grad_(False)  # the target's rows
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < draft_vocab)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -229,10 +243,39 @@ class DFlashHead(DraftHead):
             x = layer(x, cos, sin, kv, context_visible, self.config.options.causal)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Target-vocab logits of normed outputs, through the target's frozen lm_head."""
+    def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
+        """Draft over the ``draft_vocab_size`` most frequent target ids of ``token_counts`` [V] (training
+        tokens): ``d2t``/``t2d`` as EAGLE-3 keeps them, and ``lm_head`` the target lm_head's rows for them."""
+        d2t, t2d = build_vocab_mapping(token_counts, self.lm_head.out_features)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        target_rows = self.target.lm_head.weight.detach()[self.draft_ids().to(self.target.lm_head.weight.device)]
+        self.lm_head.weight.data.copy_(target_rows)
+
+    def draft_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary (every id without a reduced one)."""
+        if self.lm_head is None:
+            return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of normed outputs: the draft's lm_head rows, else the target's frozen lm_head."""
+        lm_head = self.lm_head if self.lm_head is not None else self.target.lm_head
+        return lm_head(hidden.to(lm_head.weight.dtype))
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits of its normed last hidden states."""
         lm_head = self.target.lm_head
         return lm_head(hidden.to(lm_head.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Target-vocab logits of normed outputs (-inf off a reduced draft vocabulary)."""
+        logits = self.draft_logits(hidden)
+        if self.lm_head is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., self.draft_ids()] = logits
+        return out
 
     def draft_block(self, root: torch.Tensor, position: int, context_kv: ContextKV, masks: int) -> torch.Tensor:
         """Logits [masks, V] of the tokens after ``root`` (the newest token, at ``position``) from one block
@@ -263,7 +306,8 @@ class DFlashHead(DraftHead):
         are positions whose next token is a label; slot k of the block at anchor a is scored on the target's
         distribution over the token at a + k (its logits at a + k - 1, from ``last_hidden`` through the frozen
         lm_head), where that token is a label. Soft labels rather than the data tokens: acceptance is decided
-        by the target's distribution, and the data need not be the target's own text. Position k's mean loss
+        by the target's distribution, and the data need not be the target's own text (over a reduced draft
+        vocabulary: that distribution renormalised over it, a target token outside it a miss). Position k's mean loss
         is weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1.
 
         Metrics (detached 0-d): ``loss_j`` for slot j + 1 and ``acc_j``, the rate at which slot j + 1's argmax is
@@ -288,10 +332,13 @@ class DFlashHead(DraftHead):
             labelled = label_mask(batch, 0).gather(1, label_at.clamp(max=seq - 1).flatten(1)).view_as(label_at)
             labelled &= (label_at < seq) & real[..., None]
         rows = labelled.nonzero(as_tuple=True)  # score only labelled slots: the lm_head is the big matmul
-        logits = self.logits(hidden[rows])
+        logits = self.draft_logits(hidden[rows])
         with torch.no_grad():
-            target_logits = self.logits(batch["last_hidden"][rows[0], label_at[rows] - 1])
-        cross_entropy = soft_cross_entropy(logits, target_logits.float().softmax(-1))
+            draft_ids = self.draft_ids()
+            target_logits = self.target_logits(batch["last_hidden"][rows[0], label_at[rows] - 1])
+            # Over a reduced vocabulary: the target's distribution renormalised there (as EAGLE-3 scores).
+            target_probs = target_logits[:, draft_ids].float().softmax(-1)
+        cross_entropy = soft_cross_entropy(logits, target_probs)
         slot = rows[2]
         counts = torch.bincount(slot, minlength=size - 1)
         slot_loss = torch.zeros(size - 1, device=ids.device).index_add(0, slot, cross_entropy) / counts.clamp(min=1)
@@ -299,7 +346,7 @@ class DFlashHead(DraftHead):
         total = (weights * slot_loss).sum() / weights.sum()
         with torch.no_grad():
             agree = torch.zeros_like(labelled)
-            agree[rows] = logits.argmax(-1) == target_logits.argmax(-1)
+            agree[rows] = draft_ids[logits.argmax(-1)] == target_logits.argmax(-1)  # off-vocabulary: a miss
             # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
             right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()
             tried = labelled & right_before

@@ -63,20 +63,28 @@ def features(target, ids, layers):
 
 
 def test_block_attention_equals_dense_masked_attention():
-    # N blocks of B slots over a context: what one SDPA call with the dense [N*B, C + N*B] mask computes.
+    # N blocks of S slots over a context, 6 query heads on 2 key/value heads: what one SDPA call computes
+    # with the dense [N*S, C + N*S] mask and each key/value head repeated for its group.
     gen = torch.Generator().manual_seed(0)
-    batch, heads, blocks, size, ctx, dim = 2, 3, 4, 5, 9, 8
-    q, k, v = (torch.randn(batch, heads, blocks * size, dim, generator=gen) for _ in range(3))
-    ck, cv = (torch.randn(batch, heads, ctx, dim, generator=gen) for _ in range(2))
+    batch, heads, kv_heads, blocks, size, ctx, dim = 2, 6, 2, 4, 5, 9, 8
+    q = torch.randn(batch, heads, blocks * size, dim, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, blocks * size, dim, generator=gen) for _ in range(2))
+    ck, cv = (torch.randn(batch, kv_heads, ctx, dim, generator=gen) for _ in range(2))
     anchors = torch.randint(0, ctx, (batch, blocks), generator=gen)
     visible = torch.arange(ctx) < anchors[..., None]  # [batch, N, C]: a block sees the context before its anchor
+    keys, values = (torch.cat(pair, 2).repeat_interleave(3, dim=1) for pair in ((ck, k), (cv, v)))
     for causal in (False, True):
         own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool)] * blocks)
         if causal:
             own &= torch.ones(blocks * size, blocks * size, dtype=torch.bool).tril()
         mask = torch.cat((visible.repeat_interleave(size, 1), own.expand(batch, -1, -1)), -1)[:, None]
-        dense = F.scaled_dot_product_attention(q, torch.cat((ck, k), 2), torch.cat((cv, v), 2), attn_mask=mask)
+        dense = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         torch.testing.assert_close(block_attention(q, k, v, ck, cv, visible, causal), dense, atol=1e-5, rtol=1e-5)
+    one = block_attention(q[:, :, :size], k[:, :, :size], v[:, :, :size], ck, cv, None, False)  # served: sees all
+    full = F.scaled_dot_product_attention(
+        q[:, :, :size], *(torch.cat(p, 2) for p in ((ck, k[:, :, :size]), (cv, v[:, :, :size]))), enable_gqa=True
+    )
+    torch.testing.assert_close(one, full, atol=1e-5, rtol=1e-5)
 
 
 def test_many_training_blocks_equal_one_served_block_each(target):
@@ -300,9 +308,9 @@ def test_export_for_vllm_and_import_back(target, tmp_path):
 
     # What the head cannot be is refused by name, not half-imported.
     config["dflash_config"]["use_swa"] = True
-    config["draft_vocab_size"] = 100
+    config["vocab_size"] = 100
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="uses sliding-window attention, a draft vocabulary of 100"):
+    with pytest.raises(ValueError, match="uses sliding-window attention, an embedding table of 100 rows"):
         import_head("dflash", out, tmp_path / "refused", str(target_dir))
     with pytest.raises(ValueError, match=r"cannot export a dflash head as 'sglang': SGLang 0.5.23 has no DFlash"):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
@@ -368,3 +376,36 @@ def test_autotune_picks_a_static_tree_within_the_block_that_acceptance_decodes(t
     report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
     entry = report["methods"]["dflash"]
     assert entry["tree_config"]["choices"] == tree["choices"] and entry["greedy_identical"]
+
+
+def test_a_reduced_draft_vocabulary_drafts_the_target_rows_and_serves_as_d2t(target, tmp_path):
+    # draft_vocab_size: the target lm_head's rows for the most frequent tokens (frozen), d2t offsets; the
+    # logits over the target vocabulary are the full-vocabulary head's there and -inf elsewhere.
+    full = dflash_head(target)
+    head = dflash_head(target, draft_vocab_size=120)
+    head.load_state_dict(full.state_dict(), strict=False)  # the same draft layers
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[torch.arange(0, V, 2)] = torch.arange(150, 0, -1)  # the even ids, 0 the most frequent
+    head.set_vocab_mapping(counts)
+    kept = torch.arange(0, 240, 2)
+    assert torch.equal(head.draft_ids(), kept) and torch.equal(head.lm_head.weight, target.lm_head.weight[kept])
+    assert not head.lm_head.weight.requires_grad  # the target's rows stay the target's
+    tokens = prompts()[2][0]
+    aux, _ = features(target, tokens[None, :-1], head.hidden_layers)
+    with torch.no_grad():
+        context = head.context_kv(aux, torch.arange(11)[None])
+        mine, theirs = head.draft_block(tokens[-1], 11, context, 4), full.draft_block(tokens[-1], 11, context, 4)
+    torch.testing.assert_close(mine[:, kept], theirs[:, kept])
+    assert torch.isinf(mine[:, 1::2]).all()
+    out, _ = generate(target, DFlash(head), prompts()[1], NEW)
+    assert torch.equal(out, greedy_reference(target, prompts()[1]))
+
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    head.save_pretrained(tmp_path / "head")
+    export = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    config, tensors = json.loads((export / "config.json").read_text()), load_file(str(export / "model.safetensors"))
+    assert config["draft_vocab_size"] == 120 and torch.equal(tensors["d2t"], kept - torch.arange(120))
+    assert tensors["lm_head.weight"].shape == (120, 64) and "t2d" not in tensors  # vLLM skips t2d
+    imported = load_head(import_head("dflash", export, tmp_path / "imported", str(target_dir)), target)
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in head.state_dict().items())

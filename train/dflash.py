@@ -17,7 +17,7 @@ from core.models import load_target
 from core.runtime import seed_everything
 from heads import build_head
 from train.config import parse_args
-from train.data import load_data
+from train.data import load_data, loss_token_counts
 from train.eagle import head_settings, save_head
 from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
 
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
 
     seed_everything(cfg["train"]["seed"])
     head = build_head(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
+    if head.lm_head is not None:  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
+        head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
     engine = build_engine(HeadLoss(head, data.capture), cfg["train"], proc.world, total_steps(cfg["train"], data))
     train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))

