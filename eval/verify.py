@@ -180,11 +180,16 @@ def _commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> No
     cache.crop(-(cache.get_seq_length() - prefix_len - keep))  # a negative count: rows to drop
 
 
+def _sliding_layers(target: torch.nn.Module) -> bool:
+    """Whether the target mixes sliding-window layers with global ones (``config.layer_types``, Gemma-3)."""
+    return "sliding_attention" in (getattr(target.config, "layer_types", None) or ())
+
+
 def new_cache(target: torch.nn.Module) -> DynamicCache:
     """An empty cache for ``target`` that keeps every position of every layer. A cache built from a config with
     sliding-window layers (Gemma-3's ``layer_types``) keeps only each such layer's last window, which the
     gather and crop of rejected tree rows cannot undo; ``layer_masks`` applies those windows instead."""
-    if "sliding_attention" in (getattr(target.config, "layer_types", None) or ()):
+    if _sliding_layers(target):
         return DynamicCache()
     return DynamicCache(config=target.config)
 
@@ -196,7 +201,7 @@ def layer_masks(
     sliding-window layers (``config.layer_types``, which transformers' Gemma-3 takes as a dict): a sliding
     layer's query at position p also loses the keys at positions <= p - sliding_window (transformers'
     ``sliding_window_overlay``). Positions, not cache slots: slots hold padding and rejected rows."""
-    if "sliding_attention" not in (getattr(target.config, "layer_types", None) or ()):
+    if not _sliding_layers(target):
         return mask
     distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
     sliding = mask.masked_fill(distance >= target.config.sliding_window, torch.finfo(mask.dtype).min)
