@@ -14,13 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from core.timing import clock, timed
 from eval.proposers import ProposerWrapper, head_drafter
 from eval.speedup import Costs
 from eval.tree import Tree, chain
-from eval.verify import Proposer, Sampling, verify_batch
+from eval.verify import Proposer, Sampling, new_cache, verify_batch
 from heads import DraftHead
 
 VERIFY_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -103,7 +102,7 @@ def measure_verify(
     chain of n nodes, at KV length len(context); the cache is cropped back after every step."""
     out: dict[int, list[float]] = {}
     for batch in batches:
-        cache = DynamicCache(config=target.config)
+        cache = new_cache(target)
         rows = context[None].expand(batch, -1)
         target(rows[:, :-1], past_key_values=cache, use_cache=True)
         length = cache.get_seq_length()

@@ -180,6 +180,34 @@ def _commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> No
     cache.crop(-(cache.get_seq_length() - prefix_len - keep))  # a negative count: rows to drop
 
 
+def _sliding_layers(target: torch.nn.Module) -> bool:
+    """Whether the target mixes sliding-window layers with global ones (``config.layer_types``, Gemma-3)."""
+    return "sliding_attention" in (getattr(target.config, "layer_types", None) or ())
+
+
+def new_cache(target: torch.nn.Module) -> DynamicCache:
+    """An empty cache for ``target`` that keeps every position of every layer. A cache built from a config with
+    sliding-window layers (Gemma-3's ``layer_types``) keeps only each such layer's last window, which the
+    gather and crop of rejected tree rows cannot undo; ``layer_masks`` applies those windows instead."""
+    if _sliding_layers(target):
+        return DynamicCache()
+    return DynamicCache(config=target.config)
+
+
+def layer_masks(
+    target: torch.nn.Module, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive ``mask`` [B, 1, q, k] for every layer, or per layer type where the target mixes global and
+    sliding-window layers (``config.layer_types``, which transformers' Gemma-3 takes as a dict): a sliding
+    layer's query at position p also loses the keys at positions <= p - sliding_window (transformers'
+    ``sliding_window_overlay``). Positions, not cache slots: slots hold padding and rejected rows."""
+    if not _sliding_layers(target):
+        return mask
+    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
+    sliding = mask.masked_fill(distance >= target.config.sliding_window, torch.finfo(mask.dtype).min)
+    return {"full_attention": mask, "sliding_attention": sliding}
+
+
 def _hidden(out, layers: tuple[int, ...]) -> torch.Tensor | None:
     """The requested hidden states, concatenated: [B, rows, len(layers) * H]."""
     if not layers:
@@ -206,9 +234,10 @@ def verify_batch(
     prefix_len = valid.shape[1]
     ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype)
     ids[:, 0] = roots
+    key_positions = torch.cat((valid.long().cumsum(1) - 1, positions), dim=1)  # committed slots count up
     out = target(
         input_ids=ids,
-        attention_mask=mask,
+        attention_mask=layer_masks(target, mask, positions, key_positions),
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
@@ -259,7 +288,8 @@ def _prefill(
     mask = None
     if not bool(valid.all()):  # padding: causal over each sequence's own tokens only
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        mask = additive_mask(causal[None] & valid[:, None], target.dtype)
+        positions = torch.arange(width, device=device)[None]
+        mask = layer_masks(target, additive_mask(causal[None] & valid[:, None], target.dtype), positions, positions)
     out = target(ids, attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
     hidden = _hidden(out, layers)
     return valid, [None if hidden is None else hidden[b, :n] for b, n in enumerate(lengths)]
@@ -287,7 +317,7 @@ def generate_batch(
     layers = proposers[0].hidden_layers
     if any(p.hidden_layers != layers for p in proposers):
         raise ValueError("proposers of one batch must read the same target layers")
-    cache = DynamicCache(config=target.config)
+    cache = new_cache(target)
     valid, hidden = _prefill(target, cache, seqs, layers)
     for proposer, seq, h in zip(proposers, seqs, hidden):
         proposer.reset(sampling)

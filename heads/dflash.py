@@ -214,7 +214,7 @@ class DFlashHead(DraftHead):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's embeddings of ``input_ids``; with ``mask_embedding``, that vector at the mask id."""
-        embeds = self.target.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        embeds = self.target.embed(input_ids).to(self.fc.weight.dtype)
         if self.mask_embedding is None:
             return embeds
         return torch.where((input_ids == self.mask_token_id)[..., None], self.mask_embedding, embeds)
@@ -264,9 +264,8 @@ class DFlashHead(DraftHead):
         return lm_head(hidden.to(lm_head.weight.dtype))
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's own logits of its normed last hidden states."""
-        lm_head = self.target.lm_head
-        return lm_head(hidden.to(lm_head.weight.dtype))
+        """The target's own logits of its normed last hidden states (soft-capped where it caps them)."""
+        return self.target.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target-vocab logits of normed outputs (-inf off a reduced draft vocabulary)."""

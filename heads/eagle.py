@@ -74,7 +74,7 @@ class EagleHead(DraftHead):
         dtype = self.fc.weight.dtype
         if position_ids is None:
             position_ids = default_positions(input_ids, cache)
-        embeds = self.target.embed_tokens(input_ids).to(dtype)
+        embeds = self.target.embed(input_ids).to(dtype)
         x = self.fc(torch.cat((embeds, features.to(dtype)), dim=-1))
         cos, sin = self.rotary(position_ids, dtype)
         for layer in self.layers:

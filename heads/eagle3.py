@@ -217,7 +217,7 @@ class Eagle3Head(DraftHead):
         return ids, self.first_features(self.mask_hidden).expand(batch, n, -1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.target.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        return self.target.embed(input_ids).to(self.fc.weight.dtype)
 
     def forward(
         self,
@@ -284,7 +284,8 @@ class Eagle3Head(DraftHead):
         (Soft cross-entropy is the forward KL plus the target's entropy: the same gradient.)
 
         Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, and ``last_hidden``
-        unless ``target_logits`` [B,S,V] (the target's logits at each position) are given. Step j at index i
+        unless ``target_logits`` [B,S,V] (the target's logits at each position, soft-capped where it caps them:
+        ``TargetParts.logits``) are given. Step j at index i
         is scored on the target's distribution at position i+j+1 (over input_ids[i+j+2]); it counts when that
         token is a label and, as in EAGLE-3, the target's argmax is in the draft vocab (else the draft cannot
         match it). Each step's loss is averaged over the positions with a label at that step. Metrics
@@ -293,8 +294,7 @@ class Eagle3Head(DraftHead):
         """
         if target_logits is None:
             with torch.no_grad():
-                lm_head = self.target.lm_head
-                target_logits = lm_head(batch["last_hidden"].to(lm_head.weight.dtype))
+                target_logits = self.target.logits(batch["last_hidden"])
         with torch.no_grad():
             draft_in_target = self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
             target_probs = target_logits[..., draft_in_target].float().softmax(-1)

@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -22,24 +24,42 @@ from heads.config import DraftArch, HeadConfig
 # where an engine builds them: ``arch.qkv_bias`` and ``arch.qk_norm`` describe the draft's layer,
 # and each head keeps only what its engines have (``EagleHead``/``Eagle3Head.make_config``).
 EAGLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Gemma-3 text targets (Gemma3ForCausalLM) for EAGLE-3 only: SGLang serves them with its plain Llama
+# draft (``gemma3_causal.py`` ``set_eagle3_layers_to_capture`` + ``llama_eagle3.py``), so the draft layer is
+# the Llama one whatever Gemma's own layer is ((1 + w) RMSNorm, GELU MLP, q/k norm): see ``LLAMA_DRAFT_FAMILIES``.
+EAGLE3_FAMILIES = (*EAGLE_FAMILIES, "gemma3_text")
+# Families whose EAGLE draft is the plain Llama layer with a SiLU-gated MLP, not the family's: the engines'
+# Llama MLP refuses any other activation (vLLM and SGLang ``llama.py`` ``LlamaMLP``), so Gemma's GELU stays
+# the target's.
+LLAMA_DRAFT_FAMILIES = ("gemma3_text",)
+_GEMMA_DRAFT = (
+    "no serving engine has an EAGLE draft for {family} targets (vLLM's speculative registry and SGLang have "
+    "none), and a Llama draft layer would differ from Gemma's: embeddings scaled by sqrt(hidden), (1 + w) "
+    "RMSNorm, GELU MLP; train a Medusa head (head.type: medusa) instead"
+)
 # Families refused by the EAGLE heads, with the reason. (Medusa reads only the last hidden state and the
 # target's lm_head, so it trains on any causal LM.)
-UNSERVED_FAMILIES = {
-    family: (
-        "no serving engine has an EAGLE draft for Gemma-style targets (vLLM's speculative registry and SGLang "
-        "have none), and a Llama draft layer would differ from Gemma's: embeddings scaled by sqrt(hidden), "
-        "(1 + w) RMSNorm, GELU MLP; train a Medusa head (head.type: medusa) instead"
-    )
-    for family in ("gemma", "gemma2", "gemma3", "gemma3_text")
+UNSERVED_FAMILIES = {family: _GEMMA_DRAFT.format(family=family) for family in ("gemma", "gemma2")}
+UNSERVED_FAMILIES["gemma3"] = (
+    "this is the multimodal Gemma-3 checkpoint (Gemma3ForConditionalGeneration); EAGLE-3 heads train on the "
+    "text model (model_type gemma3_text, Gemma3ForCausalLM, as the 1B checkpoint is), whose aux hidden states "
+    "SGLang captures"
+)
+# EAGLE-1 on Gemma-3: the draft concatenates the raw embedding with the target's last hidden state, and
+# neither engine has an EAGLE-1 draft tested for Gemma-3 targets (docs/EXPORT.md, "Gemma-3").
+UNSERVED_EAGLE1 = {
+    "gemma3_text": "no engine serves an EAGLE-1 draft for Gemma-3 targets; train an EAGLE-3 head (head.type: eagle3)"
 }
 
 
 def arch_from_target(cfg: PretrainedConfig) -> DraftArch:
-    """The decoder-layer shape of the target (``family`` is its ``model_type``)."""
-    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    """The draft decoder layer's shape, from the target's config (``family`` is its ``model_type``)."""
+    rope = _rope(cfg)
     # transformers < 5 kept rope_theta beside rope_scaling (whose type key was once "type").
     rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
+    # Gemma configs name it hidden_activation.
+    hidden_act = getattr(cfg, "hidden_act", None) or cfg.hidden_activation
     return DraftArch(
         family=cfg.model_type,
         hidden_size=cfg.hidden_size,
@@ -48,8 +68,7 @@ def arch_from_target(cfg: PretrainedConfig) -> DraftArch:
         num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         rms_norm_eps=cfg.rms_norm_eps,
-        # Gemma configs name it hidden_activation.
-        hidden_act=getattr(cfg, "hidden_act", None) or cfg.hidden_activation,
+        hidden_act="silu" if cfg.model_type in LLAMA_DRAFT_FAMILIES else hidden_act,
         max_position_embeddings=cfg.max_position_embeddings,
         rope=rope,
         vocab_size=cfg.vocab_size,
@@ -57,6 +76,14 @@ def arch_from_target(cfg: PretrainedConfig) -> DraftArch:
         qkv_bias=_qkv_bias(cfg),
         qk_norm=cfg.model_type == "qwen3",
     )
+
+
+def _rope(cfg: PretrainedConfig) -> dict[str, Any]:
+    """The target's rotary settings. Targets mixing sliding-window and global layers keep one set per layer
+    type (Gemma-3 in transformers 5: ``{"sliding_attention": ..., "full_attention": ...}``); the one-layer
+    draft attends over the whole context, so it takes the global layers' set (their theta and scaling)."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    return dict(rope["full_attention"]) if "full_attention" in rope else rope
 
 
 def _qkv_bias(cfg: PretrainedConfig) -> bool:
@@ -71,14 +98,14 @@ def _qkv_bias(cfg: PretrainedConfig) -> bool:
 def check_eagle_family(cfg: PretrainedConfig, head_type: str) -> None:
     """NotImplementedError naming the target's family when an EAGLE head cannot be built (and served) for it."""
     family = cfg.model_type
-    if family in UNSERVED_FAMILIES:
-        raise NotImplementedError(
-            f"{head_type} heads for {family} targets are not supported: {UNSERVED_FAMILIES[family]}"
-        )
-    if family not in EAGLE_FAMILIES:
+    families = EAGLE3_FAMILIES if head_type == "eagle3" else EAGLE_FAMILIES
+    reason = UNSERVED_FAMILIES.get(family) or (UNSERVED_EAGLE1.get(family) if head_type == "eagle" else None)
+    if reason:
+        raise NotImplementedError(f"{head_type} heads for {family} targets are not supported: {reason}")
+    if family not in families:
         raise NotImplementedError(
             f"{head_type} heads for {family} targets are not supported: "
-            f"the draft layer is known for {', '.join(EAGLE_FAMILIES)} targets only (docs/EXPORT.md); "
+            f"the draft layer is known for {', '.join(families)} targets only (docs/EXPORT.md); "
             "Medusa heads (head.type: medusa) train on any causal LM"
         )
     if getattr(cfg, "attention_bias", False) and getattr(cfg, "qkv_bias", None) is None and family != "qwen2":
@@ -146,11 +173,36 @@ def check_tokenizer(
 @dataclass
 class TargetParts:
     """Frozen modules borrowed from the target. A plain attribute, not a submodule: they are never saved
-    with the head, never trained, and ``head.to(dtype)`` does not cast the target's own weights."""
+    with the head, never trained, and ``head.to(dtype)`` does not cast the target's own weights.
+
+    ``logit_softcap``: the target's ``final_logit_softcapping`` (Gemma), None where it has none."""
 
     embed_tokens: nn.Module
     lm_head: nn.Module
+    logit_softcap: float | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the target's embedding table, as the engines embed a draft's tokens: they share the table
+        (vLLM ``_maybe_share_embeddings``, SGLang ``set_embed_and_head``), never a scale the target's own
+        forward applies. Gemma's module (``Gemma3TextScaledWordEmbedding``) multiplies by sqrt(hidden) in
+        transformers, vLLM and SGLang alike, and that scale is the target's, not the draft's. It matters
+        where the embedding enters unnormed: DFlash's residual stream starts at it, EAGLE-1 concatenates it
+        raw. EAGLE-3 normalises it first (``input_layernorm``), which removes a constant scale up to the
+        norm's eps (x / sqrt(mean(x^2) + eps): the scale moves eps by a factor of hidden), so the unscaled
+        rows are what the served draft computes exactly.
+        """
+        return F.embedding(input_ids, self.embed_tokens.weight)
+
+    def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's own logits of its last (normed) hidden states: ``lm_head``, then the target's final
+        soft-cap, c * tanh(logits / c), where its config sets one (Gemma's ``final_logit_softcapping``, which
+        transformers, vLLM and SGLang apply before sampling and verification). The soft labels are these."""
+        logits = self.lm_head(last_hidden.to(self.lm_head.weight.dtype))
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
 
 def target_parts(target_model: nn.Module) -> TargetParts:
-    return TargetParts(target_model.get_input_embeddings(), target_model.get_output_embeddings())
+    softcap = getattr(target_model.config, "final_logit_softcapping", None)
+    return TargetParts(target_model.get_input_embeddings(), target_model.get_output_embeddings(), softcap)

@@ -46,6 +46,17 @@ SUPPORTED = {
 }
 
 
+# Target families vLLM cannot serve a draft for that reads the target's aux hidden states (EAGLE-3, DFlash), with
+# the reason (docs/EXPORT.md, "Gemma-3"). Refused for the formats only vLLM serves: vllm, speculators.
+VLLM_UNSERVED_FAMILIES = {
+    "gemma3_text": (
+        "vLLM 0.32's Gemma3ForCausalLM (vllm/model_executor/models/gemma3.py) does not implement SupportsEagle3, "
+        "so vLLM cannot capture the target's aux hidden states for the draft (gpu_model_runner.py: 'Model does "
+        "not support EAGLE3 interface'); vLLM's Gemma-3 EAGLE-3 is still an open PR (vllm-project/vllm#49560)"
+    )
+}
+
+
 def load_target_config(target: str | None, head_config: HeadConfig) -> tuple[str, PretrainedConfig]:
     """The target's name and config: ``target`` if given, else the one the head was trained on."""
     name = target or head_config.target
@@ -100,6 +111,13 @@ def engine_files(
         if head_type == "dflash" and fmt == "speculators":  # docs/EXPORT.md, "DFlash"
             why = "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout"
         raise ValueError(f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {SUPPORTED[head_type]}")
+    family = config.arch.family
+    if head_type in ("eagle3", "dflash") and fmt in ("vllm", "speculators") and family in VLLM_UNSERVED_FAMILIES:
+        instead = "export it with --format sglang" if head_type == "eagle3" else "no engine serves it"
+        raise ValueError(
+            f"cannot export a {head_type} head for a {family} target as {fmt!r}: "
+            f"{VLLM_UNSERVED_FAMILIES[family]}; {instead}"
+        )
     if head_type == "medusa":
         return (*medusa.export_files(config, state, target), medusa.WEIGHTS_FILE)
     if head_type == "eagle":
