@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import numpy as np
@@ -25,6 +26,16 @@ def resolve_device(name: str = "auto") -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"config asks for device {name!r} but no CUDA device is available")
+    return device
+
+
+def rank_device(name: str = "auto") -> torch.device:
+    """This process's device: ``cuda`` (or ``auto`` on a GPU box) means its own GPU, torchrun's LOCAL_RANK;
+    ``cuda`` alone would put every rank on GPU 0."""
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     return device
 
 

@@ -11,6 +11,12 @@ of everything that determines its contents. A re-run skips shards that exist wit
 fingerprint and hold their slot's samples, so a killed capture continues where it died and ends
 byte-identical to an uninterrupted one; a finished capture is verified byte for byte (sha256)
 before a re-run calls it complete. One capture writes a folder at a time (``core.io.output_lock``).
+
+Across processes and machines: ``torchrun --nproc_per_node N [--nnodes M ...] -m data_recipes.capture
+--config ...`` gives rank r the shards k with k % world == r, each on the rank's own device (LOCAL_RANK
+on a GPU box), in a folder every node sees. Rank 0 holds the folder's lock and writes the manifest once
+every shard exists. The shards are the ones a single process writes, byte for byte, and a re-run with
+any number of processes resumes from whatever shards a killed run left.
 Before it starts, the run prints its storage estimate and refuses to start when the disk is short
 (or read-only).
 """
@@ -18,7 +24,9 @@ Before it starts, the run prints its storage estimate and refuses to start when 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
@@ -33,7 +42,7 @@ from core.config import load_config, save_config
 from core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from core.io import OutOfSpaceError, check_writable, output_lock
 from core.models import default_aux_layers, load_target
-from core.runtime import resolve_dtype
+from core.runtime import rank_device, resolve_dtype
 from core.schema import CaptureConfig, validate_config
 from data_recipes.recipes import Sample, load_samples, require_samples
 from data_recipes.shards import (
@@ -178,14 +187,30 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
         )
 
 
+def join_process_group(device: torch.device) -> tuple[int, int]:
+    """(rank, world size) of the torchrun job that started this process, joining its group once; (0, 1) alone."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
 def run_capture(cfg: dict[str, Any]) -> Path:
     """Capture every sample of ``cfg['data']`` from ``cfg['target']`` into ``cfg['capture']['out_dir']``.
 
     The config is checked first (``core.schema.CaptureConfig``): a typo or a value out of range fails
-    here, before the target is loaded.
+    here, before the target is loaded. Under torchrun each rank captures its share of the shards.
     """
     cfg = validate_config(cfg, CaptureConfig)
-    model, tokenizer = load_target(cfg["target"])
+    device = rank_device(cfg["target"].get("device", "auto"))
+    rank, world = join_process_group(device)
+    model, tokenizer = load_target({**cfg["target"], "device": str(device)})
     data, cap = cfg["data"], cfg["capture"]
     out_dir = Path(cap["out_dir"])
     samples, report = load_samples(
@@ -216,36 +241,43 @@ def run_capture(cfg: dict[str, Any]) -> Path:
     }
     fingerprint = settings_fingerprint(settings)
     if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == fingerprint:
-        verify_capture(out_dir)  # a shard replaced or damaged since must not pass for complete
-        print(f"{out_dir}: capture complete with these settings, every shard as recorded; nothing to do")
+        if rank == 0:
+            verify_capture(out_dir)  # a shard replaced or damaged since must not pass for complete
+            print(f"{out_dir}: capture complete with these settings, every shard as recorded; nothing to do")
         return out_dir
 
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
     plan = [order[i : i + cap["shard_samples"]] for i in range(0, len(order), cap["shard_samples"])]
-    # One writer per folder; each shard's sha256 is read back while the next shard is captured.
-    with output_lock(out_dir), ThreadPoolExecutor(max_workers=1) as hasher:
+    # One run per folder: rank 0 holds the lock for the job. Each shard's sha256 is read back while the
+    # next shard is captured.
+    lock = output_lock(out_dir) if rank == 0 else contextlib.nullcontext(out_dir)
+    with lock, ThreadPoolExecutor(max_workers=1) as hasher:
         done = _finished_shards(out_dir, plan, fingerprint, samples)
-        digests = {k: hasher.submit(file_sha256, out_dir / shard_name(k)) for k in done}
+        mine = [k for k in range(len(plan)) if k % world == rank and k not in done]
         total_tokens = sum(len(s.input_ids) for s in samples)
         todo_tokens = sum(len(samples[i].input_ids) for k, shard in enumerate(plan) if k not in done for i in shard)
-        estimate = storage_estimate(total_tokens, hidden, len(aux_layers), store_dtype)
-        print(
-            f"capture: {len(samples)} samples, {total_tokens:,} tokens, layers {aux_layers} + last, {store_dtype} -> "
-            f"{estimate / 1e9:.2f} GB in {len(plan)} shards under {out_dir}"
-            + (f" ({len(done)} already complete, resuming)" if done else "")
-        )
-        check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
-        save_config(cfg, out_dir / "capture_config.yaml")
+        if rank == 0:
+            estimate = storage_estimate(total_tokens, hidden, len(aux_layers), store_dtype)
+            print(
+                f"capture: {len(samples)} samples, {total_tokens:,} tokens, layers {aux_layers} + last, {store_dtype} "
+                f"-> {estimate / 1e9:.2f} GB in {len(plan)} shards under {out_dir}"
+                + (f" ({len(done)} already complete, resuming)" if done else "")
+                + (f", {world} processes" if world > 1 else "")
+            )
+            check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
+            save_config(cfg, out_dir / "capture_config.yaml")
+        _barrier(world)  # every rank has read what was done before any writes
 
-        bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="capture")
+        my_tokens = sum(len(samples[i].input_ids) for k in mine for i in plan[k])
+        desc = f"capture rank {rank}" if world > 1 else "capture"
+        bar = tqdm(total=my_tokens, unit="tok", unit_scale=True, desc=desc)
         start = time.perf_counter()
-        for k, shard in enumerate(plan):
-            if k in done:
-                continue
+        digests: dict[int, Future] = {}
+        for k in mine:
             tensors = capture_shard(
                 model,
-                [samples[i] for i in shard],
-                shard,
+                [samples[i] for i in plan[k]],
+                plan[k],
                 aux_layers,
                 store_dtype,
                 cap["batch_tokens"],
@@ -255,6 +287,13 @@ def run_capture(cfg: dict[str, Any]) -> Path:
             digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
             bar.update(len(tensors["input_ids"]))
         bar.close()
+        seconds = time.perf_counter() - start
+        _barrier(world)  # every shard exists
+        if rank != 0:
+            return out_dir
+        for k in range(len(plan)):
+            if k not in digests:
+                digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
         shards = [_shard_entry(out_dir, k, plan[k], samples, digests[k]) for k in range(len(plan))]
         write_manifest(
             out_dir,
@@ -271,8 +310,8 @@ def run_capture(cfg: dict[str, Any]) -> Path:
                 "shards": shards,
             },
         )
-    seconds = time.perf_counter() - start
-    print(f"capture: wrote {out_dir / MANIFEST} ({todo_tokens / max(seconds, 1e-9):,.0f} tokens/s this run)")
+    rate = f"{my_tokens / max(seconds, 1e-9):,.0f} tokens/s" + (" on rank 0" if world > 1 else "")
+    print(f"capture: wrote {out_dir / MANIFEST} ({rate} this run)")
     return out_dir
 
 

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,56 @@ def test_sigkilled_capture_resumes_to_identical_shards(tiny_target_dir, tmp_path
     resumed = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     assert f"({len(written)} already complete, resuming)" in resumed.stdout
 
+    for name in names:
+        assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """The worker processes under a torchrun launcher: {RANK: pid}, read from each process's environment."""
+    ranks = {}
+    for status in os.listdir("/proc"):
+        if not status.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{status}/environ").read_bytes().split(b"\0")
+            ppid = int(Path(f"/proc/{status}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        rank = next((v[5:] for v in environ if v.startswith(b"RANK=")), None)
+        if rank is not None and ppid == launcher_pid:
+            ranks[int(rank)] = int(status)
+    return ranks
+
+
+def test_two_processes_capture_the_one_process_shards_and_resume_after_a_rank_is_killed(tiny_target_dir, tmp_path):
+    settings = capture_config(
+        tiny_target_dir, REPO / "assets/data/gsm8k_train.jsonl", tmp_path / "reference", shard_samples=4
+    )
+    settings["data"].update(limit=120, max_length=160)
+    run_capture(settings)
+    names = sorted(p.name for p in (tmp_path / "reference").glob("*.safetensors")) + ["manifest.json"]
+    assert len(names) == 31
+
+    out = tmp_path / "shards"
+    settings["capture"]["out_dir"] = str(out)
+    config = tmp_path / "capture.yaml"
+    config.write_text(json.dumps(settings))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd = [*torchrun, "-m", "data_recipes.capture", "--config", str(config)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(ranks_written := {int(p.name[6:11]) % 2 for p in out.glob("shard-*.safetensors")}) < 2:
+        assert time.time() < deadline, "no shard from each rank within 120 s"
+        time.sleep(0.005)
+    os.kill(_rank_pids(proc.pid)[1], signal.SIGKILL)  # one rank dies; torchrun stops the other
+    assert proc.wait(timeout=60) != 0
+    written = sorted(p.name for p in out.glob("shard-*.safetensors"))
+    assert 0 < len(written) < 30 and not (out / "manifest.json").exists()
+    assert ranks_written == {0, 1}  # both ranks wrote their own shards
+
+    resumed = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    assert f"({len(written)} already complete, resuming), 2 processes" in resumed.stdout
     for name in names:
         assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from core.config import save_config
-from core.runtime import cosine_with_warmup, mix_seed, resolve_device
+from core.runtime import cosine_with_warmup, mix_seed, rank_device
 from data_recipes.capture import OnlineCapture
 from heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
 from train.checkpoint import (
@@ -60,10 +60,7 @@ def init_distributed(device_name: str) -> Process:
     """Join the process group torchrun (or the deepspeed launcher) describes; a world of one without one."""
     if "RANK" not in os.environ:  # python train/eagle.py ... (or a test calling main())
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
-    device = resolve_device(device_name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+    device = rank_device(device_name)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the progress bar
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
