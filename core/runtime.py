@@ -16,6 +16,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
     "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,  # capture.store_dtype only: the schema allows it nowhere else
 }
 
 

@@ -53,6 +53,7 @@ Decay = Annotated[Float, Field(gt=0, le=1)]  # weight decay**k of the k-th term:
 Count = Annotated[int, Field(ge=1)]  # sizes, steps, lengths: at least one
 NonNegative = Annotated[int, Field(ge=0)]
 Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
+StoreDtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8_e4m3"]  # shards only
 Formats = Literal["alpaca", "gsm8k", "messages", "sharegpt", "text"]  # data_recipes.formats.FORMATS
 
 
@@ -85,7 +86,7 @@ class TokenizedData(Data):
 class Capture(Section):
     out_dir: str | None = None  # the shards; training may compute the states online instead
     aux_layers: Literal["auto"] | list[NonNegative] = "auto"  # auto: core.models.default_aux_layers; [] none
-    store_dtype: Dtype = "bf16"
+    store_dtype: StoreDtype = "bf16"  # fp8_e4m3: a float32 scale per token and layer (docs/DATA.md)
     shard_samples: Count = 256
     batch_tokens: Count = 8192  # padded tokens per forward
     # Train on shards whose manifest names other target weights (a fine-tune of the same shape): only

@@ -46,14 +46,17 @@ from core.runtime import rank_device, resolve_dtype
 from core.schema import CaptureConfig, validate_config
 from data_recipes.recipes import Sample, load_samples, require_samples
 from data_recipes.shards import (
+    FP8,
     MANIFEST,
     RECAPTURE,
     ShardError,
+    dequantize_fp8,
     file_sha256,
     open_shard,
     read_manifest,
     shard_fingerprint,
     shard_name,
+    store_hidden,
     verify_capture,
     write_manifest,
     write_shard,
@@ -111,8 +114,13 @@ class OnlineCapture:
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         states = capture_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], self.aux_layers)
         keep = batch["attention_mask"].bool()[..., None]
+        if self.store_dtype == FP8:  # the states an fp8 shard gives back: quantized, then bf16
+            stored = store_hidden(states, FP8, len(self.aux_layers))
+            states = {key: dequantize_fp8(stored[key], stored[f"{key}_scale"]) for key in states}
+        else:
+            states = store_hidden(states, self.store_dtype, len(self.aux_layers))
         # Padded positions are zero, exactly as the shard collator pads them.
-        return {**batch, **{k: v.to(self.store_dtype).masked_fill(~keep, 0) for k, v in states.items()}}
+        return {**batch, **{k: v.masked_fill(~keep, 0) for k, v in states.items()}}
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -137,7 +145,7 @@ def capture_shard(
 ) -> dict[str, torch.Tensor]:
     """Capture one shard's samples in padded batches and concatenate them along the token axis."""
     lengths = [len(s.input_ids) for s in samples]
-    pieces: dict[str, list[torch.Tensor]] = {"last_hidden": [], "aux_hidden": []}
+    pieces: dict[str, list[torch.Tensor]] = {}
     for batch in length_batches(lengths, batch_tokens):
         longest = max(lengths[i] for i in batch)
         ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
@@ -146,8 +154,8 @@ def capture_shard(
             ids[row, : lengths[i]] = torch.tensor(samples[i].input_ids)
             mask[row, : lengths[i]] = 1
         states = capture_hidden_states(model, ids.to(model.device), mask.to(model.device), aux_layers)
-        for key, value in states.items():
-            pieces[key] += [value[row, : lengths[i]].to("cpu", store_dtype) for row, i in enumerate(batch)]
+        for key, value in store_hidden(states, store_dtype, len(aux_layers)).items():
+            pieces.setdefault(key, []).extend(value[row, : lengths[i]].cpu() for row, i in enumerate(batch))
     return token_tensors(samples, sample_ids) | {key: torch.cat(chunks) for key, chunks in pieces.items() if chunks}
 
 
@@ -171,8 +179,10 @@ def samples_hash(samples: list[Sample]) -> str:
 
 
 def storage_estimate(tokens: int, hidden_size: int, n_aux: int, store_dtype: torch.dtype) -> int:
-    """Bytes on disk: hidden states (k aux layers + the last one) plus 5 bytes of ids and mask per token."""
-    return tokens * (hidden_size * (n_aux + 1) * store_dtype.itemsize + 5)
+    """Bytes on disk: hidden states (k aux layers + the last one; fp8 adds a float32 scale per token and
+    layer) plus 5 bytes of ids and mask per token."""
+    scales = 4 * (n_aux + 1) if store_dtype == FP8 else 0
+    return tokens * (hidden_size * (n_aux + 1) * store_dtype.itemsize + scales + 5)
 
 
 def check_free_disk(out_dir: Path, needed: int) -> None:
@@ -182,8 +192,8 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
     if needed > free:
         raise OutOfSpaceError(
             f"capture needs {needed / 1e9:.2f} GB more in {out_dir} but only {free / 1e9:.2f} GB is free: "
-            f"free space, capture fewer samples (data.limit), store bf16 (capture.store_dtype), or train online "
-            f"(train.online_capture: true) without shards"
+            f"free space, capture fewer samples (data.limit), store bf16 or fp8_e4m3 (capture.store_dtype), "
+            f"or train online (train.online_capture: true) without shards"
         )
 
 

@@ -6,6 +6,7 @@ A shard holds several samples concatenated along the token axis (no padding on d
     loss_mask      [T] uint8        1 on assistant tokens
     aux_hidden     [T, k*H] dtype   EAGLE-3: the k fused target layers, ascending (absent when k = 0)
     last_hidden    [T, H] dtype     the target's final hidden state after its final norm (what lm_head reads)
+    *_scale        [T, k] float32   fp8 shards only: each token's and layer's scale (``quantize_fp8``)
     sample_offsets [n+1] int64      sample i spans tokens offsets[i]:offsets[i+1]
     sample_ids     [n] int64        index of each sample in the recipe's output (proves nothing is duplicated)
 
@@ -42,6 +43,8 @@ from core.io import atomic_path, atomic_write_text
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+FP8 = torch.float8_e4m3fn
+HIDDEN_KEYS = ("last_hidden", "aux_hidden")
 
 
 class ManifestMismatch(ValueError):
@@ -164,6 +167,34 @@ def check_manifest(
         raise ManifestMismatch(f"shards from {manifest['target']} do not match: " + "; ".join(problems))
 
 
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, groups*H] -> (fp8 e4m3 values, float32 scale [T, groups]): each token's layer scaled to e4m3's range.
+
+    A scale per token and layer, because the residual stream's magnitude grows with depth and varies
+    between tokens (a few outlier tokens carry norms far above the rest): one scale per tensor would leave
+    most rows with a handful of the 8 bits.
+    """
+    rows = x.float().unflatten(-1, (groups, -1))
+    scale = rows.abs().amax(-1).clamp_min(1e-12) / torch.finfo(FP8).max
+    return (rows / scale[..., None]).to(FP8).flatten(-2), scale
+
+
+def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The inverse of ``quantize_fp8``, in ``dtype``."""
+    rows = values.float().unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]
+    return rows.flatten(-2).to(dtype)
+
+
+def store_hidden(states: dict[str, torch.Tensor], store_dtype: torch.dtype, aux_layers: int) -> dict[str, torch.Tensor]:
+    """Hidden states [..., groups*H] as a shard stores them: cast, or fp8 values plus ``<key>_scale``."""
+    if store_dtype != FP8:
+        return {key: value.to(store_dtype) for key, value in states.items()}
+    out = {}
+    for key, value in states.items():
+        out[key], out[f"{key}_scale"] = quantize_fp8(value, aux_layers if key == "aux_hidden" else 1)
+    return out
+
+
 @dataclass(frozen=True)
 class _SampleRef:
     shard: str
@@ -188,7 +219,10 @@ class ShardDataset(torch.utils.data.Dataset):
             offsets, ids = _read_index(self.dir / entry["file"], entry, self.manifest["fingerprint"])
             self.refs += [_SampleRef(entry["file"], s, e, i) for s, e, i in zip(offsets[:-1], offsets[1:], ids)]
         _check_sample_ids(self.refs, self.manifest["samples"], self.dir)
-        self.keys = ["input_ids", "loss_mask", "last_hidden"] + (["aux_hidden"] if self.manifest["aux_layers"] else [])
+        self.hidden_keys = ["last_hidden"] + (["aux_hidden"] if self.manifest["aux_layers"] else [])
+        self.fp8 = self.manifest["store_dtype"] == str(FP8).removeprefix("torch.")
+        scales = [f"{key}_scale" for key in self.hidden_keys] if self.fp8 else []
+        self.keys = ["input_ids", "loss_mask", *self.hidden_keys, *scales]
         self._handles: dict[str, Any] = {}
 
     def __len__(self) -> int:
@@ -204,6 +238,9 @@ class ShardDataset(torch.utils.data.Dataset):
         ref = self.refs[index]
         f = self._handle(ref.shard)
         sample = {key: f.get_slice(key)[ref.start : ref.end] for key in self.keys}
+        if self.fp8:  # training sees bf16 states, as from a bf16 capture
+            for key in self.hidden_keys:
+                sample[key] = dequantize_fp8(sample[key], sample.pop(f"{key}_scale"))
         if self.vocab_size is not None:
             check_token_ids(sample["input_ids"], self.vocab_size, f"{self.dir / ref.shard}, sample {ref.sample_id}")
         sample["input_ids"] = sample["input_ids"].long()

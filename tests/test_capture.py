@@ -21,10 +21,19 @@ from data_recipes.capture import (
     length_batches,
     resolve_aux_layers,
     run_capture,
+    storage_estimate,
     tokenizer_hash,
 )
 from data_recipes.recipes import load_samples
-from data_recipes.shards import ManifestMismatch, ShardDataset, check_manifest, pad_collate, read_manifest
+from data_recipes.shards import (
+    ManifestMismatch,
+    ShardDataset,
+    check_manifest,
+    dequantize_fp8,
+    pad_collate,
+    quantize_fp8,
+    read_manifest,
+)
 
 
 def capture_config(target_dir, data_file, out_dir, **capture):
@@ -119,6 +128,52 @@ def test_online_capture_yields_the_stored_tensors(captured, tiny_target_dir):
     for key in ("aux_hidden", "last_hidden"):
         torch.testing.assert_close(online[key], batch[key], atol=1e-5, rtol=1e-4)
         assert online[key].dtype == batch[key].dtype
+
+
+def test_fp8_keeps_each_token_and_layer_within_e4m3s_rounding():
+    torch.manual_seed(0)
+    # Two layers of very different scale, and one outlier token: a scale per token and layer keeps all.
+    x = torch.randn(64, 2, 48) * torch.tensor([0.05, 40.0])[None, :, None]
+    x[7] *= 300
+    values, scale = quantize_fp8(x.flatten(-2), groups=2)
+    assert values.dtype == torch.float8_e4m3fn and scale.shape == (64, 2)
+    back = dequantize_fp8(values, scale, torch.float32).unflatten(-1, (2, 48))
+    # e4m3 keeps 3 mantissa bits: half a step is 1/16 of a value; below 2^-6 of the row's max it is subnormal
+    bound = x.abs() / 16 + scale[..., None] * 2.0**-9
+    assert ((back - x).abs() <= bound).all()
+    assert torch.equal(dequantize_fp8(values, scale, torch.float32), dequantize_fp8(values, scale, torch.float32))
+    one_scale = x.abs().max() / 448  # what a scale per tensor would do to the small layer: mostly zeros
+    assert ((x[:, 0] / one_scale).to(torch.float8_e4m3fn).float() == 0).float().mean() > 0.5
+
+
+@torch.no_grad()
+def test_fp8_shards_are_smaller_read_back_close_and_online_capture_matches(tiny_target_dir, gsm8k_file, tmp_path):
+    run_capture(capture_config(tiny_target_dir, gsm8k_file, tmp_path / "fp32"))
+    run_capture(capture_config(tiny_target_dir, gsm8k_file, tmp_path / "fp8", store_dtype="fp8_e4m3"))
+    full, fp8 = read_manifest(tmp_path / "fp32"), read_manifest(tmp_path / "fp8")
+    assert fp8["store_dtype"] == "float8_e4m3fn"
+    states = full["tokens"] * 32 * 4  # hidden 32 x (3 aux layers + last)
+    assert full["bytes"] - fp8["bytes"] >= states * 4 - states * 1 - full["tokens"] * 4 * 4 - 4096
+    assert abs(fp8["bytes"] - storage_estimate(fp8["tokens"], 32, 3, torch.float8_e4m3fn)) < 2048 * len(fp8["shards"])
+
+    exact, stored = ShardDataset(tmp_path / "fp32"), ShardDataset(tmp_path / "fp8")
+    for index in (0, 17, 47):
+        a, b = exact[index], stored[index]
+        assert set(a) == set(b) and b["aux_hidden"].dtype == torch.bfloat16
+        for key in ("aux_hidden", "last_hidden"):
+            rows = a[key].unflatten(-1, (-1, 32)).abs().amax(-1, keepdim=True)
+            error = (b[key].float() - a[key]).unflatten(-1, (-1, 32)).abs()
+            assert (error <= a[key].unflatten(-1, (-1, 32)).abs() / 14 + rows * 2.0**-8).all(), key
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    batch = pad_collate([stored[i] for i in (3, 20, 40)], pad_id=3)
+    online = OnlineCapture(model, [1, 3, 4], torch.float8_e4m3fn)(
+        {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+    )
+    for key in ("aux_hidden", "last_hidden"):
+        assert online[key].dtype == batch[key].dtype == torch.bfloat16
+        # The same quantization of the same states: equal up to the forward's padded-batch blocking.
+        assert (online[key].float() - batch[key].float()).abs().max() <= batch[key].float().abs().max() / 8
 
 
 def test_storage_check_refuses_and_names_the_shortfall(tmp_path):
