@@ -3,18 +3,18 @@
 import json
 
 import pytest
+from conftest import make_head
 from transformers import LlamaForCausalLM
 
 from heads import read_head_config
 from scripts.push_to_hub import main, stage
-from tests.test_export import make_head, save_target
 
 REPO = "acme/demo-eagle3"
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return LlamaForCausalLM.from_pretrained(save_target(tmp_path_factory.mktemp("target"))).eval()
+def target(tiny_llama_dir):
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def make_run(target, tmp_path):

@@ -11,9 +11,8 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import base_config
+from conftest import base_config, records, run_here
 from safetensors.torch import load_file
-from test_train import records, run_here
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
