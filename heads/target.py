@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from heads.config import DraftArch, HeadConfig
 
@@ -148,9 +148,12 @@ class TargetParts:
     """Frozen modules borrowed from the target. A plain attribute, not a submodule: they are never saved
     with the head, never trained, and ``head.to(dtype)`` does not cast the target's own weights."""
 
-    embed_tokens: nn.Module
-    lm_head: nn.Module
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
 
 
-def target_parts(target_model: nn.Module) -> TargetParts:
-    return TargetParts(target_model.get_input_embeddings(), target_model.get_output_embeddings())
+def target_parts(target_model: PreTrainedModel) -> TargetParts:
+    # transformers types both as any module; a causal LM's are an Embedding (or a subclass: Gemma's scaled
+    # one) and a Linear, whose .weight the heads read.
+    embed_tokens = cast(nn.Embedding, target_model.get_input_embeddings())
+    return TargetParts(embed_tokens, cast(nn.Linear, target_model.get_output_embeddings()))

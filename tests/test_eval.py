@@ -326,3 +326,11 @@ def test_peagle_drafts_every_depth_in_one_forward_as_training_computes_them(targ
     assert tree.parents.tolist() == [-1, -1, 0, 1, 1]
     with pytest.raises(ValueError, match="needs an EAGLE-3 head trained with parallel_drafting; this is a eagle3"):
         PEagle(build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target))
+
+
+def test_a_head_proposer_refuses_another_kind_of_head(target):
+    medusa = build_head({"type": "medusa", "num_heads": 2}, target)
+    with pytest.raises(ValueError, match="EAGLE drafting needs an eagle or eagle3 head, not a medusa head"):
+        Eagle(medusa)
+    with pytest.raises(ValueError, match="Medusa drafting needs a medusa head, not a eagle head"):
+        Medusa(build_head({"type": "eagle"}, target))

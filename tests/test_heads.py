@@ -477,3 +477,17 @@ def test_peagle_records_its_mask_token_and_round_trips(target, tmp_path):
         peagle(target, parallel_drafting={"mask_token_id": 300})
     with pytest.raises(ValueError, match=r"unknown key parallel_drafting\.mask_token"):
         peagle(target, parallel_drafting={"mask_token": 3})
+
+
+def test_a_head_used_before_it_is_attached_to_a_target_says_so(target):
+    head = build_head({"type": "eagle"}, target)
+    detached = type(head)(head.config)  # as a head is between __init__ and attach
+    batch = make_batch(target, seq=4)
+    with pytest.raises(RuntimeError, match="this eagle head is not attached to a target: make it with build_head"):
+        detached(batch["input_ids"], detached.first_features(batch["last_hidden"]))
+    assert head.target.lm_head is target.lm_head
+
+
+def test_mask_slots_of_an_eagle3_head_without_parallel_drafting_are_refused(target):
+    with pytest.raises(ValueError, match="mask slots are P-EAGLE's: this EAGLE-3 head has no head.parallel_drafting"):
+        eagle3(target).mask_slots(1, 2)
