@@ -19,7 +19,8 @@ def load_model(path: str, device: str | torch.device = "auto", dtype: str | torc
     """``path`` (a folder or hub id) in eval mode with gradients off, SDPA attention, on ``device`` in ``dtype``."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation="sdpa")
-    return model.to(device).eval().requires_grad_(False)
+    # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
+    return model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

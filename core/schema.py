@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from core.config import ConfigError
 
@@ -161,6 +161,9 @@ class Metrics(Section):
 class HeadOptions(Section):
     """A head type's options; ``heads`` takes its defaults from here (``DraftHead.options_model``)."""
 
+    if typing.TYPE_CHECKING:
+        type: str  # each head type's model declares it, as a Literal with its one value
+
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         return {name: field.default for name, field in cls.model_fields.items() if name != "type"}
@@ -229,12 +232,11 @@ class DflashOptions(HeadOptions):
     loss_gamma: Positive = 7.0  # block position k's loss weight exp(-(k-1)/gamma): 7 for blocks of 16
 
 
-HEAD_OPTIONS: dict[str, type[HeadOptions]] = {
-    options.model_fields["type"].default: options
-    for options in (EagleOptions, Eagle3Options, MedusaOptions, DflashOptions)
-}
 # The head section: its ``type`` picks the options model, so a key is checked against that head's options.
-Head = Annotated[Union[tuple(HEAD_OPTIONS.values())], Field(discriminator="type")]  # noqa: UP007
+Head = Annotated[EagleOptions | Eagle3Options | MedusaOptions | DflashOptions, Field(discriminator="type")]
+HEAD_OPTIONS: dict[str, type[HeadOptions]] = {
+    options.model_fields["type"].default: options for options in typing.get_args(typing.get_args(Head)[0])
+}
 
 
 # ---- the flag-driven commands: a section each, a field per flag (see ``flags_argv``)
@@ -426,7 +428,9 @@ class TrainConfig(PipelineConfig):
 def _command_config(section: str) -> type[PipelineConfig]:
     """The root model of a flag-driven command: any stage's config, with the command's own section required."""
     flags = COMMAND_FLAGS[section]
-    root = create_model(f"{flags.__name__}Config", __base__=PipelineConfig, __module__=__name__, **{section: flags})
+    # The field's name is known at run time only; mypy matches a **dict against create_model's own keywords too.
+    fields: dict[str, Any] = {section: flags}
+    root = create_model(f"{flags.__name__}Config", __base__=PipelineConfig, __module__=__name__, **fields)
     root.command = section
     return root
 
@@ -586,7 +590,7 @@ class _Where(NamedTuple):
     tagged: tuple[str, str] | None  # (key, tag) when the path went through a tagged union (head.type)
 
 
-def _problems(schema: type[Section], config: dict[str, Any], errors: list[dict[str, Any]]) -> Iterator[str]:
+def _problems(schema: type[Section], config: dict[str, Any], errors: list[ErrorDetails]) -> Iterator[str]:
     located = [(error, _locate(schema, error["loc"])) for error in errors]
     # A value of a union (capture.aux_layers: "auto" or a list) that has one member's shape (a list) is
     # refused by the others for its shape alone: report why the member it looks like refused it.
@@ -600,7 +604,7 @@ def _problems(schema: type[Section], config: dict[str, Any], errors: list[dict[s
         yield _problem(schema, config, error, where)
 
 
-def _problem(schema: type[Section], config: dict[str, Any], error: dict[str, Any], where: _Where) -> str:
+def _problem(schema: type[Section], config: dict[str, Any], error: ErrorDetails, where: _Where) -> str:
     key, model, field, annotation, rest, tagged = where
     kind, got = error["type"], f"got {error.get('input')!r}"
     if kind == "extra_forbidden":
@@ -612,9 +616,9 @@ def _problem(schema: type[Section], config: dict[str, Any], error: dict[str, Any
     if kind == "missing":
         return f"{key} is required" + (f" (a `{key}:` section)" if _model_members(field) else "")
     if kind == "union_tag_not_found":
-        return f"{key}.{_discriminator(field)} is required (one of {', '.join(_model_members(field))})"
+        return f"{key}.{_discriminator(field)} is required (one of {', '.join(map(str, _model_members(field)))})"
     if kind == "union_tag_invalid":
-        tag, tags = error["ctx"]["tag"], ", ".join(_model_members(field))
+        tag, tags = error["ctx"]["tag"], ", ".join(map(str, _model_members(field)))
         return f"{key}.{_discriminator(field)} {tag!r} is not a {key} type (known: {tags})"
     if any(isinstance(item, str) for item in rest):
         # Every member of a union refused the value for its shape: say once what it may be.
@@ -693,7 +697,7 @@ def _model_members(field: FieldInfo | None) -> dict[str | None, type[Section]]:
     args = _union_args(field.annotation)
     if len(args) == 1 and typing.get_origin(args[0]) is list:
         args = [_strip(typing.get_args(args[0])[0])]
-    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    models = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
     if not models or len(models) != len(args):
         return {}
     if len(models) == 1:
@@ -701,8 +705,10 @@ def _model_members(field: FieldInfo | None) -> dict[str | None, type[Section]]:
     return {m.model_fields[_discriminator(field)].default: m for m in models}
 
 
-def _discriminator(field: FieldInfo) -> str:
+def _discriminator(field: FieldInfo | None) -> str:
     """The tag's key of a tagged union, kept on the field (``head: Head``) or in its annotation (``Head | None``)."""
+    if field is None:
+        raise TypeError("no field: not a tagged union")
     if isinstance(field.discriminator, str):
         return field.discriminator
     for arg in typing.get_args(field.annotation):

@@ -29,12 +29,14 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
@@ -87,8 +89,8 @@ def capture_hidden_states(
     decoder = model.get_decoder()
     caught: dict[int, torch.Tensor] = {}
 
-    def hook(index: int):
-        def keep_input(_module, args, kwargs):
+    def hook(index: int) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def keep_input(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             caught[index] = args[0] if args else kwargs["hidden_states"]
 
         return keep_input

@@ -11,9 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from jinja2 import TemplateError
-from transformers import PreTrainedTokenizerBase
+from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from data_recipes.errors import DataError
 from data_recipes.formats import check_messages, get_format
@@ -37,7 +38,7 @@ class RecipeReport:
     truncated: int = 0  # kept samples cut to max_length
     dropped_empty_mask: int = 0  # no assistant token left after truncation: nothing to learn from
     skipped: int = 0  # bad records under on_error="skip"
-    skipped_locations: list[str] = field(default_factory=list)  # the first 20, each also printed with its reason
+    skipped_locations: list[str | None] = field(default_factory=list)  # the first 20, each also printed with its reason
 
     def skip(self, err: DataError) -> None:
         self.skipped += 1
@@ -65,8 +66,10 @@ def tokenize_messages(
         input_ids = list(tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"])
         loss_mask = [1] * len(input_ids)
     elif _GENERATION_BLOCK.search(tokenizer.get_chat_template()):
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        # transformers types apply_chat_template's result as any of its forms: return_dict picks this one.
+        out = cast(
+            BatchEncoding,
+            tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True),
         )
         input_ids, loss_mask = list(out["input_ids"]), list(out["assistant_masks"])
     else:
@@ -81,7 +84,7 @@ def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
     A token is masked when its characters lie inside an assistant content; so is the special token that
     starts right where the content ends (``<|im_end|>``, ``<|eot_id|>``, ``</s>``): the end of turn.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = cast(str, tokenizer.apply_chat_template(messages, tokenize=False))
     # The same call apply_chat_template(tokenize=True) makes: the template writes its own BOS.
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
@@ -105,7 +108,11 @@ def _assistant_spans(
         # The history rendered with a generation prompt ends where turn i's content may start, so a user turn
         # that repeats the answer is never matched. Content can still come later (Qwen3 inserts an empty
         # <think> block first), hence the search. transformers refuses to render an empty history.
-        prefix = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False) if i else ""
+        prefix = (
+            cast(str, tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False))
+            if i
+            else ""
+        )
         start = max(cursor, len(prefix) if text.startswith(prefix) else 0)
         content = message["content"]
         begin = text.find(content, start)

@@ -24,7 +24,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm import tqdm
@@ -51,14 +51,16 @@ def generate_replies(
     generation: dict[str, Any],
 ) -> tuple[list[str], int]:
     """One batched ``generate`` over chat prompts; returns the replies and how many hit ``max_new_tokens``."""
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    # tokenize=False: the rendered text (transformers types the result as any of apply_chat_template's forms).
+    texts = [cast(str, tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)) for p in prompts]
     tokenizer.padding_side = "left"  # decoder-only generation continues from the right edge
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     generation = SAMPLING_DEFAULTS | generation
     sampling = {"do_sample": False}
     if generation["temperature"] > 0:
         sampling = {"do_sample": True, **{key: generation[key] for key in SAMPLING_DEFAULTS}}
-    out = model.generate(
+    # A causal LM's class mixes in GenerationMixin; PreTrainedModel, its declared type, has no generate.
+    out = model.generate(  # type: ignore[operator]
         **batch,
         max_new_tokens=generation["max_new_tokens"],
         eos_token_id=tokenizer.eos_token_id,
@@ -67,7 +69,7 @@ def generate_replies(
     )
     new = out[:, batch["input_ids"].shape[1] :]
     finished = (new == tokenizer.eos_token_id).any(dim=1)
-    replies = [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+    replies = [cast(str, tokenizer.decode(row, skip_special_tokens=True)).strip() for row in new]
     return replies, int((~finished).sum())
 
 

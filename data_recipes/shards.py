@@ -71,7 +71,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) 
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": fingerprint})
 
 
-def open_shard(path: Path):
+def open_shard(path: Path) -> safe_open:
     """``safe_open`` whose errors name the file (a truncated file or a corrupt header fails here)."""
     try:
         return safe_open(str(path), framework="pt")
@@ -228,7 +228,7 @@ class ShardDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.refs)
 
-    def _handle(self, shard: str):
+    def _handle(self, shard: str) -> safe_open:
         # One open handle per shard and per process (DataLoader workers get their own copy).
         if shard not in self._handles:
             self._handles[shard] = open_shard(self.dir / shard)

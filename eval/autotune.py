@@ -31,7 +31,7 @@ import argparse
 import json
 import statistics
 from dataclasses import asdict
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         "head": str(args.head),
         "bench": str(args.bench),
         "batch_size": args.batch_size,
-        "tuned_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "tuned_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     # Written before the (long) validation, so an interrupted run still leaves its choice.
     config = json.dumps(tree_json(chosen, vanilla, batch, meta), indent=2) + "\n"

@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from eval.tree import (
     SMALL_CHOICES,
@@ -40,7 +39,7 @@ from eval.tree import (
 )
 from eval.tree_config import chain_choices
 from eval.verify import Proposer, Sampling, probabilities
-from heads import DraftHead, HeadConfig, KVCache
+from heads import DFlashHead, DraftHead, Eagle3Head, EagleHead, HeadConfig, KVCache, MedusaHead
 
 
 def draft_logq(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -80,7 +79,7 @@ class NGram(Vanilla):
         return empty_tree(tokens.device)
 
 
-def check_draft_vocab(draft: nn.Module, target: nn.Module, draft_name: str, target_name: str) -> None:
+def check_draft_vocab(draft: PreTrainedModel, target: PreTrainedModel, draft_name: str, target_name: str) -> None:
     """ValueError naming both models when the draft can propose ids the target has no token for."""
     draft_vocab, target_vocab = draft.config.vocab_size, target.config.vocab_size
     if draft_vocab > target_vocab:
@@ -101,7 +100,7 @@ class DraftModel:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         k: int = 4,
         top_k: int = 1,
         total_tokens: int | None = None,
@@ -158,12 +157,15 @@ class Eagle:
         total_tokens: int = 48,
         choices: Sequence[Sequence[int]] | None = None,
     ) -> None:
+        if not isinstance(head, (EagleHead, Eagle3Head)):
+            raise ValueError(f"EAGLE drafting needs an eagle or eagle3 head, not a {head.config.type} head")
         self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
         self.choices = [list(c) for c in choices] if choices is not None else None
         self.hidden_layers = head.hidden_layers
 
     def reset(self, sampling: Sampling) -> None:
-        self.sampling, self.cache, self.root, self.committed = sampling, KVCache(), None, 0
+        self.sampling, self.cache, self.committed = sampling, KVCache(), 0
+        self.root: tuple[torch.Tensor, torch.Tensor] | None = None  # (log-probs, feature) below the pending root
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self.cache.crop(self.committed)
@@ -180,7 +182,8 @@ class Eagle:
         if self.root is None:  # a one-token prompt: no target feature yet
             return empty_tree(tokens.device)
         logp, feature = self.root
-        self.slot_features = [feature]  # row s + 1: output feature of drafted slot s; row 0: the root's
+        # Row s + 1: the output feature of drafted slot s; row 0: the root's.
+        self.slot_features: list[torch.Tensor] = [feature]
         root_logq, sample = self._logq(logp), not self.sampling.greedy
         if self.choices is not None:
             return shaped_tree(root_logq, self._expand, self.choices, sample)
@@ -226,8 +229,7 @@ class PEagle:
     """
 
     def __init__(self, head: DraftHead, depth: int = 3, choices: Sequence[Sequence[int]] | None = None) -> None:
-        options = head.config.options
-        if getattr(options, "parallel_drafting", None) is None:
+        if not isinstance(head, Eagle3Head) or head.config.options.parallel_drafting is None:
             raise ValueError(
                 f"P-EAGLE drafting needs an EAGLE-3 head trained with parallel_drafting; this is a {head.config.type} "
                 "head without it (draft it with the eagle3/eagle method)"
@@ -237,7 +239,8 @@ class PEagle:
         self.hidden_layers = head.hidden_layers
 
     def reset(self, sampling: Sampling) -> None:
-        self.sampling, self.cache, self.logp, self.committed = sampling, KVCache(), None, 0
+        self.sampling, self.cache, self.committed = sampling, KVCache(), 0
+        self.logp: torch.Tensor | None = None  # per depth: the draft's log-probs
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self.cache.crop(self.committed)
@@ -274,6 +277,8 @@ class Medusa:
     """
 
     def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES) -> None:
+        if not isinstance(head, MedusaHead):
+            raise ValueError(f"Medusa drafting needs a medusa head, not a {head.config.type} head")
         self.head, self.choices = head, [list(c) for c in choices]
         self.depth = max(len(c) for c in self.choices)
         heads = head.config.options.num_heads
@@ -282,7 +287,8 @@ class Medusa:
         self.hidden_layers = head.hidden_layers
 
     def reset(self, sampling: Sampling) -> None:
-        self.sampling, self.last_hidden = sampling, None
+        self.sampling = sampling
+        self.last_hidden: torch.Tensor | None = None
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
         if hidden is not None and len(hidden):
@@ -309,6 +315,8 @@ class DFlash:
     def __init__(
         self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, masks: int | None = None
     ) -> None:
+        if not isinstance(head, DFlashHead):
+            raise ValueError(f"DFlash drafting needs a dflash head, not a {head.config.type} head")
         self.head = head
         self.masks = masks or head.config.options.block_size - 1
         chain = [[0] * d for d in range(1, self.masks + 1)]
@@ -329,21 +337,21 @@ class DFlash:
     def reset(self, sampling: Sampling) -> None:
         self.sampling, self.committed = sampling, 0
         self.context = [KVCache() for _ in self.head.layers]
+        self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's cached keys and values
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """The newly committed rows' features become context: their keys and values in every layer."""
         if hidden is None or len(hidden) == 0:
             return
         positions = torch.arange(self.committed, self.committed + len(hidden), device=tokens.device)
-        for cache, (k, v) in zip(self.context, self.head.context_kv(hidden[None], positions[None])):
-            cache.append(k, v)
+        new_kv = self.head.context_kv(hidden[None], positions[None])
+        self.context_kv = [cache.append(k, v) for cache, (k, v) in zip(self.context, new_kv)]
         self.committed += len(hidden)
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         if self.committed == 0:  # a one-token prompt: no target feature yet
             return empty_tree(tokens.device)
-        context = [(cache.k, cache.v) for cache in self.context]
-        logits = self.head.draft_block(tokens[-1], self.committed, context, self.masks)
+        logits = self.head.draft_block(tokens[-1], self.committed, self.context_kv, self.masks)
         depth = max(len(c) for c in self.choices)
         width = max(c[-1] for c in self.choices) + 1
         logq = draft_logq(logits[:depth], self.sampling)
@@ -353,7 +361,10 @@ class DFlash:
         return static_tree(self.choices, candidates, logq.exp())
 
 
-def head_drafter(head: DraftHead) -> Eagle | PEagle | DFlash:
+Drafter = Eagle | PEagle | DFlash  # a head's proposer that takes a tree shape (``choices``)
+
+
+def head_drafter(head: DraftHead) -> Drafter:
     """The proposer a head drafts with, in its default shape; ``eval.autotune`` sets its ``choices``."""
     method = head_method(head.config)
     if method == "dflash":

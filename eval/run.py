@@ -11,16 +11,17 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
-from torch import nn
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from core.runtime import seed_everything
 from eval.bench import BenchItem, render
 from eval.proposers import (
     DFlash,
+    Drafter,
     DraftModel,
     Eagle,
     Medusa,
@@ -60,7 +61,7 @@ class TreeFlags:
 def build_proposer(
     method: str,
     flags: TreeFlags,
-    draft: nn.Module | None = None,
+    draft: PreTrainedModel | None = None,
     heads: dict[str, DraftHead] | None = None,
     tree_config: dict | None = None,
 ) -> Proposer:
@@ -73,9 +74,13 @@ def build_proposer(
     if method == "ngram":
         return NGram(k=flags.depth)
     if method == "draft_model":
+        if draft is None:
+            raise ValueError("the draft_model method needs a draft model")
         if flags.shape == "dynamic":
             return DraftModel(draft, k=flags.depth, top_k=flags.top_k, total_tokens=flags.total_tokens)
         return DraftModel(draft, k=flags.depth)
+    if heads is None or method not in heads:
+        raise ValueError(f"the {method} method needs its head")
     head = heads[method]
     if method == "medusa":
         depth = min(flags.depth, head.config.options.num_heads)
@@ -153,12 +158,12 @@ class MethodRun(Tally):
     outputs: list[list[list[int]]] = field(default_factory=list)  # per item: new tokens per turn
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per target forward
     by_category: dict[str, Tally] = field(default_factory=dict)
-    timer: TimedProposer | None = None
+    timer: TimedProposer = field(kw_only=True)
     peak_memory_mb: float = 0.0
 
 
 def decode_item(
-    target: nn.Module,
+    target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     proposer: Proposer,
     item: BenchItem,
@@ -172,12 +177,12 @@ def decode_item(
         prompt = render(tokenizer, messages).to(target.device)
         out, stats = generate(target, proposer, prompt, max_new_tokens, sampling, tokenizer.eos_token_id)
         new = out[0, prompt.shape[1] :]
-        messages.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
+        messages.append({"role": "assistant", "content": cast(str, tokenizer.decode(new, skip_special_tokens=True))})
         yield new, stats
 
 
 def run_method(
-    target: nn.Module,
+    target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     proposer: Proposer,
     items: list[BenchItem],
@@ -217,7 +222,7 @@ def run_method(
 
 
 def run_methods(
-    target: nn.Module,
+    target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     proposers: dict[str, Proposer],
     items: list[BenchItem],
@@ -273,7 +278,7 @@ NEAR_TIE_ULPS = 4
 
 @torch.no_grad()
 def divergence(
-    target: nn.Module,
+    target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     item: BenchItem,
     ref_turns: list[list[int]],
@@ -300,12 +305,12 @@ def divergence(
                 "logit_gap": gap,
                 "near_tie": abs(gap) <= tolerance,
             }
-        messages.append({"role": "assistant", "content": tokenizer.decode(ref, skip_special_tokens=True)})
+        messages.append({"role": "assistant", "content": cast(str, tokenizer.decode(ref, skip_special_tokens=True))})
     raise ValueError(f"{item.id}: outputs do not differ")
 
 
 def divergences(
-    target: nn.Module,
+    target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     items: list[BenchItem],
     baseline: MethodRun,
@@ -324,25 +329,27 @@ def divergences(
 class CombRecorder(ProposerWrapper):
     """Wraps a proposer that takes ``choices``: drafts the comb and records which ranks the target accepted."""
 
-    def __init__(self, proposer: Proposer, depth: int, width: int) -> None:
+    def __init__(self, proposer: Drafter, depth: int, width: int) -> None:
         super().__init__(proposer)
         self.depth, self.width = depth, width
-        self.proposer.choices = comb_choices(depth, width)
-        self.counts, self.tree = RankCounts(), None
+        proposer.choices = comb_choices(depth, width)
+        self.counts = RankCounts()
+        self.tree: Tree | None = None
 
     def reset(self, sampling: Sampling) -> None:
         self.tree = None
         super().reset(sampling)
 
     def propose(self, tokens: torch.Tensor) -> Tree:
-        self.tree = self.proposer.propose(tokens)
+        tree = self.tree = self.proposer.propose(tokens)
         self.proposed_len = len(tokens)
-        return self.tree
+        return tree
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
         if self.tree is not None and len(self.tree):
             accepted = tokens[self.proposed_len : -1].tolist()  # the bonus is the last new token
-            children, node, ranks = self.tree.children(), -1, []
+            children, node = self.tree.children(), -1
+            ranks: list[int] = []
             for token in accepted:
                 kids = children[node + 1]
                 rank = [int(self.tree.tokens[k]) for k in kids].index(token)
@@ -352,7 +359,7 @@ class CombRecorder(ProposerWrapper):
 
 
 def calibrate(
-    target: nn.Module,
+    target: PreTrainedModel,
     head: DraftHead,
     prompts: list[torch.Tensor],
     depth: int,
@@ -379,7 +386,8 @@ class TreeRecorder(ProposerWrapper):
 
     def __init__(self, proposer: Proposer, rank_probs: Sequence[Sequence[float]]) -> None:
         super().__init__(proposer)
-        self.rank_probs, self.expected = rank_probs, []
+        self.rank_probs = rank_probs
+        self.expected: list[float] = []
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         tree = self.proposer.propose(tokens)
@@ -397,7 +405,7 @@ class Measured(Tally):
 
 @torch.no_grad()
 def validate(
-    target: nn.Module,
+    target: PreTrainedModel,
     head: DraftHead,
     prompts: list[torch.Tensor],
     trees: list[TreeSpec],

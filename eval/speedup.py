@@ -89,7 +89,8 @@ def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
 def tree_tau(rank_probs: Sequence[Sequence[float]], tree: Tree) -> float:
     """``expected_tau`` of a greedily drafted tree: a node's rank is its index among its siblings (they are
     stored best first, and pruning keeps a better sibling whenever it keeps a worse one)."""
-    children, paths = tree.children(), {-1: []}
+    children = tree.children()
+    paths: dict[int, list[int]] = {-1: []}
     for node, parent in enumerate(tree.parents.tolist()):
         paths[node] = paths[parent] + [children[parent + 1].index(node)]
     return expected_tau(rank_probs, [paths[i] for i in range(len(tree))])

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from core.timing import clock, timed
-from eval.proposers import ProposerWrapper, head_drafter
+from eval.proposers import Drafter, ProposerWrapper, head_drafter
 from eval.speedup import Costs
 from eval.tree import Tree, chain
 from eval.verify import Proposer, Sampling, new_cache, verify_batch
@@ -96,7 +97,7 @@ def _ms(device: torch.device, fn: Callable[..., Any], *args: Any) -> float:
 
 @torch.no_grad()
 def measure_verify(
-    target: nn.Module, context: torch.Tensor, nodes: Sequence[int], batches: Sequence[int], repeats: int
+    target: PreTrainedModel, context: torch.Tensor, nodes: Sequence[int], batches: Sequence[int], repeats: int
 ) -> dict[int, list[float]]:
     """Median ms of one verification step (forward, acceptance, KV commit) of ``batches`` sequences over a
     chain of n nodes, at KV length len(context); the cache is cropped back after every step."""
@@ -126,8 +127,8 @@ def drafting_tokens(widths: Sequence[int], repeats: int, accepted: int) -> int:
 
 @torch.no_grad()
 def measure_drafting(
-    proposer: Proposer,
-    target: nn.Module,
+    proposer: Drafter,
+    target: PreTrainedModel,
     context: torch.Tensor,
     start: int,
     widths: Sequence[int],
@@ -171,7 +172,7 @@ def measure_drafting(
 
 
 def measure_costs(
-    target: nn.Module,
+    target: PreTrainedModel,
     head: DraftHead,
     decoded: list[torch.Tensor],
     kv_length: int,

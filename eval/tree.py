@@ -60,6 +60,14 @@ class Tree:
             self._ancestors = anc
         return self._ancestors
 
+    def sibling_dist(self, node: int) -> torch.Tensor | None:
+        """The draft distribution [V] ``node`` was drawn from; None for point masses."""
+        if self.dists is None:
+            return None
+        if self.dist_index is None:
+            raise ValueError("a tree with draft distributions needs dist_index: each node's row of dists")
+        return self.dists[self.dist_index[node]]
+
     def children(self) -> list[list[int]]:
         """Children of the root (entry 0) and of every node i (entry i + 1), in their stored order."""
         kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
@@ -253,8 +261,8 @@ def _levels(
         frontier = sorted({parents[i] for i in nodes})
         row = [frontier.index(parents[i]) for i in nodes]
         rank = [ranks[i] for i in nodes]
-        tensors = (torch.tensor(x, device=device) for x in (nodes, frontier, row, rank))
-        levels.append(_Level(*tensors, max(rank) + 1))
+        node_ids, frontier_ids, rows, ranks_ = (torch.tensor(x, device=device) for x in (nodes, frontier, row, rank))
+        levels.append(_Level(node_ids, frontier_ids, rows, ranks_, max(rank) + 1))
     return torch.tensor(parents, device=device), torch.tensor(depths, device=device), levels
 
 

@@ -53,9 +53,9 @@ class TreeSpec:
 
     @classmethod
     def static(cls, choices: Sequence[Sequence[int]]) -> TreeSpec:
-        choices = sorted((list(c) for c in choices), key=lambda c: (len(c), c))
-        depth = max((len(c) for c in choices), default=0)
-        return cls("static", depth, max((c[-1] + 1 for c in choices), default=0), len(choices), choices)
+        ordered = sorted((list(c) for c in choices), key=lambda c: (len(c), c))
+        depth = max((len(c) for c in ordered), default=0)
+        return cls("static", depth, max((c[-1] + 1 for c in ordered), default=0), len(ordered), ordered)
 
     @classmethod
     def from_config(cls, config: dict) -> TreeSpec:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from eval.tree import Tree, additive_mask, tree_batch_inputs
 
@@ -36,7 +37,7 @@ class Sampling:
     typical_threshold: float = 0.09  # Medusa's posterior_threshold
     typical_alpha: float = 0.3  # Medusa's posterior_alpha
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
 
@@ -127,7 +128,7 @@ def _walk(tree: Tree, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     p = probs[0]
     while children[node + 1]:
         siblings = children[node + 1]
-        q = tree.dists[tree.dist_index[siblings[0]]] if tree.dists is not None else None
+        q = tree.sibling_dist(siblings[0])
         for child in siblings:
             x = tree.tokens[child]
             q_x = q[x] if q is not None else 1.0
@@ -180,12 +181,12 @@ def _commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> No
     cache.crop(-(cache.get_seq_length() - prefix_len - keep))  # a negative count: rows to drop
 
 
-def _sliding_layers(target: torch.nn.Module) -> bool:
+def _sliding_layers(target: PreTrainedModel) -> bool:
     """Whether the target mixes sliding-window layers with global ones (``config.layer_types``, Gemma-3)."""
     return "sliding_attention" in (getattr(target.config, "layer_types", None) or ())
 
 
-def new_cache(target: torch.nn.Module) -> DynamicCache:
+def new_cache(target: PreTrainedModel) -> DynamicCache:
     """An empty cache for ``target`` that keeps every position of every layer. A cache built from a config with
     sliding-window layers (Gemma-3's ``layer_types``) keeps only each such layer's last window, which the
     gather and crop of rejected tree rows cannot undo; ``layer_masks`` applies those windows instead."""
@@ -195,7 +196,7 @@ def new_cache(target: torch.nn.Module) -> DynamicCache:
 
 
 def layer_masks(
-    target: torch.nn.Module, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+    target: PreTrainedModel, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The additive ``mask`` [B, 1, q, k] for every layer, or per layer type where the target mixes global and
     sliding-window layers (``config.layer_types``, which transformers' Gemma-3 takes as a dict): a sliding
@@ -208,15 +209,17 @@ def layer_masks(
     return {"full_attention": mask, "sliding_attention": sliding}
 
 
-def _hidden(out, layers: tuple[int, ...]) -> torch.Tensor | None:
+def _hidden(out: CausalLMOutputWithPast, layers: tuple[int, ...]) -> torch.Tensor | None:
     """The requested hidden states, concatenated: [B, rows, len(layers) * H]."""
     if not layers:
         return None
+    if out.hidden_states is None:
+        raise ValueError("the target returned no hidden states: call it with output_hidden_states=True")
     return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
 
 def verify_batch(
-    target: torch.nn.Module,
+    target: PreTrainedModel,
     cache: DynamicCache,
     valid: torch.Tensor,
     roots: torch.Tensor,
@@ -258,7 +261,7 @@ def verify_batch(
 
 
 def verify(
-    target: torch.nn.Module,
+    target: PreTrainedModel,
     cache: DynamicCache,
     root: torch.Tensor,
     tree: Tree,
@@ -276,7 +279,7 @@ def verify(
 
 
 def _prefill(
-    target: torch.nn.Module, cache: DynamicCache, seqs: list[torch.Tensor], layers: tuple[int, ...]
+    target: PreTrainedModel, cache: DynamicCache, seqs: list[torch.Tensor], layers: tuple[int, ...]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Read every sequence but its last token into ``cache``, right-padded: (valid [B, P], hidden per sequence)."""
     lengths = [len(s) - 1 for s in seqs]
@@ -297,7 +300,7 @@ def _prefill(
 
 @torch.inference_mode()  # no autograd bookkeeping at all: less host work per op than no_grad
 def generate_batch(
-    target: torch.nn.Module,
+    target: PreTrainedModel,
     proposers: list[Proposer],
     prompts: list[torch.Tensor],
     max_new_tokens: int,
@@ -353,7 +356,7 @@ def generate_batch(
 
 
 def generate(
-    target: torch.nn.Module,
+    target: PreTrainedModel,
     proposer: Proposer,
     input_ids: torch.Tensor,
     max_new_tokens: int,

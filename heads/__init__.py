@@ -16,8 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from heads.base import WEIGHTS_NAME, DraftHead
 from heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
@@ -63,7 +62,7 @@ def _head_class(head_type: str) -> type[DraftHead]:
 
 
 def build_head(
-    head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+    head_cfg: dict[str, Any], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> DraftHead:
     """A fresh head of ``head_cfg["type"]`` for ``target_model``; the other keys are that head's options.
 
@@ -74,7 +73,7 @@ def build_head(
 
 def load_head(
     head_dir: str | Path,
-    target_model: nn.Module,
+    target_model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None = None,
     allow_other_tokenizer: bool = False,
 ) -> DraftHead:

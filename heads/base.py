@@ -4,12 +4,12 @@ save and load), and a head folder's files: ``config.json`` (``heads.config``) + 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from core.fingerprint import tokenizer_hash
 from core.io import atomic_dir
@@ -18,6 +18,7 @@ from heads.config import HeadConfig, parse_section, read_head_config, write_head
 from heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
 
 WEIGHTS_NAME = "model.safetensors"
+Head = TypeVar("Head", bound="DraftHead")
 
 
 def load_head_weights(head: nn.Module, head_dir: str | Path, device: torch.device) -> nn.Module:
@@ -41,7 +42,17 @@ class DraftHead(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
-        self.target: TargetParts | None = None
+        self._target: TargetParts | None = None
+
+    @property
+    def target(self) -> TargetParts:
+        """The target's embeddings and lm_head the head borrows (``attach``)."""
+        if self._target is None:
+            raise RuntimeError(
+                f"this {self.head_type} head is not attached to a target: make it with build_head or load_head, "
+                "or call head.attach(target_model) first"
+            )
+        return self._target
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -67,8 +78,11 @@ class DraftHead(nn.Module):
 
     @classmethod
     def build(
-        cls, head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
-    ) -> DraftHead:
+        cls: type[Head],
+        head_cfg: dict[str, Any],
+        target_model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> Head:
         """A fresh head for ``target_model``, on the target's device (fp32; the trainer picks precision).
 
         ``tokenizer``, the target's, is recorded as its hash in the config, so loading the head on a target
@@ -79,10 +93,14 @@ class DraftHead(nn.Module):
             config.tokenizer_hash = tokenizer_hash(tokenizer)
         head = cls(config)
         head.attach(target_model)
-        return head.to(target_model.get_input_embeddings().weight.device)
+        return head.to(head.target.embed_tokens.weight.device)
 
-    def attach(self, target_model: nn.Module) -> None:
-        self.target = target_parts(target_model)
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The training loss on ``batch`` (capture's keys) and its detached metrics; each head type has its own."""
+        raise NotImplementedError(f"{type(self).__name__} defines no loss")
+
+    def attach(self, target_model: PreTrainedModel) -> None:
+        self._target = target_parts(target_model)
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """``config.json`` + ``model.safetensors``, written atomically (a reader never sees half a head)."""
@@ -93,18 +111,18 @@ class DraftHead(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls,
+        cls: type[Head],
         head_dir: str | Path,
-        target_model: nn.Module,
+        target_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
         allow_other_tokenizer: bool = False,
-    ) -> DraftHead:
+    ) -> Head:
         """The saved head, checked against ``target_model`` (shapes) and, when given, its ``tokenizer``."""
         config = read_head_config(head_dir)
         check_compatible(config, target_model.config, cls.head_type)
         if tokenizer is not None:
             check_tokenizer(config, tokenizer_hash(tokenizer), head_dir, allow_other_tokenizer)
         head = cls(config)
-        load_head_weights(head, head_dir, target_model.get_input_embeddings().weight.device)
         head.attach(target_model)
+        load_head_weights(head, head_dir, head.target.embed_tokens.weight.device)
         return head

@@ -18,6 +18,14 @@ CONFIG_NAME = "config.json"
 
 Options = TypeVar("Options", bound=HeadOptions)
 Parsed = TypeVar("Parsed", bound=Section)
+Value = TypeVar("Value")
+
+
+def resolved(value: Value | None, option: str) -> Value:
+    """A head option that ``make_config`` fills in when the user leaves it unset (null), as every saved head has it."""
+    if value is None:
+        raise ValueError(f"head option {option} is unset: make the head's config with its make_config")
+    return value
 
 
 def parse_section(model: type[Parsed], data: dict[str, Any], where: str | Path) -> Parsed:
@@ -85,7 +93,7 @@ class HeadConfig(Generic[Options]):
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str | Path) -> HeadConfig:
+    def from_json(cls, data: dict[str, Any], where: str | Path) -> HeadConfig[HeadOptions]:
         """The config of a config.json's content; ValueError naming ``where`` and the key when it is not one."""
         head_type = data.get("type")
         if head_type not in HEAD_OPTIONS:
@@ -94,7 +102,7 @@ class HeadConfig(Generic[Options]):
         options = parse_section(HEAD_OPTIONS[head_type], {k: v for k, v in data.items() if k not in own}, where)
         try:
             arch = DraftArch(**data["arch"])
-            return cls(options=options, arch=arch, **{k: data[k] for k in own - {"arch"} if k in data})
+            return HeadConfig(options=options, arch=arch, **{k: data[k] for k in own - {"arch"} if k in data})
         except (KeyError, TypeError) as err:
             raise ValueError(f"{where}: not a {head_type} head config ({err})") from None
 

@@ -34,16 +34,16 @@ a large share of a tiny draft's time, shrinks in proportion.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from core.models import default_aux_layers
 from core.schema import DflashOptions
 from heads.base import DraftHead
-from heads.config import DraftArch, HeadConfig
+from heads.config import DraftArch, HeadConfig, resolved
 from heads.eagle3 import build_vocab_mapping
 from heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
 from heads.losses import label_mask, soft_cross_entropy
@@ -147,6 +147,9 @@ class DFlashHead(DraftHead):
     head_type = "dflash"
     options_model = DflashOptions
     config: HeadConfig[DflashOptions]
+    lm_head: nn.Linear | None  # the draft vocabulary's rows of the target's lm_head (draft_vocab_size), else None
+    d2t: torch.Tensor  # buffers with lm_head, as EAGLE-3's
+    t2d: torch.Tensor
 
     @classmethod
     def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[DflashOptions]:
@@ -174,13 +177,13 @@ class DFlashHead(DraftHead):
 
     @classmethod
     def build(
-        cls, head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+        cls, head_cfg: dict[str, Any], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> DFlashHead:
         if head_cfg.get("mask_token_id") is None:
             head_cfg = {**head_cfg, "mask_token_id": resolve_mask_token_id(target_model.config, tokenizer)}
         head = super().build(head_cfg, target_model, tokenizer)
         if head.mask_embedding is not None:  # a learned vector starts from the row it replaces
-            row = target_model.get_input_embeddings().weight[head.mask_token_id]
+            row = head.target.embed_tokens.weight[head.mask_token_id]
             head.mask_embedding.data.copy_(row.detach().float())
         if head.lm_head is not None:  # until set_vocab_mapping: the first draft_vocab_size target ids
             head.set_vocab_mapping(torch.arange(head.config.vocab_size, 0, -1))
@@ -190,7 +193,9 @@ class DFlashHead(DraftHead):
         super().__init__(config)
         arch, options = config.arch, config.options
         hidden = arch.hidden_size
-        self.fc = nn.Linear(len(options.layer_ids) * config.target_hidden_size, hidden, bias=False)
+        self.fc = nn.Linear(
+            len(resolved(options.layer_ids, "layer_ids")) * config.target_hidden_size, hidden, bias=False
+        )
         self.hidden_norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(arch) for _ in range(options.num_layers))
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
@@ -206,11 +211,11 @@ class DFlashHead(DraftHead):
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         """The fused target layers (``hidden_states`` indices, ascending)."""
-        return tuple(self.config.options.layer_ids)
+        return tuple(resolved(self.config.options.layer_ids, "layer_ids"))
 
     @property
     def mask_token_id(self) -> int:
-        return self.config.options.mask_token_id
+        return resolved(self.config.options.mask_token_id, "mask_token_id")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's embeddings of ``input_ids``; with ``mask_embedding``, that vector at the mask id."""
@@ -225,7 +230,7 @@ class DFlashHead(DraftHead):
         dtype = self.fc.weight.dtype
         context = self.hidden_norm(self.fc(aux_hidden.to(dtype)))
         cos, sin = self.rotary(position_ids, dtype)
-        return [layer.key_values(context, cos, sin) for layer in self.layers]
+        return [cast(DFlashLayer, layer).key_values(context, cos, sin) for layer in self.layers]
 
     def forward(
         self,
@@ -246,6 +251,10 @@ class DFlashHead(DraftHead):
     def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
         """Draft over the ``draft_vocab_size`` most frequent target ids of ``token_counts`` [V] (training
         tokens): ``d2t``/``t2d`` as EAGLE-3 keeps them, and ``lm_head`` the target lm_head's rows for them."""
+        if self.lm_head is None:
+            raise ValueError(
+                "set_vocab_mapping needs a reduced draft vocabulary: this DFlash head has no draft_vocab_size"
+            )
         d2t, t2d = build_vocab_mapping(token_counts, self.lm_head.out_features)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)

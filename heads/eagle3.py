@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from transformers import PretrainedConfig
 from core.models import default_aux_layers
 from core.schema import Eagle3Options
 from heads.base import DraftHead
-from heads.config import DraftArch, HeadConfig
+from heads.config import DraftArch, HeadConfig, resolved
 from heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
 from heads.losses import label_mask, shift_left, soft_cross_entropy
 from heads.target import check_eagle_family
@@ -137,6 +137,9 @@ class Eagle3Head(DraftHead):
     head_type = "eagle3"
     options_model = Eagle3Options
     config: HeadConfig[Eagle3Options]
+    d2t: torch.Tensor  # buffers (register_buffer): draft id -> target id offset, target id -> in the draft vocab
+    t2d: torch.Tensor
+    mask_hidden: nn.Parameter  # P-EAGLE only
 
     @classmethod
     def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[Eagle3Options]:
@@ -172,7 +175,7 @@ class Eagle3Head(DraftHead):
         super().__init__(config)
         arch, options = config.arch, config.options
         hidden, vocab, draft_vocab = arch.hidden_size, config.vocab_size, options.draft_vocab_size
-        fused = len(options.layer_ids) * config.target_hidden_size
+        fused = len(resolved(options.layer_ids, "layer_ids")) * config.target_hidden_size
         self.fc = nn.Linear(fused, hidden, bias=False)
         if options.parallel_drafting is not None:
             # In the fused states' space, before fc, as vLLM loads it; randn like speculators' P-EAGLE.
@@ -188,7 +191,7 @@ class Eagle3Head(DraftHead):
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         """The fused target layers (``hidden_states`` indices, ascending)."""
-        return tuple(self.config.options.layer_ids)
+        return tuple(resolved(self.config.options.layer_ids, "layer_ids"))
 
     def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
         """Pick the draft vocabulary from target-token frequencies in the training data ([V] counts)."""
@@ -212,7 +215,10 @@ class Eagle3Head(DraftHead):
 
     def mask_slots(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """P-EAGLE's inputs at ``n`` mask slots: (the mask token [batch, n], fc(mask_hidden) [batch, n, H])."""
-        token = self.config.options.parallel_drafting.mask_token_id
+        parallel = self.config.options.parallel_drafting
+        if parallel is None:
+            raise ValueError("mask slots are P-EAGLE's: this EAGLE-3 head has no head.parallel_drafting")
+        token = resolved(parallel.mask_token_id, "parallel_drafting.mask_token_id")
         ids = torch.full((batch, n), token, dtype=torch.long, device=self.mask_hidden.device)
         return ids, self.first_features(self.mask_hidden).expand(batch, n, -1)
 
@@ -300,7 +306,8 @@ class Eagle3Head(DraftHead):
             target_probs = target_logits[..., draft_in_target].float().softmax(-1)
             in_vocab = self.t2d[target_logits.argmax(-1)]
         features = self.first_features(batch["aux_hidden"])
-        total, metrics = 0.0, {}
+        total: torch.Tensor | float = 0.0
+        metrics = {}
         options = self.config.options
         for j, out in enumerate(self.ttt_features(features, batch["input_ids"], options.ttt_steps)):
             logits = self.lm_head(self.norm(out))
@@ -314,4 +321,4 @@ class Eagle3Head(DraftHead):
             agree = (logits.argmax(-1) == target.argmax(-1)).float()
             metrics[f"loss_{j}"] = step_loss.detach()
             metrics[f"acc_{j}"] = ((agree * counted).sum() / count).detach()
-        return total, metrics
+        return cast(torch.Tensor, total), metrics  # a tensor from step 0's loss on (ttt_steps >= 1)

@@ -44,7 +44,7 @@ def rope_parameters(config: LlamaConfig, seq_len: int | None = None) -> tuple[to
 
     ``seq_len`` matters to the types whose frequencies follow the sequence length (dynamic, longrope).
     """
-    kind = config.rope_parameters["rope_type"]
+    kind = config.rope_parameters["rope_type"]  # type: ignore[index]  # the config's __init__ always sets it
     if kind == "default":
         inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     elif kind in ROPE_INIT_FUNCTIONS:
@@ -130,24 +130,28 @@ class KVCache:
     def v(self) -> torch.Tensor | None:
         return None if self._v is None else self._v[:, :, : self.length]
 
-    def _reserve(self, k: torch.Tensor, length: int) -> None:
+    def _reserve(self, k: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers holding at least ``length`` positions of keys shaped like ``k``, the cached ones copied over."""
-        if self._k is not None and length <= self._k.shape[2]:
-            return
+        if self._k is not None and self._v is not None and length <= self._k.shape[2]:
+            return self._k, self._v
         capacity = max(length, self.min_capacity, 2 * (0 if self._k is None else self._k.shape[2]))
         b, heads, _, dim = k.shape
         new_k, new_v = k.new_empty(b, heads, capacity, dim), k.new_empty(b, heads, capacity, dim)
-        if self._k is not None:
-            new_k[:, :, : self.length], new_v[:, :, : self.length] = self.k, self.v
+        if self._k is not None and self._v is not None:
+            new_k[:, :, : self.length], new_v[:, :, : self.length] = (
+                self._k[:, :, : self.length],
+                self._v[:, :, : self.length],
+            )
         self._k, self._v = new_k, new_v
+        return new_k, new_v
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the new positions' keys and values; return all cached ones."""
         end = self.length + k.shape[2]
-        self._reserve(k, end)
-        self._k[:, :, self.length : end], self._v[:, :, self.length : end] = k, v
+        keys, values = self._reserve(k, end)
+        keys[:, :, self.length : end], values[:, :, self.length : end] = k, v
         self.length = end
-        return self.k, self.v
+        return keys[:, :, :end], values[:, :, :end]
 
     def crop(self, length: int) -> None:
         """Forget everything after the first ``length`` positions (rejected drafts)."""
@@ -160,13 +164,14 @@ class KVCache:
 
         After a tree is verified this commits the accepted path: keep(arange(prefix) ++ accepted slots).
         """
-        if self._k is None:
+        if self._k is None or self._v is None:
             return
+        cached_k, cached_v = self._k[:, :, : self.length], self._v[:, :, : self.length]
         if indices.dim() == 1:
-            k, v = self.k[:, :, indices], self.v[:, :, indices]
+            k, v = cached_k[:, :, indices], cached_v[:, :, indices]
         else:
             index = indices[:, None, :, None].expand(-1, self._k.shape[1], -1, self._k.shape[3])
-            k, v = self.k.gather(2, index), self.v.gather(2, index)
+            k, v = cached_k.gather(2, index), cached_v.gather(2, index)
         self.length = 0
         self.append(k, v)
 
@@ -174,7 +179,7 @@ class KVCache:
 class GradKVCache:
     """Keys and values that stay in the autograd graph (training-time test): concatenated, never written in place."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
@@ -214,6 +219,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=arch.qkv_bias)
         self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, arch.hidden_size, bias=False)
+        self.q_norm: nn.Module
+        self.k_norm: nn.Module
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)

@@ -17,13 +17,13 @@ do not wreck the target early on.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from core.schema import Lora, MedusaOptions
 from heads.base import DraftHead
@@ -59,19 +59,23 @@ class MedusaHead(DraftHead):
 
     @classmethod
     def build(
-        cls, head_cfg: dict[str, Any], target_model: nn.Module, tokenizer: PreTrainedTokenizerBase | None = None
+        cls, head_cfg: dict[str, Any], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> MedusaHead:
         """Fresh heads whose lm_heads start as copies of the target's (then trained, and saved with the head)."""
         head = super().build(head_cfg, target_model, tokenizer)
-        weight = target_model.get_output_embeddings().weight
+        weight = head.target.lm_head.weight
         with torch.no_grad():
-            for seq in head.medusa_head:
-                seq[-1].weight.copy_(weight)
+            for lm_head in head.lm_heads():
+                lm_head.weight.copy_(weight)
         return head
+
+    def lm_heads(self) -> list[nn.Linear]:
+        """Each head's last layer, its lm_head."""
+        return [cast(nn.Linear, list(seq.children())[-1]) for seq in self.medusa_head]
 
     def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """Logits [B,S,K,V] of every head at every position of ``last_hidden`` [B,S,H]."""
-        x = last_hidden.to(self.medusa_head[0][-1].weight.dtype)
+        x = last_hidden.to(self.lm_heads()[0].weight.dtype)
         return torch.stack([head(x) for head in self.medusa_head], dim=2)
 
     def draft(self, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -106,7 +110,8 @@ def medusa_loss(
     A position counts for a head when its label token has loss_mask 1 (see ``label_mask``).
     Metrics (detached): loss_k, acc_k per head, and lm_loss for Medusa-2.
     """
-    total, metrics = 0.0, {}
+    total: torch.Tensor | float = 0.0
+    metrics = {}
     for k in range(head_logits.shape[2]):
         loss_k, metrics[f"acc_{k}"] = _token_loss(head_logits[:, :, k], batch, k + 2)
         metrics[f"loss_{k}"] = loss_k.detach()
@@ -116,7 +121,7 @@ def medusa_loss(
         lm_loss, _ = _token_loss(lm_logits, batch, 1)
         metrics["lm_loss"] = lm_loss.detach()
         total = total + lm_loss
-    return total, metrics
+    return cast(torch.Tensor, total), metrics  # a tensor from the first head's loss on
 
 
 def medusa_weight_at(step: int, warmup_steps: int, final_weight: float = 1.0) -> float:
@@ -126,7 +131,7 @@ def medusa_weight_at(step: int, warmup_steps: int, final_weight: float = 1.0) ->
     return final_weight * min(step / warmup_steps, 1.0)
 
 
-def medusa2_wrap(target: nn.Module, lora: dict[str, Any]) -> PeftModel:
+def medusa2_wrap(target: PreTrainedModel, lora: dict[str, Any]) -> PeftModel:
     """The target with LoRA adapters (peft): only the adapters train; the base weights stay frozen.
 
     ``lora`` is a config's ``lora:`` section (``core.schema.Lora``: its keys, defaults and ranges).
@@ -135,7 +140,7 @@ def medusa2_wrap(target: nn.Module, lora: dict[str, Any]) -> PeftModel:
     settings = parse_section(Lora, lora, "lora")
     config = LoraConfig(
         r=settings.r,
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft types it int; it only divides it by r
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
         task_type="CAUSAL_LM",

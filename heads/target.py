@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from heads.config import DraftArch, HeadConfig
 
@@ -177,8 +177,8 @@ class TargetParts:
 
     ``logit_softcap``: the target's ``final_logit_softcapping`` (Gemma), None where it has none."""
 
-    embed_tokens: nn.Module
-    lm_head: nn.Module
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
     logit_softcap: float | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -203,6 +203,9 @@ class TargetParts:
         return logits
 
 
-def target_parts(target_model: nn.Module) -> TargetParts:
-    softcap = getattr(target_model.config, "final_logit_softcapping", None)
-    return TargetParts(target_model.get_input_embeddings(), target_model.get_output_embeddings(), softcap)
+def target_parts(target_model: PreTrainedModel) -> TargetParts:
+    # transformers types both as any module; a causal LM's are an Embedding (or a subclass: Gemma's scaled
+    # one) and a Linear, whose .weight the heads read.
+    embed_tokens = cast(nn.Embedding, target_model.get_input_embeddings())
+    lm_head = cast(nn.Linear, target_model.get_output_embeddings())
+    return TargetParts(embed_tokens, lm_head, getattr(target_model.config, "final_logit_softcapping", None))

@@ -22,7 +22,7 @@ from core.timing import timed
 from data_recipes.capture import OnlineCapture, resolve_aux_layers
 from data_recipes.recipes import load_samples
 from data_recipes.shards import pad_collate
-from heads import HEADS, build_head
+from heads import HEADS, DraftHead, build_head
 from train.data import SampleDataset
 
 
@@ -34,7 +34,7 @@ def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:
     return options
 
 
-def bench(head, batches: list[dict[str, torch.Tensor]], steps: int) -> float:
+def bench(head: DraftHead, batches: list[dict[str, torch.Tensor]], steps: int) -> float:
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
 
     def train_step(batch: dict[str, torch.Tensor]) -> None:

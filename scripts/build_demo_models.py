@@ -16,12 +16,12 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import BatchEncoding, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from core.config import load_config, save_config
 from core.errors import DataError
@@ -111,6 +111,7 @@ def encode(tokenizer: PreTrainedTokenizerFast, conversation: list[dict]) -> dict
     out = tokenizer.apply_chat_template(
         conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
+    out = cast(BatchEncoding, out)  # return_dict: transformers types the result as any of its forms
     return {"input_ids": list(out["input_ids"]), "assistant_masks": list(out["assistant_masks"])}
 
 
@@ -135,7 +136,7 @@ def model_config(arch: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Ll
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa",  # type: ignore[call-arg]  # a PretrainedConfig keyword LlamaConfig's stub omits
     )
 
 
@@ -220,13 +221,14 @@ def sample_generations(
     model.eval()
     samples = []
     for question in questions:
-        ids = tokenizer.apply_chat_template(
+        encoding = tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"].to(device)
-        out = model.generate(ids, max_new_tokens=160, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-        samples.append(
-            {"question": question, "answer": tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}
         )
+        ids = cast(BatchEncoding, encoding)["input_ids"].to(device)
+        # transformers types generate's self as a protocol its own models do not match.
+        out = model.generate(ids, max_new_tokens=160, do_sample=False, eos_token_id=tokenizer.eos_token_id)  # type: ignore[misc]
+        answer = cast(str, tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+        samples.append({"question": question, "answer": answer})
     return samples
 
 
@@ -283,7 +285,8 @@ def build_model(
         print(f"{out} is complete; skipping (delete it to rebuild)")
         return
     seed_everything(cfg["seed"])
-    model = LlamaForCausalLM(model_config(arch, tokenizer)).to(device)
+    # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
+    model = LlamaForCausalLM(model_config(arch, tokenizer)).to(device)  # type: ignore[arg-type]
     blocks = pack(train_encoded, arch["train"]["seq_len"])
     params = sum(p.numel() for p in model.parameters())
     print(f"{role}: {params / 1e6:.1f}M parameters, {blocks.numel():,} training tokens per epoch")

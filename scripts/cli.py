@@ -84,9 +84,8 @@ def run_module(module: str, argv: list[str], prog: str) -> None:
         import_module(module).main(argv)
 
 
-def run_flags(verb: Verb, argv: list[str], prog: str) -> None:
-    """A flag-driven command with the settings of the config's section for it."""
-    section = verb.section
+def run_flags(verb: Verb, section: str, argv: list[str], prog: str) -> None:
+    """A flag-driven command with the settings of the config's ``section`` for it."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=f"{verb.summary}:\npython -m {verb.module} with its flags from the config's `{section}:` section",
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.verb == "train":
             run_train(args.args, prog)
         elif verb.section is not None:
-            run_flags(verb, args.args, prog)
+            run_flags(verb, verb.section, args.args, prog)
         else:
             run_module(verb.module, args.args, prog)
     except ConfigError as err:

@@ -54,7 +54,7 @@ def report_section(report_dir: Path) -> tuple[str, dict[str, Path]]:
     return "\n\n".join(parts) + "\n", files
 
 
-def local_target_problem(target_id: str | None, target: str) -> str | None:
+def local_target_problem(target_id: str | None, target: str | None) -> str | None:
     """Why the hub repo would name its target by something its users cannot load, else None.
 
     The card's serve commands, speculators' ``verifier`` and Medusa's ``base_model_name_or_path`` name it.
@@ -66,6 +66,8 @@ def local_target_problem(target_id: str | None, target: str) -> str | None:
         except HFValidationError as err:
             return f"--target-id {target_id!r} is not a hub id: {err}"
         return None
+    if target is None:
+        return "the head records no target: pass --target-id ORG/NAME, the target as users load it"
     if Path(target).exists():
         return f"the target {target} is a local folder: pass --target-id ORG/NAME, the target as users load it"
     return None
@@ -87,7 +89,8 @@ def stage(
     A target that is no hub id is refused, unless ``dry_run`` (nothing is published): then a note says so.
     """
     head_dir, out = Path(head_dir), Path(out)
-    sections, report_files = [], {}
+    sections: list[str] = []
+    report_files: dict[str, Path] = {}
     if report_dir is not None:
         section, report_files = report_section(Path(report_dir))
         sections.append(section)

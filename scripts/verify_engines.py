@@ -39,7 +39,7 @@ import time
 from importlib.metadata import version
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -48,6 +48,11 @@ from core.errors import DataError
 from core.io import read_jsonl
 from data_recipes.errors import get_field
 from scripts.formats.parity import acceptance, report_markdown, weights_digest
+
+if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
+    from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
+
+    from heads import DraftHead, Eagle3Head
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
 MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
@@ -61,7 +66,11 @@ LAYOUTS = {
     "dflash": ("vllm",),
 }
 # vLLM's speculative config per kind: P-EAGLE is method eagle3 with parallel drafting (vllm/config/speculative.py).
-METHODS = {"eagle3": {"method": "eagle3"}, "eagle": {"method": "eagle"}, "dflash": {"method": "dflash"}}
+METHODS: dict[str, dict[str, Any]] = {
+    "eagle3": {"method": "eagle3"},
+    "eagle": {"method": "eagle"},
+    "dflash": {"method": "dflash"},
+}
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 DATA = "assets/data/gsm8k_test.jsonl"
 NO_SPECULATORS = {
@@ -137,7 +146,7 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
 # ---- the project's side: exports, references, our own engine (imports the project lazily: the side venv cannot) ----
 
 
-def resolve_head(kind: str, path: str, model: torch.nn.Module, work: Path) -> tuple[Path, bool]:
+def resolve_head(kind: str, path: str, model: PreTrainedModel, work: Path) -> tuple[Path, bool]:
     """(head folder, random_init): ``path``, checked to hold a ``kind`` head, else a seeded random one."""
     from eval.proposers import head_method
     from heads import build_head, read_head_config
@@ -156,9 +165,16 @@ def resolve_head(kind: str, path: str, model: torch.nn.Module, work: Path) -> tu
     return head_dir, True
 
 
-def prepare(head_type: str, path: str, settings: dict[str, Any], model, tokenizer, work: Path) -> dict[str, Any]:
+def prepare(
+    head_type: str,
+    path: str,
+    settings: dict[str, Any],
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    work: Path,
+) -> dict[str, Any]:
     """Export one head for vLLM, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
-    from heads import load_head
+    from heads import Eagle3Head, load_head
     from scripts.export import export_head
 
     work.mkdir(parents=True, exist_ok=True)
@@ -169,6 +185,7 @@ def prepare(head_type: str, path: str, settings: dict[str, Any], model, tokenize
     facts = {"type": head_type, "head": str(head_dir), "random_init": random_init, "exports": exports}
     facts["weights_sha256"] = weights_digest(head_dir)
     if head_type == "eagle3":
+        assert isinstance(head, Eagle3Head)  # resolve_head checked the folder holds an eagle3 head
         facts["layer_ids"] = list(head.hidden_layers)
         write_reference(model, head, tokenizer, work)
     facts["ours"] = our_acceptance(model, head, tokenizer, settings)
@@ -176,12 +193,18 @@ def prepare(head_type: str, path: str, settings: dict[str, Any], model, tokenize
     return facts
 
 
-def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, work: Path) -> None:
-    """Our EAGLE-3 head's step-0 draft logits on the first prompt, for speculators to reproduce."""
-    ids = tokenizer.apply_chat_template(
-        prompts(1)[0], add_generation_prompt=True, return_tensors="pt", return_dict=True
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
+    """The token ids [1, S] of a chat prompt, rendered with its generation prompt."""
+    encoding = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
-    ids = ids["input_ids"]
+    # return_dict: a BatchEncoding (transformers types the result as any of apply_chat_template's forms).
+    return cast("BatchEncoding", encoding)["input_ids"]
+
+
+def write_reference(model: PreTrainedModel, head: Eagle3Head, tokenizer: PreTrainedTokenizerBase, work: Path) -> None:
+    """Our EAGLE-3 head's step-0 draft logits on the first prompt, for speculators to reproduce."""
+    ids = chat_ids(tokenizer, prompts(1)[0])
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         aux = torch.cat([states[i] for i in head.hidden_layers], dim=-1)
@@ -192,15 +215,18 @@ def write_reference(model: torch.nn.Module, head: torch.nn.Module, tokenizer, wo
     )
 
 
-def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, settings: dict[str, Any]) -> dict:
+def our_acceptance(
+    model: PreTrainedModel, head: DraftHead, tokenizer: PreTrainedTokenizerBase, settings: dict[str, Any]
+) -> dict:
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
     drafts vLLM's block: the newest token and k masks."""
-    from eval.proposers import DFlash, Eagle, PEagle, head_method
+    from eval.proposers import DFlash, Drafter, Eagle, PEagle, head_method
     from eval.verify import generate
 
     k = settings["k"]
     method = head_method(head.config)
+    proposer: Drafter
     if method == "peagle":
         proposer = PEagle(head, depth=k)
     elif method == "dflash":
@@ -209,8 +235,7 @@ def our_acceptance(model: torch.nn.Module, head: torch.nn.Module, tokenizer, set
         proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
     forwards, accepted, tokens = 0, [0] * k, []
     for messages in prompts(settings["prompts"]):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
+        ids = chat_ids(tokenizer, messages)
         out, stats = generate(model, proposer, ids, settings["max_tokens"], eos_token_id=settings["eos_token_id"])
         tokens.append(out[0, ids.shape[1] :].tolist())
         forwards += stats.target_forwards
@@ -279,7 +304,8 @@ def run_vllm(settings: dict[str, Any], facts: dict[str, Any] | None, layout: str
     )  # fmt: skip
     sampling = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"])
     outputs = llm.chat(prompts(settings["prompts"]), sampling, use_tqdm=False)
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "engine": f"vLLM {vllm.__version__}"}
+    result: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    result["engine"] = f"vLLM {vllm.__version__}"
     if facts:
         metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
         result["acceptance"] = read_counters(metrics, settings["k"])
@@ -294,6 +320,8 @@ def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | No
     settings = json.loads((work / "settings.json").read_text())
     facts = json.loads((work / head_type / "facts.json").read_text()) if head_type else None
     if stage == "speculators":
+        if head_type is None or facts is None:
+            raise ValueError("the speculators stage checks one head: name its type")
         result = check_speculators(work / head_type, settings, facts)
     else:
         result = run_vllm(settings, facts, layout)
@@ -412,8 +440,8 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
         entries.append({**f, "ours": {k: v for k, v in ours.items() if k != "tokens"}, "speculators": speculators,
                         "served": runs})  # fmt: skip
     date = time.strftime("%Y-%m-%d", time.gmtime())
-    engines = sorted(e for e in engines if e)
-    return {"status": overall(entries), "date": date, "settings": settings, "engines": engines, "heads": entries}
+    found = sorted(e for e in engines if e)
+    return {"status": overall(entries), "date": date, "settings": settings, "engines": found, "heads": entries}
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:

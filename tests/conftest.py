@@ -1,8 +1,15 @@
-"""Test-wide settings: no network, no wandb, seeded, one place for the bundled model paths; the tiny training
-config and its process env; waiting on a process."""
+"""Test-wide settings: no network, no wandb, seeded, one place for the bundled model paths; the one tiny random
+Llama builder and what tests build on it (batches, heads); the tiny training config, its runs and process env;
+the chi-square check of the sampling tests; waiting on a process.
 
+Test modules import helpers from here (``from conftest import ...``), never from one another."""
+
+import json
+import math
 import os
 import socket
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,14 +89,98 @@ def tiny_target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gsm8k_file(tmp_path_factory):
-    import json
-
     path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
     return path
 
 
-# ---- tiny training runs (tests/test_train.py, tests/test_cli.py)
+# ---- the tiny random Llama of the unit tests (heads, eval, export, import)
+
+TINY_LLAMA = {
+    "vocab_size": 300,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+LAYER_IDS = [1, 3, 5]  # an EAGLE-3 head's aux layers on tiny_llama()
+
+
+def tiny_llama(seed: int = 0, **config):
+    """A random Llama of TINY_LLAMA's shape (``config`` overrides any field), in eval mode.
+
+    Seeded here, right before the weights are drawn: the same arguments give the same weights in any test.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA | config)).eval()
+
+
+def save_tiny_llama(path: Path, **config) -> str:
+    """tiny_llama(**config) saved as a Hugging Face model folder at ``path``; the folder as a string."""
+    tiny_llama(**config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """tiny_llama() saved as a model folder, one per test module (a target that names its folder)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("target"))
+
+
+def make_batch(target, batch: int = 2, seq: int = 16, seed: int = 0) -> dict:
+    """A training batch of random ids with ``target``'s hidden states (aux layers LAYER_IDS), as capture stores it."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.config.vocab_size, (batch, seq), generator=gen)
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    return {
+        "input_ids": ids,
+        "loss_mask": torch.ones(batch, seq),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "last_hidden": states[-1],
+        "aux_hidden": torch.cat([states[i] for i in LAYER_IDS], dim=-1),
+    }
+
+
+def make_head(target, tmp_path: Path, head_type: str, name: str = "head", **options) -> Path:
+    """A saved head of ``head_type`` with every weight random (so a misplaced tensor shows)."""
+    from heads import build_head
+
+    cfg = {"type": head_type, **options}
+    if head_type == "eagle3":
+        cfg = {"layer_ids": LAYER_IDS, "draft_vocab_size": 200, **cfg}
+    head = build_head(cfg, target)
+    for p in head.parameters():
+        p.data.normal_(0, 0.1)
+    vocab_size = target.config.vocab_size
+    if head_type == "eagle3" and head.config.options.draft_vocab_size < vocab_size:
+        head.set_vocab_mapping(torch.arange(vocab_size, dtype=torch.float))  # keeps ids 100..299: offsets of 100
+    head.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+# ---- sampling tests: a chi-square goodness-of-fit test at significance 0.001
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is the 0.999 normal quantile."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def assert_matches(counts: torch.Tensor, probs: torch.Tensor, wrong: torch.Tensor) -> None:
+    n = counts.sum()
+    expected = n * probs
+    assert expected.min() >= 5, "too few samples for a chi-square test"
+    critical = chi_square_critical(len(probs) - 1)
+    assert float(((counts - expected) ** 2 / expected).sum()) < critical
+    # The test has power: a sampler that returned the draft's distribution would fail it by far.
+    assert float(n * ((wrong - probs) ** 2 / probs).sum()) > 3 * critical
+
+
+# ---- tiny training runs (tests/test_train.py, test_checkpoint.py, test_train_world_size.py, test_cli.py, ...)
 
 TINY_HEADS = {  # head options for the tiny training runs
     "eagle": {"type": "eagle"},
@@ -143,6 +234,70 @@ def world_of_one(monkeypatch):
 def subprocess_env():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def sharp_target_dir(tiny_target_dir, tmp_path_factory):
+    """The tiny target with a peaked lm_head: a fresh random Llama predicts near-uniformly, leaving little to learn."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("sharp-target")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    model.lm_head.weight.data *= 30
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(sharp_target_dir, gsm8k_file, tmp_path_factory):
+    """The tiny training data captured from sharp_target_dir (one capture per test module)."""
+    from data_recipes.capture import run_capture
+
+    out = tmp_path_factory.mktemp("train") / "shards"
+    run_capture(base_config(sharp_target_dir, gsm8k_file, out, out, "eagle3"))
+    return out
+
+
+@pytest.fixture
+def make_config(sharp_target_dir, gsm8k_file, shards, tmp_path):
+    """make(head_type, name, **train): a config file for a tiny run into tmp_path / name; (config, out_dir)."""
+    import yaml
+
+    def make(head_type, name="run", **train):
+        path = tmp_path / f"{name}.yaml"
+        cfg = base_config(sharp_target_dir, gsm8k_file, shards, tmp_path / name, head_type, **train)
+        path.write_text(yaml.safe_dump(cfg))
+        return path, tmp_path / name
+
+    return make
+
+
+def run_here(monkeypatch, trainer, config, *overrides):
+    """The recipe's main() in this process, as rank 0 of a world of one."""
+    world_of_one(monkeypatch)
+    trainer.main(["--config", str(config), *overrides])
+
+
+def run_torchrun(script, config, *overrides, nproc: int = 2) -> str:
+    """``torchrun --nproc_per_node nproc script --config config overrides`` in a fresh process; its stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", free_port()]
+    done = subprocess.run(
+        [*cmd, str(script), "--config", str(config), *overrides],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def records(out_dir, split="train"):
+    """The metrics.jsonl records of ``split`` a run wrote into ``out_dir``."""
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
 
 
 def head_weights(out_dir):
@@ -201,3 +356,24 @@ def wait_for(predicate, proc, what: str, stall_s: float = 600, deadline_s: float
             if now - start > deadline_s:
                 raise AssertionError(f"the process still worked after {deadline_s:.0f} s but not yet {what}")
         time.sleep(0.002)
+
+
+# Exported decoder layers, as transformers builds them from an export's config (the family tests and Gemma-3's).
+def engine_layer_names(decoder):
+    """Parameter names of the decoder layer an exported config describes, built by transformers from
+    it; plus q/k/v biases where vLLM's Llama layer reads ``qkv_bias`` (llama.py), which HF's has not."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    layers = {"llama": (LlamaConfig, LlamaDecoderLayer), "qwen2": (Qwen2Config, Qwen2DecoderLayer)}
+    layers["qwen3"] = (Qwen3Config, Qwen3DecoderLayer)
+    config_cls, layer_cls = layers[decoder["model_type"]]
+    config = config_cls(**{k: v for k, v in decoder.items() if k not in ("architectures", "model_type")})
+    names = {name for name, _ in layer_cls(config, 0).named_parameters()}
+    return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if decoder.get("qkv_bias") else set())
+
+
+def layer(tensors, prefix):
+    return {k.removeprefix(prefix) for k in tensors if k.startswith(prefix)}

@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama
+from transformers import LlamaForCausalLM
 
 from core.acceptance import expected_tau
 from eval.proposers import Eagle
@@ -95,10 +96,7 @@ def test_rank_counts_from_comb_steps():
 
 
 def test_tree_tau_of_a_drafted_tree_is_its_shapes_expected_tau():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    target = LlamaForCausalLM(config).eval()
+    target = tiny_llama(num_hidden_layers=4)
     head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
     shape = comb_choices(3, 2) + [[1, 0], [1, 1]]
     proposer = Eagle(head, choices=shape)

@@ -9,12 +9,10 @@ import json
 import shutil
 
 import pytest
-import test_train
 import torch
 import yaml
-from conftest import base_config, head_weights
+from conftest import HELDOUT, SAMPLES, base_config, head_weights, records, run_here
 from safetensors.torch import load_file, save_file
-from test_train import records, run_here
 
 from data_recipes.capture import run_capture
 from data_recipes.shards import ShardDataset, shard_fingerprint
@@ -31,8 +29,6 @@ from train.checkpoint import (
 from train.data import epoch_order, split_heldout
 from train.loop import NonFiniteLoss
 
-# The tiny target and its shards of tests/test_train.py (fixtures are found by name in this module).
-make_config, shards, sharp_target_dir = test_train.make_config, test_train.shards, test_train.sharp_target_dir
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL_STATES = "mp_rank_00_model_states.pt"
 OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # ZeRO-2, rank 0
@@ -202,7 +198,7 @@ def test_resume_on_another_capture_of_the_same_size_is_refused(
 
 def test_the_last_good_state_named_after_nan_is_one_that_verifies(make_config, shards, tmp_path, monkeypatch):
     # A NaN in the second micro-batch of step 3 (the 12th sample of the seeded order), checkpoints every step.
-    train_ids, _ = split_heldout(test_train.SAMPLES, test_train.HELDOUT, seed=3)
+    train_ids, _ = split_heldout(SAMPLES, HELDOUT, seed=3)
     bad = epoch_order(train_ids, seed=3, epoch=0)[11]
     corrupt = tmp_path / "shards"
     shutil.copytree(shards, corrupt)

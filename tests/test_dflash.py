@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import TARGET
+from conftest import TARGET, assert_matches, tiny_llama
 from safetensors.torch import load_file
-from test_eval_sampling import assert_matches
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from eval.proposers import DFlash
 from eval.tree_config import comb_choices
@@ -29,24 +28,12 @@ V, NEW = 300, 16
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_llama(seed: int = 0, layers: int = 6) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return LlamaForCausalLM(config).eval()
+WIDE = {"hidden_size": 64, "intermediate_size": 96, "pad_token_id": 0, "eos_token_id": 1}  # tiny_llama's options
 
 
 @pytest.fixture(scope="module")
 def target():
-    model = tiny_llama()
+    model = tiny_llama(**WIDE)
     model.lm_head.weight.data *= 20  # peaked distributions, so greedy paths and acceptance mean something
     return model.requires_grad_(False)  # frozen, as core.models.load_target leaves a target
 
@@ -119,7 +106,7 @@ def test_mask_token_and_layer_ids():
     assert len(tokenizer) == config.vocab_size and resolve_mask_token_id(config, tokenizer) == tokenizer.pad_token_id
     config.vocab_size = 8200  # a table with rows no text uses: the first of them
     assert resolve_mask_token_id(config, tokenizer) == 8192
-    target = tiny_llama()
+    target = tiny_llama(**WIDE)
     assert build_head({"type": "dflash", "layer_ids": [2, 3]}, target).mask_token_id == 0  # the config's pad
     with pytest.raises(ValueError, match=r"DFlash layer_ids \[0\] out of range: the target's layers 1..5"):
         build_head({"type": "dflash", "layer_ids": [0, 2]}, target)
@@ -246,10 +233,7 @@ def test_sampled_block_tree_is_lossless():
     # The first two generated tokens follow the target's exact distribution (a chi-square test at 0.001,
     # as in test_eval_sampling.py), drafting a tree whose depth-1 siblings are drawn without replacement
     # from the first mask slot's q. A 5-token vocabulary keeps every one of the 25 cells populated.
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=5, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)  # fmt: skip
-    target = LlamaForCausalLM(config).eval().requires_grad_(False)
+    target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
     target.lm_head.weight.data *= 5  # the target's and the draft's distributions differ, but overlap
     head = dflash_head(target, seed=4)
     sampling = Sampling(temperature=1.0)

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from conftest import tiny_llama
+from transformers import DynamicCache
 
 from eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
 from eval.tree import (
@@ -21,22 +22,9 @@ from heads import KVCache, build_head
 V, NEW = 300, 16
 
 
-def tiny_llama(seed: int, layers: int = 4) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
 def target():
-    return tiny_llama(0)
+    return tiny_llama(0, num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +153,8 @@ def proposers(target):
     return {
         "vanilla": Vanilla(),
         "ngram": NGram(k=4),
-        "draft_model": DraftModel(tiny_llama(1, layers=2), k=3),
-        "draft_model_tree": DraftModel(tiny_llama(1, layers=2), k=3, top_k=3, total_tokens=8),
+        "draft_model": DraftModel(tiny_llama(1, num_hidden_layers=2), k=3),
+        "draft_model_tree": DraftModel(tiny_llama(1, num_hidden_layers=2), k=3, top_k=3, total_tokens=8),
         "eagle": Eagle(build_head({"type": "eagle"}, target), top_k=3, depth=3, total_tokens=10),
         "eagle3": Eagle(
             build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target),
@@ -274,7 +262,8 @@ def test_batched_verification_gives_each_sequence_its_own_greedy_output(target, 
     # Right proposals of different lengths (Oracle chains) beside mostly wrong ones (a random draft
     # model's trees); then EAGLE-3 heads, which read each sequence's own hidden rows back.
     mixed = [
-        Oracle(ref, 2 + i % 3) if i % 2 else DraftModel(tiny_llama(1, 2), 3, 2, 6) for i, ref in enumerate(expected)
+        Oracle(ref, 2 + i % 3) if i % 2 else DraftModel(tiny_llama(1, num_hidden_layers=2), 3, 2, 6)
+        for i, ref in enumerate(expected)
     ]
     head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
     heads = [Eagle(head, choices=[[0], [1], [0, 0], [0, 0, 0]]) for _ in batch]
@@ -337,3 +326,11 @@ def test_peagle_drafts_every_depth_in_one_forward_as_training_computes_them(targ
     assert tree.parents.tolist() == [-1, -1, 0, 1, 1]
     with pytest.raises(ValueError, match="needs an EAGLE-3 head trained with parallel_drafting; this is a eagle3"):
         PEagle(build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target))
+
+
+def test_a_head_proposer_refuses_another_kind_of_head(target):
+    medusa = build_head({"type": "medusa", "num_heads": 2}, target)
+    with pytest.raises(ValueError, match="EAGLE drafting needs an eagle or eagle3 head, not a medusa head"):
+        Eagle(medusa)
+    with pytest.raises(ValueError, match="Medusa drafting needs a medusa head, not a eagle head"):
+        Medusa(build_head({"type": "eagle"}, target))

@@ -5,8 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import REPO, tiny_llama
 
 from core.acceptance import chain_tau, expected_tau
 from core.timing import timed
@@ -81,10 +80,7 @@ def test_the_timer_returns_the_result_and_the_seconds_taken():
 
 
 def test_build_proposer_takes_typed_settings():
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    target = LlamaForCausalLM(config).eval()
+    target = tiny_llama(num_hidden_layers=4)
     heads = {
         "eagle3": build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target),
         "medusa": build_head({"type": "medusa", "num_heads": 2}, target),

@@ -7,13 +7,13 @@ the greedy tests in test_eval.py. Each test is a chi-square goodness-of-fit test
 (fixed seeds: deterministic).
 """
 
-import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_matches, tiny_llama
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from eval.proposers import DraftModel, NGram, PEagle
 from eval.tree import pick_children, static_tree
@@ -51,21 +51,6 @@ def exact_two_tokens(table: torch.Tensor, last: int, sampling: Sampling) -> torc
     """P(x1, x2) as a [V * V] vector: p(x1 | last) * p(x2 | x1)."""
     p = probabilities(table, sampling)
     return (p[last][:, None] * p).flatten()
-
-
-def chi_square_critical(dof: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is the 0.999 normal quantile."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def assert_matches(counts: torch.Tensor, probs: torch.Tensor, wrong: torch.Tensor) -> None:
-    n = counts.sum()
-    expected = n * probs
-    assert expected.min() >= 5, "too few samples for a chi-square test"
-    critical = chi_square_critical(len(probs) - 1)
-    assert float(((counts - expected) ** 2 / expected).sum()) < critical
-    # The test has power: a sampler that returned the draft's distribution would fail it by far.
-    assert float(n * ((wrong - probs) ** 2 / probs).sum()) > 3 * critical
 
 
 def sample_pairs(target, make_proposer, sampling, runs, batch=100):
@@ -135,12 +120,7 @@ def test_static_tree_with_shared_per_depth_draws_is_lossless():
 
 def peagle_setup():
     """A V-token Llama target with peaked distributions and a P-EAGLE head that disagrees with it."""
-    torch.manual_seed(2)
-    config = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    target = LlamaForCausalLM(config).eval()
+    target = tiny_llama(2, vocab_size=V, num_hidden_layers=3)
     target.lm_head.weight.data *= 4
     head = build_head(
         {"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": V, "parallel_drafting": True}, target

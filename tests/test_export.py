@@ -10,54 +10,20 @@ import os
 
 import pytest
 import torch
+from conftest import LAYER_IDS, make_head, save_tiny_llama
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from data_recipes.shards import write_shard
-from heads import build_head
 from scripts import export as export_mod
 from scripts.export import export_head, main
 
-V, H, INNER, LAYERS, HEADS, KV, HEAD_DIM = 300, 32, 64, 6, 4, 2, 8
-LAYER_IDS = [1, 3, 5]
-
-
-def save_target(path, **overrides):
-    torch.manual_seed(0)
-    arch = dict(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=INNER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV,
-    )
-    LlamaForCausalLM(LlamaConfig(**{**arch, **overrides})).save_pretrained(path)
-    return str(path)
+V, H, INNER, LAYERS, HEADS, KV, HEAD_DIM = 300, 32, 64, 6, 4, 2, 8  # tiny_llama()
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return save_target(tmp_path_factory.mktemp("target"))
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return LlamaForCausalLM.from_pretrained(target_dir).eval()
-
-
-def make_head(target, tmp_path, head_type, name="head", **options):
-    """A saved head of ``head_type`` with every weight random (so a misplaced tensor shows)."""
-    cfg = {"type": head_type, **options}
-    if head_type == "eagle3":
-        cfg = {"layer_ids": LAYER_IDS, "draft_vocab_size": 200, **cfg}
-    head = build_head(cfg, target)
-    for p in head.parameters():
-        p.data.normal_(0, 0.1)
-    if head_type == "eagle3" and head.config.options.draft_vocab_size < V:
-        head.set_vocab_mapping(torch.arange(V, dtype=torch.float))  # keeps ids 100..299: offsets of 100
-    head.save_pretrained(tmp_path / name)
-    return tmp_path / name
+def target(tiny_llama_dir):
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def read_export(out, weights="model.safetensors"):
@@ -120,7 +86,7 @@ def test_eagle3_vllm_and_sglang_exports_are_one_folder(target, tmp_path):
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
-def test_speculators_layout(target, target_dir, tmp_path):
+def test_speculators_layout(target, tiny_llama_dir, tmp_path):
     head_dir = make_head(target, tmp_path, "eagle3")
     cfg, tensors = read_export(export_head(head_dir, "speculators", tmp_path / "out"))
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
@@ -133,11 +99,11 @@ def test_speculators_layout(target, target_dir, tmp_path):
     assert spec["algorithm"] == "eagle3"
     assert spec["default_proposal_method"] in [m["proposal_type"] for m in spec["proposal_methods"]]
     assert spec["proposal_methods"][0]["speculative_tokens"] == 3  # vLLM's num_speculative_tokens
-    assert spec["verifier"] == {"name_or_path": target_dir, "architectures": ["LlamaForCausalLM"]}
+    assert spec["verifier"] == {"name_or_path": tiny_llama_dir, "architectures": ["LlamaForCausalLM"]}
     assert shapes(tensors) == {**EAGLE3_TOP, **eagle3_layer_shapes("layers.0.")}
 
 
-def test_peagle_exports_carry_mask_hidden_and_the_mask_token(target, target_dir, tmp_path):
+def test_peagle_exports_carry_mask_hidden_and_the_mask_token(target, tiny_llama_dir, tmp_path):
     # vLLM 0.32 (llama_eagle3.py) loads any key holding "mask_hidden" as [1, num_aux * target_hidden] and
     # reads the top-level mask_token_id; speculators' peagle type maps to eagle3 with parallel drafting.
     head_dir = make_head(target, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 7}, ttt_steps=4)
@@ -148,7 +114,7 @@ def test_peagle_exports_carry_mask_hidden_and_the_mask_token(target, target_dir,
     assert torch.equal(tensors["mask_hidden"], mask_hidden) and "embed_tokens.weight" not in tensors
     card = (tmp_path / "out" / "README.md").read_text()
     spec = {"method": "eagle3", "model": str(tmp_path / "out"), "num_speculative_tokens": 4, "parallel_drafting": True}
-    assert f"vllm serve {target_dir} --speculative-config '{json.dumps(spec)}'" in card
+    assert f"vllm serve {tiny_llama_dir} --speculative-config '{json.dumps(spec)}'" in card
     assert "P-EAGLE" in card and "sglang.launch_server" not in card and "sgl-project/sglang#23171" in card
     cfg, tensors = read_export(export_head(head_dir, "speculators", tmp_path / "spec"))
     assert (cfg["speculators_model_type"], cfg["architectures"], cfg["mask_token_id"]) == (
@@ -206,13 +172,13 @@ def test_eagle_with_fc_bias_cannot_go_to_vllm(target, tmp_path):
     assert tensors["fc.bias"].any()
 
 
-def test_medusa_layout(target, target_dir, tmp_path):
+def test_medusa_layout(target, tiny_llama_dir, tmp_path):
     head_dir = make_head(target, tmp_path, "medusa", num_heads=3)
     out = export_head(head_dir, "medusa", tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "medusa_lm_head.safetensors"]
     cfg, tensors = read_export(out, "medusa_lm_head.safetensors")
     assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 1
-    assert cfg["base_model_name_or_path"] == target_dir
+    assert cfg["base_model_name_or_path"] == tiny_llama_dir
     expected = {}
     for k in range(3):
         expected |= {f"{k}.0.linear.weight": (H, H), f"{k}.0.linear.bias": (H,), f"{k}.1.weight": (V, H)}
@@ -243,10 +209,10 @@ def test_formats_that_cannot_hold_the_head(target, tmp_path, head_type, fmt, mat
 
 def test_a_head_of_another_target_names_the_mismatch(target, tmp_path):
     head_dir = make_head(target, tmp_path, "eagle3")
-    wide = save_target(tmp_path / "wide", hidden_size=64)
+    wide = save_tiny_llama(tmp_path / "wide", hidden_size=64)
     with pytest.raises(ValueError, match="hidden size 32 vs 64"):
         export_head(head_dir, "vllm", tmp_path / "out", target=wide)
-    other_vocab = save_target(tmp_path / "vocab", vocab_size=320)
+    other_vocab = save_tiny_llama(tmp_path / "vocab", vocab_size=320)
     with pytest.raises(ValueError, match="vocab size 300 vs 320"):
         export_head(head_dir, "vllm", tmp_path / "out", target=other_vocab)
     with pytest.raises(FileNotFoundError, match="cannot read the target's config"):
@@ -295,16 +261,16 @@ def test_out_is_atomic_and_never_clobbers_other_files(target, tmp_path, monkeypa
         export_head(head_dir, "vllm", head_dir)
 
 
-def test_model_card_has_the_serve_commands(target, target_dir, tmp_path):
+def test_model_card_has_the_serve_commands(target, tiny_llama_dir, tmp_path):
     out = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "out")
     card = (out / "README.md").read_text()
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
-    assert f"vllm serve {target_dir} --speculative-config '{spec}'" in card
+    assert f"vllm serve {tiny_llama_dir} --speculative-config '{spec}'" in card
     assert (
-        f"python -m sglang.launch_server --model-path {target_dir} --speculative-algorithm EAGLE3 "
+        f"python -m sglang.launch_server --model-path {tiny_llama_dir} --speculative-algorithm EAGLE3 "
         f"--speculative-draft-model-path {out}"
     ) in card
-    assert f"`{target_dir}`" in card and "[1, 3, 5]" in card
+    assert f"`{tiny_llama_dir}`" in card and "[1, 3, 5]" in card
     medusa_card = (
         export_head(make_head(target, tmp_path, "medusa", "m"), "medusa", tmp_path / "m-out") / "README.md"
     ).read_text()

@@ -3,18 +3,18 @@
 import json
 
 import pytest
+from conftest import make_head
 from transformers import LlamaForCausalLM
 
 from heads import read_head_config
-from scripts.push_to_hub import main, stage
-from tests.test_export import make_head, save_target
+from scripts.push_to_hub import local_target_problem, main, stage
 
 REPO = "acme/demo-eagle3"
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return LlamaForCausalLM.from_pretrained(save_target(tmp_path_factory.mktemp("target"))).eval()
+def target(tiny_llama_dir):
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def make_run(target, tmp_path):
@@ -117,3 +117,10 @@ def test_a_local_target_is_never_published(target, tmp_path, capsys):
     captured = capsys.readouterr()
     assert f"staged for {REPO}:" in captured.out and "model.safetensors" in captured.out
     assert f"note: the target {local} is a local folder: pass --target-id" in captured.err
+
+
+def test_a_target_of_no_name_is_refused_without_a_target_id():
+    # stage() finds the head's own target when --target is not given; a head saved without one has none.
+    assert local_target_problem(None, None) == (
+        "the head records no target: pass --target-id ORG/NAME, the target as users load it"
+    )

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TARGET
 
 from eval.proposers import head_method
 from heads import build_head, load_head, read_head_config
@@ -13,7 +14,6 @@ from scripts import verify_engines
 from scripts.export import export_head
 from scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
 from scripts.verify_engines import our_acceptance, overall, prompts, read_counters, served, spawn
-from tests.conftest import TARGET
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": 68,

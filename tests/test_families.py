@@ -11,9 +11,8 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import base_config
+from conftest import base_config, engine_layer_names, layer, records, run_here
 from safetensors.torch import load_file
-from test_train import records, run_here
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -25,9 +24,6 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from data_recipes.capture import run_capture
 from eval.proposers import Eagle, Medusa
@@ -87,23 +83,6 @@ def train_head(monkeypatch, family_run, gsm8k_file, head_type):
     (root / f"{head_type}.yaml").write_text(yaml.safe_dump(cfg))
     run_here(monkeypatch, TRAINERS[head_type], root / f"{head_type}.yaml")
     return out
-
-
-LAYERS = {"llama": (LlamaConfig, LlamaDecoderLayer), "qwen2": (Qwen2Config, Qwen2DecoderLayer)}
-LAYERS["qwen3"] = (Qwen3Config, Qwen3DecoderLayer)
-
-
-def engine_layer_names(decoder):
-    """Parameter names of the decoder layer an exported config describes, built by transformers from
-    it; plus q/k/v biases where vLLM's Llama layer reads ``qkv_bias`` (llama.py), which HF's has not."""
-    config_cls, layer_cls = LAYERS[decoder["model_type"]]
-    config = config_cls(**{k: v for k, v in decoder.items() if k not in ("architectures", "model_type")})
-    names = {name for name, _ in layer_cls(config, 0).named_parameters()}
-    return names | ({f"self_attn.{p}_proj.bias" for p in "qkv"} if decoder.get("qkv_bias") else set())
-
-
-def layer(tensors, prefix):
-    return {k.removeprefix(prefix) for k in tensors if k.startswith(prefix)}
 
 
 def check_eagle_export(exported, tensors, fmt, family):

@@ -6,10 +6,8 @@ mixed with global ones (each with its own rotary), tied embeddings, and a vocabu
 import pytest
 import torch
 import yaml
-from conftest import base_config
+from conftest import base_config, engine_layer_names, layer, records, run_here
 from safetensors.torch import load_file
-from test_families import engine_layer_names, layer
-from test_train import records, run_here
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Gemma3TextConfig
 
 from data_recipes.capture import capture_hidden_states, run_capture

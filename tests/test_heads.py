@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import LAYER_IDS, make_batch, tiny_llama
+from transformers import LlamaConfig
 
 from core.models import default_aux_layers
 from core.schema import Eagle3Options, Lora
@@ -25,39 +26,12 @@ from heads import (
 from heads.layers import DecoderLayer, RotaryEmbedding
 from heads.losses import label_mask
 
-V, H, LAYER_IDS = 300, 32, [1, 3, 5]
-
-
-def tiny_target(**overrides) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    arch = dict(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return LlamaForCausalLM(LlamaConfig(**{**arch, **overrides})).eval()
+V, H = 300, 32
 
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
-
-
-def make_batch(target, batch=2, seq=16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (batch, seq), generator=gen)
-    with torch.no_grad():
-        states = target(ids, output_hidden_states=True).hidden_states
-    return {
-        "input_ids": ids,
-        "loss_mask": torch.ones(batch, seq),
-        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-        "last_hidden": states[-1],
-        "aux_hidden": torch.cat([states[i] for i in LAYER_IDS], dim=-1),
-    }
+    return tiny_llama()
 
 
 def eagle3(target, **options):
@@ -66,7 +40,7 @@ def eagle3(target, **options):
 
 def test_decoder_layer_matches_hf_llama_layer():
     # Our rotary attention (GQA) + SwiGLU layer, given the target's layer-0 weights, is the target's layer 0.
-    target = tiny_target(num_hidden_layers=2)
+    target = tiny_llama(num_hidden_layers=2)
     layer = DecoderLayer(arch_from_target(target.config))
     layer.load_state_dict(target.model.layers[0].state_dict())
     ids = torch.randint(0, V, (2, 9))
@@ -114,7 +88,7 @@ def test_rotary_types_match_transformers_rotary_embedding(rope_type):
 def test_eagle_heads_draft_for_long_context_rope_targets(head_type):
     # A yarn target (Qwen2.5/3-style long context) gets a head whose rotary is the target's, scaling included.
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
-    target = tiny_target(max_position_embeddings=256, rope_parameters=rope)
+    target = tiny_llama(max_position_embeddings=256, rope_parameters=rope)
     head = build_head({"type": head_type}, target) if head_type == "eagle" else eagle3(target)
     positions = torch.arange(100, 110).expand(2, -1)
     expected = target.model.rotary_emb(torch.zeros(1), positions)
@@ -346,13 +320,13 @@ def test_loading_on_the_wrong_target_names_the_mismatch(target, tmp_path):
     eagle3(target).save_pretrained(tmp_path / "e3")
     build_head({"type": "eagle"}, target).save_pretrained(tmp_path / "e1")
     with pytest.raises(ValueError, match="hidden size 32 vs 64"):
-        load_head(tmp_path / "e1", tiny_target(hidden_size=64))
+        load_head(tmp_path / "e1", tiny_llama(hidden_size=64))
     with pytest.raises(ValueError, match="vocab size 300 vs 320"):
-        load_head(tmp_path / "e3", tiny_target(vocab_size=320))
+        load_head(tmp_path / "e3", tiny_llama(vocab_size=320))
     with pytest.raises(ValueError, match="head type 'eagle3' vs 'eagle'"):
         EagleHead.from_pretrained(tmp_path / "e3", target)
     with pytest.raises(ValueError, match=r"layer ids \[5\] outside the target's 4 layers"):
-        Eagle3Head.from_pretrained(tmp_path / "e3", tiny_target(num_hidden_layers=4))
+        Eagle3Head.from_pretrained(tmp_path / "e3", tiny_llama(num_hidden_layers=4))
     with pytest.raises(ValueError, match="three distinct target layers"):
         build_head({"type": "eagle3"}, target)  # (2, L//2, L-3) collide for 6 layers
     with pytest.raises(ValueError, match="unknown eagle head options"):
@@ -361,12 +335,12 @@ def test_loading_on_the_wrong_target_names_the_mismatch(target, tmp_path):
 
 def test_eagle3_default_layers_are_the_captures_default():
     # One rule (core.models.default_aux_layers) for what the capture stores and the head fuses.
-    head = build_head({"type": "eagle3"}, tiny_target(num_hidden_layers=10))
+    head = build_head({"type": "eagle3"}, tiny_llama(num_hidden_layers=10))
     assert head.config.options.layer_ids == default_aux_layers(10) == [2, 5, 7]
     assert head.hidden_layers == (2, 5, 7)
     for layers in (3, 6):  # (2, 1, 0) would fuse the embeddings; (2, 3, 3) has two layers
         with pytest.raises(ValueError, match="too few for EAGLE-3's default layers"):
-            build_head({"type": "eagle3"}, tiny_target(num_hidden_layers=layers))
+            build_head({"type": "eagle3"}, tiny_llama(num_hidden_layers=layers))
 
 
 def test_heads_read_the_final_hidden_state_unless_they_fuse_layers(target):
@@ -377,13 +351,13 @@ def test_heads_read_the_final_hidden_state_unless_they_fuse_layers(target):
 
 def test_medusa2_takes_the_lora_section_with_the_schema_defaults():
     # The config's whole lora: section (loss weights included), its defaults from core.schema.Lora.
-    model = medusa2_wrap(tiny_target(), {"r": 4, "head_weight": 0.5, "head_weight_warmup": 10})
+    model = medusa2_wrap(tiny_llama(), {"r": 4, "head_weight": 0.5, "head_weight_warmup": 10})
     peft = model.peft_config["default"]
     defaults = Lora()
     assert peft.r == 4 and peft.lora_alpha == defaults.alpha and peft.lora_dropout == defaults.dropout
     assert peft.target_modules == set(defaults.target_modules)
     with pytest.raises(ValueError, match=r"lora: unknown key 'rank' \(known: alpha, dropout"):
-        medusa2_wrap(tiny_target(), {"rank": 4})
+        medusa2_wrap(tiny_llama(), {"rank": 4})
 
 
 def test_head_config_is_typed_and_keeps_the_config_json_layout(target, tmp_path):
@@ -413,7 +387,7 @@ def test_head_config_is_typed_and_keeps_the_config_json_layout(target, tmp_path)
 
 
 def test_medusa2_trains_only_lora_and_heads():
-    target = tiny_target()
+    target = tiny_llama()
     head = build_head({"type": "medusa"}, target)
     model = medusa2_wrap(target, {"r": 4, "alpha": 8})
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -496,10 +470,24 @@ def test_peagle_records_its_mask_token_and_round_trips(target, tmp_path):
     assert saved["parallel_drafting"] == {"mask_token_id": 2}
     loaded = load_head(tmp_path / "head", target)
     assert loaded.config == head.config and torch.equal(loaded.mask_hidden, head.mask_hidden)
-    assert peagle(tiny_target(pad_token_id=7)).config.options.parallel_drafting.mask_token_id == 7
+    assert peagle(tiny_llama(pad_token_id=7)).config.options.parallel_drafting.mask_token_id == 7
     given = peagle(target, parallel_drafting={"mask_token_id": 299})
     assert given.config.options.parallel_drafting.mask_token_id == 299
     with pytest.raises(ValueError, match=r"mask_token_id 300 is not a token of the target's 300-token vocabulary"):
         peagle(target, parallel_drafting={"mask_token_id": 300})
     with pytest.raises(ValueError, match=r"unknown key parallel_drafting\.mask_token"):
         peagle(target, parallel_drafting={"mask_token": 3})
+
+
+def test_a_head_used_before_it_is_attached_to_a_target_says_so(target):
+    head = build_head({"type": "eagle"}, target)
+    detached = type(head)(head.config)  # as a head is between __init__ and attach
+    batch = make_batch(target, seq=4)
+    with pytest.raises(RuntimeError, match="this eagle head is not attached to a target: make it with build_head"):
+        detached(batch["input_ids"], detached.first_features(batch["last_hidden"]))
+    assert head.target.lm_head is target.lm_head
+
+
+def test_mask_slots_of_an_eagle3_head_without_parallel_drafting_are_refused(target):
+    with pytest.raises(ValueError, match="mask slots are P-EAGLE's: this EAGLE-3 head has no head.parallel_drafting"):
+        eagle3(target).mask_slots(1, 2)

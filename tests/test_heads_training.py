@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import LAYER_IDS, make_batch, tiny_llama
 
 from heads import build_head
-from tests.test_heads import LAYER_IDS, make_batch, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def sharp_target():
     """A random target whose next-token distributions are peaked (a fresh tiny Llama's are near uniform,
     leaving no argmax to learn)."""
-    target = tiny_target()
+    target = tiny_llama()
     target.lm_head.weight.data *= 30
     return target
 

@@ -13,8 +13,7 @@ import zipfile
 import pytest
 import torch
 import yaml
-from conftest import REPO
-from test_train import records, run_here
+from conftest import REPO, records, run_here
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_recipes.capture import run_capture

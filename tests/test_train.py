@@ -18,18 +18,17 @@ from conftest import (
     HELDOUT,
     REPO,
     SAMPLES,
-    base_config,
-    free_port,
     head_weights,
+    records,
+    run_here,
+    run_torchrun,
     subprocess_env,
     wait_for,
-    world_of_one,
 )
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.fingerprint import tokenizer_hash
-from data_recipes.capture import run_capture
 from data_recipes.shards import ShardDataset, shard_fingerprint
 from heads import load_head
 from train import eagle, medusa
@@ -40,61 +39,6 @@ from train.loop import NonFiniteLoss
 TRAINERS = {"eagle": eagle, "eagle3": eagle, "medusa": medusa}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def sharp_target_dir(tiny_target_dir, tmp_path_factory):
-    """The tiny target with a peaked lm_head: a fresh random Llama predicts near-uniformly, leaving little to learn."""
-    out = tmp_path_factory.mktemp("sharp-target")
-    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
-    model.lm_head.weight.data *= 30
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def shards(sharp_target_dir, gsm8k_file, tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "shards"
-    run_capture(base_config(sharp_target_dir, gsm8k_file, out, out, "eagle3"))
-    return out
-
-
-@pytest.fixture
-def make_config(sharp_target_dir, gsm8k_file, shards, tmp_path):
-    def make(head_type, name="run", **train):
-        path = tmp_path / f"{name}.yaml"
-        cfg = base_config(sharp_target_dir, gsm8k_file, shards, tmp_path / name, head_type, **train)
-        path.write_text(yaml.safe_dump(cfg))
-        return path, tmp_path / name
-
-    return make
-
-
-def run_here(monkeypatch, trainer, config, *overrides):
-    """The recipe's main() in this process, as rank 0 of a world of one."""
-    world_of_one(monkeypatch)
-    trainer.main(["--config", str(config), *overrides])
-
-
-def run_torchrun(script, config, *overrides, nproc: int = 2) -> str:
-    """``torchrun --nproc_per_node nproc script --config config overrides`` in a fresh process; its stdout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", free_port()]
-    done = subprocess.run(
-        [*cmd, str(script), "--config", str(config), *overrides],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
-def records(out_dir, split="train"):
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["split"] == split]
 
 
 @pytest.mark.slow

@@ -9,17 +9,13 @@ import shutil
 from collections import Counter
 
 import pytest
-import test_train
 import torch
-from conftest import REPO, head_weights
-from test_train import records, run_here, run_torchrun
+from conftest import REPO, head_weights, records, run_here, run_torchrun
 
 from train import eagle
 from train.checkpoint import MARKER, check_data_order, complete_steps, loads_universal, tag_for
 from train.data import epoch_order, rank_micro_batches
 
-# The tiny target, its shards and configs of tests/test_train.py (fixtures are found by name in this module).
-make_config, shards, sharp_target_dir = test_train.make_config, test_train.shards, test_train.sharp_target_dir
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS, STOP = 6, 4
 

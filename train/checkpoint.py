@@ -112,7 +112,7 @@ def verify_checkpoint(tag_dir: Path) -> dict[str, Any]:
 def newest_verified(ckpt_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """The marker of the newest complete checkpoint whose files verify (None when none does), and what is
     wrong with each newer one."""
-    problems = []
+    problems: list[str] = []
     for step in reversed(complete_steps(ckpt_dir)):
         try:
             return verify_checkpoint(ckpt_dir / tag_for(step)), problems
@@ -125,6 +125,8 @@ def agreed_newest_verified(ckpt_dir: Path) -> tuple[dict[str, Any] | None, list[
     """``newest_verified`` as rank 0 finds it, handed to every rank so all load (or name) the same step."""
     verdict = [newest_verified(ckpt_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is None:
+        raise RuntimeError(f"rank 0's verdict on the checkpoints in {ckpt_dir} did not reach this rank")
     return verdict[0]
 
 

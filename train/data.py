@@ -42,7 +42,7 @@ class SampleDataset(Dataset):
 
 @dataclass
 class TrainData:
-    dataset: Dataset
+    dataset: SampleDataset | ShardDataset
     train_ids: list[int]
     heldout_ids: list[int]
     aux_layers: list[int]  # the target layers the head fuses (EAGLE-3), [] otherwise
@@ -67,7 +67,7 @@ def load_data(
             data["source"], data["format"], tokenizer, data["max_length"], data["on_error"], limit=data["limit"]
         )
         require_samples(samples, report, data["source"], data["max_length"])
-        dataset: Dataset = SampleDataset(samples)
+        dataset: SampleDataset | ShardDataset = SampleDataset(samples)
         if online_states:
             capture = OnlineCapture(target, aux_layers, resolve_dtype(cap["store_dtype"]))
     else:

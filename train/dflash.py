@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from core.models import load_target
 from core.runtime import seed_everything
-from heads import build_head
+from heads import DFlashHead
 from train.config import parse_args
 from train.data import load_data, loss_token_counts
 from train.eagle import head_settings, save_head
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     data = load_data(cfg, target, tokenizer, aux=True, online_states=True)  # shards checked vs target
 
     seed_everything(cfg["train"]["seed"])
-    head = build_head(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
+    head = DFlashHead.build(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
     if head.lm_head is not None:  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from core.models import load_target
 from core.runtime import seed_everything
-from heads import DraftHead, build_head
+from heads import DraftHead, Eagle3Head, build_head
 from train.config import parse_args
 from train.data import load_data, loss_token_counts
 from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     seed_everything(cfg["train"]["seed"])
     head = build_head(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
-    if eagle3:  # the draft vocabulary: the most frequent loss tokens of the training samples
+    if isinstance(head, Eagle3Head):  # the draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
     module = HeadLoss(head, data.capture)

@@ -21,7 +21,7 @@ from torch import nn
 from core.io import atomic_dir
 from core.models import load_target
 from core.runtime import seed_everything
-from heads import MedusaHead, build_head, medusa2_wrap, medusa_loss, medusa_weight_at
+from heads import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
 from train.config import parse_args
 from train.data import load_data
 from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
@@ -50,7 +50,7 @@ def save_medusa(head: MedusaHead, model: PeftModel | None, out_dir: Path) -> Non
     head.save_pretrained(out_dir / "head")
     if model is not None:
         with atomic_dir(out_dir / "lora") as tmp:
-            model.save_pretrained(tmp)
+            model.save_pretrained(str(tmp))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     data = load_data(cfg, target, tokenizer, aux=False, online_states=lora is None)
 
     seed_everything(cfg["train"]["seed"])
-    head = build_head(cfg["head"], target, tokenizer)  # its lm_heads start as copies of the target's
+    head = MedusaHead.build(cfg["head"], target, tokenizer)  # its lm_heads start as copies of the target's
     model = None
     if lora is None:
         module: nn.Module = HeadLoss(head, data.capture)

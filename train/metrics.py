@@ -59,7 +59,7 @@ class MetricsLog:
         self.bar = tqdm(total=total, initial=start, disable=not self.active, desc="train", unit="step")
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.active:
+        if self.file is None:  # not rank 0
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
