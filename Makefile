@@ -29,6 +29,7 @@ test: install lint
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	mkdir -p build/mypy && ln -sfn ../.. build/mypy/headstart
 	$(PY) -m mypy
 
 format: install

@@ -48,6 +48,6 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
 
 def save_config(config: dict[str, Any], path: str | Path) -> None:
     """Write the resolved config beside the artifact it produced (atomically)."""
-    from core.io import atomic_write_text
+    from headstart.core.io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from core.errors import DataError
+from headstart.core.errors import DataError
 
 NO_ROOM = {
     errno.ENOSPC: "no space left on the device",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from core.runtime import resolve_device, resolve_dtype
+from headstart.core.runtime import resolve_device, resolve_dtype
 
 
 def load_model(path: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "fp32") -> PreTrainedModel:

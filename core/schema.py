@@ -28,7 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from core.config import ConfigError
+from headstart.core.config import ConfigError
 
 
 def _yaml_number(value: Any) -> Any:

@@ -40,14 +40,14 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from core.config import load_config, save_config
-from core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
-from core.io import OutOfSpaceError, check_writable, output_lock
-from core.models import default_aux_layers, load_target
-from core.runtime import rank_device, resolve_dtype
-from core.schema import CaptureConfig, validate_config
-from data_recipes.recipes import Sample, load_samples, require_samples
-from data_recipes.shards import (
+from headstart.core.config import load_config, save_config
+from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
+from headstart.core.io import OutOfSpaceError, check_writable, output_lock
+from headstart.core.models import default_aux_layers, load_target
+from headstart.core.runtime import rank_device, resolve_dtype
+from headstart.core.schema import CaptureConfig, validate_config
+from headstart.data_recipes.recipes import Sample, load_samples, require_samples
+from headstart.data_recipes.shards import (
     FP8,
     MANIFEST,
     RECAPTURE,

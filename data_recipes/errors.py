@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.errors import DataError
+from headstart.core.errors import DataError
 
 __all__ = ["DataError", "get_field"]  # DataError is re-exported: the recipes and formats import it from here
 

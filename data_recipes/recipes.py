@@ -16,9 +16,9 @@ from typing import cast
 from jinja2 import TemplateError
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
-from data_recipes.errors import DataError
-from data_recipes.formats import check_messages, get_format
-from data_recipes.sources import read_records
+from headstart.data_recipes.errors import DataError
+from headstart.data_recipes.formats import check_messages, get_format
+from headstart.data_recipes.sources import read_records
 
 # The marker transformers looks for before it can compute ``return_assistant_tokens_mask``.
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -30,13 +30,13 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from core.config import load_config, save_config
-from core.fingerprint import tokenizer_hash, weights_hash
-from core.io import atomic_path, atomic_write_text, output_lock
-from core.models import load_target
-from core.runtime import mix_seed
-from core.schema import RegenerateConfig, validate_config
-from data_recipes.recipes import read_conversations
+from headstart.core.config import load_config, save_config
+from headstart.core.fingerprint import tokenizer_hash, weights_hash
+from headstart.core.io import atomic_path, atomic_write_text, output_lock
+from headstart.core.models import load_target
+from headstart.core.runtime import mix_seed
+from headstart.core.schema import RegenerateConfig, validate_config
+from headstart.data_recipes.recipes import read_conversations
 
 # What ``generate_replies`` uses where the config says nothing: greedy.
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}

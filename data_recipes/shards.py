@@ -39,7 +39,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from core.io import atomic_path, atomic_write_text
+from headstart.core.io import atomic_path, atomic_write_text
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -10,8 +10,8 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from core.io import read_jsonl
-from data_recipes.errors import DataError
+from headstart.core.io import read_jsonl
+from headstart.data_recipes.errors import DataError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 

@@ -18,18 +18,18 @@ from pathlib import Path
 import torch
 import transformers
 
-from core.config import save_config
-from core.models import load_model, load_tokenizer
-from core.runtime import prepare_decoding, resolve_device, resolve_dtype
-from core.schema import flags_config
-from eval.bench import load_bench
-from eval.proposers import check_draft_vocab, head_method
-from eval.report import write_report
-from eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergences, run_methods, summarize
-from eval.timing import machine
-from eval.tree_config import head_tree_configs
-from eval.verify import Sampling
-from heads import load_head, read_head_config
+from headstart.core.config import save_config
+from headstart.core.models import load_model, load_tokenizer
+from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype
+from headstart.core.schema import flags_config
+from headstart.eval.bench import load_bench
+from headstart.eval.proposers import check_draft_vocab, head_method
+from headstart.eval.report import write_report
+from headstart.eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergences, run_methods, summarize
+from headstart.eval.timing import machine
+from headstart.eval.tree_config import head_tree_configs
+from headstart.eval.verify import Sampling
+from headstart.heads import load_head, read_head_config
 
 
 def heads_by_method(head_dirs: list[str]) -> dict[str, str]:

@@ -36,19 +36,19 @@ from pathlib import Path
 
 import torch
 
-from core.config import save_config
-from core.io import atomic_write_text
-from core.models import load_model, load_tokenizer
-from core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
-from core.schema import flags_config
-from eval.bench import load_bench, render
-from eval.proposers import head_method
-from eval.report import write_autotune_report
-from eval.run import calibrate, validate, validation_checks, validation_rows
-from eval.speedup import batch_table, grid, tune
-from eval.timing import machine, measure_costs
-from eval.tree_config import EAGLE_DEFAULT, TreeSpec, tree_json
-from heads import load_head
+from headstart.core.config import save_config
+from headstart.core.io import atomic_write_text
+from headstart.core.models import load_model, load_tokenizer
+from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
+from headstart.core.schema import flags_config
+from headstart.eval.bench import load_bench, render
+from headstart.eval.proposers import head_method
+from headstart.eval.report import write_autotune_report
+from headstart.eval.run import calibrate, validate, validation_checks, validation_rows
+from headstart.eval.speedup import batch_table, grid, tune
+from headstart.eval.timing import machine, measure_costs
+from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, tree_json
+from headstart.heads import load_head
 
 
 def _int_list(text: str) -> list[int]:

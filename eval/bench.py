@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from core.errors import DataError
-from core.io import read_jsonl
+from headstart.core.errors import DataError
+from headstart.core.io import read_jsonl
 
 
 @dataclass

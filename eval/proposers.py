@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from eval.tree import (
+from headstart.eval.tree import (
     SMALL_CHOICES,
     Tree,
     additive_mask,
@@ -37,9 +37,9 @@ from eval.tree import (
     shaped_tree,
     static_tree,
 )
-from eval.tree_config import chain_choices
-from eval.verify import Proposer, Sampling, probabilities
-from heads import DFlashHead, DraftHead, Eagle3Head, EagleHead, HeadConfig, KVCache, MedusaHead
+from headstart.eval.tree_config import chain_choices
+from headstart.eval.verify import Proposer, Sampling, probabilities
+from headstart.heads import DFlashHead, DraftHead, Eagle3Head, EagleHead, HeadConfig, KVCache, MedusaHead
 
 
 def draft_logq(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from core.io import atomic_path, atomic_write_text  # noqa: E402
+from headstart.core.io import atomic_path, atomic_write_text  # noqa: E402
 
 PLOTS = ("tau_per_category.png", "acceptance_by_depth.png")
 

@@ -17,9 +17,9 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from core.runtime import seed_everything
-from eval.bench import BenchItem, render
-from eval.proposers import (
+from headstart.core.runtime import seed_everything
+from headstart.eval.bench import BenchItem, render
+from headstart.eval.proposers import (
     DFlash,
     Drafter,
     DraftModel,
@@ -32,12 +32,12 @@ from eval.proposers import (
     head_drafter,
     head_method,
 )
-from eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
-from eval.timing import TimedProposer, peak_memory_mb
-from eval.tree import MC_SIM_7B_63, Tree
-from eval.tree_config import TreeSpec, chain_choices, comb_choices
-from eval.verify import Proposer, Sampling, Stats, generate
-from heads import DraftHead
+from headstart.eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
+from headstart.eval.timing import TimedProposer, peak_memory_mb
+from headstart.eval.tree import MC_SIM_7B_63, Tree
+from headstart.eval.tree_config import TreeSpec, chain_choices, comb_choices
+from headstart.eval.verify import Proposer, Sampling, Stats, generate
+from headstart.heads import DraftHead
 
 METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "peagle", "medusa", "dflash")
 HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # eval.proposers.head_method

@@ -16,9 +16,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from core.acceptance import chain_tau, expected_tau, path_acceptance
-from eval.tree import Tree
-from eval.tree_config import EAGLE_DEFAULT, TreeSpec, chain_choices
+from headstart.core.acceptance import chain_tau, expected_tau, path_acceptance
+from headstart.eval.tree import Tree
+from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, chain_choices
 
 # ------------------------------------------------------------------------------------------ chain model
 

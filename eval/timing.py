@@ -16,12 +16,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from core.timing import clock, timed
-from eval.proposers import Drafter, ProposerWrapper, head_drafter
-from eval.speedup import Costs
-from eval.tree import Tree, chain
-from eval.verify import Proposer, Sampling, new_cache, verify_batch
-from heads import DraftHead
+from headstart.core.timing import clock, timed
+from headstart.eval.proposers import Drafter, ProposerWrapper, head_drafter
+from headstart.eval.speedup import Costs
+from headstart.eval.tree import Tree, chain
+from headstart.eval.verify import Proposer, Sampling, new_cache, verify_batch
+from headstart.heads import DraftHead
 
 VERIFY_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)

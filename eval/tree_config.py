@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from eval.speedup import Choice
+    from headstart.eval.speedup import Choice
 
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 EAGLE_DEFAULT = {"shape": "dynamic", "total_tokens": 60, "depth": 6, "top_k": 10}  # EAGLE-2's published default

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from eval.tree import Tree, additive_mask, tree_batch_inputs
+from headstart.eval.tree import Tree, additive_mask, tree_batch_inputs
 
 
 @dataclass

@@ -18,14 +18,14 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from heads.base import WEIGHTS_NAME, DraftHead
-from heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
-from heads.dflash import DFlashHead
-from heads.eagle import EagleHead
-from heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
-from heads.layers import KVCache
-from heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
-from heads.target import arch_from_target, check_compatible, check_tokenizer
+from headstart.heads.base import WEIGHTS_NAME, DraftHead
+from headstart.heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
+from headstart.heads.dflash import DFlashHead
+from headstart.heads.eagle import EagleHead
+from headstart.heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
+from headstart.heads.layers import KVCache
+from headstart.heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
+from headstart.heads.target import arch_from_target, check_compatible, check_tokenizer
 
 HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead, DFlashHead)}
 

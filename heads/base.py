@@ -11,11 +11,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from core.fingerprint import tokenizer_hash
-from core.io import atomic_dir
-from core.schema import HeadOptions
-from heads.config import HeadConfig, parse_section, read_head_config, write_head_config
-from heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
+from headstart.core.fingerprint import tokenizer_hash
+from headstart.core.io import atomic_dir
+from headstart.core.schema import HeadOptions
+from headstart.heads.config import HeadConfig, parse_section, read_head_config, write_head_config
+from headstart.heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
 
 WEIGHTS_NAME = "model.safetensors"
 Head = TypeVar("Head", bound="DraftHead")

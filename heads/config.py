@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from core.schema import HEAD_OPTIONS, HeadOptions, Section, check_config
+from headstart.core.schema import HEAD_OPTIONS, HeadOptions, Section, check_config
 
 CONFIG_NAME = "config.json"
 

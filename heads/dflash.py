@@ -40,13 +40,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from core.models import default_aux_layers
-from core.schema import DflashOptions
-from heads.base import DraftHead
-from heads.config import DraftArch, HeadConfig, resolved
-from heads.eagle3 import build_vocab_mapping
-from heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
-from heads.losses import label_mask, soft_cross_entropy
+from headstart.core.models import default_aux_layers
+from headstart.core.schema import DflashOptions
+from headstart.heads.base import DraftHead
+from headstart.heads.config import DraftArch, HeadConfig, resolved
+from headstart.heads.eagle3 import build_vocab_mapping
+from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
+from headstart.heads.losses import label_mask, soft_cross_entropy
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
 

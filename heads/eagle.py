@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from core.schema import EagleOptions
-from heads.base import DraftHead
-from heads.config import HeadConfig
-from heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
-from heads.losses import label_mask, shift_left, soft_cross_entropy
-from heads.target import check_eagle_family
+from headstart.core.schema import EagleOptions
+from headstart.heads.base import DraftHead
+from headstart.heads.config import HeadConfig
+from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
+from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
+from headstart.heads.target import check_eagle_family
 
 
 class EagleHead(DraftHead):

@@ -35,13 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from core.models import default_aux_layers
-from core.schema import Eagle3Options
-from heads.base import DraftHead
-from heads.config import DraftArch, HeadConfig, resolved
-from heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
-from heads.losses import label_mask, shift_left, soft_cross_entropy
-from heads.target import check_eagle_family
+from headstart.core.models import default_aux_layers
+from headstart.core.schema import Eagle3Options
+from headstart.heads.base import DraftHead
+from headstart.heads.config import DraftArch, HeadConfig, resolved
+from headstart.heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
+from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
+from headstart.heads.target import check_eagle_family
 
 DRAFT_LAYERS = typing.get_args(Eagle3Options.model_fields["draft_layer"].annotation)  # ("target", "llama")
 

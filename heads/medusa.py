@@ -25,10 +25,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from core.schema import Lora, MedusaOptions
-from heads.base import DraftHead
-from heads.config import HeadConfig, parse_section
-from heads.losses import label_mask, shift_left
+from headstart.core.schema import Lora, MedusaOptions
+from headstart.heads.base import DraftHead
+from headstart.heads.config import HeadConfig, parse_section
+from headstart.heads.losses import label_mask, shift_left
 
 
 class ResBlock(nn.Module):

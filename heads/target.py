@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from heads.config import DraftArch, HeadConfig
+from headstart.heads.config import DraftArch, HeadConfig
 
 # Target families whose EAGLE draft layer the engines build (docs/EXPORT.md, "Target families"): a Llama
 # decoder layer sized from the target, with the family's q/k/v biases (Qwen2) or q/k RMSNorm (Qwen3)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from core.config import load_config
-from core.models import load_target
-from core.runtime import resolve_dtype
-from core.schema import CaptureConfig, validate_config
-from core.timing import timed
-from data_recipes.capture import capture_shard, length_batches, resolve_aux_layers
-from data_recipes.recipes import load_samples
-from data_recipes.shards import write_shard
+from headstart.core.config import load_config
+from headstart.core.models import load_target
+from headstart.core.runtime import resolve_dtype
+from headstart.core.schema import CaptureConfig, validate_config
+from headstart.core.timing import timed
+from headstart.data_recipes.capture import capture_shard, length_batches, resolve_aux_layers
+from headstart.data_recipes.recipes import load_samples
+from headstart.data_recipes.shards import write_shard
 
 
 def main(argv: list[str] | None = None) -> None:

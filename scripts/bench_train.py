@@ -14,16 +14,16 @@ import argparse
 
 import torch
 
-from core.config import load_config
-from core.models import load_target
-from core.runtime import resolve_dtype
-from core.schema import TrainConfig, validate_config
-from core.timing import timed
-from data_recipes.capture import OnlineCapture, resolve_aux_layers
-from data_recipes.recipes import load_samples
-from data_recipes.shards import pad_collate
-from heads import HEADS, DraftHead, build_head
-from train.data import SampleDataset
+from headstart.core.config import load_config
+from headstart.core.models import load_target
+from headstart.core.runtime import resolve_dtype
+from headstart.core.schema import TrainConfig, validate_config
+from headstart.core.timing import timed
+from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
+from headstart.data_recipes.recipes import load_samples
+from headstart.data_recipes.shards import pad_collate
+from headstart.heads import HEADS, DraftHead, build_head
+from headstart.train.data import SampleDataset
 
 
 def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:

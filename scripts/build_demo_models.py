@@ -23,12 +23,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import BatchEncoding, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from core.config import load_config, save_config
-from core.errors import DataError
-from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
-from core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, seed_everything
-from core.schema import BuildDemoModelsConfig, validate_config
-from data_recipes.errors import get_field
+from headstart.core.config import load_config, save_config
+from headstart.core.errors import DataError
+from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
+from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, seed_everything
+from headstart.core.schema import BuildDemoModelsConfig, validate_config
+from headstart.data_recipes.errors import get_field
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 

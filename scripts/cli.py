@@ -24,15 +24,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import import_module
 
-from core.config import ConfigError, apply_overrides, load_config
-from core.schema import COMMAND_CONFIGS, TrainConfig, flags_argv, section_keys, validate_config
-from train.config import TRAINER_OF
+from headstart.core.config import ConfigError, apply_overrides, load_config
+from headstart.core.schema import COMMAND_CONFIGS, TrainConfig, flags_argv, section_keys, validate_config
+from headstart.train.config import TRAINER_OF
 
 
 @dataclass(frozen=True)
 class Verb:
     summary: str  # its line in `headstart --help`
-    module: str  # whose main(argv) does the work; for train, the package of the recipes
+    module: str  # whose main(argv) does the work, under headstart.; for train, the package of the recipes
     section: str | None = None  # a flag-driven command: the config section that holds its flags
 
 
@@ -81,7 +81,7 @@ def _usage_name(prog: str) -> Iterator[None]:
 
 def run_module(module: str, argv: list[str], prog: str) -> None:
     with _usage_name(prog):
-        import_module(module).main(argv)
+        import_module(f"headstart.{module}").main(argv)
 
 
 def run_flags(verb: Verb, section: str, argv: list[str], prog: str) -> None:
@@ -124,7 +124,7 @@ def run_train(argv: list[str], prog: str) -> None:
     # One machine: --standalone, a free port for the rendezvous (as the demo runs torchrun).
     launcher = launcher or ["--standalone"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc_per_node}", *launcher]
-    os.execv(sys.executable, [*torchrun, "-m", recipe, *recipe_argv])
+    os.execv(sys.executable, [*torchrun, "-m", f"headstart.{recipe}", *recipe_argv])
 
 
 def main(argv: list[str] | None = None) -> None:

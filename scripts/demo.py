@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, load_config
-from core.io import atomic_write_text
-from core.schema import DemoConfig, validate_config
+from headstart.core.config import ConfigError, load_config
+from headstart.core.io import atomic_write_text
+from headstart.core.schema import DemoConfig, validate_config
 
 
 def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) -> str:

@@ -23,15 +23,23 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from core.config import save_config
-from core.fingerprint import tokenizer_hash
-from core.io import atomic_dir
-from core.schema import flags_config
-from heads import CONFIG_NAME, HEADS, WEIGHTS_NAME, HeadConfig, check_compatible, check_tokenizer, read_head_config
-from scripts.formats import dflash, eagle, eagle3, medusa
-from scripts.formats.card import model_card, tree_card_section
-from scripts.formats.common import check_out, state_problems
-from scripts.formats.parity import card_section, weights_digest
+from headstart.core.config import save_config
+from headstart.core.fingerprint import tokenizer_hash
+from headstart.core.io import atomic_dir
+from headstart.core.schema import flags_config
+from headstart.heads import (
+    CONFIG_NAME,
+    HEADS,
+    WEIGHTS_NAME,
+    HeadConfig,
+    check_compatible,
+    check_tokenizer,
+    read_head_config,
+)
+from headstart.scripts.formats import dflash, eagle, eagle3, medusa
+from headstart.scripts.formats.card import model_card, tree_card_section
+from headstart.scripts.formats.common import check_out, state_problems
+from headstart.scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
 CONFIG_FILE = "export_config.yaml"  # the settings of `python -m scripts.export` (`headstart export`)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
-from core.io import atomic_dir
+from headstart.core.io import atomic_dir
 
 RECORD = "headstart_target.json"
 # bf16 halves the folder (269 MB instead of 538 MB) and is the precision SmolLM2 was released in.

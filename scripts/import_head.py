@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from heads import HEADS, DraftArch, DraftHead, check_compatible
-from scripts.formats import dflash, eagle, eagle3, medusa
-from scripts.formats.common import (
+from headstart.heads import HEADS, DraftArch, DraftHead, check_compatible
+from headstart.scripts.formats import dflash, eagle, eagle3, medusa
+from headstart.scripts.formats.common import (
     DRAFT_ARCH_KEYS,
     check_out,
     checkpoint_roots,

@@ -28,9 +28,9 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from heads import read_head_config
-from scripts.export import FORMATS, export_head
-from scripts.formats.common import file_inside
+from headstart.heads import read_head_config
+from headstart.scripts.export import FORMATS, export_head
+from headstart.scripts.formats.common import file_inside
 
 REPORT_FILES = ("report.md", "report.json")
 HEAD_NAME = "<head-folder>"  # how the card names the head folder: its path is the uploader's own business

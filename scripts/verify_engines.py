@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.errors import DataError
-from core.io import read_jsonl
-from data_recipes.errors import get_field
-from scripts.formats.parity import acceptance, report_markdown, weights_digest
+from headstart.core.errors import DataError
+from headstart.core.io import read_jsonl
+from headstart.data_recipes.errors import get_field
+from headstart.scripts.formats.parity import acceptance, report_markdown, weights_digest
 
 if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
     from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
 
-    from heads import DraftHead, Eagle3Head
+    from headstart.heads import DraftHead, Eagle3Head
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
 MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
@@ -148,8 +148,8 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
 
 def resolve_head(kind: str, path: str, model: PreTrainedModel, work: Path) -> tuple[Path, bool]:
     """(head folder, random_init): ``path``, checked to hold a ``kind`` head, else a seeded random one."""
-    from eval.proposers import head_method
-    from heads import build_head, read_head_config
+    from headstart.eval.proposers import head_method
+    from headstart.heads import build_head, read_head_config
 
     if Path(path, "config.json").is_file():
         found = head_method(read_head_config(path))
@@ -174,8 +174,8 @@ def prepare(
     work: Path,
 ) -> dict[str, Any]:
     """Export one head for vLLM, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
-    from heads import Eagle3Head, load_head
-    from scripts.export import export_head
+    from headstart.heads import Eagle3Head, load_head
+    from headstart.scripts.export import export_head
 
     work.mkdir(parents=True, exist_ok=True)
     head_dir, random_init = resolve_head(head_type, path, model, work)
@@ -221,8 +221,8 @@ def our_acceptance(
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
     drafts vLLM's block: the newest token and k masks."""
-    from eval.proposers import DFlash, Drafter, Eagle, PEagle, head_method
-    from eval.verify import generate
+    from headstart.eval.proposers import DFlash, Drafter, Eagle, PEagle, head_method
+    from headstart.eval.verify import generate
 
     k = settings["k"]
     method = head_method(head.config)
@@ -331,16 +331,29 @@ def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | No
 # ---- orchestration (project venv) ----
 
 
+def side_import_path(work: Path) -> Path:
+    """A folder in which ``headstart`` links to the folder holding this package's modules (the repository,
+    or site-packages/headstart): the side venv has no headstart installed, and imports ours by that name."""
+    folder, ours = work / ".imports", Path(__file__).resolve().parents[1]
+    link = folder / "headstart"
+    if not (link.is_symlink() and link.resolve() == ours):
+        folder.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(ours, target_is_directory=True)
+    return folder
+
+
 def spawn(python: str, stage: str, work: Path, head_type: str | None = None, layout: str | None = None) -> dict:
     """Run one engine stage in the side venv; its result, or NOT RUN/FAIL with the reason."""
     if not Path(python).is_file():
         return {"status": "NOT RUN", "detail": f"no side-venv interpreter {python}: `make verify-engines` builds it"}
     out = result_path(work, stage, head_type, layout)
     out.with_suffix(".json").unlink(missing_ok=True)
-    cmd = [python, "-m", "scripts.verify_engines", "--stage", stage, "--work", str(work)]
+    cmd = [python, "-m", "headstart.scripts.verify_engines", "--stage", stage, "--work", str(work)]
     cmd += ["--head-type", head_type] if head_type else []
     cmd += ["--layout", layout] if layout else []
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side_import_path(work)), env.get("PYTHONPATH")]))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=STAGE_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -410,8 +423,8 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
     """Prepare every head on our side, then run the engines and put both sides together."""
     from transformers import GenerationConfig
 
-    from core.io import atomic_write_text
-    from core.models import load_target
+    from headstart.core.io import atomic_write_text
+    from headstart.core.models import load_target
 
     model, tokenizer = load_target({"path": args.target, "device": "cpu", "dtype": "fp32"})
     settings = {
@@ -445,7 +458,7 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:
-    from core.io import atomic_write_text
+    from headstart.core.io import atomic_write_text
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(report, indent=2) + "\n")
@@ -454,7 +467,7 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 def reexport_cards(report: dict[str, Any], parity: Path) -> None:
     """Rewrite the exports the engines just served, their model cards now carrying the measured figures."""
-    from scripts.export import export_head
+    from headstart.scripts.export import export_head
 
     for entry in report["heads"]:
         for fmt, folder in entry["exports"].items():

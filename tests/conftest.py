@@ -69,7 +69,7 @@ def tiny_target_dir(tmp_path_factory):
     """A tiny random Llama with the bundled tokenizer's design, saved like a real HF model folder."""
     from transformers import LlamaForCausalLM
 
-    from scripts.build_demo_models import build_tokenizer, model_config, to_messages
+    from headstart.scripts.build_demo_models import build_tokenizer, model_config, to_messages
 
     out = tmp_path_factory.mktemp("tiny-target")
     tokenizer = build_tokenizer([to_messages(r, None) for r in GSM8K_ROWS], vocab_size=400, min_frequency=1)
@@ -147,7 +147,7 @@ def make_batch(target, batch: int = 2, seq: int = 16, seed: int = 0) -> dict:
 
 def make_head(target, tmp_path: Path, head_type: str, name: str = "head", **options) -> Path:
     """A saved head of ``head_type`` with every weight random (so a misplaced tensor shows)."""
-    from heads import build_head
+    from headstart.heads import build_head
 
     cfg = {"type": head_type, **options}
     if head_type == "eagle3":
@@ -252,7 +252,7 @@ def sharp_target_dir(tiny_target_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def shards(sharp_target_dir, gsm8k_file, tmp_path_factory):
     """The tiny training data captured from sharp_target_dir (one capture per test module)."""
-    from data_recipes.capture import run_capture
+    from headstart.data_recipes.capture import run_capture
 
     out = tmp_path_factory.mktemp("train") / "shards"
     run_capture(base_config(sharp_target_dir, gsm8k_file, out, out, "eagle3"))

@@ -8,13 +8,13 @@ import torch
 from conftest import tiny_llama
 from transformers import LlamaForCausalLM
 
-from core.acceptance import expected_tau
-from eval.proposers import Eagle
-from eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
-from eval.tree_config import TreeSpec, comb_choices, load_tree_config
-from eval.verify import Sampling
-from heads import build_head
-from scripts.formats.card import tree_card_section
+from headstart.core.acceptance import expected_tau
+from headstart.eval.proposers import Eagle
+from headstart.eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
+from headstart.eval.tree_config import TreeSpec, comb_choices, load_tree_config
+from headstart.eval.verify import Sampling
+from headstart.heads import build_head
+from headstart.scripts.formats.card import tree_card_section
 
 # Synthetic acceptance: p[depth][rank], falling with rank and (slowly) with depth.
 RANK_PROBS = [[0.7, 0.12, 0.05], [0.75, 0.1, 0.04], [0.78, 0.08, 0.03], [0.8, 0.07, 0.02]]
@@ -137,8 +137,8 @@ def test_model_card_section_names_the_tuned_tree(tmp_path):
 
 
 def test_cli_on_tiny_models_writes_a_tree_the_acceptance_cli_reads(tiny_target_dir, gsm8k_file, tmp_path, one_thread):
-    from eval.acceptance import main as acceptance
-    from eval.autotune import main
+    from headstart.eval.acceptance import main as acceptance
+    from headstart.eval.autotune import main
 
     target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
     head = tmp_path / "head"
@@ -166,8 +166,8 @@ def test_cli_on_tiny_models_writes_a_tree_the_acceptance_cli_reads(tiny_target_d
 def test_cli_tunes_a_peagle_heads_static_shape(tiny_target_dir, gsm8k_file, tmp_path, one_thread):
     # P-EAGLE drafts a tree of each depth's top candidates from one forward: the tuner calibrates it with its
     # own proposer, measures static shapes only, and eval.acceptance drafts the chosen shape with it.
-    from eval.acceptance import main as acceptance
-    from eval.autotune import main
+    from headstart.eval.acceptance import main as acceptance
+    from headstart.eval.autotune import main
 
     target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
     head = tmp_path / "head"

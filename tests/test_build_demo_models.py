@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from scripts.build_demo_models import (
+from headstart.scripts.build_demo_models import (
     batch_for_step,
     build_tokenizer,
     encode,

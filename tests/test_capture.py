@@ -13,9 +13,9 @@ import torch
 from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.io import OutOfSpaceError
-from core.models import default_aux_layers
-from data_recipes.capture import (
+from headstart.core.io import OutOfSpaceError
+from headstart.core.models import default_aux_layers
+from headstart.data_recipes.capture import (
     OnlineCapture,
     check_free_disk,
     length_batches,
@@ -24,8 +24,8 @@ from data_recipes.capture import (
     storage_estimate,
     tokenizer_hash,
 )
-from data_recipes.recipes import load_samples
-from data_recipes.shards import (
+from headstart.data_recipes.recipes import load_samples
+from headstart.data_recipes.shards import (
     ManifestMismatch,
     ShardDataset,
     check_manifest,

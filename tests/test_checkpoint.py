@@ -14,10 +14,10 @@ import yaml
 from conftest import HELDOUT, SAMPLES, base_config, head_weights, records, run_here
 from safetensors.torch import load_file, save_file
 
-from data_recipes.capture import run_capture
-from data_recipes.shards import ShardDataset, shard_fingerprint
-from train import eagle, loop
-from train.checkpoint import (
+from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.shards import ShardDataset, shard_fingerprint
+from headstart.train import eagle, loop
+from headstart.train.checkpoint import (
     MARKER,
     CorruptCheckpoint,
     complete_steps,
@@ -26,8 +26,8 @@ from train.checkpoint import (
     to_universal,
     verify_checkpoint,
 )
-from train.data import epoch_order, split_heldout
-from train.loop import NonFiniteLoss
+from headstart.train.data import epoch_order, split_heldout
+from headstart.train.loop import NonFiniteLoss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL_STATES = "mp_rank_00_model_states.pt"

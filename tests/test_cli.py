@@ -16,8 +16,8 @@ import yaml
 from conftest import REPO, TARGET, base_config, head_weights, subprocess_env, world_of_one
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.config import load_config
-from core.schema import (
+from headstart.core.config import load_config
+from headstart.core.schema import (
     COMMAND_CONFIGS,
     COMMAND_FLAGS,
     HEAD_OPTIONS,
@@ -26,10 +26,10 @@ from core.schema import (
     flags_config,
     validate_config,
 )
-from eval import acceptance
-from heads import build_head, load_head
-from scripts import cli
-from train.config import TRAINER_OF
+from headstart.eval import acceptance
+from headstart.heads import build_head, load_head
+from headstart.scripts import cli
+from headstart.train.config import TRAINER_OF
 
 VERBS = ["fetch-target", "regenerate", "capture", "train", "eval", "autotune", "export", "import", "push", "demo"]
 VERBS += ["verify-engines"]
@@ -309,6 +309,6 @@ def test_every_head_type_has_a_training_recipe():
 
 def test_pyproject_declares_the_headstart_console_script():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"headstart": "scripts.cli:main"}
+    assert scripts == {"headstart": "headstart.scripts.cli:main"}
     module, _, name = scripts["headstart"].partition(":")
     assert getattr(import_module(module), name) is cli.main

@@ -5,8 +5,8 @@ import pytest
 import yaml
 from conftest import REPO
 
-from core.config import ConfigError, apply_overrides, load_config
-from core.schema import (
+from headstart.core.config import ConfigError, apply_overrides, load_config
+from headstart.core.schema import (
     COMMAND_CONFIGS,
     HEAD_OPTIONS,
     BuildDemoModelsConfig,
@@ -17,12 +17,12 @@ from core.schema import (
     TrainConfig,
     validate_config,
 )
-from data_recipes import capture, regenerate
-from data_recipes.formats import FORMATS
-from data_recipes.shards import read_manifest
-from heads import HEADS
-from scripts import build_demo_models, demo
-from train import eagle, medusa
+from headstart.data_recipes import capture, regenerate
+from headstart.data_recipes.formats import FORMATS
+from headstart.data_recipes.shards import read_manifest
+from headstart.heads import HEADS
+from headstart.scripts import build_demo_models, demo
+from headstart.train import eagle, medusa
 
 # Which commands read each bundled config; the rest (the head configs) drive capture and training.
 COMMANDS_OF = {

@@ -4,10 +4,10 @@ import os
 import pytest
 import torch
 
-from core.config import ConfigError, apply_overrides, load_config, save_config
-from core.errors import DataError
-from core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
-from core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype
+from headstart.core.config import ConfigError, apply_overrides, load_config, save_config
+from headstart.core.errors import DataError
+from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
+from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype
 
 
 def test_overrides_parse_yaml_values_and_create_sections():
@@ -87,10 +87,10 @@ def test_read_jsonl_names_each_line_and_skips_blank_ones(tmp_path):
 
 def test_every_jsonl_reader_raises_the_one_bad_record_error(tmp_path, monkeypatch):
     """Training data, benchmark prompts, the demo models' GSM8K rows and engine verification's prompts."""
-    from data_recipes.sources import read_records
-    from eval.bench import load_bench
-    from scripts import verify_engines
-    from scripts.build_demo_models import read_gsm8k
+    from headstart.data_recipes.sources import read_records
+    from headstart.eval.bench import load_bench
+    from headstart.scripts import verify_engines
+    from headstart.scripts.build_demo_models import read_gsm8k
 
     path = tmp_path / "gsm.jsonl"
     path.write_text('{"question": "What is 2+2?", "answer": "4"}\n{"question": "q", "answer"\n')
@@ -122,7 +122,7 @@ def test_mix_seed_folds_its_parts_in_base_1_000_003():
 def test_training_data_order_is_the_one_runs_so_far_used():
     """Each epoch's order is seeded ``seed * 1_000_003 + epoch + 1``, as before mix_seed: the trained demo
     heads (and the figures in docs/BENCHMARKS.md) come out the same."""
-    from train.data import epoch_order
+    from headstart.train.data import epoch_order
 
     ids = list(range(100, 130))
     for seed, epoch in [(0, 0), (3, 1), (11, 4)]:

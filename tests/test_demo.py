@@ -10,8 +10,8 @@ import pytest
 import yaml
 from conftest import REPO
 
-from core.config import ConfigError, load_config
-from scripts.demo import main, run_stages
+from headstart.core.config import ConfigError, load_config
+from headstart.scripts.demo import main, run_stages
 
 # Writes its name to the file argv[2] and appends it to the log argv[3].
 WRITE = (

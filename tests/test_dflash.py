@@ -14,14 +14,14 @@ from conftest import TARGET, assert_matches, tiny_llama
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from eval.proposers import DFlash
-from eval.tree_config import comb_choices
-from eval.verify import Sampling, generate, generate_batch, probabilities
-from heads import build_head, load_head
-from heads.dflash import block_attention, resolve_mask_token_id
-from scripts.export import export_head
-from scripts.import_head import import_head
-from train import dflash as dflash_trainer
+from headstart.eval.proposers import DFlash
+from headstart.eval.tree_config import comb_choices
+from headstart.eval.verify import Sampling, generate, generate_batch, probabilities
+from headstart.heads import build_head, load_head
+from headstart.heads.dflash import block_attention, resolve_mask_token_id
+from headstart.scripts.export import export_head
+from headstart.scripts.import_head import import_head
+from headstart.train import dflash as dflash_trainer
 
 V, NEW = 300, 16
 
@@ -341,8 +341,8 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
 
 
 def test_autotune_picks_a_static_tree_within_the_block_that_acceptance_decodes(tiny_target_dir, gsm8k_file, tmp_path):
-    from eval.acceptance import main as acceptance
-    from eval.autotune import main as autotune
+    from headstart.eval.acceptance import main as acceptance
+    from headstart.eval.autotune import main as autotune
 
     target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
     head = tmp_path / "head"

@@ -5,8 +5,8 @@ import torch
 from conftest import tiny_llama
 from transformers import DynamicCache
 
-from eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
-from eval.tree import (
+from headstart.eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
+from headstart.eval.tree import (
     MC_SIM_7B_63,
     SMALL_CHOICES,
     Tree,
@@ -15,9 +15,9 @@ from eval.tree import (
     static_tree,
     tree_batch_inputs,
 )
-from eval.tree_config import comb_choices
-from eval.verify import Sampling, accept, generate, generate_batch, verify
-from heads import KVCache, build_head
+from headstart.eval.tree_config import comb_choices
+from headstart.eval.verify import Sampling, accept, generate, generate_batch, verify
+from headstart.heads import KVCache, build_head
 
 V, NEW = 300, 16
 

@@ -4,8 +4,8 @@ import copy
 
 import torch
 
-from eval.bench import BenchItem, render
-from eval.run import divergence
+from headstart.eval.bench import BenchItem, render
+from headstart.eval.run import divergence
 
 
 def _greedy(target, ids: torch.Tensor, n: int) -> list[int]:

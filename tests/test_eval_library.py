@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import REPO, tiny_llama
 
-from core.acceptance import chain_tau, expected_tau
-from core.timing import timed
-from eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
-from eval.run import TreeFlags, build_proposer
-from eval.speedup import predicted_speedup
-from eval.tree_config import chain_choices
-from heads import build_head
-from train.metrics import predicted_tau
+from headstart.core.acceptance import chain_tau, expected_tau
+from headstart.core.timing import timed
+from headstart.eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
+from headstart.eval.run import TreeFlags, build_proposer
+from headstart.eval.speedup import predicted_speedup
+from headstart.eval.tree_config import chain_choices
+from headstart.heads import build_head
+from headstart.train.metrics import predicted_tau
 
 CLIS = {"eval.acceptance", "eval.autotune"}
 
@@ -24,14 +24,14 @@ def _modules(folder: str) -> dict[str, ast.Module]:
 
 
 def _imports(tree: ast.Module) -> set[str]:
-    """Modules imported, and ``module.name`` for every name imported from one."""
+    """Modules imported, and ``module.name`` for every name imported from one; ours without ``headstart.``."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    return names
+    return {name.removeprefix("headstart.") for name in names}
 
 
 def test_no_eval_module_imports_a_cli_or_a_private_name_and_eval_and_train_stay_apart():

@@ -8,12 +8,12 @@ import torch
 from conftest import REPO
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from core.errors import DataError
-from eval.acceptance import main
-from eval.bench import load_bench, render
-from eval.report import markdown
-from eval.speedup import chain_acceptance, predicted_speedup
-from heads import build_head
+from headstart.core.errors import DataError
+from headstart.eval.acceptance import main
+from headstart.eval.bench import load_bench, render
+from headstart.eval.report import markdown
+from headstart.eval.speedup import chain_acceptance, predicted_speedup
+from headstart.heads import build_head
 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Ann has 3 apples.", "Now she buys 4 more. How many?"]},

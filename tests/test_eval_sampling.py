@@ -15,10 +15,10 @@ from conftest import assert_matches, tiny_llama
 from torch import nn
 from transformers import LlamaConfig
 
-from eval.proposers import DraftModel, NGram, PEagle
-from eval.tree import pick_children, static_tree
-from eval.verify import Sampling, accept, generate_batch, probabilities
-from heads import build_head
+from headstart.eval.proposers import DraftModel, NGram, PEagle
+from headstart.eval.tree import pick_children, static_tree
+from headstart.eval.verify import Sampling, accept, generate_batch, probabilities
+from headstart.heads import build_head
 
 V = 4
 PROMPT = torch.tensor([[1, 2, 3, 2]])  # ends in 2; NGram finds "2" earlier and proposes [3, 2]

@@ -14,9 +14,9 @@ from conftest import LAYER_IDS, make_head, save_tiny_llama
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from data_recipes.shards import write_shard
-from scripts import export as export_mod
-from scripts.export import export_head, main
+from headstart.data_recipes.shards import write_shard
+from headstart.scripts import export as export_mod
+from headstart.scripts.export import export_head, main
 
 V, H, INNER, LAYERS, HEADS, KV, HEAD_DIM = 300, 32, 64, 6, 4, 2, 8  # tiny_llama()
 

@@ -6,8 +6,8 @@ import pytest
 from conftest import make_head
 from transformers import LlamaForCausalLM
 
-from heads import read_head_config
-from scripts.push_to_hub import local_target_problem, main, stage
+from headstart.heads import read_head_config
+from headstart.scripts.push_to_hub import local_target_problem, main, stage
 
 REPO = "acme/demo-eagle3"
 

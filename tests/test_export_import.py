@@ -9,9 +9,9 @@ from conftest import LAYER_IDS, TINY_LLAMA, make_head, save_tiny_llama
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from heads import KVCache, load_head
-from scripts.export import export_head
-from scripts.import_head import import_head, main
+from headstart.heads import KVCache, load_head
+from headstart.scripts.export import export_head
+from headstart.scripts.import_head import import_head, main
 
 V = TINY_LLAMA["vocab_size"]
 

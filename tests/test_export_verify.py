@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import TARGET
 
-from eval.proposers import head_method
-from heads import build_head, load_head, read_head_config
-from scripts import verify_engines
-from scripts.export import export_head
-from scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
-from scripts.verify_engines import our_acceptance, overall, prompts, read_counters, served, spawn
+from headstart.eval.proposers import head_method
+from headstart.heads import build_head, load_head, read_head_config
+from headstart.scripts import verify_engines
+from headstart.scripts.export import export_head
+from headstart.scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
+from headstart.scripts.verify_engines import our_acceptance, overall, prompts, read_counters, served, spawn
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": 68,

@@ -25,14 +25,14 @@ from transformers import (
     Qwen3Config,
 )
 
-from data_recipes.capture import run_capture
-from eval.proposers import Eagle, Medusa
-from eval.verify import generate
-from heads import WEIGHTS_NAME, arch_from_target, build_head, load_head, read_head_config
-from heads.layers import DecoderLayer, RotaryEmbedding
-from scripts.export import SUPPORTED, engine_files, export_head
-from scripts.import_head import import_head
-from train import eagle, medusa
+from headstart.data_recipes.capture import run_capture
+from headstart.eval.proposers import Eagle, Medusa
+from headstart.eval.verify import generate
+from headstart.heads import WEIGHTS_NAME, arch_from_target, build_head, load_head, read_head_config
+from headstart.heads.layers import DecoderLayer, RotaryEmbedding
+from headstart.scripts.export import SUPPORTED, engine_files, export_head
+from headstart.scripts.import_head import import_head
+from headstart.train import eagle, medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -27,11 +27,11 @@ from conftest import REPO, children, free_port, wait_for
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from core.config import load_config
-from data_recipes.capture import run_capture
-from data_recipes.shards import read_manifest, shard_name
-from scripts.export import main as export_main
-from train import eagle
+from headstart.core.config import load_config
+from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.shards import read_manifest, shard_name
+from headstart.scripts.export import main as export_main
+from headstart.train import eagle
 
 SEED = 2026
 ATOL = 1e-6  # head weights after kills vs uninterrupted; bit-equal is expected (see above)

@@ -10,13 +10,13 @@ from conftest import base_config, engine_layer_names, layer, records, run_here
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Gemma3TextConfig
 
-from data_recipes.capture import capture_hidden_states, run_capture
-from eval.proposers import Eagle
-from eval.verify import generate
-from heads import WEIGHTS_NAME, build_head, load_head, read_head_config
-from heads.target import check_eagle_family
-from scripts.export import engine_files
-from train import eagle
+from headstart.data_recipes.capture import capture_hidden_states, run_capture
+from headstart.eval.proposers import Eagle
+from headstart.eval.verify import generate
+from headstart.heads import WEIGHTS_NAME, build_head, load_head, read_head_config
+from headstart.heads.target import check_eagle_family
+from headstart.scripts.export import engine_files
+from headstart.train import eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

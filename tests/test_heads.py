@@ -7,9 +7,9 @@ import torch
 from conftest import LAYER_IDS, make_batch, tiny_llama
 from transformers import LlamaConfig
 
-from core.models import default_aux_layers
-from core.schema import Eagle3Options, Lora
-from heads import (
+from headstart.core.models import default_aux_layers
+from headstart.core.schema import Eagle3Options, Lora
+from headstart.heads import (
     Eagle3Head,
     EagleHead,
     KVCache,
@@ -23,8 +23,8 @@ from heads import (
     read_head_config,
     ttt_attention_mask,
 )
-from heads.layers import DecoderLayer, RotaryEmbedding
-from heads.losses import label_mask
+from headstart.heads.layers import DecoderLayer, RotaryEmbedding
+from headstart.heads.losses import label_mask
 
 V, H = 300, 32
 

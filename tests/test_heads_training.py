@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import LAYER_IDS, make_batch, tiny_llama
 
-from heads import build_head
+from headstart.heads import build_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from core.schema import TrainConfig, validate_config
-from train.metrics import MetricsLog
+from headstart.core.schema import TrainConfig, validate_config
+from headstart.train.metrics import MetricsLog
 
 
 def config(out_dir, **metrics):
@@ -104,7 +104,7 @@ def test_mlflow_holds_the_numbers_in_a_local_store(tmp_path):
 
 def test_wandb_offline_runs_in_the_out_dir(tmp_path, monkeypatch):
     # wandb 0.31 has no reader for an offline run's file (only `wandb sync` to a server): the run itself is checked.
-    from train.metrics import Wandb
+    from headstart.train.metrics import Wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # the tests' default (conftest) is disabled
     cfg = config(tmp_path / "run")
@@ -122,7 +122,7 @@ def test_wandb_offline_runs_in_the_out_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("section", [{"tensorbord": True}, {"mlflow": "yes"}])
 def test_a_bad_metrics_section_is_refused(tmp_path, section):
-    from core.config import ConfigError
+    from headstart.core.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"metrics\."):
         config(tmp_path / "run", **section)

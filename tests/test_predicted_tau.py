@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.metrics import heldout_top1, predicted_tau, training_summary
+from headstart.train.metrics import heldout_top1, predicted_tau, training_summary
 
 
 def test_predicted_tau_is_the_chain_sum_of_running_products():

@@ -16,17 +16,24 @@ from conftest import REPO
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from core.fingerprint import tokenizer_hash, weights_hash
-from core.io import FolderLockedError, NotWritableError, OutOfSpaceError, output_lock
-from data_recipes.capture import check_free_disk, run_capture
-from data_recipes.errors import DataError
-from data_recipes.regenerate import run_regenerate
-from data_recipes.shards import ManifestMismatch, ShardDataset, ShardError, read_manifest, shard_name, verify_capture
-from data_recipes.shards import main as verify_main
-from heads import build_head, load_head
-from scripts.export import export_head
-from train.config import resolve_config
-from train.data import load_data, loss_token_counts
+from headstart.core.fingerprint import tokenizer_hash, weights_hash
+from headstart.core.io import FolderLockedError, NotWritableError, OutOfSpaceError, output_lock
+from headstart.data_recipes.capture import check_free_disk, run_capture
+from headstart.data_recipes.errors import DataError
+from headstart.data_recipes.regenerate import run_regenerate
+from headstart.data_recipes.shards import (
+    ManifestMismatch,
+    ShardDataset,
+    ShardError,
+    read_manifest,
+    shard_name,
+    verify_capture,
+)
+from headstart.data_recipes.shards import main as verify_main
+from headstart.heads import build_head, load_head
+from headstart.scripts.export import export_head
+from headstart.train.config import resolve_config
+from headstart.train.data import load_data, loss_token_counts
 
 
 def capture_config(target_dir, data_file, out_dir, **data):
@@ -82,7 +89,7 @@ def other_tokenizer_dir(tiny_target_dir, tmp_path_factory):
 
 def rewrite_shard(path, change):
     """Save a shard again after ``change(tensors)``, with the same fingerprint (and, for same-sized changes, size)."""
-    from data_recipes.shards import shard_fingerprint
+    from headstart.data_recipes.shards import shard_fingerprint
 
     fingerprint = shard_fingerprint(path)
     tensors = load_file(str(path))
@@ -201,7 +208,7 @@ def test_token_ids_past_the_vocabulary_are_named(copy_of, tiny_target_dir, gsm8k
 
 
 def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_target_dir, gsm8k_file, tmp_path):
-    from eval.acceptance import main
+    from headstart.eval.acceptance import main
 
     target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
     draft = tmp_path / "draft"
@@ -217,7 +224,7 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused(tiny_target_dir, gsm8
 
 
 def test_regenerate_never_mixes_parts_of_other_settings(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    import data_recipes.regenerate as regenerate
+    import headstart.data_recipes.regenerate as regenerate
 
     def config(out, max_new_tokens, **regen):
         return {
@@ -289,7 +296,7 @@ def test_heads_record_the_tokenizer_and_refuse_another(target, tiny_target_dir, 
 
 
 def test_eval_refuses_a_head_of_another_tokenizer(target, other_tokenizer_dir, gsm8k_file, tmp_path):
-    from eval.acceptance import main
+    from headstart.eval.acceptance import main
 
     model, tokenizer = target
     head_dir = tmp_path / "head"
@@ -307,7 +314,7 @@ def test_eval_refuses_a_head_of_another_tokenizer(target, other_tokenizer_dir, g
 
 HOLDER = """
 import sys
-from core.io import output_lock
+from headstart.core.io import output_lock
 with output_lock(sys.argv[1]):
     print("locked", flush=True)
     sys.stdin.read()
@@ -365,7 +372,7 @@ def test_an_immutable_folder_is_not_writable_not_full(tmp_path):
 READ_ONLY_CHECK = """
 import sys
 from pathlib import Path
-from data_recipes.capture import check_free_disk
+from headstart.data_recipes.capture import check_free_disk
 try:
     check_free_disk(Path(sys.argv[1]) / "shards", 10**12)
 except Exception as err:

@@ -16,14 +16,14 @@ import yaml
 from conftest import REPO, records, run_here
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_recipes.capture import run_capture
-from data_recipes.recipes import tokenize_messages
-from data_recipes.shards import read_manifest
-from eval.proposers import Eagle
-from eval.verify import generate
-from heads import load_head
-from scripts import fetch_target
-from scripts.fetch_target import FetchError, fetch
+from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.recipes import tokenize_messages
+from headstart.data_recipes.shards import read_manifest
+from headstart.eval.proposers import Eagle
+from headstart.eval.verify import generate
+from headstart.heads import load_head
+from headstart.scripts import fetch_target
+from headstart.scripts.fetch_target import FetchError, fetch
 
 NAME = "smollm2-135m-instruct"
 SMOLLM2 = fetch_target.REGISTRY[NAME]
@@ -159,7 +159,7 @@ def test_loss_mask_on_smollm2_chatml_is_exactly_each_reply_and_its_end_token(smo
 
 @pytest.mark.slow
 def test_eagle3_head_trained_on_smollm2_decodes_its_greedy_output_exactly(smollm2_dir, tmp_path, monkeypatch):
-    from train import eagle
+    from headstart.train import eagle
 
     config = {
         "target": {"path": str(smollm2_dir), "device": "cpu", "dtype": "fp32"},

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_recipes.errors import DataError
-from data_recipes.formats import FORMATS, check_messages, get_format
-from data_recipes.recipes import RecipeReport, load_samples, read_conversations, tokenize_messages
-from data_recipes.sources import read_records
-from scripts.build_demo_models import CHAT_TEMPLATE, build_tokenizer
+from headstart.data_recipes.errors import DataError
+from headstart.data_recipes.formats import FORMATS, check_messages, get_format
+from headstart.data_recipes.recipes import RecipeReport, load_samples, read_conversations, tokenize_messages
+from headstart.data_recipes.sources import read_records
+from headstart.scripts.build_demo_models import CHAT_TEMPLATE, build_tokenizer
 
 
 def system(content):

@@ -11,8 +11,8 @@ import torch
 from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_recipes.recipes import load_samples
-from data_recipes.regenerate import regenerate_chunk, run_regenerate
+from headstart.data_recipes.recipes import load_samples
+from headstart.data_recipes.regenerate import regenerate_chunk, run_regenerate
 
 CONVERSATIONS = [
     [

@@ -28,13 +28,13 @@ from conftest import (
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.fingerprint import tokenizer_hash
-from data_recipes.shards import ShardDataset, shard_fingerprint
-from heads import load_head
-from train import eagle, medusa
-from train.checkpoint import MARKER, complete_steps
-from train.data import epoch_order, split_heldout
-from train.loop import NonFiniteLoss
+from headstart.core.fingerprint import tokenizer_hash
+from headstart.data_recipes.shards import ShardDataset, shard_fingerprint
+from headstart.heads import load_head
+from headstart.train import eagle, medusa
+from headstart.train.checkpoint import MARKER, complete_steps
+from headstart.train.data import epoch_order, split_heldout
+from headstart.train.loop import NonFiniteLoss
 
 TRAINERS = {"eagle": eagle, "eagle3": eagle, "medusa": medusa}
 

@@ -4,11 +4,11 @@ import pytest
 import yaml
 from conftest import REPO
 
-from core.config import ConfigError, load_config
-from train import eagle, medusa
-from train.config import resolve_config
-from train.data import rank_micro_batches
-from train.loop import cosine_with_warmup
+from headstart.core.config import ConfigError, load_config
+from headstart.train import eagle, medusa
+from headstart.train.config import resolve_config
+from headstart.train.data import rank_micro_batches
+from headstart.train.loop import cosine_with_warmup
 
 TRAINER_OF = {"eagle": "eagle", "eagle3": "eagle", "medusa": "medusa"}
 TRAINED_CONFIGS = [

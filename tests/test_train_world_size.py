@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import REPO, head_weights, records, run_here, run_torchrun
 
-from train import eagle
-from train.checkpoint import MARKER, check_data_order, complete_steps, loads_universal, tag_for
-from train.data import epoch_order, rank_micro_batches
+from headstart.train import eagle
+from headstart.train.checkpoint import MARKER, check_data_order, complete_steps, loads_universal, tag_for
+from headstart.train.data import epoch_order, rank_micro_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS, STOP = 6, 4

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
-from core.io import atomic_dir, atomic_write_text
-from data_recipes.shards import file_sha256
+from headstart.core.io import atomic_dir, atomic_write_text
+from headstart.data_recipes.shards import file_sha256
 
 MARKER = "COMPLETE"
 MARKER_KEYS = ("step", "world", "zero_stage", "files")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from core.config import load_config
-from core.schema import TrainConfig, check_config, raise_problems
+from headstart.core.config import load_config
+from headstart.core.schema import TrainConfig, check_config, raise_problems
 
 # train/<trainer>.py -> the head types it trains; `headstart train` picks the recipe by head.type.
 TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",), "dflash": ("dflash",)}

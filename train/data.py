@@ -15,11 +15,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from core.fingerprint import tokenizer_hash, weights_hash
-from core.runtime import mix_seed, resolve_dtype
-from data_recipes.capture import OnlineCapture, resolve_aux_layers, samples_hash
-from data_recipes.recipes import Sample, load_samples, require_samples
-from data_recipes.shards import ShardDataset, check_manifest, pad_collate
+from headstart.core.fingerprint import tokenizer_hash, weights_hash
+from headstart.core.runtime import mix_seed, resolve_dtype
+from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers, samples_hash
+from headstart.data_recipes.recipes import Sample, load_samples, require_samples
+from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
 
 
 class SampleDataset(Dataset):

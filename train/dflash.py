@@ -13,13 +13,13 @@ writes: ``<train.out_dir>/head``, DeepSpeed checkpoints, ``metrics.jsonl`` and t
 
 from __future__ import annotations
 
-from core.models import load_target
-from core.runtime import seed_everything
-from heads import DFlashHead
-from train.config import parse_args
-from train.data import load_data, loss_token_counts
-from train.eagle import head_settings, save_head
-from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+from headstart.core.models import load_target
+from headstart.core.runtime import seed_everything
+from headstart.heads import DFlashHead
+from headstart.train.config import parse_args
+from headstart.train.data import load_data, loss_token_counts
+from headstart.train.eagle import head_settings, save_head
+from headstart.train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
 
 
 def main(argv: list[str] | None = None) -> None:

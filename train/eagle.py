@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.models import load_target
-from core.runtime import seed_everything
-from heads import DraftHead, Eagle3Head, build_head
-from train.config import parse_args
-from train.data import load_data, loss_token_counts
-from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+from headstart.core.models import load_target
+from headstart.core.runtime import seed_everything
+from headstart.heads import DraftHead, Eagle3Head, build_head
+from headstart.train.config import parse_args
+from headstart.train.data import load_data, loss_token_counts
+from headstart.train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
 
 
 def head_settings(head_cfg: dict[str, Any], aux_layers: list[int]) -> dict[str, Any]:

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from core.config import save_config
-from core.runtime import cosine_with_warmup, mix_seed, rank_device
-from data_recipes.capture import OnlineCapture
-from heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
-from train.checkpoint import (
+from headstart.core.config import save_config
+from headstart.core.runtime import cosine_with_warmup, mix_seed, rank_device
+from headstart.data_recipes.capture import OnlineCapture
+from headstart.heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
+from headstart.train.checkpoint import (
     agreed_newest_verified,
     all_finite,
     checkpoint_dir,
@@ -39,8 +39,8 @@ from train.checkpoint import (
     save_checkpoint,
     tag_for,
 )
-from train.data import TrainData, data_fingerprint, heldout_batches, step_batches
-from train.metrics import MetricsLog, heldout_top1, predicted_tau, training_summary
+from headstart.train.data import TrainData, data_fingerprint, heldout_batches, step_batches
+from headstart.train.metrics import MetricsLog, heldout_top1, predicted_tau, training_summary
 
 
 class NonFiniteLoss(RuntimeError):

@@ -18,13 +18,13 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from core.io import atomic_dir
-from core.models import load_target
-from core.runtime import seed_everything
-from heads import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
-from train.config import parse_args
-from train.data import load_data
-from train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+from headstart.core.io import atomic_dir
+from headstart.core.models import load_target
+from headstart.core.runtime import seed_everything
+from headstart.heads import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
+from headstart.train.config import parse_args
+from headstart.train.data import load_data
+from headstart.train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
 
 
 class Medusa2Loss(nn.Module):

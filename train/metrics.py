@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from core.acceptance import chain_tau as predicted_tau  # the chain model on held-out top-1 accuracies
-from core.io import atomic_write_text, read_jsonl
+from headstart.core.acceptance import chain_tau as predicted_tau  # the chain model on held-out top-1 accuracies
+from headstart.core.io import atomic_write_text, read_jsonl
 
 
 def heldout_top1(record: dict[str, Any]) -> list[float]:

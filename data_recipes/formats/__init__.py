@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from data_recipes.errors import DataError
-from data_recipes.formats import alpaca, gsm8k, messages, sharegpt, text
+from headstart.data_recipes.errors import DataError
+from headstart.data_recipes.formats import alpaca, gsm8k, messages, sharegpt, text
 
 FORMATS: dict[str, Callable[[dict], list[dict[str, str]]]] = {
     "alpaca": alpaca.to_messages,

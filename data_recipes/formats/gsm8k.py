@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from data_recipes.errors import get_field
+from headstart.data_recipes.errors import get_field
 
 
 def to_messages(record: dict) -> list[dict[str, str]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from data_recipes.errors import DataError, get_field
+from headstart.data_recipes.errors import DataError, get_field
 
 # The speaker names seen in ShareGPT-style dumps (Vicuna, SlimOrca, OpenHermes, ...).
 ROLES = {

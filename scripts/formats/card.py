@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eval.tree_config import load_tree_config
-from heads import HeadConfig
-from scripts.formats.medusa import NOT_SERVED
+from headstart.eval.tree_config import load_tree_config
+from headstart.heads import HeadConfig
+from headstart.scripts.formats.medusa import NOT_SERVED
 
 TITLES = {
     "eagle": "EAGLE-1/2",

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 
-from heads import DraftArch, arch_from_target
+from headstart.heads import DraftArch, arch_from_target
 
 # The draft's own layer shape: taken from a published checkpoint's config on import (an EAGLE head
 # may use another MLP width than its target); the attention shape must equal the target's.

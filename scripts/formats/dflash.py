@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from heads import DraftArch, HeadConfig
-from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
+from headstart.heads import DraftArch, HeadConfig
+from headstart.scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from heads import DraftArch, HeadConfig
-from scripts.formats.common import arch_from_decoder, decoder_config, dtype_name
+from headstart.heads import DraftArch, HeadConfig
+from headstart.scripts.formats.common import arch_from_decoder, decoder_config, dtype_name
 
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # A head with q/k/v biases (Qwen2 targets): vLLM's Llama layer reads ``qkv_bias``; SGLang gets its

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from heads import DraftArch, HeadConfig, arch_from_target
-from scripts.formats.common import dtype_name, rename_prefixes
+from headstart.heads import DraftArch, HeadConfig, arch_from_target
+from headstart.scripts.formats.common import dtype_name, rename_prefixes
 
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 NOT_SERVED = (
