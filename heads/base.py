@@ -15,6 +15,7 @@ from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
 from headstart.core.schema import HeadOptions
 from headstart.heads.config import HeadConfig, parse_section, read_head_config, write_head_config
+from headstart.heads.layers import KVCache
 from headstart.heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
 
 WEIGHTS_NAME = "model.safetensors"
@@ -126,3 +127,25 @@ class DraftHead(nn.Module):
         head.attach(target_model)
         load_head_weights(head, head_dir, head.target.embed_tokens.weight.device)
         return head
+
+
+class FeatureDrafter(DraftHead):
+    """A head that drafts by predicting the target's next feature (EAGLE-1/2, EAGLE-3): the drafting step
+    they share. Its ``forward(input_ids, features, position_ids, mask, cache)`` gives (logits, features)."""
+
+    def to_target_vocab(self, draft_scores: torch.Tensor) -> torch.Tensor:
+        """[..., draft vocab] -> [..., V]; a head that drafts over the target's whole vocabulary maps nothing."""
+        return draft_scores
+
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step: (log-probs over the target's ids [B,n,V], -inf off a reduced draft vocabulary;
+        the new features [B,n,H]); appends to ``cache``."""
+        logits, features = self(input_ids, features, position_ids, tree_mask, cache)
+        return self.to_target_vocab(logits.float().log_softmax(-1)), features

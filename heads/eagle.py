@@ -22,14 +22,14 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from headstart.core.schema import EagleOptions
-from headstart.heads.base import DraftHead
+from headstart.heads.base import FeatureDrafter
 from headstart.heads.config import HeadConfig
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
 from headstart.heads.target import check_eagle_family
 
 
-class EagleHead(DraftHead):
+class EagleHead(FeatureDrafter):
     head_type = "eagle"
     options_model = EagleOptions
     config: HeadConfig[EagleOptions]
@@ -80,18 +80,6 @@ class EagleHead(DraftHead):
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         return self.logits(x), x
-
-    def draft_step(
-        self,
-        input_ids: torch.Tensor,
-        features: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: KVCache,
-        tree_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step: (log-probs over target ids [B,n,V], new features [B,n,H]); appends to ``cache``."""
-        logits, features = self(input_ids, features, position_ids, tree_mask, cache)
-        return logits.log_softmax(-1), features
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """EAGLE-1 training loss on one batch (keys ``input_ids``, ``loss_mask``, ``attention_mask``, ``last_hidden``).

@@ -37,7 +37,7 @@ from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
 from headstart.core.schema import Eagle3Options
-from headstart.heads.base import DraftHead
+from headstart.heads.base import FeatureDrafter
 from headstart.heads.config import DraftArch, HeadConfig, resolved
 from headstart.heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
@@ -133,7 +133,7 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Head(DraftHead):
+class Eagle3Head(FeatureDrafter):
     head_type = "eagle3"
     options_model = Eagle3Options
     config: HeadConfig[Eagle3Options]
@@ -240,18 +240,6 @@ class Eagle3Head(DraftHead):
         cos, sin = self.rotary(position_ids, dtype)
         out = self.midlayer(self.embed(input_ids), features.to(dtype), cos, sin, mask, cache)
         return self.lm_head(self.norm(out)), out
-
-    def draft_step(
-        self,
-        input_ids: torch.Tensor,
-        features: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: KVCache,
-        tree_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step: (log-probs over TARGET ids [B,n,V], -inf off the draft vocab; new features)."""
-        logits, features = self(input_ids, features, position_ids, tree_mask, cache)
-        return self.to_target_vocab(logits.float().log_softmax(-1)), features
 
     def ttt_features(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
         """Yield the midlayer's output features [B,S,H] for training-time-test steps 0..steps-1.
