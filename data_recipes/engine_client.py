@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0  # sleep 0.5, 1, 2, 4, 8, 8, ... s between attempts
@@ -52,11 +52,13 @@ class ChatServer:
         self.timeout_s = timeout_s
         self.retries = retries
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="chat")
+        self._stopping = threading.Event()
 
     def __enter__(self) -> ChatServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stopping.set()  # after a failure or Ctrl-C, the requests in flight make no further attempt
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def served_model(self) -> dict[str, Any]:
@@ -71,11 +73,13 @@ class ChatServer:
     def complete_all(self, requests: list[tuple[dict[str, Any], str]]) -> list[tuple[str, str]]:
         """(reply, finish_reason) per ``(body, what)`` request, in order; ``what`` names it in errors."""
         futures = [self._pool.submit(self.complete, body, what) for body, what in requests]
-        try:
-            return [future.result() for future in futures]
-        except BaseException:
-            _cancel(futures)  # requests not yet sent never are; the ones in flight end within their timeout
-            raise
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # one failure ends the batch, whichever it is
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            for future in futures:
+                future.cancel()  # not yet sent: never is; in flight: ends within its timeout, retried no more
+            raise failed.exception()
+        return [future.result() for future in futures]
 
     def complete(self, body: dict[str, Any], what: str) -> tuple[str, str]:
         answer = self._with_retries(lambda: self._call("POST", "/chat/completions", body), what)
@@ -91,8 +95,8 @@ class ChatServer:
                 return call()
             except RetryableError as err:
                 last = err
-            if attempt < self.retries:
-                time.sleep(min(BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
+            if attempt == self.retries or self._stopping.wait(min(BACKOFF_S * 2**attempt, MAX_BACKOFF_S)):
+                break
         raise EngineError(
             f"the server at {self.base_url} did not answer {what} after {self.retries + 1} attempt(s) "
             f"(timeout {self.timeout_s:g} s each); last error: {last}"
@@ -119,8 +123,3 @@ class ChatServer:
             return json.loads(text)
         except json.JSONDecodeError:
             raise EngineError(f"{self.base_url}: {method} {path} answered with no JSON: {text[:300]!r}") from None
-
-
-def _cancel(futures: list[Future]) -> None:
-    for future in futures:
-        future.cancel()

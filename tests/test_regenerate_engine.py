@@ -6,7 +6,9 @@ it can be told to answer 503, drop the connection (a killed server) or hang.
 """
 
 import json
+import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -36,7 +38,7 @@ class ServerState:
         self.generate_lock = threading.Lock()  # one generate at a time: the target is shared
         self.count_lock = threading.Lock()
         self.release = threading.Event()  # ends hanging requests at teardown
-        self.plan: list[str] = []  # what the next requests get, in order: ok, 503, drop, hang
+        self.plan: list[str] = []  # what the next requests get, in order: ok, 400, 503, drop, hang
         self.then = "ok"  # ... once the plan is used up
         self.requests: list[dict] = []
         self.in_flight = self.peak_in_flight = 0
@@ -90,8 +92,8 @@ class ChatHandler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         action = state.next_action(body)
         try:
-            if action == "503":
-                self.answer(503, {"error": {"message": "overloaded"}})
+            if action in ("400", "503"):
+                self.answer(int(action), {"error": {"message": f"error {action}"}})
             elif action == "drop":  # killed mid-request: the connection closes with no answer
                 self.close_connection = True
             elif action == "hang":
@@ -177,7 +179,8 @@ def test_a_killed_server_keeps_the_finished_parts_and_a_rerun_resumes_them(serve
     state.plan, state.then = ["ok", "ok"], "drop"  # chunk 0 (two single-turn conversations), then it dies
     with pytest.raises(EngineError) as err:
         run_regenerate(config(messages_file, out, url, retries=1))
-    assert f"the server at {url} did not answer conversation 2 after 2 attempt(s)" in str(err.value)
+    # Chunk 1's two requests fail together; the first failure is reported.
+    assert re.search(rf"the server at {url} did not answer conversation [23] after 2 attempt\(s\)", str(err.value))
     assert "last error: POST /chat/completions: RemoteDisconnected" in str(err.value)
     assert f"1 of 3 parts are kept in {parts}: re-run to resume" in str(err.value)
     assert [p.name for p in parts.glob("part-*")] == ["part-00000.jsonl"] and not out.exists()
@@ -196,6 +199,16 @@ def test_a_hanging_server_is_a_timeout_error(serve, messages_file, tmp_path):
     with pytest.raises(EngineError, match=r"did not answer conversation 0 after 1 attempt\(s\) .*within 0.3 s"):
         run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, timeout_s=0.3, retries=0))
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_failed_request_stops_the_others_retrying(serve, messages_file, tmp_path):
+    url, state = serve()
+    state.plan, state.then = ["400"], "503"  # one request is refused for good, the other one retried
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=rf"{url}: HTTP 400 from POST /chat/completions: .*error 400"):
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, retries=5))
+    # Five retries of the 503s would sleep 0.5 + 1 + 2 + 4 + 8 s: the failure ended them after the first.
+    assert time.monotonic() - start < 5 and len(state.requests) <= 3
 
 
 def test_no_server_or_another_model_fails_before_any_part(serve, messages_file, tmp_path):
