@@ -190,7 +190,7 @@ def chunk_generator(cfg: dict[str, Any], conversations: list[Messages]) -> Itera
 
         yield settings, hf_chunk
         return
-    model_name = regen["model"] or str(cfg["target"]["path"])  # `vllm serve PATH` serves PATH under its path
+    model_name = regen["model"] or str(cfg["target"]["path"])  # `vllm serve PATH` names the model PATH
     limits = regen["concurrency"], regen["timeout_s"], regen["retries"]
     with ChatServer(regen["base_url"], model_name, *limits) as server:
         settings = served_settings(cfg, server.served_model(), conversations)
