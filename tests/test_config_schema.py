@@ -29,6 +29,7 @@ COMMANDS_OF = {
     "demo.yaml": [DemoConfig],
     "build-demo-models.yaml": [BuildDemoModelsConfig],
     "demo-regenerate.yaml": [RegenerateConfig],
+    "demo-regenerate-engine.yaml": [RegenerateConfig],
     "real-smollm2.yaml": [DemoConfig],
     "real-smollm2-regenerate.yaml": [RegenerateConfig],
     "demo-eval.yaml": [COMMAND_CONFIGS["eval"]],
@@ -143,12 +144,15 @@ def test_capture_without_shard_settings_uses_the_defaults(tiny_target_dir, gsm8k
     [
         (
             ["regenerate.temprature=0.7"],
-            r"unknown key regenerate\.temprature \(known: chunk_size, discard_stale_parts, max_new_tokens",
+            r"unknown key regenerate\.temprature \(known: base_url, chunk_size, concurrency, discard_stale_parts",
         ),
         (["regenerate.max_new_tokens=0"], r"regenerate\.max_new_tokens must be >= 1, got 0"),
         (["regenerate.temperature=-1"], r"regenerate\.temperature must be >= 0, got -1"),
         (["regenerate.top_p=0"], r"regenerate\.top_p must be > 0, got 0"),
         (["regenerate.chunk_size=0"], r"regenerate\.chunk_size must be >= 1, got 0"),
+        (["regenerate.engine=openai"], r"regenerate\.base_url is required when engine is 'openai'"),
+        (["regenerate.base_url=http://localhost:8000/v1"], r"regenerate\.base_url is only read by engine 'openai'"),
+        (["regenerate.engine=vllm"], r"regenerate\.engine must be one of \['hf', 'openai'\], got 'vllm'"),
         (["data.limit=0"], r"data\.limit must be >= 1, got 0"),
     ],
 )

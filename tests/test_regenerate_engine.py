@@ -1,0 +1,233 @@
+"""Regeneration through an OpenAI-compatible server (``regenerate.engine: openai``).
+
+The server here is a small http.server that answers /v1/chat/completions with the real bundled
+target through transformers, so the engine path's replies can be checked against the hf path's;
+it can be told to answer 503, drop the connection (a killed server) or hang.
+"""
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from conftest import TARGET
+
+from headstart.data_recipes.engine_client import EngineError
+from headstart.data_recipes.regenerate import run_regenerate
+
+SERVED = "demo-target"  # served under another name than its path: regenerate.model is sent
+QUESTIONS = [f"Tom has {n} pens and gets {n + 5} more. How many pens does he have now?" for n in range(4)]
+CONVERSATIONS = [[{"role": "user", "content": q}, {"role": "assistant", "content": "old"}] for q in QUESTIONS] + [
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 7+8?"},
+        {"role": "assistant", "content": "old"},
+        {"role": "user", "content": "And 2+2?"},
+        {"role": "assistant", "content": "old again"},
+    ],
+]
+TURNS = 6  # assistant turns in CONVERSATIONS: the requests a whole run sends
+
+
+class ServerState:
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.generate_lock = threading.Lock()  # one generate at a time: the target is shared
+        self.count_lock = threading.Lock()
+        self.release = threading.Event()  # ends hanging requests at teardown
+        self.plan: list[str] = []  # what the next requests get, in order: ok, 400, 503, drop, hang
+        self.then = "ok"  # ... once the plan is used up
+        self.requests: list[dict] = []
+        self.in_flight = self.peak_in_flight = 0
+
+    def next_action(self, body: dict) -> str:
+        with self.count_lock:
+            self.requests.append(body)
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            return self.plan.pop(0) if self.plan else self.then
+
+    def complete(self, body: dict) -> tuple[str, str]:
+        """The target's reply, as vLLM gives it: greedy at temperature 0, else sampled with the request's seed."""
+        tok = self.tokenizer
+        prompt = tok.apply_chat_template(
+            body["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        sampling = {"do_sample": False}
+        if body["temperature"] > 0:
+            sampling = {"do_sample": True, "temperature": body["temperature"], "top_p": body["top_p"], "top_k": 0}
+        with self.generate_lock, torch.no_grad():
+            if body["temperature"] > 0:
+                torch.manual_seed(body["seed"])
+            out = self.model.generate(
+                **prompt, max_new_tokens=body["max_tokens"], eos_token_id=tok.eos_token_id, **sampling
+            )
+        new = out[0, prompt["input_ids"].shape[1] :]
+        finish = "stop" if (new == tok.eos_token_id).any() else "length"
+        return tok.decode(new, skip_special_tokens=True), finish
+
+
+class ChatHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        assert self.path == "/v1/models", self.path
+        self.answer(200, {"object": "list", "data": [{"id": SERVED, "object": "model", "root": str(TARGET)}]})
+
+    def do_POST(self):
+        assert self.path == "/v1/chat/completions", self.path
+        state = self.server.state
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        action = state.next_action(body)
+        try:
+            if action in ("400", "503"):
+                self.answer(int(action), {"error": {"message": f"error {action}"}})
+            elif action == "drop":  # killed mid-request: the connection closes with no answer
+                self.close_connection = True
+            elif action == "hang":
+                state.release.wait(30)
+            else:
+                text, finish = state.complete(body)
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                self.answer(200, {"object": "chat.completion", "model": body["model"], "choices": [choice]})
+        finally:
+            with state.count_lock:
+                state.in_flight -= 1
+
+
+@pytest.fixture
+def serve(target):
+    """Start a chat server on a free port: returns (base_url, state); every one started is stopped after."""
+    started = []
+
+    def start():
+        server = ThreadingHTTPServer(("127.0.0.1", 0), ChatHandler)
+        server.daemon_threads = True
+        server.state = ServerState(*target)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/v1", server.state
+
+    yield start
+    for server in started:
+        server.state.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def messages_file(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    return path
+
+
+def config(source, out, base_url=None, **regenerate):
+    engine = {"engine": "openai", "base_url": base_url, "model": SERVED} if base_url else {}
+    return {
+        "target": {"path": str(TARGET), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": str(source), "format": "messages"},
+        "regenerate": {"out": str(out), "max_new_tokens": 16, "chunk_size": 2, **engine, **regenerate},
+    }
+
+
+def test_engine_replies_equal_the_hf_paths_at_temperature_0(serve, messages_file, tmp_path, one_thread, capsys):
+    hf = run_regenerate(config(messages_file, tmp_path / "hf.jsonl")).read_text()
+    hf_report = capsys.readouterr().out.splitlines()[-1]
+    url, state = serve()
+    served = run_regenerate(config(messages_file, tmp_path / "served.jsonl", url, concurrency=2)).read_text()
+    assert served == hf
+    # finish_reason "length" is counted as the hf path counts a reply with no eos.
+    assert capsys.readouterr().out.splitlines()[-1] == hf_report.replace("hf.jsonl", "served.jsonl")
+    assert "6 replies this run stopped at max_new_tokens=16" in hf_report
+    rows = [json.loads(line)["messages"] for line in served.splitlines()]
+    assert [[m["role"] for m in r] for r in rows] == [[m["role"] for m in c] for c in CONVERSATIONS]
+    assert "old" not in served and rows[4][3] == CONVERSATIONS[4][3]
+    # The last turn was asked after the regenerated first one, in its context.
+    assert state.requests[-1]["messages"] == rows[4][:4]
+    assert len(state.requests) == TURNS and state.peak_in_flight == 2  # both slots used, never more
+    assert {(r["model"], r["max_tokens"], r["temperature"]) for r in state.requests} == {(SERVED, 16, 0.0)}
+    assert not any("seed" in r or "top_k" in r for r in state.requests)  # greedy: nothing to seed
+
+
+def test_503s_are_retried_and_the_replies_are_the_same(serve, messages_file, tmp_path, one_thread):
+    url, state = serve()
+    reference = run_regenerate(config(messages_file, tmp_path / "ref.jsonl", url)).read_text()
+    url, state = serve()
+    state.plan = ["503", "503"]
+    out = run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, retries=2)).read_text()
+    assert out == reference and len(state.requests) == TURNS + 2
+
+
+def test_a_killed_server_keeps_the_finished_parts_and_a_rerun_resumes_them(serve, messages_file, tmp_path, one_thread):
+    url, state = serve()
+    reference = run_regenerate(config(messages_file, tmp_path / "ref.jsonl", url)).read_text()
+    out, parts = tmp_path / "out.jsonl", tmp_path / "out.jsonl.parts"
+    url, state = serve()
+    state.plan, state.then = ["ok", "ok"], "drop"  # chunk 0 (two single-turn conversations), then it dies
+    with pytest.raises(EngineError) as err:
+        run_regenerate(config(messages_file, out, url, retries=1))
+    # Chunk 1's two requests fail together; the first failure is reported.
+    assert re.search(rf"the server at {url} did not answer conversation [23] after 2 attempt\(s\)", str(err.value))
+    assert "last error: POST /chat/completions: RemoteDisconnected" in str(err.value)
+    assert f"1 of 3 parts are kept in {parts}: re-run to resume" in str(err.value)
+    assert [p.name for p in parts.glob("part-*")] == ["part-00000.jsonl"] and not out.exists()
+    # The hf engine's replies are not mixed with the server's.
+    with pytest.raises(ValueError, match=r"holds 1 parts made with other settings \(.*engine 'openai' -> None"):
+        run_regenerate(config(messages_file, out))
+    # A healthy server on another port resumes: what it serves, not where, decides the parts.
+    url, state = serve()
+    assert run_regenerate(config(messages_file, out, url)).read_text() == reference
+    assert len(state.requests) == TURNS - 2  # chunk 0 was not asked again
+
+
+def test_a_hanging_server_is_a_timeout_error(serve, messages_file, tmp_path):
+    url, state = serve()
+    state.then = "hang"
+    with pytest.raises(EngineError, match=r"did not answer conversation 0 after 1 attempt\(s\) .*within 0.3 s"):
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, timeout_s=0.3, retries=0))
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_failed_request_stops_the_others_retrying(serve, messages_file, tmp_path):
+    url, state = serve()
+    state.plan, state.then = ["400"], "503"  # one request is refused for good, the other one retried
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=rf"{url}: HTTP 400 from POST /chat/completions: .*error 400"):
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, retries=5))
+    # Five retries of the 503s would sleep 0.5 + 1 + 2 + 4 + 8 s: the failure ended them after the first.
+    assert time.monotonic() - start < 5 and len(state.requests) <= 3
+
+
+def test_no_server_or_another_model_fails_before_any_part(serve, messages_file, tmp_path):
+    url, _ = serve()
+    with pytest.raises(EngineError, match=rf"{url} serves \['demo-target'\], not 'other': set regenerate.model"):
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, model="other"))
+    down = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
+    with pytest.raises(EngineError, match=rf"the server at {down} did not answer GET /models .*Connection refused"):
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", down, retries=0))
+    assert not list(tmp_path.glob("out.jsonl*"))
+
+
+def test_sampled_replies_do_not_depend_on_concurrency(serve, messages_file, tmp_path, one_thread):
+    url, state = serve()
+    sampled = {"temperature": 1.0, "top_p": 0.9, "seed": 3}
+    one = run_regenerate(config(messages_file, tmp_path / "one.jsonl", url, concurrency=1, **sampled)).read_text()
+    seeds = [r["seed"] for r in state.requests]
+    many = run_regenerate(config(messages_file, tmp_path / "many.jsonl", url, concurrency=4, **sampled)).read_text()
+    assert many == one and len(set(seeds)) == TURNS  # a seed of its own per conversation and turn
+    assert sorted(r["seed"] for r in state.requests[TURNS:]) == sorted(seeds)
+    greedy = run_regenerate(config(messages_file, tmp_path / "greedy.jsonl", url)).read_text()
+    assert greedy != one  # it did sample
