@@ -42,7 +42,8 @@ from eval.verify import Proposer, Sampling, Stats, generate
 from heads import DraftHead
 
 METHODS = (
-    "vanilla", "ngram", "suffix", "lookahead", "draft_model", "self_spec", "eagle", "eagle3", "peagle", "medusa", "dflash"
+    "vanilla", "ngram", "suffix", "lookahead", "draft_model", "self_spec",
+    "eagle", "eagle3", "peagle", "medusa", "dflash",
 )  # fmt: skip
 HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # eval.proposers.head_method
 WARMUP_TOKENS = 16
