@@ -50,7 +50,7 @@ class SuffixIndex:
                     child = node.children[token] = _Node()
                 child.count += 1
                 grown.append(child)
-            self.suffixes = grown[len(grown) - (self.depth - 1) :] if self.depth > 1 else []
+            self.suffixes = grown[-(self.depth - 1) :] if self.depth > 1 else []
             self.length += 1
 
     def match(self, max_length: int) -> tuple[_Node, int] | None:
