@@ -102,13 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tree",
         type=_tree,
-        help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model and EAGLE "
+        help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model, self_spec and EAGLE "
         "(n-gram and DFlash stay chains, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of "
-        "EAGLE and DFlash methods (DFlash: static ones); default: chains for ngram/draft_model/DFlash, EAGLE "
-        "and DFlash a head folder's tree.json, else EAGLE dynamic",
+        "EAGLE and DFlash methods (DFlash: static ones); default: chains for ngram/draft_model/self_spec/DFlash, "
+        "EAGLE and DFlash a head folder's tree.json, else EAGLE dynamic; suffix and lookahead draft their own trees",
     )
     p.add_argument("--top-k-draft", type=_positive, default=8, help="children per node in dynamic trees")
-    p.add_argument("--depth", type=_positive, default=5, help="draft length / tree depth")
+    p.add_argument(
+        "--depth", type=_positive, default=5, help="draft length / tree depth (suffix: the most nodes it drafts)"
+    )
     p.add_argument("--total-tokens", type=_positive, default=48, help="tree nodes kept (dynamic and Medusa trees)")
     p.add_argument(
         "--exit-layer",
