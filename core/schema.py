@@ -291,6 +291,7 @@ class Eval(CommandFlags):
     top_k_draft: Count = 8
     depth: Count = 5
     total_tokens: Count = 48
+    exit_layer: Count | None = None  # self_spec: the target layers that draft; null: half of them
     seed: NonNegative = 0
     device: str = "auto"
     dtype: Dtype = "fp32"

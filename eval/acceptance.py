@@ -102,14 +102,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tree",
         type=_tree,
-        help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model and EAGLE "
+        help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model, self_spec and EAGLE "
         "(n-gram and DFlash stay chains, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of "
-        "EAGLE and DFlash methods (DFlash: static ones); default: chains for ngram/draft_model/DFlash, EAGLE "
-        "and DFlash a head folder's tree.json, else EAGLE dynamic",
+        "EAGLE and DFlash methods (DFlash: static ones); default: chains for ngram/draft_model/self_spec/DFlash, "
+        "EAGLE and DFlash a head folder's tree.json, else EAGLE dynamic; suffix and lookahead draft their own trees",
     )
     p.add_argument("--top-k-draft", type=_positive, default=8, help="children per node in dynamic trees")
-    p.add_argument("--depth", type=_positive, default=5, help="draft length / tree depth")
+    p.add_argument(
+        "--depth", type=_positive, default=5, help="draft length / tree depth (suffix: the most nodes it drafts)"
+    )
     p.add_argument("--total-tokens", type=_positive, default=48, help="tree nodes kept (dynamic and Medusa trees)")
+    p.add_argument(
+        "--exit-layer",
+        type=_positive,
+        help="self_spec: the target's first N layers (with its final norm and lm_head) draft; default: half of them",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto|cpu|cuda")
     p.add_argument("--dtype", default="fp32", help="fp32|bf16")
@@ -141,10 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
     heads = {m: load_head(d, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, d in head_dirs.items()}
     tree_configs = head_tree_configs(head_dirs, args.tree)
     shape = args.tree if isinstance(args.tree, str) else None  # a tree.json reaches EAGLE through tree_configs
-    flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens)
+    flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
-    proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m)) for m in order}
+    proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
     runs = run_methods(target, tokenizer, proposers, items, args.max_new_tokens, sampling, args.seed)
     methods = {
         m: summarize(run, runs["vanilla"], sampling.greedy)
@@ -174,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
             "top_k_draft": args.top_k_draft,
             "depth": args.depth,
             "total": args.total_tokens,
+            "exit_layer": args.exit_layer,
         },
         "seed": args.seed,
         "device": str(device),

@@ -6,12 +6,14 @@
 - ``NGram``: prompt lookup, no model: the continuation of the latest earlier match of the last n tokens.
 - ``DraftModel``: a small LM with the target's tokenizer and its own KV cache; a chain of k by default,
   or an EAGLE-2-style dynamic tree (``top_k`` > 1) drafted with tree attention over that cache.
+- ``SelfSpec``: self-speculative decoding: the target's first layers, final norm and lm_head as the draft model.
 - ``Eagle``: EAGLE-1/2 and EAGLE-3 heads drafting a dynamic EAGLE-2 tree from the target's features.
 - ``PEagle``: a P-EAGLE head (EAGLE-3 with ``parallel_drafting``) drafting every depth in one forward, handed
   over as a chain or as a static tree of each depth's top candidates.
 - ``Medusa``: Medusa heads filling a static tree from their per-head candidates.
 - ``DFlash``: a DFlash block drafter: one forward drafts every depth at once, handed over as a chain or as
   a static tree of each depth's top candidates.
+- ``Suffix`` and ``Lookahead`` (``eval.proposers_lookup``): suffix decoding and lookahead decoding, no model.
 - ``ProposerWrapper``: any of them behind a wrapper that records what passes through (timings, ranks).
 
 Greedy runs propose top-k tokens (point masses for the verifier). Sampling runs draw from the draft
@@ -21,10 +23,12 @@ hand q to the verifier, which needs it to stay lossless.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from torch import nn
+from transformers import PreTrainedModel
 
 from headstart.eval.tree import (
     SMALL_CHOICES,
@@ -38,7 +42,7 @@ from headstart.eval.tree import (
     static_tree,
 )
 from headstart.eval.tree_config import chain_choices
-from headstart.eval.verify import Proposer, Sampling, probabilities
+from headstart.eval.verify import Proposer, Sampling, new_cache, probabilities
 from headstart.heads import DFlashHead, DraftHead, Eagle3Head, EagleHead, HeadConfig, KVCache, MedusaHead
 
 
@@ -111,7 +115,7 @@ class DraftModel:
         self.choices = [list(c) for c in choices] if choices is not None else None
 
     def reset(self, sampling: Sampling) -> None:
-        self.sampling, self.cache, self.read = sampling, DynamicCache(config=self.model.config), 0
+        self.sampling, self.cache, self.read = sampling, new_cache(self.model), 0
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         out = self.model(tokens[None, self.read :], past_key_values=self.cache, use_cache=True)
@@ -137,6 +141,54 @@ class DraftModel:
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self.cache.crop(self.read - self.cache.get_seq_length())
+
+
+def early_exit(target: PreTrainedModel, layers: int) -> PreTrainedModel:
+    """The target cut after its first ``layers`` decoder layers, then its final norm and lm_head: a model of the
+    target's class sharing its weights (nothing is copied), whose config counts ``layers`` layers.
+
+    Hugging Face decoders run ``self.layers[: config.num_hidden_layers]``, so a shallow copy of the target and
+    of its decoder with that config is the early-exit model, with transformers' own masks and cache for it.
+    """
+    total = target.config.num_hidden_layers
+    if not 1 <= layers < total:
+        raise ValueError(f"the exit layer must be in 1..{total - 1} for a target of {total} layers, got {layers}")
+    prefix = target.base_model_prefix
+    decoder: nn.Module | None = getattr(target, prefix, None)
+    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise ValueError(
+            f"self-speculative drafting needs a decoder with a `layers` list at `{prefix}.layers` (as Llama, "
+            f"Qwen, Mistral and Gemma have); {type(target).__name__} has none"
+        )
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    decoder = copy.copy(decoder)
+    decoder.config = config  # type: ignore[assignment]  # nn.Module types attributes as tensors or modules
+    model = copy.copy(target)
+    model._modules = {**target._modules, prefix: decoder}  # the copy's own table: the target keeps its decoder
+    model.config = config
+    return model
+
+
+class SelfSpec(DraftModel):
+    """Self-speculative decoding (LayerSkip, Draft & Verify): the target's first ``exit_layer`` layers with its
+    final norm and lm_head (``early_exit``) draft as a ``DraftModel``: their own KV cache, cropped after each
+    step, a chain of ``k`` (or a tree), and their softmax as q, so sampling stays lossless. ``exit_layer``
+    defaults to half the target's layers; ``eval.acceptance --exit-layer`` sets it."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        exit_layer: int | None = None,
+        k: int = 4,
+        top_k: int = 1,
+        total_tokens: int | None = None,
+        choices: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self.exit_layer = exit_layer or target.config.num_hidden_layers // 2
+        super().__init__(early_exit(target, self.exit_layer), k, top_k, total_tokens, choices)
 
 
 class Eagle:

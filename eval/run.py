@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 import torch
@@ -28,10 +29,12 @@ from headstart.eval.proposers import (
     NGram,
     PEagle,
     ProposerWrapper,
+    SelfSpec,
     Vanilla,
     head_drafter,
     head_method,
 )
+from headstart.eval.proposers_lookup import Lookahead, Suffix
 from headstart.eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
 from headstart.eval.timing import TimedProposer, peak_memory_mb
 from headstart.eval.tree import MC_SIM_7B_63, Tree
@@ -39,7 +42,10 @@ from headstart.eval.tree_config import TreeSpec, chain_choices, comb_choices
 from headstart.eval.verify import Proposer, Sampling, Stats, generate
 from headstart.heads import DraftHead
 
-METHODS = ("vanilla", "ngram", "draft_model", "eagle", "eagle3", "peagle", "medusa", "dflash")
+METHODS = (
+    "vanilla", "ngram", "suffix", "lookahead", "draft_model", "self_spec",
+    "eagle", "eagle3", "peagle", "medusa", "dflash",
+)  # fmt: skip
 HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # eval.proposers.head_method
 WARMUP_TOKENS = 16
 
@@ -49,13 +55,15 @@ WARMUP_TOKENS = 16
 @dataclass(frozen=True)
 class TreeFlags:
     """How methods draft when no tree.json says otherwise: ``shape`` None (each method's usual: chains
-    for ngram, draft_model and DFlash, Medusa's fixed tree, EAGLE's dynamic tree), "static" (chains; Medusa
-    its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model and EAGLE too; DFlash stays a chain)."""
+    for ngram, draft_model, self_spec and DFlash, Medusa's fixed tree, EAGLE's dynamic tree), "static" (chains;
+    Medusa its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model, self_spec and EAGLE too; DFlash stays a
+    chain). suffix drafts a tree of at most ``depth`` nodes, lookahead its window and pool n-grams (own sizes)."""
 
     shape: str | None = None
     top_k: int = 8  # children per node in dynamic trees
     depth: int = 5  # draft length / tree depth
     total_tokens: int = 48  # tree nodes kept (dynamic and Medusa trees)
+    exit_layer: int | None = None  # self_spec: the target layers that draft (None: half of them)
 
 
 def build_proposer(
@@ -64,21 +72,31 @@ def build_proposer(
     draft: PreTrainedModel | None = None,
     heads: dict[str, DraftHead] | None = None,
     tree_config: dict | None = None,
+    target: PreTrainedModel | None = None,
 ) -> Proposer:
-    """The proposer of ``method`` (``METHODS``): ``draft`` for draft_model, ``heads[method]`` for the head
-    methods; an EAGLE or DFlash method drafts ``tree_config`` (a tree.json) when given, else the tree ``flags``."""
+    """The proposer of ``method`` (``METHODS``): ``draft`` for draft_model, ``target`` for self_spec,
+    ``heads[method]`` for the head methods; an EAGLE or DFlash method drafts ``tree_config`` (a tree.json) when
+    given, else the tree ``flags``."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
     if method == "vanilla":
         return Vanilla()
     if method == "ngram":
         return NGram(k=flags.depth)
-    if method == "draft_model":
-        if draft is None:
-            raise ValueError("the draft_model method needs a draft model")
+    if method == "suffix":
+        return Suffix(k=flags.depth)
+    if method == "lookahead":
+        return Lookahead()
+    if method in ("draft_model", "self_spec"):
+        drafter = draft if method == "draft_model" else target
+        if drafter is None:
+            raise ValueError(f"the {method} method needs a {'draft' if method == 'draft_model' else 'target'} model")
+        model = (
+            partial(DraftModel, drafter) if method == "draft_model" else partial(SelfSpec, drafter, flags.exit_layer)
+        )
         if flags.shape == "dynamic":
-            return DraftModel(draft, k=flags.depth, top_k=flags.top_k, total_tokens=flags.total_tokens)
-        return DraftModel(draft, k=flags.depth)
+            return model(k=flags.depth, top_k=flags.top_k, total_tokens=flags.total_tokens)
+        return model(k=flags.depth)
     if heads is None or method not in heads:
         raise ValueError(f"the {method} method needs its head")
     head = heads[method]

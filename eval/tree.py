@@ -42,6 +42,11 @@ class Tree:
     draft_logprobs: torch.Tensor  # [n] float, log q(token | parent)
     dists: torch.Tensor | None = None  # [g, V] draft probabilities per sibling group; None = point masses
     dist_index: torch.Tensor | None = None  # [n] row of ``dists`` each node was drawn from
+    # Lookahead decoding learns from every row the target scored, not only the accepted ones: a tree drafted
+    # with ``want_target_argmax`` gets ``target_argmax`` [n + 1], the target's argmax at [root, nodes...],
+    # from the verifier (``eval.verify.verify_batch``).
+    want_target_argmax: bool = False
+    target_argmax: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -88,6 +93,24 @@ def chain(tokens: torch.Tensor, dists: torch.Tensor | None = None) -> Tree:
     if dists is None:
         return Tree(tokens, steps - 1, steps + 1, torch.zeros(k, device=tokens.device))
     return Tree(tokens, steps - 1, steps + 1, dists[steps, tokens].log(), dists, steps)
+
+
+def tree_from_parents(
+    tokens: Sequence[int], parents: Sequence[int], device: torch.device, want_target_argmax: bool = False
+) -> Tree:
+    """A tree of deterministic proposals (point masses) from each node's token and parent (-1 = the root),
+    a parent before its children."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+
+    def longs(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return Tree(
+        longs(tokens), longs(parents), longs(depths), torch.zeros(len(tokens), device=device),
+        want_target_argmax=want_target_argmax,
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=16)

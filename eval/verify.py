@@ -247,6 +247,9 @@ def verify_batch(
         output_hidden_states=bool(hidden_layers),
     )
     paths, bonuses = zip(*(accept(tree, out.logits[b, : len(tree) + 1], sampling) for b, tree in enumerate(trees)))
+    for b, tree in enumerate(trees):
+        if tree.want_target_argmax:
+            tree.target_argmax = out.logits[b, : len(tree) + 1].argmax(-1)
     keep = max(len(path) for path in paths) + 1
     # Row 0 is the root; padding repeats it (those slots are marked invalid below).
     rows = torch.zeros(len(trees), keep, dtype=torch.long, device=valid.device)

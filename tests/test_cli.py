@@ -141,8 +141,8 @@ EVERY_KEY = {
     "eval": {
         "target": "t", "head": ["h1", "h2"], "draft": "d", "allow_other_tokenizer": True,
         "method": ["vanilla", "eagle3"], "bench": "b", "limit": 3, "max_new_tokens": 7, "temperature": 0.5,
-        "top_p": 0.9, "top_k": 4, "tree": "static", "top_k_draft": 2, "depth": 3, "total_tokens": 9, "seed": 5,
-        "device": "cpu", "dtype": "bf16", "out": "o",
+        "top_p": 0.9, "top_k": 4, "tree": "static", "top_k_draft": 2, "depth": 3, "total_tokens": 9, "exit_layer": 2,
+        "seed": 5, "device": "cpu", "dtype": "bf16", "out": "o",
     },
     "autotune": {
         "target": "t", "head": "h", "allow_other_tokenizer": True, "bench": "b", "offset": 2, "calibration": 3,
