@@ -15,10 +15,21 @@ MESSAGES = [
 ]
 
 
-def test_layout_imports_after_install():
-    code = "import core, heads, data_recipes, train, eval, scripts; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ok"
+def test_layout_imports_after_install_under_headstart_only():
+    # From outside the repository: the installed names resolve to the repository's folders, and the bare
+    # folder names are not ours (a user's `import eval` or `import scripts` must not find them).
+    code = (
+        "import importlib.util, json, sys\n"
+        "import headstart.core, headstart.heads, headstart.data_recipes, headstart.train, headstart.eval\n"
+        "import headstart.scripts\n"
+        "bare = {n: getattr(importlib.util.find_spec(n), 'origin', None) for n in sys.argv[1:]}\n"
+        "print(json.dumps([headstart.heads.__file__, bare]))"
+    )
+    names = ["core", "heads", "data_recipes", "train", "eval", "scripts"]
+    out = subprocess.run([sys.executable, "-c", code, *names], cwd="/", capture_output=True, text=True, check=True)
+    heads_file, bare = json.loads(out.stdout)
+    assert heads_file == str(REPO / "heads" / "__init__.py")
+    assert not [name for name, origin in bare.items() if origin and origin.startswith(str(REPO))]
 
 
 @pytest.mark.parametrize("path", [TARGET, DRAFT], ids=["target", "draft"])
