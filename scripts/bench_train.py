@@ -1,11 +1,13 @@
 """Head-training throughput (tokens/s) of each head type on a config's target.
 
-    python -m scripts.bench_train [--config configs/demo-eagle3.yaml] [--steps 10] [--batch-size 4]
+    python -m scripts.bench_train [--config configs/demo-eagle3.yaml] [--steps 10] [--batch-size 4] [--online]
 
 Times what one training step costs the head alone: forward, loss (EAGLE-3's includes the target
 lm_head over last_hidden), backward and an AdamW step, on real samples of the config's data. The
 target's hidden states are captured once beforehand (as offline shards would hold them), so the
-number is the trainer's ceiling on one process, without DeepSpeed's communication.
+number is the trainer's ceiling on one process, without DeepSpeed's communication. ``--online`` also
+times each step with the target's forward inside it (``train.online_capture``), side by side, and prints
+the ratio: what training without shards costs per step against training from them.
 """
 
 from __future__ import annotations
@@ -34,11 +36,17 @@ def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:
     return options
 
 
-def bench(head: DraftHead, batches: list[dict[str, torch.Tensor]], steps: int) -> float:
+def bench(
+    head: DraftHead,
+    batches: list[dict[str, torch.Tensor]],
+    steps: int,
+    capture: OnlineCapture | None = None,
+) -> float:
+    """Tokens/s of head steps on ``batches``: their stored states, or (``capture``) states computed in the step."""
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-4)
 
     def train_step(batch: dict[str, torch.Tensor]) -> None:
-        loss, _ = head.loss(batch)
+        loss, _ = head.loss(capture(batch) if capture is not None else batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -59,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heads", nargs="+", default=sorted(HEADS), choices=sorted(HEADS))
+    parser.add_argument("--online", action="store_true", help="also time steps that run the target (online capture)")
     args = parser.parse_args(argv)
     cfg = validate_config(load_config(args.config), TrainConfig)
     target, tokenizer = load_target(cfg["target"])
@@ -71,15 +80,21 @@ def main(argv: list[str] | None = None) -> None:
     capture = OnlineCapture(target, aux_layers, store_dtype)
     dataset = SampleDataset(samples)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batches = []
+    raw, batches = [], []
     for k in range(0, len(dataset) - args.batch_size + 1, args.batch_size):
         batch = pad_collate([dataset[i] for i in range(k, k + args.batch_size)], pad_id)
-        batches.append(capture({key: v.to(target.device) for key, v in batch.items()}))
+        raw.append({key: v.to(target.device) for key, v in batch.items()})
+        batches.append(capture(raw[-1]))
     print(f"target {cfg['target']['path']} ({target.dtype}, {target.device}), batches of {args.batch_size} samples")
     for head_type in args.heads:
         torch.manual_seed(0)
         head = build_head(head_options(cfg, head_type, aux_layers), target)
-        print(f"{head_type:>7}: {bench(head, batches, args.steps):,.0f} tokens/s")
+        offline = bench(head, batches, args.steps)
+        line = f"{head_type:>7}: {offline:,.0f} tokens/s from stored states"
+        if args.online:
+            online = bench(head, raw, args.steps, capture)
+            line += f", {online:,.0f} tokens/s with the target in the step ({online / offline:.2f}x)"
+        print(line)
 
 
 if __name__ == "__main__":
