@@ -1,5 +1,6 @@
 """Hidden-state capture: equal to a fresh forward, resumable after SIGKILL, shards read back lazily."""
 
+import contextlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, children
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.core.io import OutOfSpaceError
@@ -183,20 +184,30 @@ def test_storage_check_refuses_and_names_the_shortfall(tmp_path):
     check_free_disk(tmp_path / "not" / "yet" / "made", 1)
 
 
-def test_sigkilled_capture_resumes_to_identical_shards(tiny_target_dir, tmp_path):
-    # Real GSM8K rows in shards of 4 samples: enough shards that the kill lands mid-run.
-    settings = capture_config(
-        tiny_target_dir, REPO / "assets/data/gsm8k_train.jsonl", tmp_path / "reference", shard_samples=4
-    )
-    settings["data"].update(limit=200, max_length=160)
+def reference_capture(target_dir, tmp_path, limit):
+    """A one-process capture of ``limit`` real GSM8K rows in shards of 4 (enough shards for a kill to land
+    mid-run) under ``tmp_path/reference``; returns its file names and the same config for ``tmp_path/shards``."""
+    data = REPO / "assets/data/gsm8k_train.jsonl"
+    settings = capture_config(target_dir, data, tmp_path / "reference", shard_samples=4)
+    settings["data"].update(limit=limit, max_length=160)
     run_capture(settings)
     names = sorted(p.name for p in (tmp_path / "reference").glob("*.safetensors")) + ["manifest.json"]
-    assert len(names) == 51
-
-    out = tmp_path / "shards"
-    settings["capture"]["out_dir"] = str(out)
+    settings["capture"]["out_dir"] = str(tmp_path / "shards")
     config = tmp_path / "capture.yaml"
     config.write_text(json.dumps(settings))
+    return names, config
+
+
+def assert_same_capture(out, reference, names):
+    for name in names:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"
+
+
+def test_sigkilled_capture_resumes_to_identical_shards(tiny_target_dir, tmp_path):
+    names, config = reference_capture(tiny_target_dir, tmp_path, limit=200)
+    assert len(names) == 51
+    out = tmp_path / "shards"
     cmd = [sys.executable, "-m", "data_recipes.capture", "--config", str(config)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -208,42 +219,25 @@ def test_sigkilled_capture_resumes_to_identical_shards(tiny_target_dir, tmp_path
     assert 0 < len(written) < 50 and not (out / "manifest.json").exists()
     resumed = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     assert f"({len(written)} already complete, resuming)" in resumed.stdout
-
-    for name in names:
-        assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
-    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"
+    assert_same_capture(out, tmp_path / "reference", names)
 
 
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
     """The worker processes under a torchrun launcher: {RANK: pid}, read from each process's environment."""
     ranks = {}
-    for status in os.listdir("/proc"):
-        if not status.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{status}/environ").read_bytes().split(b"\0")
-            ppid = int(Path(f"/proc/{status}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        rank = next((v[5:] for v in environ if v.startswith(b"RANK=")), None)
-        if rank is not None and ppid == launcher_pid:
-            ranks[int(rank)] = int(status)
+    for pid in children(launcher_pid):
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((v[5:] for v in environ if v.startswith(b"RANK=")), None)
+            if rank is not None:
+                ranks[int(rank)] = pid
     return ranks
 
 
 def test_two_processes_capture_the_one_process_shards_and_resume_after_a_rank_is_killed(tiny_target_dir, tmp_path):
-    settings = capture_config(
-        tiny_target_dir, REPO / "assets/data/gsm8k_train.jsonl", tmp_path / "reference", shard_samples=4
-    )
-    settings["data"].update(limit=120, max_length=160)
-    run_capture(settings)
-    names = sorted(p.name for p in (tmp_path / "reference").glob("*.safetensors")) + ["manifest.json"]
+    names, config = reference_capture(tiny_target_dir, tmp_path, limit=120)
     assert len(names) == 31
-
     out = tmp_path / "shards"
-    settings["capture"]["out_dir"] = str(out)
-    config = tmp_path / "capture.yaml"
-    config.write_text(json.dumps(settings))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd = [*torchrun, "-m", "data_recipes.capture", "--config", str(config)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -259,9 +253,7 @@ def test_two_processes_capture_the_one_process_shards_and_resume_after_a_rank_is
 
     resumed = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     assert f"({len(written)} already complete, resuming), 2 processes" in resumed.stdout
-    for name in names:
-        assert (out / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
-    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"
+    assert_same_capture(out, tmp_path / "reference", names)
 
 
 def test_shard_dataset_needs_a_finished_capture(tmp_path):
