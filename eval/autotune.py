@@ -13,11 +13,19 @@
 3. Model (``eval.speedup``): a tree's expected tokens per step is 1 + the sum of its nodes' acceptance
    probabilities (``core.acceptance``); the best n-node tree is the n most valuable nodes, and the tree with
    the highest expected tokens/s at the batch size asked for is chosen.
-4. Validation on held-out prompts (``eval.run.validate``): the chosen tree, chains, other sizes and dynamic
-   EAGLE-2 trees (EAGLE's default among them; none for a DFlash head, whose every depth comes from one
-   forward, so its trees are static and no deeper than its block) decode the same prompts, interleaved
-   prompt by prompt so that a shared CPU's load drifts over all of them alike; the table puts measured and
-   predicted tau and tokens/s side by side.
+4. Adaptive depth (EAGLE heads, which draft level by level): the calibration steps are replayed with the
+   chosen tree stopping below the first level whose best node's cumulative draft probability is under a
+   threshold (``eval.speedup.fit_confidence``); the threshold that replays fastest (0: fixed depth) goes
+   into the tree as ``min_confidence``.
+5. Speculation by load: per batch size, the depth to cut the chosen tree at (0: plain decoding) and the best
+   chain length, written as ``depth_per_batch_size`` (``eval.verify.generate_batch`` follows it) and as
+   vLLM's ``num_speculative_tokens_per_batch_size`` (the exports' serve commands carry it).
+6. Validation on held-out prompts (``eval.run.validate``): the chosen tree (and the same tree at fixed depth),
+   chains, other sizes and dynamic EAGLE-2 trees (EAGLE's default among them; none for a DFlash head, whose
+   every depth comes from one forward, so its trees are static and no deeper than its block) decode the
+   same prompts, interleaved prompt by prompt so that a shared CPU's load drifts over all of them alike; the
+   table puts measured and predicted tau and tokens/s side by side. Then, per batch size, the held-out
+   prompts decode together plainly, with the fixed tree and as scheduled (``eval.run.validate_batches``).
 
 The choice is written as JSON (``tree.json``, ``eval.tree_config``) that ``python -m eval.acceptance --tree
 FILE`` reads (and picks up from a head folder by itself), as do the exports' model cards. ``--out`` also
@@ -30,7 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,10 +52,10 @@ from headstart.core.schema import flags_config
 from headstart.eval.bench import load_bench, render
 from headstart.eval.proposers import head_method
 from headstart.eval.report import write_autotune_report
-from headstart.eval.run import calibrate, validate, validation_checks, validation_rows
-from headstart.eval.speedup import batch_table, grid, tune
+from headstart.eval.run import calibrate, validate, validate_batches, validation_checks, validation_rows
+from headstart.eval.speedup import batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
-from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, tree_json
+from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges, tree_json
 from headstart.heads import load_head
 
 
@@ -109,13 +117,24 @@ def main(argv: list[str] | None = None) -> dict:
     # A DFlash head drafts static trees no deeper than its block.
     dflash = head.config.type == "dflash"
     max_depth = min(args.max_depth, head.config.options.block_size - 1) if dflash else args.max_depth
-    rank_probs, decoded = calibrate(target, head, calib, max_depth, args.comb_width, args.max_new_tokens, eos)
+    rank_probs, decoded, steps = calibrate(target, head, calib, max_depth, args.comb_width, args.max_new_tokens, eos)
     kv_length = round(statistics.fmean(p.shape[1] for p in calib) + args.max_new_tokens / 2)
     # The verify curve reaches EAGLE's default tree too: the validation grid predicts its speed.
     curve_nodes = max(args.max_nodes, EAGLE_DEFAULT["total_tokens"])
     costs = measure_costs(target, head, decoded, kv_length, curve_nodes, args.batch_sizes, args.repeats)
-    batch = batch_table(costs, rank_probs, args.max_nodes, max_depth, args.batch_sizes)
     chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, max_depth, args.batch_size)
+    fixed = chosen.tree
+    # Adaptive depth: only a drafter that drafts level by level saves anything by stopping early.
+    level_by_level = head_method(head.config) in ("eagle", "eagle3")
+    adaptive = (
+        fit_confidence(costs, fixed, steps) if level_by_level else (0.0, chosen.tokens_per_s, chosen.tokens_per_s)
+    )
+    chosen = replace(chosen, tree=replace(fixed, min_confidence=adaptive[0]))
+    batch = batch_table(costs, rank_probs, args.max_nodes, max_depth, args.batch_sizes, fixed)
+    schedules = {
+        "depth_per_batch_size": schedule_ranges({b: row["depth"] for b, row in batch.items()}),
+        "num_speculative_tokens_per_batch_size": schedule_ranges({b: row["chain_k"] for b, row in batch.items()}),
+    }
     meta = {
         "machine": machine(device),
         "device": str(device),
@@ -128,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tuned_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     # Written before the (long) validation, so an interrupted run still leaves its choice.
-    config = json.dumps(tree_json(chosen, vanilla, batch, meta), indent=2) + "\n"
+    config = json.dumps(tree_json(chosen, vanilla, batch, meta) | schedules, indent=2) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "tree.json", config)
     save_config(flags_config("autotune", args), args.out / "autotune_config.yaml")  # `headstart autotune --config`
@@ -136,9 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
         atomic_write_text(Path(args.head) / "tree.json", config)
 
     # P-EAGLE and DFlash draft every depth in one forward: they have no dynamic trees to compare with.
-    trees = grid(chosen.tree, rank_probs, max_depth, dynamic=head_method(head.config) not in ("peagle", "dflash"))
+    trees = grid(chosen.tree, rank_probs, max_depth, dynamic=level_by_level)
+    trees += [fixed] if chosen.tree != fixed else []  # adaptive depth measured against the same tree at fixed depth
     runs = validate(target, head, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
     rows = validation_rows(runs, chosen.tree)
+    sizes = [b for b in args.batch_sizes if b <= len(heldout)]
+    batch_rows = validate_batches(target, head, heldout, chosen.tree, schedules["depth_per_batch_size"], sizes,
+                                  args.max_new_tokens, eos)  # fmt: skip
     result = meta | {
         "kv_length": kv_length,
         "calibration_prompts": len(calib),
@@ -149,6 +172,14 @@ def main(argv: list[str] | None = None) -> dict:
         "chosen": chosen.tree.config() | {"predicted_tau": chosen.tau, "predicted_tokens_per_s": chosen.tokens_per_s},
         "grid": rows,
         "batch": {str(b): row for b, row in batch.items()},
+        "adaptive": {
+            "min_confidence": adaptive[0],
+            "replayed_tokens_per_s": adaptive[1],
+            "replayed_fixed_tokens_per_s": adaptive[2],
+            "level_by_level": level_by_level,
+        },  # fmt: skip
+        "schedules": schedules,
+        "batch_validation": batch_rows,
         "checks": validation_checks(rows, TreeSpec.from_config(EAGLE_DEFAULT)),
     }
     md = write_autotune_report(result, args.out)

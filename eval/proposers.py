@@ -109,8 +109,9 @@ class DraftModel:
         top_k: int = 1,
         total_tokens: int | None = None,
         choices: Sequence[Sequence[int]] | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
-        self.model, self.k, self.top_k = model, k, top_k
+        self.model, self.k, self.top_k, self.min_confidence = model, k, top_k, min_confidence
         self.total_tokens = total_tokens or k * top_k
         self.choices = [list(c) for c in choices] if choices is not None else None
 
@@ -122,8 +123,8 @@ class DraftModel:
         self.read = len(tokens)
         root_logq, sample = draft_logq(out.logits[0, -1], self.sampling), not self.sampling.greedy
         if self.choices is not None:
-            return shaped_tree(root_logq, self._expand, self.choices, sample)
-        return dynamic_tree(root_logq, self._expand, self.top_k, self.k, self.total_tokens, sample)
+            return shaped_tree(root_logq, self._expand, self.choices, sample, self.min_confidence)
+        return dynamic_tree(root_logq, self._expand, self.top_k, self.k, self.total_tokens, sample, self.min_confidence)
 
     def _expand(
         self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor
@@ -186,9 +187,10 @@ class SelfSpec(DraftModel):
         top_k: int = 1,
         total_tokens: int | None = None,
         choices: Sequence[Sequence[int]] | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         self.exit_layer = exit_layer or target.config.num_hidden_layers // 2
-        super().__init__(early_exit(target, self.exit_layer), k, top_k, total_tokens, choices)
+        super().__init__(early_exit(target, self.exit_layer), k, top_k, total_tokens, choices, min_confidence)
 
 
 class Eagle:
@@ -198,7 +200,9 @@ class Eagle:
     The head pairs the target's feature at position i with the token at i + 1. ``update`` reads the
     pairs the last verification committed (the root and accepted rows' features, with the tokens that
     followed them, the last being the new pending root) into the head's own cache; the last pair's
-    output is the root of the next tree. Drafted slots are cropped at the next ``update``.
+    output is the root of the next tree. Drafted slots are cropped at the next ``update``. With
+    ``min_confidence`` drafting stops at the first level whose best node is less likely than that
+    (``eval.tree.confident``; ``eval.autotune`` fits it).
     """
 
     def __init__(
@@ -208,10 +212,12 @@ class Eagle:
         depth: int = 5,
         total_tokens: int = 48,
         choices: Sequence[Sequence[int]] | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         if not isinstance(head, (EagleHead, Eagle3Head)):
             raise ValueError(f"EAGLE drafting needs an eagle or eagle3 head, not a {head.config.type} head")
         self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
+        self.min_confidence = min_confidence
         self.choices = [list(c) for c in choices] if choices is not None else None
         self.hidden_layers = head.hidden_layers
 
@@ -238,8 +244,10 @@ class Eagle:
         self.slot_features: list[torch.Tensor] = [feature]
         root_logq, sample = self._logq(logp), not self.sampling.greedy
         if self.choices is not None:
-            return shaped_tree(root_logq, self._expand, self.choices, sample)
-        return dynamic_tree(root_logq, self._expand, self.top_k, self.depth, self.total_tokens, sample)
+            return shaped_tree(root_logq, self._expand, self.choices, sample, self.min_confidence)
+        return dynamic_tree(
+            root_logq, self._expand, self.top_k, self.depth, self.total_tokens, sample, self.min_confidence
+        )
 
     def _expand(
         self, tokens: torch.Tensor, parent_slots: torch.Tensor, depth: int, visible: torch.Tensor

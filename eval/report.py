@@ -221,17 +221,56 @@ def autotune_markdown(result: dict) -> str:
         f"({checks['chosen_vs_best']:.3f} of the best)",
         f"- chosen beats EAGLE's default tree (60 nodes, depth 6, top-k 10): {versus_eagle}",
         "",
+        *adaptive_lines(result),
+        "",
         "## Batch size (model; drafting runs per sequence)",
         "",
-        "| batch | best tree | tau | tokens/s | vanilla tokens/s | speculate |",
-        "|---|---|---|---|---|---|",
+        "depth: the chosen tree's deepest level worth verifying at that batch size (headstart's engine, "
+        "`depth_per_batch_size`); chain k: the best chain length (vLLM's `num_speculative_tokens_per_batch_size`).",
+        "",
+        "| batch | best tree | tau | tokens/s | vanilla tokens/s | speculate | depth | chain k |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for b, row in result["batch"].items():
         lines.append(
             f"| {b} | {row['tree']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | {row['vanilla_tokens_per_s']:.1f} "
-            f"| {'yes' if row['speculate'] else 'no: large batch does not benefit'} |"
+            f"| {'yes' if row['speculate'] else 'no: large batch does not benefit'} | {row['depth']} "
+            f"| {row['chain_k']} |"
+        )
+    lines += [
+        "",
+        f"- headstart: `depth_per_batch_size` = `{result['schedules']['depth_per_batch_size']}`",
+        f"- vLLM: `num_speculative_tokens_per_batch_size` = "
+        f"`{result['schedules']['num_speculative_tokens_per_batch_size']}`",
+        "",
+        "Measured on held-out prompts decoded together (greedy, `generate_batch`):",
+        "",
+        "| batch | scheduled depth | plain tokens/s | fixed tree tokens/s | scheduled tokens/s | identical |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["batch_validation"]:
+        lines.append(
+            f"| {row['batch_size']} | {row['depth']} | {row['vanilla_tokens_per_s']:.1f} "
+            f"| {row['fixed_tokens_per_s']:.1f} | {row['scheduled_tokens_per_s']:.1f} "
+            f"| {'yes' if row['greedy_identical'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def adaptive_lines(result: dict) -> list[str]:
+    """The adaptive-depth fit: the threshold and its replayed tokens/s against fixed depth."""
+    adaptive = result["adaptive"]
+    if not adaptive["level_by_level"]:
+        return [
+            "- adaptive depth: not fitted (this head drafts every depth in one forward: stopping early saves nothing)"
+        ]
+    threshold = adaptive["min_confidence"]
+    verdict = f"stop below {threshold:.3g}" if threshold > 0 else "none (fixed depth replays fastest)"
+    return [
+        f"- adaptive depth (fitted on the calibration steps): {verdict}; replayed "
+        f"{adaptive['replayed_tokens_per_s']:.1f} tokens/s against {adaptive['replayed_fixed_tokens_per_s']:.1f} at "
+        "fixed depth (measured above: the chosen tree beside the same tree at fixed depth)"
+    ]
 
 
 def plot_autotune(result: dict, path: Path) -> None:

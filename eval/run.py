@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.runtime import seed_everything
+from headstart.core.timing import timed
 from headstart.eval.bench import BenchItem, render
 from headstart.eval.proposers import (
     DFlash,
@@ -35,11 +36,18 @@ from headstart.eval.proposers import (
     head_method,
 )
 from headstart.eval.proposers_lookup import Lookahead, Suffix
-from headstart.eval.speedup import Costs, RankCounts, chain_acceptance, predicted_speedup, tree_tau
+from headstart.eval.speedup import (
+    ConfidenceStep,
+    Costs,
+    RankCounts,
+    chain_acceptance,
+    predicted_speedup,
+    tree_tau,
+)
 from headstart.eval.timing import TimedProposer, peak_memory_mb
 from headstart.eval.tree import MC_SIM_7B_63, Tree
-from headstart.eval.tree_config import TreeSpec, chain_choices, comb_choices
-from headstart.eval.verify import Proposer, Sampling, Stats, generate
+from headstart.eval.tree_config import Schedule, TreeSpec, chain_choices, comb_choices, scheduled_depth
+from headstart.eval.verify import Proposer, Sampling, Stats, generate, generate_batch
 from headstart.heads import DraftHead
 
 METHODS = (
@@ -128,10 +136,16 @@ def proposer_for_tree(head: DraftHead, config: dict) -> Eagle | PEagle | DFlash:
             raise ValueError(
                 f"{title} drafts static shapes only (every depth from one forward), not a {config['shape']} tree"
             )
+        if config.get("min_confidence", 0.0) > 0:
+            raise ValueError(
+                "adaptive depth (min_confidence) needs a drafter that drafts level by level; "
+                f"{method} drafts every depth in one forward"
+            )
         return (PEagle if method == "peagle" else DFlash)(head, choices=config["choices"])
-    if config["shape"] == "static":
-        return Eagle(head, choices=config["choices"])
-    return Eagle(head, top_k=config["top_k"], depth=config["depth"], total_tokens=config["total_tokens"])
+    tree = TreeSpec.from_config(config)
+    if tree.shape == "static":
+        return Eagle(head, choices=tree.choices, min_confidence=tree.min_confidence)
+    return Eagle(head, tree.top_k, tree.depth, tree.total_tokens, min_confidence=tree.min_confidence)
 
 
 def proposer_for(head: DraftHead, tree: TreeSpec) -> Proposer:
@@ -345,13 +359,15 @@ def divergences(
 
 
 class CombRecorder(ProposerWrapper):
-    """Wraps a proposer that takes ``choices``: drafts the comb and records which ranks the target accepted."""
+    """Wraps a proposer that takes ``choices``: drafts the comb and records which ranks the target accepted,
+    and with them the rank-0 chain's draft confidence at each depth (what adaptive depth is fitted on)."""
 
     def __init__(self, proposer: Drafter, depth: int, width: int) -> None:
         super().__init__(proposer)
         self.depth, self.width = depth, width
         proposer.choices = comb_choices(depth, width)
         self.counts = RankCounts()
+        self.steps: list[ConfidenceStep] = []
         self.tree: Tree | None = None
 
     def reset(self, sampling: Sampling) -> None:
@@ -373,7 +389,18 @@ class CombRecorder(ProposerWrapper):
                 rank = [int(self.tree.tokens[k]) for k in kids].index(token)
                 node, ranks = kids[rank], ranks + [rank]
             self.counts.record(self.depth, self.width, ranks)
+            self.steps.append(ConfidenceStep(chain_logq(self.tree), ranks))
         super().update(tokens, hidden)
+
+
+def chain_logq(tree: Tree) -> list[float]:
+    """The cumulative draft log-probability at each depth of the tree's rank-0 chain (first children)."""
+    children, node, total, out = tree.children(), -1, 0.0, []
+    while children[node + 1]:
+        node = children[node + 1][0]
+        total += float(tree.draft_logprobs[node])
+        out.append(total)
+    return out
 
 
 def calibrate(
@@ -384,16 +411,17 @@ def calibrate(
     width: int,
     max_new_tokens: int,
     eos: int | None,
-) -> tuple[list[list[float]], list[torch.Tensor]]:
-    """(rank_probs, the decoded sequences) from greedy decoding of ``prompts`` with a "comb" tree (the
-    rank-0 chain with ``width`` siblings at every depth): p[d][r] = P(the target's token at depth d is the
-    head's rank-r candidate | depth d - 1 was accepted on the rank-0 chain)."""
+) -> tuple[list[list[float]], list[torch.Tensor], list[ConfidenceStep]]:
+    """(rank_probs, the decoded sequences, every step's chain confidences and accepted ranks) from greedy
+    decoding of ``prompts`` with a "comb" tree (the rank-0 chain with ``width`` siblings at every depth):
+    p[d][r] = P(the target's token at depth d is the head's rank-r candidate | depth d - 1 was accepted on
+    the rank-0 chain)."""
     recorder = CombRecorder(head_drafter(head), depth, width)
     outputs = []
     for prompt in tqdm(prompts, desc="calibrate", leave=False):
         out, _ = generate(target, recorder, prompt, max_new_tokens, Sampling(), eos)
         outputs.append(out[0])
-    return recorder.counts.rank_probs(), outputs
+    return recorder.counts.rank_probs(), outputs, recorder.steps
 
 
 # ------------------------------------------------------------------------------------ tree validation
@@ -448,6 +476,38 @@ def validate(
         run.predicted_tau = statistics.fmean(recorder.expected) if recorder.expected else 1.0
         run.predicted_tokens_per_s = 1e3 * run.predicted_tau / costs.step(run.tree)
     return runs
+
+
+@torch.no_grad()
+def validate_batches(
+    target: PreTrainedModel,
+    head: DraftHead,
+    prompts: list[torch.Tensor],
+    tree: TreeSpec,
+    schedule: Schedule,
+    sizes: Sequence[int],
+    max_new_tokens: int,
+    eos: int | None,
+) -> list[dict]:
+    """Speculation by load, measured: per batch size b, the first b ``prompts`` decoded together
+    (``generate_batch``, greedy) plainly, with ``tree`` at every step, and with ``tree`` cut as ``schedule``
+    says for the sequences still decoding; tokens/s of each and whether both reproduce the plain run."""
+    runs = {"vanilla": (TreeSpec.static([]), None), "fixed": (tree, None), "scheduled": (tree, schedule)}
+    rows = []
+    for size in tqdm(sizes, desc="batches", leave=False):
+        batch, outputs = prompts[:size], {}
+        row: dict = {"batch_size": size, "depth": scheduled_depth(schedule, size)}
+        for name, (spec, by_load) in runs.items():
+            proposers = [proposer_for(head, spec) for _ in batch]
+            generate_batch(target, proposers, batch, 4, Sampling(), eos, by_load)  # warm-up, untimed
+            (outs, _), seconds = timed(
+                target.device, generate_batch, target, proposers, batch, max_new_tokens, Sampling(), eos, by_load
+            )
+            outputs[name] = [out[0, p.shape[1] :].tolist() for out, p in zip(outs, batch)]
+            row[f"{name}_tokens_per_s"] = sum(map(len, outputs[name])) / seconds
+        row["greedy_identical"] = outputs["fixed"] == outputs["vanilla"] == outputs["scheduled"]
+        rows.append(row)
+    return rows
 
 
 def validation_rows(runs: list[Measured], chosen: TreeSpec) -> list[dict]:

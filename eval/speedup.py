@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -157,16 +158,90 @@ def tune(
 
 
 def batch_table(
-    costs: Costs, rank_probs: Sequence[Sequence[float]], max_nodes: int, max_depth: int, batches: Sequence[int]
+    costs: Costs,
+    rank_probs: Sequence[Sequence[float]],
+    max_nodes: int,
+    max_depth: int,
+    batches: Sequence[int],
+    chosen: TreeSpec,
 ) -> dict[int, dict]:
-    """Per batch size: the best tree (name, config, tau, tokens/s), vanilla's tokens/s, and whether to speculate."""
+    """Per batch size: the best tree (name, config, tau, tokens/s), vanilla's tokens/s, whether to speculate,
+    and the two speculation lengths to use there: ``depth``, the deepest level of ``chosen`` worth verifying
+    (``capped_tokens_per_s``), and ``chain_k``, the best chain length (vLLM's num_speculative_tokens)."""
     table = {}
     for b in batches:
         best, vanilla, _ = tune(costs, rank_probs, max_nodes, max_depth, b)
+        depth, capped_rate = best_cap(costs, rank_probs, chosen, b)
+        chain_k = max(range(max_depth + 1), key=lambda k: predict(costs, rank_probs, chain_spec(k), b).tokens_per_s)
         table[b] = {"tree": best.tree.name, "config": best.tree.config(), "tau": best.tau,
                     "tokens_per_s": best.tokens_per_s, "vanilla_tokens_per_s": vanilla.tokens_per_s,
-                    "speculate": best.tokens_per_s > vanilla.tokens_per_s}  # fmt: skip
+                    "speculate": best.tokens_per_s > vanilla.tokens_per_s, "depth": depth,
+                    "capped_tokens_per_s": capped_rate, "chain_k": chain_k}  # fmt: skip
     return table
+
+
+def chain_spec(k: int) -> TreeSpec:
+    return TreeSpec.static(chain_choices(k))
+
+
+def best_cap(costs: Costs, rank_probs: Sequence[Sequence[float]], tree: TreeSpec, batch: int) -> tuple[int, float]:
+    """(depth, expected tokens/s): the depth to cut ``tree`` at when ``batch`` sequences decode together (0: plain
+    decoding). ``eval.verify.generate_batch`` cuts a drafted tree rather than drafting less, so every cut but
+    0 pays the whole tree's drafting; it saves verification, which grows with batch x nodes."""
+    rates = {0: predict(costs, rank_probs, TreeSpec.static([]), batch).tokens_per_s}
+    for depth in range(1, tree.depth + 1):
+        cut = tree.capped(depth)
+        ms = costs.verify(cut.total_tokens, batch) + batch * costs.draft(tree)
+        rates[depth] = 1e3 * batch * expected_tau(rank_probs, cut.choices or []) / ms
+    depth = max(rates, key=lambda d: rates[d])
+    return depth, rates[depth]
+
+
+# ------------------------------------------------------------------------------------- adaptive depth
+
+
+@dataclass
+class ConfidenceStep:
+    """One calibration step: the rank-0 chain's cumulative draft log-probability at each depth, and the rank
+    path the target accepted (``eval.run.CombRecorder``)."""
+
+    chain_logq: list[float]
+    accepted_ranks: list[int]
+
+
+def adaptive_rate(costs: Costs, tree: TreeSpec, steps: Sequence[ConfidenceStep], min_confidence: float) -> float:
+    """Tokens/s of ``tree`` drafted with ``min_confidence`` (``eval.tree.confident``) replayed on recorded steps:
+    a step drafts below depth d only while the rank-0 chain's depth-d confidence reaches the threshold (the
+    likeliest node of a greedy tree's level is nearly always on that chain), accepts the longest prefix of
+    the target's rank path that the cut tree holds, and costs the cut tree's drafting and verification."""
+    paths = {tuple(c) for c in tree.choices or []}
+    tokens = ms = 0.0
+    for step in steps:
+        depth = tree.depth
+        for d in range(1, tree.depth):
+            if min_confidence > 0 and (d > len(step.chain_logq) or step.chain_logq[d - 1] < math.log(min_confidence)):
+                depth = d
+                break
+        accepted = 0
+        while accepted < min(depth, len(step.accepted_ranks)) and tuple(step.accepted_ranks[: accepted + 1]) in paths:
+            accepted += 1
+        tokens += 1 + accepted
+        ms += costs.step(tree.capped(depth))
+    return 1e3 * tokens / ms if ms else 0.0
+
+
+def fit_confidence(
+    costs: Costs, tree: TreeSpec, steps: Sequence[ConfidenceStep], candidates: int = 24
+) -> tuple[float, float, float]:
+    """(threshold, its tokens/s, fixed depth's tokens/s) on the recorded ``steps``: of 0 (fixed depth) and up to
+    ``candidates`` thresholds between neighbouring recorded confidences (geometric means, so that no recorded
+    value sits on a threshold), the one that replays fastest (``adaptive_rate``)."""
+    values = sorted({v for step in steps for v in step.chain_logq[: max(tree.depth - 1, 0)] if math.isfinite(v)})
+    picked = values[:: max(1, len(values) // candidates)]
+    thresholds = [math.exp((a + b) / 2) for a, b in zip(picked, picked[1:])]
+    rates = {t: adaptive_rate(costs, tree, steps, t) for t in [0.0, *thresholds]}
+    best = max(rates, key=lambda t: rates[t])  # the first of equals: 0 (fixed depth) unless a threshold gains
+    return best, rates[best], rates[0.0]
 
 
 def grid(

@@ -221,14 +221,21 @@ def _kept_tree(
 
 
 def dynamic_tree(
-    root_logq: torch.Tensor, expand: Expand, top_k: int, depth: int, total_tokens: int, sample: bool = False
+    root_logq: torch.Tensor,
+    expand: Expand,
+    top_k: int,
+    depth: int,
+    total_tokens: int,
+    sample: bool = False,
+    min_confidence: float = 0.0,
 ) -> Tree:
     """EAGLE-2's dynamic tree from the root's draft log-probs [V].
 
     Each level gives every frontier node its top_k children by cumulative draft log-probability (or
     k sampled children, see ``pick_children``); the top_k best new nodes form the next frontier, for
-    ``depth`` levels. The best ``total_tokens`` nodes overall are kept, with their ancestors, in
-    topological order. With ``sample`` every node's sibling group keeps the distribution it was drawn from.
+    ``depth`` levels, or fewer where the frontier is not confident enough (``confident``). The best
+    ``total_tokens`` nodes overall are kept, with their ancestors, in topological order. With ``sample``
+    every node's sibling group keeps the distribution it was drawn from.
     """
     device = root_logq.device
     kids, scores = pick_children(torch.zeros(1, device=device), root_logq[None], top_k, sample)
@@ -236,16 +243,20 @@ def dynamic_tree(
     parents = torch.full((top_k,), -1, device=device)
     depths = torch.ones(top_k, dtype=torch.long, device=device)
     logq_rows, dist_index = [root_logq[None]], torch.zeros(top_k, dtype=torch.long, device=device)
+    path_logq = root_logq[tokens]
     frontier = torch.arange(top_k, device=device)
     slots = DraftSlots(device)
     slots.add_nodes(top_k)
     for level in range(2, depth + 1):
+        if not confident(path_logq[frontier], min_confidence):
+            break
         k = len(frontier)
         parent_slots, visible = slots.expand(frontier, parents)
         logq = expand(tokens[frontier], parent_slots, level - 1, visible)
         kids, kid_scores = pick_children(scores[frontier], logq, top_k, sample)
         n = len(tokens)
         tokens, scores = torch.cat((tokens, kids.flatten())), torch.cat((scores, kid_scores.flatten()))
+        path_logq = torch.cat((path_logq, (path_logq[frontier, None] + logq.gather(1, kids)).flatten()))
         parents = torch.cat((parents, frontier.repeat_interleave(top_k)))
         depths = torch.cat((depths, torch.full((kids.numel(),), level, device=device)))
         group = sum(len(rows) for rows in logq_rows) + torch.arange(k, device=device).repeat_interleave(top_k)
@@ -257,7 +268,7 @@ def dynamic_tree(
     keep = torch.zeros(len(tokens), dtype=torch.bool, device=device)
     keep[scores.masked_fill(~finite, -math.inf).topk(min(total_tokens, len(tokens))).indices] = True
     keep &= finite  # a token the drafter gives probability 0 was never drawn
-    for _ in range(depth - 1):  # a kept node keeps its ancestors
+    for _ in range(int(depths.max()) - 1):  # a kept node keeps its ancestors
         keep[parents[keep & (parents >= 0)]] = True
     return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
 
@@ -290,11 +301,16 @@ def _levels(
 
 
 def shaped_tree(
-    root_logq: torch.Tensor, expand: Expand, choices: Sequence[Sequence[int]], sample: bool = False
+    root_logq: torch.Tensor,
+    expand: Expand,
+    choices: Sequence[Sequence[int]],
+    sample: bool = False,
+    min_confidence: float = 0.0,
 ) -> Tree:
     """A tree of fixed shape (Medusa-style ``choices``: path [i, j] = the j-th child of the i-th child of
     the root) drafted level by level by an autoregressive drafter: each level expands only the nodes the
     shape gives children, and node [.., j] holds its parent's j-th best (or j-th sampled) candidate.
+    Drafting stops early, the shape cut at that depth, where the nodes to expand are not ``confident``.
 
     Ranks follow the cumulative scores of ``pick_children``, as in ``dynamic_tree``, so a shape that
     ``dynamic_tree`` would also build gets the same tokens. A node the drafter gives probability 0 is
@@ -305,24 +321,60 @@ def shaped_tree(
     n = len(parents)
     tokens = torch.zeros(n, dtype=torch.long, device=device)
     scores = torch.zeros(n, device=device)
+    path_logq = torch.zeros(n, device=device)
     dist_index = torch.zeros(n, dtype=torch.long, device=device)
     logq_rows = [root_logq[None]]
     slots = DraftSlots(device)
     slots.add_nodes(n)
+    drafted = 0  # the depth drafted so far
     for depth, level in enumerate(levels, 1):
         nodes, frontier, row, rank = level.nodes, level.frontier, level.row, level.rank
         if depth == 1:
             logq, parent_scores = root_logq[None], torch.zeros(1, device=device)
+            parent_logq = parent_scores
         else:
+            if not confident(path_logq[frontier], min_confidence):
+                break
             parent_slots, visible = slots.expand(frontier, parents)
             logq, parent_scores = expand(tokens[frontier], parent_slots, depth - 1, visible), scores[frontier]
+            parent_logq = path_logq[frontier]
             logq_rows.append(logq)
         kids, kid_scores = pick_children(parent_scores, logq, level.width, sample)
         tokens[nodes], scores[nodes] = kids[row, rank], kid_scores[row, rank]
+        path_logq[nodes] = parent_logq[row] + logq[row, tokens[nodes]]
         dist_index[nodes] = sum(len(rows) for rows in logq_rows) - len(logq) + row
+        drafted = depth
     # Scores are cumulative (keys truncated at the parent's), so a dropped node's subtree is dropped too.
-    keep = scores.isfinite()
+    keep = scores.isfinite() & (depths <= drafted)
     return _kept_tree(keep, tokens, parents, depths, logq_rows, dist_index, sample)
+
+
+def confident(path_logq: torch.Tensor, min_confidence: float) -> bool:
+    """Whether to draft below nodes whose cumulative draft log-probabilities are ``path_logq``: when the
+    likeliest of them reaches ``min_confidence`` (0: always). That product of draft probabilities estimates
+    the chance the target accepts the path (EAGLE-2's observation), so a level below an unlikely frontier
+    mostly costs drafting and verification for nothing. The decision reads only the draft's own
+    probabilities, never the target's, so sampled runs stay lossless (a draft that stops early is still a
+    draft)."""
+    return min_confidence <= 0 or float(path_logq.max()) >= math.log(min_confidence)
+
+
+def capped(tree: Tree, depth: int) -> Tree:
+    """``tree`` without its nodes deeper than ``depth`` (the tree itself when none is). The cut depends on
+    no token, so the verifier's sibling-by-sibling sampling stays exact on what is left."""
+    if not len(tree) or int(tree.depths.max()) <= depth:
+        return tree
+    keep = tree.depths <= depth
+    new_index = keep.long().cumsum(0) - 1
+    parents = tree.parents[keep]
+    return Tree(
+        tree.tokens[keep],
+        torch.where(parents >= 0, new_index[parents.clamp(min=0)], -1),
+        tree.depths[keep],
+        tree.draft_logprobs[keep],
+        tree.dists,
+        None if tree.dist_index is None else tree.dist_index[keep],
+    )
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

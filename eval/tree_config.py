@@ -6,6 +6,12 @@ it in a head's folder, and by the exports' model cards, ``scripts.formats.card``
 - shape: "static" (``choices``: Medusa-style rank paths, drafted by ``eval.tree.shaped_tree``) or "dynamic"
   (EAGLE-2: ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);
 - depth, top_k (static: the most children of any node), total_tokens (draft nodes, the root excluded);
+- min_confidence (optional, 0 = fixed depth): drafting stops at the first level whose best node's cumulative
+  draft probability is below it (``eval.tree.confident``), EAGLE heads only;
+- depth_per_batch_size (optional): [[first, last, depth], ...] batch-size ranges and the deepest level
+  ``eval.verify.generate_batch`` verifies when that many sequences decode together (0: plain decoding);
+  num_speculative_tokens_per_batch_size: the same for vLLM's chains, in the form vLLM's speculative config
+  takes (``vllm/v1/spec_decode/dynamic/utils.py``);
 - plus what the tuner predicted and where it ran (machine, device, dtype, torch_threads, ...).
 """
 
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +27,7 @@ if TYPE_CHECKING:
     from headstart.eval.speedup import Choice
 
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
+SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
 EAGLE_DEFAULT = {"shape": "dynamic", "total_tokens": 60, "depth": 6, "top_k": 10}  # EAGLE-2's published default
 
 
@@ -33,16 +40,19 @@ class TreeSpec:
     top_k: int  # static: the most children any node has; dynamic: children per expanded node
     total_tokens: int  # draft nodes, root excluded
     choices: list[list[int]] | None = None
+    min_confidence: float = 0.0  # adaptive depth (``eval.tree.confident``); 0: always the full depth
 
     @property
     def name(self) -> str:
         if self.total_tokens == 0:
             return "vanilla"
         if self.shape == "dynamic":
-            return f"dynamic k{self.top_k} d{self.depth} n{self.total_tokens}"
-        if self.top_k == 1:
-            return f"chain {self.depth}"
-        return f"static {self.total_tokens} (d{self.depth} w{self.top_k})"
+            name = f"dynamic k{self.top_k} d{self.depth} n{self.total_tokens}"
+        elif self.top_k == 1:
+            name = f"chain {self.depth}"
+        else:
+            name = f"static {self.total_tokens} (d{self.depth} w{self.top_k})"
+        return f"{name} conf>={self.min_confidence:.3g}" if self.min_confidence > 0 else name
 
     def level_widths(self) -> list[int]:
         """Nodes expanded by the drafter at each level below the first (the root's children need none)."""
@@ -59,13 +69,22 @@ class TreeSpec:
 
     @classmethod
     def from_config(cls, config: dict) -> TreeSpec:
+        confidence = float(config.get("min_confidence", 0.0))
         if config["shape"] == "static":
-            return cls.static(config["choices"])
-        return cls("dynamic", int(config["depth"]), int(config["top_k"]), int(config["total_tokens"]))
+            return replace(cls.static(config["choices"]), min_confidence=confidence)
+        depth, top_k, total = int(config["depth"]), int(config["top_k"]), int(config["total_tokens"])
+        return cls("dynamic", depth, top_k, total, min_confidence=confidence)
 
     def config(self) -> dict:
         return {"shape": self.shape, "choices": self.choices, "depth": self.depth, "top_k": self.top_k,
-                "total_tokens": self.total_tokens}  # fmt: skip
+                "total_tokens": self.total_tokens, "min_confidence": self.min_confidence}  # fmt: skip
+
+    def capped(self, depth: int) -> TreeSpec:
+        """A static tree without its paths deeper than ``depth`` (vanilla at 0)."""
+        if self.shape != "static":
+            raise ValueError(f"only a static tree can be cut at a depth, not the {self.name} tree")
+        cut = TreeSpec.static([c for c in self.choices or [] if len(c) <= depth])
+        return replace(cut, min_confidence=self.min_confidence)
 
 
 def chain_choices(depth: int) -> list[list[int]]:
@@ -76,6 +95,51 @@ def comb_choices(depth: int, width: int) -> list[list[int]]:
     """The rank-0 chain of ``depth`` with ``width`` candidates at every depth: one step shows the rank of the
     target's token among the head's candidates at the first depth the chain misses."""
     return [[0] * (d - 1) + [r] for d in range(1, depth + 1) for r in range(width)]
+
+
+# [[first batch size, last batch size, depth], ...]: vLLM's num_speculative_tokens_per_batch_size form.
+Schedule = list[list[int]]
+
+
+def schedule_ranges(depths: dict[int, int]) -> Schedule:
+    """{measured batch size: depth} -> inclusive ranges from batch size 1 on, equal neighbours merged: a measured
+    size's depth holds up to the next measured size; the largest one's carries on past it (as vLLM does)."""
+    sizes = sorted(depths)
+    ranges: Schedule = []
+    for i, size in enumerate(sizes):
+        first, last = (1 if i == 0 else size), (sizes[i + 1] - 1 if i + 1 < len(sizes) else size)
+        if ranges and ranges[-1][2] == depths[size]:
+            ranges[-1][1] = last
+        else:
+            ranges.append([first, last, depths[size]])
+    return ranges
+
+
+def check_schedule(schedule: object, where: str) -> Schedule:
+    """A schedule as vLLM accepts it (``vllm/v1/spec_decode/dynamic/utils.py``): [first, last, depth] entries of
+    non-negative ints, ranges sorted, disjoint, the first starting at batch size 1."""
+    if not isinstance(schedule, list) or not schedule:
+        raise ValueError(f"{where}: expected a non-empty list of [first, last, depth] batch-size ranges")
+    previous = 0
+    for entry in schedule:
+        if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) and v >= 0 for v in entry)):
+            raise ValueError(f"{where}: {entry!r} is not [first, last, depth] of non-negative integers")
+        if entry[0] <= previous or entry[0] > entry[1]:
+            raise ValueError(f"{where}: range {entry[:2]} overlaps the one before it or ends before it starts")
+        previous = entry[1]
+    if schedule[0][0] != 1:
+        raise ValueError(f"{where}: the first range must start at batch size 1, not {schedule[0][0]}")
+    return schedule
+
+
+def scheduled_depth(schedule: Schedule, batch: int) -> int:
+    """The depth ``schedule`` gives ``batch`` sequences; between ranges and past the last, the depth before."""
+    depth = schedule[0][2]
+    for first, _, value in schedule:
+        if batch < first:
+            break
+        depth = value
+    return depth
 
 
 def load_tree_config(path: str | Path) -> dict:
@@ -92,6 +156,9 @@ def load_tree_config(path: str | Path) -> dict:
         raise ValueError(f"{path}: shape must be 'static' or 'dynamic', got {config['shape']!r}")
     if config["shape"] == "static" and not config["choices"]:
         raise ValueError(f"{path}: a static tree needs a non-empty 'choices' list")
+    for key in SCHEDULE_KEYS:
+        if key in config:
+            check_schedule(config[key], f"{path}: {key}")
     return config
 
 

@@ -25,7 +25,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from headstart.eval.tree import Tree, additive_mask, tree_batch_inputs
+from headstart.eval.tree import Tree, additive_mask, capped, empty_tree, tree_batch_inputs
+from headstart.eval.tree_config import Schedule, scheduled_depth
 
 
 @dataclass
@@ -309,12 +310,17 @@ def generate_batch(
     max_new_tokens: int,
     sampling: Sampling | None = None,
     eos_token_id: int | None = None,
+    schedule: Schedule | None = None,
 ) -> tuple[list[torch.Tensor], list[Stats]]:
     """Speculative decoding of B sequences, one proposer each (the same ``hidden_layers``), verified together.
 
     Per sequence: (prompt + new tokens [1, S + new], stats); a finished sequence leaves the batch. Stops
     after ``max_new_tokens`` or at ``eos_token_id`` (kept), as ``target.generate`` does. Sampling draws from
     torch's global generator: seed it for reproducible runs.
+
+    ``schedule`` (``eval.tree_config.Schedule``, a tree.json's ``depth_per_batch_size``) sets speculation by load:
+    at every step, with n sequences still decoding, the drafted trees are cut at the depth it gives n, and
+    at depth 0 nobody drafts (plain decoding, the proposers only read what was committed).
     """
     start, stats = time.perf_counter(), [Stats() for _ in prompts]
     sampling = sampling or Sampling()
@@ -330,7 +336,12 @@ def generate_batch(
         proposer.update(seq, h)
     active = list(range(len(seqs))) if max_new_tokens > 0 else []
     while active:
-        trees = [proposers[i].propose(seqs[i]) for i in active]
+        depth = scheduled_depth(schedule, len(active)) if schedule else None
+        if depth == 0:
+            trees = [empty_tree(target.device) for _ in active]
+        else:
+            trees = [proposers[i].propose(seqs[i]) for i in active]
+            trees = trees if depth is None else [capped(tree, depth) for tree in trees]
         roots = torch.stack([seqs[i][-1] for i in active])
         paths, bonuses, hidden, valid = verify_batch(target, cache, valid, roots, trees, sampling, layers)
         still = []

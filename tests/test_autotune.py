@@ -11,10 +11,10 @@ from transformers import LlamaForCausalLM
 from headstart.core.acceptance import expected_tau
 from headstart.eval.proposers import Eagle
 from headstart.eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
-from headstart.eval.tree_config import TreeSpec, comb_choices, load_tree_config
+from headstart.eval.tree_config import TreeSpec, comb_choices, load_tree_config, scheduled_depth
 from headstart.eval.verify import Sampling
 from headstart.heads import build_head
-from headstart.scripts.formats.card import tree_card_section
+from headstart.scripts.formats.card import served_schedule, tree_card_section, vllm_command
 
 # Synthetic acceptance: p[depth][rank], falling with rank and (slowly) with depth.
 RANK_PROBS = [[0.7, 0.12, 0.05], [0.75, 0.1, 0.04], [0.78, 0.08, 0.03], [0.8, 0.07, 0.02]]
@@ -134,6 +134,19 @@ def test_model_card_section_names_the_tuned_tree(tmp_path):
     assert "machine Xeon, 2 torch threads, device cpu" in section and "`[[0], [1], [0, 0]]`" in section
     assert "2.50 tokens per target forward, 90.0 tokens/s (plain decoding: 55.0)" in section
     assert "up to batch size 2" in section
+    schedule = [[1, 1, 3], [2, 7, 1], [8, 8, 0]]
+    tree |= {"num_speculative_tokens_per_batch_size": schedule, "min_confidence": 0.25}
+    (tmp_path / "tree.json").write_text(json.dumps(tree))
+    (section,) = tree_card_section(tmp_path)
+    assert "(vLLM `num_speculative_tokens_per_batch_size`, in the serve command above when any k > 0)" in section
+    assert "`[[1, 1, 3], [2, 7, 1], [8, 8, 0]]`" in section and "below 0.25 (cumulative draft probability)" in section
+    # The serve command takes the schedule, num_speculative_tokens its longest chain (vLLM caps entries at it).
+    command = vllm_command("t", "d", "eagle3", 3, schedule=served_schedule(tmp_path))
+    spec = json.loads(command.split("--speculative-config '")[1].rstrip("'"))
+    assert spec == {"method": "eagle3", "model": "d", "num_speculative_tokens": 3,
+                    "num_speculative_tokens_per_batch_size": schedule}  # fmt: skip
+    (tmp_path / "tree.json").write_text(json.dumps(tree | {"num_speculative_tokens_per_batch_size": [[1, 8, 0]]}))
+    assert served_schedule(tmp_path) is None  # speculation never paid: vLLM would refuse num_speculative_tokens 0
 
 
 def test_cli_on_tiny_models_writes_a_tree_the_acceptance_cli_reads(tiny_target_dir, gsm8k_file, tmp_path, one_thread):
@@ -157,6 +170,18 @@ def test_cli_on_tiny_models_writes_a_tree_the_acceptance_cli_reads(tiny_target_d
     assert all(row["greedy_identical"] for row in result["grid"])
     tree = load_tree_config(head / "tree.json")
     assert tree == load_tree_config(out / "tree.json") and tree["total_tokens"] <= 6 and tree["depth"] <= 3
+    # Speculation by load: a depth per batch size for our engine and a chain length for vLLM, both read back
+    # through the schedule check, and each batch size decoded plainly, at fixed depth and as scheduled.
+    for key in ("depth_per_batch_size", "num_speculative_tokens_per_batch_size"):
+        assert tree[key] == result["schedules"][key] and tree[key][0][0] == 1
+    depths = {b: row["depth"] for b, row in result["batch"].items()}
+    assert [scheduled_depth(tree["depth_per_batch_size"], b) for b in (1, 2)] == [depths["1"], depths["2"]]
+    assert [row["batch_size"] for row in result["batch_validation"]] == [1]  # one held-out prompt
+    assert all(r["greedy_identical"] and r["scheduled_tokens_per_s"] > 0 for r in result["batch_validation"])
+    # Adaptive depth: fitted on the calibration steps; a threshold only where it replays faster than fixed depth.
+    adaptive = result["adaptive"]
+    assert adaptive["level_by_level"] and tree["min_confidence"] == adaptive["min_confidence"]
+    assert adaptive["replayed_tokens_per_s"] >= adaptive["replayed_fixed_tokens_per_s"]
     # eval.acceptance picks the tree up from the head folder.
     argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "eagle3", "--bench", str(gsm8k_file)]
     report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])

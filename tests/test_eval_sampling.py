@@ -53,22 +53,23 @@ def exact_two_tokens(table: torch.Tensor, last: int, sampling: Sampling) -> torc
     return (p[last][:, None] * p).flatten()
 
 
-def sample_pairs(target, make_proposer, sampling, runs, batch=100):
+def sample_pairs(target, make_proposer, sampling, runs, batch=100, schedule=None):
     """``runs`` independent two-token samples, ``batch`` sequences per verification forward."""
     counts = torch.zeros(V * V)
     for _ in range(runs // batch):
-        outputs, _ = generate_batch(target, [make_proposer() for _ in range(batch)], [PROMPT] * batch, 2, sampling)
+        proposers = [make_proposer() for _ in range(batch)]
+        outputs, _ = generate_batch(target, proposers, [PROMPT] * batch, 2, sampling, schedule=schedule)
         for out in outputs:
             counts[out[0, -2] * V + out[0, -1]] += 1
     return counts
 
 
-def run_loop_test(proposer_for, runs=1000):
+def run_loop_test(proposer_for, runs=1000, schedule=None):
     torch.manual_seed(0)
     target_table, draft_table = tables()
     sampling = Sampling(temperature=1.0)
     draft = Bigram(draft_table)
-    counts = sample_pairs(Bigram(target_table), lambda: proposer_for(draft), sampling, runs)
+    counts = sample_pairs(Bigram(target_table), lambda: proposer_for(draft), sampling, runs, schedule=schedule)
     wrong = exact_two_tokens(draft_table, 2, sampling)
     assert_matches(counts, exact_two_tokens(target_table, 2, sampling), wrong)
 
@@ -85,6 +86,20 @@ def test_sampled_dynamic_tree_with_siblings_is_lossless():
 def test_sampled_fixed_shape_is_lossless():
     # A tuned-tree shape: the second-drawn child of the root gets children, the first does not.
     run_loop_test(lambda draft: DraftModel(draft, choices=[[0], [1], [1, 0], [1, 1], [2]]))
+
+
+def test_sampled_adaptive_depth_is_lossless():
+    # Drafting stops below a first token the draft gave less than 0.3, so the tree's depth depends on the draw
+    # (both happen: the draft's q after the prompt's last token straddles 0.3).
+    q = probabilities(tables()[1], Sampling(temperature=1.0))[2]
+    assert (q < 0.3).any() and (q >= 0.3).any()
+    run_loop_test(lambda draft: DraftModel(draft, k=2, min_confidence=0.3))
+    run_loop_test(lambda draft: DraftModel(draft, k=2, top_k=3, total_tokens=5, min_confidence=0.3))
+
+
+def test_sampled_trees_cut_by_a_batch_schedule_are_lossless():
+    # 100 sequences verified together: the schedule cuts every drafted tree to depth 1, whatever was drawn.
+    run_loop_test(lambda draft: DraftModel(draft, choices=[[0], [1], [1, 0], [1, 1], [2]]), schedule=[[1, 100, 1]])
 
 
 def test_fixed_proposals_are_lossless():

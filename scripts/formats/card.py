@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from headstart.eval.tree_config import load_tree_config
+from headstart.eval.tree_config import Schedule, load_tree_config
 from headstart.heads import HeadConfig
 from headstart.scripts.formats.medusa import NOT_SERVED
 
@@ -27,12 +27,25 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this
 
 
-def vllm_command(target: str, draft: str, method: str, steps: int = STEPS, parallel: bool = False) -> str:
-    """``parallel``: every depth drafted in one forward (P-EAGLE's ``parallel_drafting``)."""
-    spec = {"method": method, "model": draft, "num_speculative_tokens": steps}
+def vllm_command(
+    target: str, draft: str, method: str, steps: int = STEPS, parallel: bool = False, schedule: Schedule | None = None
+) -> str:
+    """``parallel``: every depth drafted in one forward (P-EAGLE's ``parallel_drafting``); ``schedule``: vLLM's
+    ``num_speculative_tokens_per_batch_size`` (it caps every entry at ``steps``)."""
+    spec: dict = {"method": method, "model": draft, "num_speculative_tokens": steps}
     if parallel:
         spec["parallel_drafting"] = True
+    if schedule:
+        spec["num_speculative_tokens_per_batch_size"] = schedule
     return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+
+
+def served_schedule(head_dir: str | Path) -> Schedule | None:
+    """The chain length per batch size ``eval.autotune`` measured for the head (its tree.json), as vLLM takes it;
+    None without one, or where speculation paid at no batch size (vLLM needs num_speculative_tokens >= 1)."""
+    path = Path(head_dir) / "tree.json"
+    schedule = load_tree_config(path).get("num_speculative_tokens_per_batch_size") if path.is_file() else None
+    return schedule if schedule and max(k for _, _, k in schedule) > 0 else None
 
 
 def parallel_depths(config: HeadConfig) -> int | None:
@@ -57,6 +70,9 @@ def _block(command: str) -> str:
 def serve_section(head_config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
     """The exact commands that serve this folder, and what to do where an engine cannot read it."""
     head_type, depths = head_config.type, parallel_depths(head_config)
+    schedule = served_schedule(head_dir)
+    # An autoregressive draft drafts the schedule's longest chain at most; one-forward drafts keep their block.
+    steps = max(k for _, _, k in schedule) if schedule else STEPS
     reexport = f"python -m scripts.export --head {head_dir} --format {{fmt}} --out {{out}}"
     if head_type == "medusa":
         return (
@@ -68,7 +84,7 @@ def serve_section(head_config: HeadConfig, fmt: str, target: str, draft: str, he
         return (
             "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
             "config):\n\n"
-            + _block(vllm_command(target, draft, "dflash", head_config.options.block_size - 1))
+            + _block(vllm_command(target, draft, "dflash", head_config.options.block_size - 1, schedule=schedule))
             + "\n\nSGLang 0.5.23 has no DFlash draft."
         )
     no_sglang = (
@@ -82,20 +98,25 @@ def serve_section(head_config: HeadConfig, fmt: str, target: str, draft: str, he
             "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
             + _block(f"vllm serve {draft}")
             + "\n\nor names it itself:\n\n"
-            + _block(vllm_command(target, draft, "eagle3", depths or STEPS, parallel=bool(depths)))
+            + _block(vllm_command(target, draft, "eagle3", depths or steps, bool(depths), schedule))
             + f"\n\n{no_sglang}"
         )
     if depths:  # P-EAGLE: vLLM's eagle3 method with parallel drafting, one forward for all depths
-        return "vLLM:\n\n" + _block(vllm_command(target, draft, "eagle3", depths, parallel=True)) + f"\n\n{no_sglang}"
+        command = vllm_command(target, draft, "eagle3", depths, parallel=True, schedule=schedule)
+        return "vLLM:\n\n" + _block(command) + f"\n\n{no_sglang}"
     if head_type == "eagle3":  # one folder serves both engines (layer ids written in each one's convention)
         return (
             "vLLM:\n\n"
-            + _block(vllm_command(target, draft, "eagle3"))
+            + _block(vllm_command(target, draft, "eagle3", steps, schedule=schedule))
             + "\n\nSGLang:\n\n"
             + _block(sglang_command(target, draft, "EAGLE3"))
         )
     other = "sglang" if fmt == "vllm" else "vllm"
-    command = vllm_command(target, draft, "eagle") if fmt == "vllm" else sglang_command(target, draft, "EAGLE")
+    command = (
+        vllm_command(target, draft, "eagle", steps, schedule=schedule)
+        if fmt == "vllm"
+        else sglang_command(target, draft, "EAGLE")
+    )
     return (
         f"{ENGINES[fmt]}:\n\n{_block(command)}\n\n{ENGINES[other]} needs its own folder (the `architectures` "
         "name and the `fc.bias` differ between the engines):\n\n"
@@ -187,7 +208,21 @@ def tree_card_section(head_dir: str | Path) -> list[str]:
             f"{tree['predicted_tokens_per_s']:.1f} tokens/s "
             f"(plain decoding: {tree['predicted_vanilla_tokens_per_s']:.1f})"
         )
+    if tree.get("min_confidence", 0) > 0:
+        lines.append(
+            f"- adaptive depth: drafting stops at the first level whose likeliest node is below "
+            f"{tree['min_confidence']:.3g} (cumulative draft probability)"
+        )
     if "speculate_max_batch" in tree:
         lines.append(f"- speculation pays off up to batch size {tree['speculate_max_batch']} on that machine")
+    if "num_speculative_tokens_per_batch_size" in tree:
+        lines.append(
+            "- chain length by batch size, [first, last, k] (vLLM `num_speculative_tokens_per_batch_size`, in the "
+            f"serve command above when any k > 0): `{json.dumps(tree['num_speculative_tokens_per_batch_size'])}`"
+        )
+    if "depth_per_batch_size" in tree:
+        lines.append(
+            f"- this tree's depth by batch size in headstart's engine: `{json.dumps(tree['depth_per_batch_size'])}`"
+        )
     lines += ["", "Trees that pay off on a GPU can lose on a CPU (and back): re-tune on the serving hardware."]
     return ["\n".join(lines)]
