@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_tree,
         help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model, self_spec and EAGLE "
         "(n-gram and DFlash stay chains, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of "
-        "EAGLE and DFlash methods (DFlash: static ones); default: chains for ngram/draft_model/self_spec/DFlash, "
+        "EAGLE and DFlash methods (DFlash: static ones), or of draft_model / self_spec (with its exit layer) "
+        "when tuned for them; default: chains for ngram/draft_model/self_spec/DFlash, "
         "EAGLE and DFlash a head folder's tree.json, else EAGLE dynamic; suffix and lookahead draft their own trees",
     )
     p.add_argument("--top-k-draft", type=_positive, default=8, help="children per node in dynamic trees")
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     if draft is not None:
         check_draft_vocab(draft, target, args.draft, args.target)
     heads = {m: load_head(d, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, d in head_dirs.items()}
-    tree_configs = head_tree_configs(head_dirs, args.tree)
+    tree_configs = head_tree_configs(head_dirs, args.tree, args.method)
     shape = args.tree if isinstance(args.tree, str) else None  # a tree.json reaches EAGLE through tree_configs
     flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

@@ -38,11 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import cast
 
 import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel
 
 from headstart.core.config import save_config
 from headstart.core.io import atomic_write_text
@@ -50,13 +53,26 @@ from headstart.core.models import load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
 from headstart.core.schema import flags_config
 from headstart.eval.bench import load_bench, render
-from headstart.eval.proposers import head_method
+from headstart.eval.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
 from headstart.eval.report import write_autotune_report
 from headstart.eval.run import calibrate, validate, validate_batches, validation_checks, validation_rows
-from headstart.eval.speedup import batch_table, fit_confidence, grid, tune
+from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
 from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges, tree_json
-from headstart.heads import load_head
+from headstart.heads import DraftHead, load_head
+
+
+@dataclass
+class Tuned:
+    """One draft source, calibrated and modelled: its acceptance, costs and best tree."""
+
+    source: DraftSource
+    max_depth: int
+    rank_probs: list[list[float]]
+    steps: list[ConfidenceStep]
+    costs: Costs
+    chosen: Choice
+    vanilla: Choice
 
 
 def _int_list(text: str) -> list[int]:
@@ -66,10 +82,18 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.autotune", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder or hub id")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--head", help="EAGLE-1/2, EAGLE-3, P-EAGLE or DFlash head folder (DFlash: static trees within its block)"
+    )
+    source.add_argument("--draft", help="a draft model folder (method draft_model)")
+    source.add_argument(
+        "--self-spec",
+        action="store_true",
+        help="self-speculative decoding: tune the exit layer (--exit-layers) and its tree; the target drafts",
+    )
     p.add_argument(
-        "--head",
-        required=True,
-        help="EAGLE-1/2, EAGLE-3, P-EAGLE or DFlash head folder (DFlash: static trees within its block)",
+        "--exit-layers", type=_int_list, help="--self-spec: the exit layers to try (default: 1 .. layers - 1)"
     )
     p.add_argument(
         "--allow-other-tokenizer",
@@ -93,9 +117,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="folder for tree.json, autotune.json/.md/.png")
     p.add_argument("--write-head", action="store_true", help="also write <head>/tree.json (eval.acceptance reads it)")
     args = p.parse_args(argv)
+    if args.write_head and not args.head:
+        p.error("--write-head needs --head (a draft model or self-spec tree.json goes to eval.acceptance --tree)")
     if args.batch_size not in args.batch_sizes:
         args.batch_sizes = sorted({*args.batch_sizes, args.batch_size})
     return args
+
+
+def draft_sources(args: argparse.Namespace, target: PreTrainedModel, dtype: torch.dtype) -> dict[str, DraftSource]:
+    """What to tune, by name: the head, the draft model, or the target's early exit at each exit layer."""
+    if args.head:
+        tokenizer = load_tokenizer(args.target)
+        return {args.head: load_head(args.head, target, tokenizer, args.allow_other_tokenizer).to(dtype)}
+    if args.draft:
+        draft = load_model(args.draft, target.device, dtype)
+        check_draft_vocab(draft, target, args.draft, args.target)
+        return {args.draft: draft}
+    layers = target.config.num_hidden_layers
+    exits = args.exit_layers or list(range(1, layers))
+    if not exits or not all(0 < n < layers for n in exits):
+        raise ValueError(f"--exit-layers must lie in 1..{layers - 1} (the target has {layers} layers), got {exits}")
+    return {f"exit layer {n}": early_exit(target, n) for n in exits}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     prepare_decoding(device)
     target, tokenizer = load_model(args.target, device, dtype), load_tokenizer(args.target)
-    head = load_head(args.head, target, tokenizer, args.allow_other_tokenizer).to(dtype)
+    sources = draft_sources(args, target, dtype)
     wanted = args.offset + args.calibration + args.heldout
     items = load_bench(args.bench, wanted)[args.offset :]
     if len(items) < args.calibration + args.heldout:
@@ -113,21 +155,39 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [p.to(device) for p in prompts]
     calib, heldout = prompts[: args.calibration], prompts[args.calibration :]
     eos = tokenizer.eos_token_id
-
-    # A DFlash head drafts static trees no deeper than its block.
-    dflash = head.config.type == "dflash"
-    max_depth = min(args.max_depth, head.config.options.block_size - 1) if dflash else args.max_depth
-    rank_probs, decoded, steps = calibrate(target, head, calib, max_depth, args.comb_width, args.max_new_tokens, eos)
     kv_length = round(statistics.fmean(p.shape[1] for p in calib) + args.max_new_tokens / 2)
     # The verify curve reaches EAGLE's default tree too: the validation grid predicts its speed.
     curve_nodes = max(args.max_nodes, EAGLE_DEFAULT["total_tokens"])
-    costs = measure_costs(target, head, decoded, kv_length, curve_nodes, args.batch_sizes, args.repeats)
-    chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, max_depth, args.batch_size)
+
+    # Each source: calibrated, its drafting timed (the target's verify curve once) and its best tree modelled;
+    # several (self-speculation's exit layers): the fastest predicted one goes on to validation.
+    tuned: dict[str, Tuned] = {}
+    for name, source in tqdm(sources.items(), desc="draft sources", disable=len(sources) == 1):
+        # A DFlash head drafts static trees no deeper than its block.
+        dflash = isinstance(source, DraftHead) and source.config.type == "dflash"
+        max_depth = min(args.max_depth, source.config.options.block_size - 1) if dflash else args.max_depth
+        rank_probs, decoded, steps = calibrate(
+            target, source, calib, max_depth, args.comb_width, args.max_new_tokens, eos
+        )
+        verify = next(iter(tuned.values())).costs.verify_ms if tuned else None
+        costs = measure_costs(target, source, decoded, kv_length, curve_nodes, args.batch_sizes, args.repeats, verify)
+        chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, max_depth, args.batch_size)
+        tuned[name] = Tuned(source, max_depth, rank_probs, steps, costs, chosen, vanilla)
+    name = max(tuned, key=lambda n: tuned[n].chosen.tokens_per_s)
+    best = tuned[name]
+    source, max_depth, rank_probs, costs, chosen, vanilla = (
+        best.source,
+        best.max_depth,
+        best.rank_probs,
+        best.costs,
+        best.chosen,
+        best.vanilla,
+    )
     fixed = chosen.tree
     # Adaptive depth: only a drafter that drafts level by level saves anything by stopping early.
-    level_by_level = head_method(head.config) in ("eagle", "eagle3")
+    level_by_level = drafts_level_by_level(source)
     adaptive = (
-        fit_confidence(costs, fixed, steps) if level_by_level else (0.0, chosen.tokens_per_s, chosen.tokens_per_s)
+        fit_confidence(costs, fixed, best.steps) if level_by_level else (0.0, chosen.tokens_per_s, chosen.tokens_per_s)
     )
     chosen = replace(chosen, tree=replace(fixed, min_confidence=adaptive[0]))
     batch = batch_table(costs, rank_probs, args.max_nodes, max_depth, args.batch_sizes, fixed)
@@ -141,11 +201,18 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
         "target": str(args.target),
-        "head": str(args.head),
+        "head": name,
+        "method": head_method(source.config)
+        if isinstance(source, DraftHead)
+        else "self_spec"
+        if args.self_spec
+        else "draft_model",
         "bench": str(args.bench),
         "batch_size": args.batch_size,
         "tuned_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    if args.self_spec:  # eval.acceptance --method self_spec --tree tree.json drafts with this exit layer
+        meta["exit_layer"] = cast(PreTrainedModel, source).config.num_hidden_layers
     # Written before the (long) validation, so an interrupted run still leaves its choice.
     config = json.dumps(tree_json(chosen, vanilla, batch, meta) | schedules, indent=2) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -157,10 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
     # P-EAGLE and DFlash draft every depth in one forward: they have no dynamic trees to compare with.
     trees = grid(chosen.tree, rank_probs, max_depth, dynamic=level_by_level)
     trees += [fixed] if chosen.tree != fixed else []  # adaptive depth measured against the same tree at fixed depth
-    runs = validate(target, head, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
+    runs = validate(target, source, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
     rows = validation_rows(runs, chosen.tree)
     sizes = [b for b in args.batch_sizes if b <= len(heldout)]
-    batch_rows = validate_batches(target, head, heldout, chosen.tree, schedules["depth_per_batch_size"], sizes,
+    batch_rows = validate_batches(target, source, heldout, chosen.tree, schedules["depth_per_batch_size"], sizes,
                                   args.max_new_tokens, eos)  # fmt: skip
     result = meta | {
         "kv_length": kv_length,
@@ -181,6 +248,16 @@ def main(argv: list[str] | None = None) -> dict:
         "schedules": schedules,
         "batch_validation": batch_rows,
         "checks": validation_checks(rows, TreeSpec.from_config(EAGLE_DEFAULT)),
+        "sources": [
+            {
+                "name": n,
+                "tree": t.chosen.tree.name,
+                "predicted_tau": t.chosen.tau,
+                "predicted_tokens_per_s": t.chosen.tokens_per_s,
+                "chosen": n == name,
+            }
+            for n, t in tuned.items()
+        ],  # fmt: skip
     }
     md = write_autotune_report(result, args.out)
     print(md)

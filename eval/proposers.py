@@ -421,15 +421,26 @@ class DFlash:
         return static_tree(self.choices, candidates, logq.exp())
 
 
-Drafter = Eagle | PEagle | DFlash  # a head's proposer that takes a tree shape (``choices``)
+Drafter = Eagle | PEagle | DFlash | DraftModel  # a proposer that takes a tree shape (``choices``)
+# What ``eval.autotune`` tunes a tree for: a head, or a draft model (a small LM, or the target's early exit).
+DraftSource = DraftHead | PreTrainedModel
 
 
-def head_drafter(head: DraftHead) -> Drafter:
-    """The proposer a head drafts with, in its default shape; ``eval.autotune`` sets its ``choices``."""
-    method = head_method(head.config)
+def head_drafter(source: DraftSource) -> Drafter:
+    """The proposer a head or draft model drafts with, in its default shape; ``eval.autotune`` sets its
+    ``choices``."""
+    if not isinstance(source, DraftHead):
+        return DraftModel(source, choices=[[0]])
+    method = head_method(source.config)
     if method == "dflash":
-        return DFlash(head)
-    return PEagle(head) if method == "peagle" else Eagle(head)
+        return DFlash(source)
+    return PEagle(source) if method == "peagle" else Eagle(source)
+
+
+def drafts_level_by_level(source: DraftSource) -> bool:
+    """Whether each tree level costs a draft forward (EAGLE heads, draft models): then stopping early saves
+    drafting, and dynamic trees can be drafted. P-EAGLE, DFlash and Medusa draft every depth at once."""
+    return not isinstance(source, DraftHead) or head_method(source.config) in ("eagle", "eagle3")
 
 
 class ProposerWrapper:

@@ -209,6 +209,13 @@ def autotune_markdown(result: dict) -> str:
             f"| {r['tokens_per_s']:.1f}{' (best)' if r['tokens_per_s'] == best else ''} "
             f"| {r['predicted_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['greedy_identical'] else 'NO'} |"
         )
+    if len(result["sources"]) > 1:  # self-speculation: every exit layer tried, the fastest predicted one validated
+        lines += ["", "| draft source | best tree | tau predicted | tokens/s predicted |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['name']}{' **(chosen)**' if r['chosen'] else ''} | {r['tree']} | {r['predicted_tau']:.2f} "
+            f"| {r['predicted_tokens_per_s']:.1f} |"
+            for r in result["sources"]
+        ]
     checks = result["checks"]
     versus_eagle = (
         "not measured (P-EAGLE and DFlash draft static shapes only)"

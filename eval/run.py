@@ -25,6 +25,7 @@ from headstart.eval.proposers import (
     DFlash,
     Drafter,
     DraftModel,
+    DraftSource,
     Eagle,
     Medusa,
     NGram,
@@ -32,6 +33,7 @@ from headstart.eval.proposers import (
     ProposerWrapper,
     SelfSpec,
     Vanilla,
+    early_exit,
     head_drafter,
     head_method,
 )
@@ -83,8 +85,8 @@ def build_proposer(
     target: PreTrainedModel | None = None,
 ) -> Proposer:
     """The proposer of ``method`` (``METHODS``): ``draft`` for draft_model, ``target`` for self_spec,
-    ``heads[method]`` for the head methods; an EAGLE or DFlash method drafts ``tree_config`` (a tree.json) when
-    given, else the tree ``flags``."""
+    ``heads[method]`` for the head methods; an EAGLE, DFlash, draft_model or self_spec method drafts ``tree_config``
+    (a tree.json; self_spec's names its exit layer) when given, else the tree ``flags``."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
     if method == "vanilla":
@@ -99,6 +101,9 @@ def build_proposer(
         drafter = draft if method == "draft_model" else target
         if drafter is None:
             raise ValueError(f"the {method} method needs a {'draft' if method == 'draft_model' else 'target'} model")
+        if tree_config is not None:  # tuned by eval.autotune --draft / --self-spec (which names the exit layer)
+            source = drafter if method == "draft_model" else early_exit(drafter, int(tree_config["exit_layer"]))
+            return proposer_for_tree(source, tree_config)
         model = (
             partial(DraftModel, drafter) if method == "draft_model" else partial(SelfSpec, drafter, flags.exit_layer)
         )
@@ -124,11 +129,17 @@ def build_proposer(
     return Eagle(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
 
 
-def proposer_for_tree(head: DraftHead, config: dict) -> Eagle | PEagle | DFlash:
-    """The head's proposer drafting the tree of a tree.json config (``eval.tree_config.TREE_KEYS``).
+def proposer_for_tree(head: DraftSource, config: dict) -> Drafter:
+    """The head's (or draft model's) proposer drafting the tree of a tree.json config
+    (``eval.tree_config.TREE_KEYS``).
 
     P-EAGLE and DFlash draft every depth in one forward, so they fill static shapes only.
     """
+    if not isinstance(head, DraftHead):
+        tree = TreeSpec.from_config(config)
+        if tree.shape == "static":
+            return DraftModel(head, choices=tree.choices, min_confidence=tree.min_confidence)
+        return DraftModel(head, tree.depth, tree.top_k, tree.total_tokens, min_confidence=tree.min_confidence)
     method = head_method(head.config)
     if method in ("peagle", "dflash"):
         if config["shape"] != "static":
@@ -148,8 +159,8 @@ def proposer_for_tree(head: DraftHead, config: dict) -> Eagle | PEagle | DFlash:
     return Eagle(head, tree.top_k, tree.depth, tree.total_tokens, min_confidence=tree.min_confidence)
 
 
-def proposer_for(head: DraftHead, tree: TreeSpec) -> Proposer:
-    """The head drafting ``tree``; vanilla for the empty tree."""
+def proposer_for(head: DraftSource, tree: TreeSpec) -> Proposer:
+    """The head (or draft model) drafting ``tree``; vanilla for the empty tree."""
     return proposer_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
 
 
@@ -405,7 +416,7 @@ def chain_logq(tree: Tree) -> list[float]:
 
 def calibrate(
     target: PreTrainedModel,
-    head: DraftHead,
+    head: DraftSource,
     prompts: list[torch.Tensor],
     depth: int,
     width: int,
@@ -452,7 +463,7 @@ class Measured(Tally):
 @torch.no_grad()
 def validate(
     target: PreTrainedModel,
-    head: DraftHead,
+    head: DraftSource,
     prompts: list[torch.Tensor],
     trees: list[TreeSpec],
     costs: Costs,
@@ -481,7 +492,7 @@ def validate(
 @torch.no_grad()
 def validate_batches(
     target: PreTrainedModel,
-    head: DraftHead,
+    head: DraftSource,
     prompts: list[torch.Tensor],
     tree: TreeSpec,
     schedule: Schedule,

@@ -17,11 +17,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.core.timing import clock, timed
-from headstart.eval.proposers import Drafter, ProposerWrapper, head_drafter
+from headstart.eval.proposers import Drafter, DraftSource, ProposerWrapper, head_drafter
 from headstart.eval.speedup import Costs
 from headstart.eval.tree import Tree, chain
 from headstart.eval.verify import Proposer, Sampling, new_cache, verify_batch
-from headstart.heads import DraftHead
 
 VERIFY_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)
@@ -173,20 +172,21 @@ def measure_drafting(
 
 def measure_costs(
     target: PreTrainedModel,
-    head: DraftHead,
+    head: DraftSource,
     decoded: list[torch.Tensor],
     kv_length: int,
     max_nodes: int,
     batches: Sequence[int],
     repeats: int,
+    verify_ms: dict[int, list[float]] | None = None,
 ) -> Costs:
-    """The verify curve (``VERIFY_NODES`` up to ``max_nodes``, for each batch size) at KV length
-    ``kv_length`` and the head's drafting costs (``DRAFT_WIDTHS``), on a context of ``decoded`` sequences
-    repeated to the length the measurements need."""
+    """The verify curve (``VERIFY_NODES`` up to ``max_nodes``, for each batch size; ``verify_ms`` when already
+    measured) at KV length ``kv_length`` and the head's drafting costs (``DRAFT_WIDTHS``), on a context of
+    ``decoded`` sequences repeated to the length the measurements need."""
     context = torch.cat(decoded)
     needed = kv_length + drafting_tokens(DRAFT_WIDTHS, repeats, 2) + 1
     context = context.repeat(needed // len(context) + 1)[:needed]
     nodes = [n for n in VERIFY_NODES if n <= max_nodes]
-    verify_ms = measure_verify(target, context[: kv_length + 1], nodes, batches, repeats)
+    verify_ms = verify_ms or measure_verify(target, context[: kv_length + 1], nodes, batches, repeats)
     base_ms, level_ms = measure_drafting(head_drafter(head), target, context, kv_length, DRAFT_WIDTHS, repeats)
     return Costs(nodes, verify_ms, list(DRAFT_WIDTHS), level_ms, base_ms)

@@ -162,11 +162,20 @@ def load_tree_config(path: str | Path) -> dict:
     return config
 
 
-def head_tree_configs(heads: dict[str, str], tree: str | Path | None) -> dict[str, dict]:
+def head_tree_configs(heads: dict[str, str], tree: str | Path | None, methods: Sequence[str] = ()) -> dict[str, dict]:
     """EAGLE or DFlash method -> the tree.json it decodes with: ``tree`` when it is a file, else its head folder's
     tree.json (as ``eval.autotune --write-head`` leaves it); "static" or "dynamic" (the tree flags) and
-    methods without one get none."""
+    methods without one get none. A tree.json tuned for a draft model or self-speculation (its ``method``)
+    goes to that one of ``methods``."""
     found = {}
+    if isinstance(tree, Path):
+        config = load_tree_config(tree)
+        if config.get("method") in ("draft_model", "self_spec") and config["method"] in methods:
+            if config["method"] == "self_spec" and not isinstance(config.get("exit_layer"), int):
+                raise ValueError(
+                    f"{tree}: a self_spec tree needs its 'exit_layer' (eval.autotune --self-spec writes it)"
+                )
+            found[config["method"]] = config
     for method, head_dir in heads.items():
         path = tree if isinstance(tree, Path) else Path(head_dir) / "tree.json"
         if method in ("eagle", "eagle3", "peagle", "dflash") and tree not in ("static", "dynamic") and path.is_file():

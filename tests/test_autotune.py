@@ -209,3 +209,29 @@ def test_cli_tunes_a_peagle_heads_static_shape(tiny_target_dir, gsm8k_file, tmp_
     report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
     assert report["methods"]["peagle"]["tree_config"]["choices"] == tree["choices"]
     assert report["methods"]["peagle"]["greedy_identical"] is True
+
+
+def test_cli_picks_the_self_spec_exit_layer_and_eval_drafts_with_it(tiny_target_dir, gsm8k_file, tmp_path, one_thread):
+    # Self-speculation: every exit layer asked for is calibrated and modelled, the fastest predicted one is
+    # validated and written with its tree; eval.acceptance's self_spec method drafts with that exit layer.
+    from headstart.eval.acceptance import main as acceptance
+    from headstart.eval.autotune import main
+
+    argv = ["--target", str(tiny_target_dir), "--self-spec", "--exit-layers", "1,3", "--bench", str(gsm8k_file)]
+    argv += ["--calibration", "1", "--heldout", "1", "--max-new-tokens", "8", "--max-nodes", "4", "--max-depth", "3"]
+    result = main(argv + ["--comb-width", "2", "--repeats", "1", "--batch-sizes", "1", "--out", str(tmp_path / "at")])
+    sources = {row["name"]: row for row in result["sources"]}
+    assert set(sources) == {"exit layer 1", "exit layer 3"} and sum(row["chosen"] for row in sources.values()) == 1
+    best = max(sources.values(), key=lambda row: row["predicted_tokens_per_s"])
+    assert best["chosen"] and result["head"] == best["name"] and result["method"] == "self_spec"
+    tree = load_tree_config(tmp_path / "at" / "tree.json")
+    assert tree["exit_layer"] == int(best["name"].split()[-1]) and tree["method"] == "self_spec"
+    assert all(row["greedy_identical"] for row in result["grid"])
+    assert "| exit layer 1" in (tmp_path / "at" / "autotune.md").read_text()
+    argv = ["--target", str(tiny_target_dir), "--method", "self_spec", "--bench", str(gsm8k_file), "--limit", "1"]
+    report = acceptance(argv + ["--tree", str(tmp_path / "at" / "tree.json"), "--max-new-tokens", "6"] + [
+        "--out", str(tmp_path / "r")])  # fmt: skip
+    entry = report["methods"]["self_spec"]
+    assert entry["tree_config"]["exit_layer"] == tree["exit_layer"] and entry["greedy_identical"] is True
+    with pytest.raises(SystemExit):  # a tree.json for a draft model or self-speculation has no head folder to go to
+        main(argv[:2] + ["--self-spec", "--write-head", "--out", str(tmp_path / "x")])
