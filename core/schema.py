@@ -302,7 +302,10 @@ class Autotune(CommandFlags):
     """``python -m eval.autotune``: the draft tree with the best expected tokens/s on this machine."""
 
     target: str
-    head: str
+    head: str | None = None  # what to tune for: exactly one of head, draft, self_spec
+    draft: str | None = None
+    self_spec: bool = False
+    exit_layers: list[Count] | None = None  # self_spec: the exit layers to try; null: every one
     allow_other_tokenizer: bool = False
     bench: str = "assets/data/gsm8k_test.jsonl"
     offset: NonNegative = 0
@@ -320,6 +323,17 @@ class Autotune(CommandFlags):
     seed: NonNegative = 0
     out: str
     write_head: bool = False
+
+    @model_validator(mode="after")
+    def _one_draft_source(self) -> Autotune:
+        given = [name for name in ("head", "draft", "self_spec") if getattr(self, name)]
+        if len(given) != 1:
+            raise PydanticCustomError(
+                "section_rule",
+                "give exactly one of head, draft and self_spec (got {given})",
+                {"given": given or "none"},
+            )
+        return self
 
 
 ExportFormat = Literal["vllm", "sglang", "speculators", "medusa"]  # scripts.export.FORMATS

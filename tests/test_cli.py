@@ -16,7 +16,7 @@ import yaml
 from conftest import REPO, TARGET, base_config, head_weights, subprocess_env, world_of_one
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from headstart.core.config import load_config
+from headstart.core.config import ConfigError, load_config
 from headstart.core.schema import (
     COMMAND_CONFIGS,
     COMMAND_FLAGS,
@@ -148,25 +148,38 @@ EVERY_KEY = {
         "target": "t", "head": "h", "allow_other_tokenizer": True, "bench": "b", "offset": 2, "calibration": 3,
         "heldout": 4, "max_new_tokens": 5, "max_nodes": 6, "max_depth": 7, "comb_width": 2, "batch_size": 4,
         "batch_sizes": [2, 4], "repeats": 1, "device": "cpu", "dtype": "bf16", "seed": 1, "out": "o",
-        "write_head": True,
+        "write_head": True, "exit_layers": [2],
     },
 }  # fmt: skip
 REQUIRED_ONLY = {
     "eval": {"target": "t", "method": ["vanilla"], "bench": "b", "out": "o"},
     "autotune": {"target": "t", "head": "h", "out": "o"},
 }
+EXCLUSIVE = {"autotune": {"draft", "self_spec"}}  # EVERY_KEY tunes a head: a draft model or self-spec is another run
+SELF_SPEC = {
+    "eval": REQUIRED_ONLY["eval"],
+    "autotune": {"target": "t", "self_spec": True, "exit_layers": [1, 3], "out": "o"},
+}
 
 
-@pytest.mark.parametrize("given", [EVERY_KEY, REQUIRED_ONLY], ids=["every-key", "required-only"])
+@pytest.mark.parametrize(
+    "given", [EVERY_KEY, REQUIRED_ONLY, SELF_SPEC], ids=["every-key", "required-only", "self-spec"]
+)
 @pytest.mark.parametrize("section", ["eval", "autotune"])
 def test_a_section_goes_through_its_commands_flags_and_back_unchanged(section, given):
     values = validate_config({section: given[section]}, COMMAND_CONFIGS[section])[section]
     if given is EVERY_KEY:
         fields = COMMAND_FLAGS[section].model_fields
-        assert set(given[section]) == set(fields)
+        assert set(given[section]) == set(fields) - EXCLUSIVE.get(section, set())
         assert [k for k, v in given[section].items() if v == fields[k].default] == []
     args = import_module(cli.VERBS[section].module).parse_args(flags_argv(section, values))
     assert flags_config(section, args) == {section: values}
+
+
+def test_autotune_takes_exactly_one_draft_source():
+    for section in ({"target": "t", "out": "o"}, {"target": "t", "head": "h", "self_spec": True, "out": "o"}):
+        with pytest.raises(ConfigError, match="give exactly one of head, draft and self_spec"):
+            validate_config({"autotune": section}, COMMAND_CONFIGS["autotune"])
 
 
 def test_flags_argv_puts_positional_fields_first_and_leaves_out_false_and_null():
