@@ -29,6 +29,7 @@ import json
 import platform
 import sys
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from headstart.core.io import atomic_write_text
 from headstart.core.models import default_aux_layers
 from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype
 from headstart.core.schema import Capture
+from headstart.core.timing import timed
 from headstart.data_recipes.capture import OnlineCapture
 from headstart.data_recipes.recipes import Sample
 from headstart.eval.proposers import Vanilla
@@ -328,7 +330,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare-generate", type=int, metavar="N", help="also time vanilla decoding of N tokens")
     parser.add_argument("--repeats", type=int, default=3, help="capture and generate: best of; verify: median of")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    counts = ["layers", "seq_len", "capture_samples", "draft_vocab", "ttt_steps", "head_batch", "head_steps"]
+    for name in [*counts, "kv_length", "compare_generate", "repeats"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.head_batch > args.capture_samples:
+        parser.error(f"--head-batch {args.head_batch} needs as many samples: raise --capture-samples to it")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -371,11 +381,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak_memory": "CUDA: per stage, from what was allocated at its start (the target included); "
         "CPU: the process's peak resident set so far",
     }
-    result["capture"] = measure_capture(target, samples, fused, args.store_dtype, out, args.repeats)
-    result["heads"] = measure_heads(target, samples[: max(args.head_batch, 1)], fused, args)
-    result["verify"] = measure_verify_curve(target, args.kv_length, args.max_nodes, args.repeats, generator)
+    stages: dict[str, Callable[[], dict[str, Any]]] = {
+        "capture": lambda: measure_capture(target, samples, fused, args.store_dtype, out, args.repeats),
+        "heads": lambda: measure_heads(target, samples[: args.head_batch], fused, args),
+        "verify": lambda: measure_verify_curve(target, args.kv_length, args.max_nodes, args.repeats, generator),
+    }
     if args.compare_generate:
-        result["generate"] = compare_generate(target, args.kv_length, args.compare_generate, args.repeats, generator)
+        stages["generate"] = lambda: compare_generate(
+            target, args.kv_length, args.compare_generate, args.repeats, generator
+        )
+    for name, stage in stages.items():
+        result[name], seconds = timed(device, stage)
+        print(f"{name}: measured in {seconds:.0f} s", flush=True)  # a full-depth GPU run takes minutes
     report = markdown(result)
     atomic_write_text(out / "bench_scale.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(out / "bench_scale.md", report)

@@ -71,3 +71,17 @@ def test_tiny_run_measures_every_path(tmp_path) -> None:
     assert all(math.isfinite(n) and n > 0 for n in measured)
     report = (tmp_path / "bench_scale.md").read_text()
     assert "capture / forward" in report and "eagle3" in report and "dflash" in report and "HF generate" in report
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--head-steps", "0"], "--head-steps must be >= 1, got 0"),
+        (["--kv-length", "-1"], "--kv-length must be >= 1, got -1"),
+        (["--head-batch", "4", "--capture-samples", "2"], "--head-batch 4 needs as many samples"),
+    ],
+)
+def test_flags_that_would_divide_by_zero_are_refused_by_name(flags: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench_scale.parse_args(["--out", "unused", *flags])
+    assert message in capsys.readouterr().err
