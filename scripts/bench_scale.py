@@ -184,7 +184,7 @@ def measure_capture(
     }
 
 
-def head_options(head_type: str, layers: list[int], draft_vocab: int, ttt_steps: int) -> dict[str, Any]:
+def scale_head_options(head_type: str, layers: list[int], draft_vocab: int, ttt_steps: int) -> dict[str, Any]:
     """The head at the real training shape: a ``draft_vocab`` vocabulary; EAGLE-3 with ``ttt_steps`` TTT steps,
     DFlash with its defaults (one layer, blocks of 16, 512 anchors per sequence)."""
     options: dict[str, Any] = {"type": head_type, "layer_ids": layers, "draft_vocab_size": draft_vocab}
@@ -209,7 +209,8 @@ def measure_heads(
     out = {}
     for head_type in HEAD_TYPES:
         torch.manual_seed(args.seed)
-        head = build_head(head_options(head_type, layers, args.draft_vocab, args.ttt_steps), target).to(target.dtype)
+        options = scale_head_options(head_type, layers, args.draft_vocab, args.ttt_steps)
+        head = build_head(options, target).to(target.dtype)
         reset_peak(target.device)
         tokens_per_s = bench(head, batches, args.head_steps)
         out[head_type] = {
