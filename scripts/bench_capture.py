@@ -5,16 +5,19 @@
 Both sides run on the same length-sorted, padded batches in one process, alternating, best of
 ``repeats``: the bare side is ``target(input_ids, attention_mask)`` (what any user would run); the
 capture side is what ``data_recipes.capture`` does per shard: the decoder forward with layer hooks,
-the copy into the store dtype and the atomic shard write.
+the copy into the store dtype and the atomic shard write. ``scripts.bench_scale`` times the same sides
+at real model shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from headstart.core.config import load_config
 from headstart.core.models import load_target
@@ -22,8 +25,54 @@ from headstart.core.runtime import resolve_dtype
 from headstart.core.schema import CaptureConfig, validate_config
 from headstart.core.timing import timed
 from headstart.data_recipes.capture import capture_shard, length_batches, resolve_aux_layers
-from headstart.data_recipes.recipes import load_samples
+from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import write_shard
+
+
+@torch.no_grad()
+def bare_forward(
+    model: PreTrainedModel, samples: list[Sample], batch_tokens: int, pad_id: int, decoder_only: bool = False
+) -> None:
+    """The target over ``samples`` in capture's padded batches: the whole model, or (``decoder_only``) its decoder
+    without ``lm_head``, the part of the forward capture runs."""
+    lengths = [len(s.input_ids) for s in samples]
+    run = model.get_decoder() if decoder_only else model
+    for batch in length_batches(lengths, batch_tokens):
+        longest = max(lengths[i] for i in batch)
+        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[i]] = torch.tensor(samples[i].input_ids)
+            mask[row, : lengths[i]] = 1
+        run(input_ids=ids.to(model.device), attention_mask=mask.to(model.device))
+
+
+def capture_to(
+    out: Path,
+    model: PreTrainedModel,
+    samples: list[Sample],
+    aux_layers: list[int],
+    store_dtype: torch.dtype,
+    batch_tokens: int,
+    shard_samples: int,
+    pad_id: int,
+) -> None:
+    """What ``data_recipes.capture`` does for ``samples``: ``capture_shard`` per shard, then the atomic write."""
+    for k in range(0, len(samples), shard_samples):
+        shard = samples[k : k + shard_samples]
+        tensors = capture_shard(
+            model, shard, list(range(k, k + len(shard))), aux_layers, store_dtype, batch_tokens, pad_id
+        )
+        write_shard(out / f"shard-{k:05d}.safetensors", tensors, "bench")
+
+
+def best_seconds(device: torch.device, sides: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each side's best time of ``repeats``, the sides alternating so that a load change hits them alike."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, side in sides.items():
+            seconds[name].append(timed(device, side)[1])
+    return {name: min(times) for name, times in seconds.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,37 +90,29 @@ def main(argv: list[str] | None = None) -> None:
     store_dtype = resolve_dtype(cap.get("store_dtype", "bf16"))
     pad_id = tokenizer.pad_token_id or 0
     tokens = sum(len(s.input_ids) for s in samples)
-    lengths = [len(s.input_ids) for s in samples]
-    batches = length_batches(lengths, cap["batch_tokens"])
+    batches = length_batches([len(s.input_ids) for s in samples], cap["batch_tokens"])
 
-    @torch.no_grad()
-    def bare() -> None:
-        for batch in batches:
-            longest = max(lengths[i] for i in batch)
-            ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(batch):
-                ids[row, : lengths[i]] = torch.tensor(samples[i].input_ids)
-                mask[row, : lengths[i]] = 1
-            model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device))
-
-    def capture(out: Path) -> None:
-        step = cap["shard_samples"]
-        for k in range(0, len(samples), step):
-            shard = samples[k : k + step]
-            tensors = capture_shard(
-                model, shard, list(range(k, k + len(shard))), aux_layers, store_dtype, cap["batch_tokens"], pad_id
-            )
-            write_shard(out / f"shard-{k:05d}.safetensors", tensors, "bench")
-
-    bare_s, capture_s = [], []
     with tempfile.TemporaryDirectory(
         dir=Path(cap["out_dir"]).parent if Path(cap["out_dir"]).parent.exists() else None
     ) as tmp:
-        for _ in range(args.repeats):
-            bare_s.append(timed(model.device, bare)[1])
-            capture_s.append(timed(model.device, capture, Path(tmp))[1])
-    bare_tps, capture_tps = tokens / min(bare_s), tokens / min(capture_s)
+        best = best_seconds(
+            model.device,
+            {
+                "bare": lambda: bare_forward(model, samples, cap["batch_tokens"], pad_id),
+                "capture": lambda: capture_to(
+                    Path(tmp),
+                    model,
+                    samples,
+                    aux_layers,
+                    store_dtype,
+                    cap["batch_tokens"],
+                    cap["shard_samples"],
+                    pad_id,
+                ),
+            },
+            args.repeats,
+        )
+    bare_tps, capture_tps = tokens / best["bare"], tokens / best["capture"]
     device = (
         torch.cuda.get_device_name(model.device)
         if model.device.type == "cuda"

@@ -22,7 +22,7 @@ from headstart.core.runtime import resolve_dtype
 from headstart.core.schema import TrainConfig, validate_config
 from headstart.core.timing import timed
 from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
-from headstart.data_recipes.recipes import load_samples
+from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import pad_collate
 from headstart.heads import HEADS, DraftHead, build_head
 from headstart.train.data import SampleDataset
@@ -34,6 +34,21 @@ def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:
     if "layer_ids" in HEADS[head_type].options_model.model_fields:  # EAGLE-3, DFlash: the captured layers
         options["layer_ids"] = aux_layers
     return options
+
+
+def step_batches(
+    samples: list[Sample], batch_size: int, pad_id: int, capture: OnlineCapture
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(token batches, the same with their captured states) of ``batch_size`` samples, as training collates
+    them, on the target's device; a last partial batch is left out."""
+    dataset = SampleDataset(samples)
+    device = capture.model.device
+    raw, batches = [], []
+    for k in range(0, len(dataset) - batch_size + 1, batch_size):
+        batch = pad_collate([dataset[i] for i in range(k, k + batch_size)], pad_id)
+        raw.append({key: v.to(device) for key, v in batch.items()})
+        batches.append(capture(raw[-1]))
+    return raw, batches
 
 
 def bench(
@@ -78,13 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     aux_layers = resolve_aux_layers(cfg.get("capture", {}).get("aux_layers", "auto"), target.config.num_hidden_layers)
     store_dtype = resolve_dtype(cfg.get("capture", {}).get("store_dtype", "bf16"))
     capture = OnlineCapture(target, aux_layers, store_dtype)
-    dataset = SampleDataset(samples)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    raw, batches = [], []
-    for k in range(0, len(dataset) - args.batch_size + 1, args.batch_size):
-        batch = pad_collate([dataset[i] for i in range(k, k + args.batch_size)], pad_id)
-        raw.append({key: v.to(target.device) for key, v in batch.items()})
-        batches.append(capture(raw[-1]))
+    raw, batches = step_batches(samples, args.batch_size, pad_id, capture)
     print(f"target {cfg['target']['path']} ({target.dtype}, {target.device}), batches of {args.batch_size} samples")
     for head_type in args.heads:
         torch.manual_seed(0)
