@@ -331,10 +331,14 @@ def generate_batch(
         raise ValueError("proposers of one batch must read the same target layers")
     cache = new_cache(target)
     valid, hidden = _prefill(target, cache, seqs, layers)
-    for proposer, seq, h in zip(proposers, seqs, hidden):
-        proposer.reset(sampling)
-        proposer.update(seq, h)
     active = list(range(len(seqs))) if max_new_tokens > 0 else []
+    # Rows a proposer has not read: while the schedule says nobody drafts, the proposers skip their reading
+    # (an EAGLE head's forward over each new row) and catch up on all of them once drafting resumes.
+    unread: list[torch.Tensor | None] = [None] * len(seqs)
+    drafting = not schedule or scheduled_depth(schedule, len(active)) > 0
+    for i, (proposer, seq) in enumerate(zip(proposers, seqs)):
+        proposer.reset(sampling)
+        _read(proposer, seq, hidden[i], unread, i, drafting)
     while active:
         depth = scheduled_depth(schedule, len(active)) if schedule else None
         if depth == 0:
@@ -354,8 +358,10 @@ def generate_batch(
             ):
                 stats[i].wall_time = time.perf_counter() - start
             else:
-                proposers[i].update(seqs[i], hidden[j])
                 still.append(j)
+        drafting = not schedule or not still or scheduled_depth(schedule, len(still)) > 0
+        for j in still:
+            _read(proposers[active[j]], seqs[active[j]], hidden[j], unread, active[j], drafting)
         if len(still) < len(active):
             keep = torch.tensor(still, dtype=torch.long, device=valid.device)
             cache.batch_select_indices(keep)
@@ -367,6 +373,26 @@ def generate_batch(
             new = new[: int((new == eos_token_id).nonzero()[0]) + 1]
         outputs.append(torch.cat((seq[:prompt_len], new))[None])
     return outputs, stats
+
+
+def _read(
+    proposer: Proposer,
+    seq: torch.Tensor,
+    rows: torch.Tensor | None,
+    unread: list[torch.Tensor | None],
+    i: int,
+    drafting: bool,
+) -> None:
+    """Hand sequence ``i``'s newly committed ``rows`` (and any it has not read yet) to its proposer when the next
+    step drafts; otherwise keep them in ``unread[i]``."""
+    before = unread[i]
+    if rows is not None and before is not None:
+        rows = torch.cat((before, rows))
+    if drafting:
+        proposer.update(seq, rows)
+        unread[i] = None
+    else:
+        unread[i] = rows
 
 
 def generate(
