@@ -241,7 +241,7 @@ def autotune_markdown(result: dict) -> str:
     for b, row in result["batch"].items():
         lines.append(
             f"| {b} | {row['tree']} | {row['tau']:.2f} | {row['tokens_per_s']:.1f} | {row['vanilla_tokens_per_s']:.1f} "
-            f"| {'yes' if row['speculate'] else 'no: large batch does not benefit'} | {row['depth']} "
+            f"| {'yes' if row['speculate'] else 'no: plain decoding is faster'} | {row['depth']} "
             f"| {row['chain_k']} |"
         )
     lines += [
