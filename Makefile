@@ -30,7 +30,7 @@ matrix: install
 	OMP_NUM_THREADS=1 $(PY) -m eval.acceptance --target assets/demo-target --draft assets/demo-draft \
 		--head runs/demo/eagle3/head,runs/demo/medusa/head,runs/demo/dflash/head \
 		--method vanilla,ngram,suffix,lookahead,draft_model,self_spec,eagle3,medusa,dflash \
-		--bench assets/data/spec_bench_question.jsonl --per-group 3 --max-new-tokens 24 \
+		--bench assets/data/spec_bench_question.jsonl --per-group 5 --max-new-tokens 32 \
 		--temperatures 0,0.7,1.0 --tree static --depth 4 --out runs/matrix
 
 test: install lint

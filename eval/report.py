@@ -231,7 +231,7 @@ def _claim_numbers(claim: dict) -> str:
     if "taus" in claim:
         return ", ".join(f"{m} {cold:.2f} -> {hot:.2f}" for m, (cold, hot) in claim["taus"].items())
     if "speedups" in claim:
-        return " > ".join(f"{g} {s:.2f}x" for g, s in claim["speedups"].items())
+        return ", ".join(f"{g} {s:.2f}x" for g, s in claim["speedups"].items())
     return "-" if claim["method"] is None else f"{claim['speedup']:.2f}x ({claim['method']}, the best)"
 
 
