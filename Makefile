@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= disabled
 
-.PHONY: install demo test lint format
+.PHONY: install demo test lint format matrix
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,16 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(PY) -m scripts.demo --config configs/demo.yaml
+
+# Every method x Spec-Bench task group x temperature on the bundled target with the demo's heads (after make demo):
+# tau, speedup and the speculation claims checked, in runs/matrix/matrix.md (docs/BENCHMARKS.md). One torch
+# thread: on a CPU shared with other jobs two threads fighting for the cores decode several times slower.
+matrix: install
+	OMP_NUM_THREADS=1 $(PY) -m eval.acceptance --target assets/demo-target --draft assets/demo-draft \
+		--head runs/demo/eagle3/head,runs/demo/medusa/head,runs/demo/dflash/head \
+		--method vanilla,ngram,suffix,lookahead,draft_model,self_spec,eagle3,medusa,dflash \
+		--bench assets/data/spec_bench_question.jsonl --per-group 5 --max-new-tokens 32 \
+		--temperatures 0,0.7,1.0 --tree static --depth 4 --out runs/matrix
 
 test: install lint
 	$(PY) -m pytest

@@ -283,8 +283,10 @@ class Eval(CommandFlags):
     method: Annotated[list[str], Field(min_length=1)]  # eval.run.METHODS
     bench: str
     limit: Count | None = None  # null: every prompt
+    per_group: Count | None = None  # prompts per category group (eval.matrix.GROUPS); null: --limit's
     max_new_tokens: Count = 128
     temperature: NonNegativeFloat = 0.0
+    temperatures: list[NonNegativeFloat] = []  # the method x group x temperature matrix (eval.matrix)
     top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
     top_k: NonNegative = 0
     tree: str | None = None  # static, dynamic or a tree.json file; null: each method's default

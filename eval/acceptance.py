@@ -7,12 +7,18 @@ Every method decodes the same prompts through the one verification core (``eval.
 by ``eval.run``); vanilla runs first as the speedup baseline (also when not asked for). ``--out`` gets
 report.json, report.md and PNG plots (``eval.report``), and eval_config.yaml: the settings, as the
 ``eval:`` section that ``headstart eval --config`` reads.
+
+``--temperatures 0,0.7,1.0`` runs every method at each temperature over the same prompts and writes the
+matrix (``eval.matrix``: tau and speedup per category group, the speedup claims checked) as matrix.json,
+matrix.md and its plots, with each temperature's own report under ``T<temperature>/``. ``--per-group N``
+takes N prompts from each group of Spec-Bench categories.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,13 +28,23 @@ from headstart.core.config import save_config
 from headstart.core.models import load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype
 from headstart.core.schema import flags_config
-from headstart.eval.bench import load_bench
+from headstart.eval.bench import BenchItem, load_bench
+from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
 from headstart.eval.proposers import check_draft_vocab, head_method
-from headstart.eval.report import write_report
-from headstart.eval.run import HEAD_METHODS, METHODS, TreeFlags, build_proposer, divergences, run_methods, summarize
+from headstart.eval.report import write_matrix_report, write_report
+from headstart.eval.run import (
+    HEAD_METHODS,
+    METHODS,
+    MethodRun,
+    TreeFlags,
+    build_proposer,
+    divergences,
+    run_methods,
+    summarize,
+)
 from headstart.eval.timing import machine
 from headstart.eval.tree_config import head_tree_configs
-from headstart.eval.verify import Sampling
+from headstart.eval.verify import Proposer, Sampling
 from headstart.heads import load_head, read_head_config
 
 
@@ -82,6 +98,13 @@ def _tree(text: str) -> str | Path:
     return Path(text)
 
 
+def _temperatures(text: str) -> list[float]:
+    values = [float(t) for t in text.split(",") if t.strip()]
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated temperatures >= 0, got {text!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.acceptance", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder or hub id")
@@ -95,8 +118,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", required=True, help=f"comma-separated, of: {', '.join(METHODS)}")
     p.add_argument("--bench", required=True, help="JSONL: Spec-Bench, GSM8K, messages or prompt records")
     p.add_argument("--limit", type=_positive, help="prompts to run, round-robin over categories")
+    p.add_argument(
+        "--per-group",
+        type=_positive,
+        help="prompts from each category group (eval.matrix.GROUPS), round-robin over its categories",
+    )
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="per turn")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--temperatures",
+        default=[],
+        type=_temperatures,
+        help="comma-separated: every method at each one, the matrix per category group (eval.matrix)",
+    )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument(
@@ -135,11 +169,35 @@ def _describe(d: dict) -> str:
     return f"vanilla {d['vanilla_token']} vs {d['method_token']}, target logit gap {d['logit_gap']:.4f}: {kind}"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def check_matrix_flags(args: argparse.Namespace) -> None:
+    """Refuse flag pairs of which one would silently lose: the prompt count, the temperature."""
+    if args.per_group and args.limit:
+        raise ValueError("give --limit (prompts in all) or --per-group (prompts per category group), not both")
+    if args.temperatures and args.temperature:
+        raise ValueError("give --temperature (one report) or --temperatures (the matrix), not both")
+
+
+@dataclass
+class Loaded:
+    """What every run of one command shares: the prompts, the models and each method's proposer."""
+
+    items: list[BenchItem]
+    target: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    head_dirs: dict[str, str]
+    tree_configs: dict[str, dict]
+    proposers: dict[str, Proposer]  # vanilla first: the speedup baseline
+    device: torch.device
+
+
+def load(args: argparse.Namespace) -> Loaded:
+    """Check the flags, then load the prompts, the target, the draft model and heads, and build the proposers."""
     head_dirs = heads_by_method(args.head)
     check_methods(args.method, head_dirs, args.draft)
+    check_matrix_flags(args)
     items = load_bench(args.bench, args.limit)
+    if args.per_group:
+        items = pick_per_group(items, args.per_group)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     prepare_decoding(device)
     target, tokenizer = load_model(args.target, device, dtype), load_tokenizer(args.target)
@@ -150,31 +208,43 @@ def main(argv: list[str] | None = None) -> dict:
     tree_configs = head_tree_configs(head_dirs, args.tree, args.method)
     shape = args.tree if isinstance(args.tree, str) else None  # a tree.json reaches EAGLE through tree_configs
     flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
     proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
-    runs = run_methods(target, tokenizer, proposers, items, args.max_new_tokens, sampling, args.seed)
+    return Loaded(items, target, tokenizer, head_dirs, tree_configs, proposers, device)
+
+
+def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict]:
+    """Every method over the prompts at ``temperature``: the runs and their report entries."""
+    sampling = Sampling(temperature=temperature, top_p=args.top_p, top_k=args.top_k)
+    target, tokenizer, items = loaded.target, loaded.tokenizer, loaded.items
+    runs = run_methods(target, tokenizer, loaded.proposers, items, args.max_new_tokens, sampling, args.seed)
+    head_dirs = loaded.head_dirs
     methods = {
         m: summarize(run, runs["vanilla"], sampling.greedy)
         | {
             "requested": m in args.method,
             "predicted_tau": training_predicted_tau(head_dirs[m]) if m in head_dirs else None,
-            "tree_config": tree_configs.get(m),
+            "tree_config": loaded.tree_configs.get(m),
         }
         for m, run in runs.items()
     }
     for method, entry in methods.items():
         mismatched = entry["mismatched_prompts"]
         entry["divergences"] = divergences(target, tokenizer, items, runs["vanilla"], runs[method], mismatched)
-    report = {
+    return runs, methods
+
+
+def settings(args: argparse.Namespace, loaded: Loaded) -> dict:
+    """The report's header: what ran, on what, with which settings (the temperature: each run's own)."""
+    return {
         "target": str(args.target),
         "draft": args.draft,
-        "heads": head_dirs,
+        "heads": loaded.head_dirs,
         "bench": str(args.bench),
         "limit": args.limit,
-        "prompts": len(items),
+        "per_group": args.per_group,
+        "prompts": len(loaded.items),
         "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,
         "tree": {
@@ -185,17 +255,15 @@ def main(argv: list[str] | None = None) -> dict:
             "exit_layer": args.exit_layer,
         },
         "seed": args.seed,
-        "device": str(device),
+        "device": str(loaded.device),
         "dtype": args.dtype,
-        "machine": machine(device),
+        "machine": machine(loaded.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "methods": methods,
     }
-    print(write_report(report, args.out))
-    save_config(flags_config("eval", args), args.out / "eval_config.yaml")  # `headstart eval --config`
-    if "vanilla" not in args.method:
-        print("note: vanilla was not requested; it ran anyway as the speedup baseline", file=sys.stderr)
+
+
+def warn_mismatches(methods: dict) -> None:
     for method, entry in methods.items():
         if entry["greedy_identical"] is False:
             print(
@@ -205,6 +273,41 @@ def main(argv: list[str] | None = None) -> dict:
             )
             for d in entry["divergences"]:
                 print(f"  {d['prompt']} turn {d['turn']} token {d['token']}: {_describe(d)}", file=sys.stderr)
+
+
+def run_matrix(args: argparse.Namespace, loaded: Loaded, header: dict) -> dict:
+    """Every method at each of ``--temperatures``: each temperature's report under ``T<t>/``, the matrix in
+    ``--out``; returns the matrix."""
+    rows = []
+    for temperature in args.temperatures:
+        runs, methods = measure(args, loaded, temperature)
+        write_report(header | {"temperature": temperature, "methods": methods}, args.out / f"T{temperature:g}")
+        warn_mismatches(methods)
+        rows.append(temperature_row(temperature, runs, methods))
+    matrix = header | {
+        "temperatures": args.temperatures,
+        "groups": groups_of([item.category for item in loaded.items]),
+        "rows": rows,
+        "claims": check_claims(rows),
+    }
+    print(write_matrix_report(matrix, args.out))
+    return matrix
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    loaded = load(args)
+    header = settings(args, loaded)
+    if args.temperatures:
+        report = run_matrix(args, loaded, header)
+    else:
+        _, methods = measure(args, loaded, args.temperature)
+        report = header | {"temperature": args.temperature, "methods": methods}
+        print(write_report(report, args.out))
+        warn_mismatches(methods)
+    save_config(flags_config("eval", args), args.out / "eval_config.yaml")  # `headstart eval --config`
+    if "vanilla" not in args.method:
+        print("note: vanilla was not requested; it ran anyway as the speedup baseline", file=sys.stderr)
     return report
 
 

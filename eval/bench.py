@@ -96,6 +96,11 @@ def load_bench(path: str | Path, limit: int | None = None) -> list[BenchItem]:
     items = [parse_record(record, location, path.stem) for location, record in _records(path)]
     if not items:
         raise DataError("no benchmark records", str(path))
+    return round_robin(items, limit)
+
+
+def round_robin(items: list[BenchItem], limit: int | None) -> list[BenchItem]:
+    """``limit`` of ``items`` (all of them when None), one from each category in turn, file order within one."""
     if limit is None or limit >= len(items):
         return items
     by_category: dict[str, list[BenchItem]] = {}

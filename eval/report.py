@@ -1,9 +1,10 @@
-"""Reports as files: the acceptance report (report.json with stable keys, report.md, PNG plots) and the tree
-tuner's (autotune.json, autotune.md, autotune.png).
+"""Reports as files: the acceptance report (report.json with stable keys, report.md, PNG plots), the matrix of
+methods x task groups x temperatures (matrix.json, matrix.md, PNG plots) and the tree tuner's (autotune.json,
+autotune.md, autotune.png).
 
 report.json, as ``eval.acceptance`` builds it:
 
-    target, draft, heads, bench, limit, prompts, max_new_tokens, temperature, top_p, top_k, tree, seed,
+    target, draft, heads, bench, limit, per_group, prompts, max_new_tokens, temperature, top_p, top_k, tree, seed,
     device, dtype, machine, torch, transformers,
     methods.<name>: requested, tau, acceptance_by_depth [rate of depth d given d - 1; null: never tried],
         alpha, mean_accepted, target_forwards, new_tokens, wall_s, tokens_per_s, speedup_vs_vanilla, predicted_speedup,
@@ -13,6 +14,11 @@ report.json, as ``eval.acceptance`` builds it:
         token, vanilla_token, method_token, logit_gap, near_tie), per_category.<cat>: tau, target_forwards,
         predicted_tau (the head's training-time chain prediction, config.json "training"; null without one),
         tree_config (the tree.json an EAGLE method decoded with; null: the tree flags)
+
+matrix.json (``eval.acceptance --temperatures``): report.json's settings without temperature and methods, then
+    temperatures, groups.<group>: its categories, rows[]: temperature, methods.<name>: tau, tokens_per_s, speedup,
+        greedy_identical, groups.<group>: tau, tokens_per_s, speedup, new_tokens, wall_s, target_forwards;
+    claims[]: claim, verdict and the numbers that decide it (``eval.matrix``)
 """
 
 from __future__ import annotations
@@ -175,6 +181,108 @@ def _write(
     for name, plot in plots.items():
         plot(result, out / name)
     return md
+
+
+# ------------------------------------------------------------------------------------------- the matrix
+
+MATRIX_PLOTS = ("speedup_per_group.png", "tau_speedup_vs_temperature.png")
+
+
+def _temperature(row: dict) -> str:
+    return f"T={row['temperature']:g}"
+
+
+def matrix_markdown(matrix: dict) -> str:
+    """The matrix as Markdown: settings and groups, per temperature a method x group table of speedup and tau,
+    then each claim with the numbers that decide it."""
+    groups, rows = matrix["groups"], matrix["rows"]
+    tree = matrix["tree"]
+    prompts = f"{matrix['per_group']} per group" if matrix["per_group"] else f"limit {matrix['limit']}"
+    lines = [
+        f"# Methods x task x temperature: {matrix['target']}",
+        "",
+        f"- bench: `{matrix['bench']}`, {matrix['prompts']} prompts ({prompts}), "
+        f"{matrix['max_new_tokens']} new tokens per turn; temperatures "
+        + ", ".join(f"{t:g}" for t in matrix["temperatures"])
+        + f", top-p {matrix['top_p']}, top-k {matrix['top_k']}; seed {matrix['seed']}",
+        f"- tree {tree['shape'] or 'per method'} (top-k {tree['top_k_draft']}, depth {tree['depth']}, "
+        f"{tree['total']} nodes); machine: {matrix['machine']} ({matrix['device']}, {matrix['dtype']})",
+        "- groups: " + "; ".join(f"{g} = {' + '.join(members)}" for g, members in groups.items()),
+        "- speedup: a method's tokens/s over vanilla's on the same prompts at the same temperature (per group: "
+        "over vanilla's on that group). Greedy (T=0) outputs must equal vanilla's token for token; sampled ones "
+        "follow the target's distribution exactly (the chi-square tests of tests/test_eval_sampling.py), so a "
+        "sampled run's tokens differ from vanilla's by chance only.",
+    ]
+    for row in rows:
+        lines += ["", f"## {_temperature(row)}: speedup (tau) per group", ""]
+        lines.append("| method | all | " + " | ".join(groups) + " | greedy identical |")
+        lines.append("|---" * (len(groups) + 3) + "|")
+        for name, e in row["methods"].items():
+            cells = [f"{c['speedup']:.2f}x ({c['tau']:.2f})" for c in (e["groups"][g] for g in groups)]
+            overall = f"{e['speedup']:.2f}x ({e['tau']:.2f})"
+            lines.append(f"| {name} | {overall} | " + " | ".join(cells) + f" | {_identical(e)} |")
+    lines += ["", "## The claims", "", "| claim | measured | verdict |", "|---|---|---|"]
+    for claim in matrix["claims"]:
+        lines.append(f"| {claim['claim']} | {_claim_numbers(claim)} | {claim['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _claim_numbers(claim: dict) -> str:
+    if "taus" in claim:
+        return ", ".join(f"{m} {cold:.2f} -> {hot:.2f}" for m, (cold, hot) in claim["taus"].items())
+    if "speedups" in claim:
+        return ", ".join(f"{g} {s:.2f}x" for g, s in claim["speedups"].items())
+    return "-" if claim["method"] is None else f"{claim['speedup']:.2f}x ({claim['method']}, the best)"
+
+
+def plot_speedup_per_group(matrix: dict, path: Path) -> None:
+    """Heatmap of speedup per method x group at the lowest temperature, the value in each cell."""
+    row = min(matrix["rows"], key=lambda r: r["temperature"])
+    groups = list(matrix["groups"])
+    methods = [m for m in row["methods"] if m != "vanilla"]
+    values = [[row["methods"][m]["groups"][g]["speedup"] for g in groups] for m in methods]
+    fig, ax = plt.subplots(figsize=(1.1 * len(groups) + 3, 0.45 * len(methods) + 2))
+    # Centred on 1x: red slower than vanilla, blue faster.
+    image = ax.imshow(values, cmap="RdBu", vmin=0.0, vmax=2.0, aspect="auto")
+    for i, line in enumerate(values):
+        for j, value in enumerate(line):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right")
+    ax.set_yticks(range(len(methods)), methods)
+    ax.set_title(f"Speedup vs vanilla per task group ({_temperature(row)})")
+    fig.colorbar(image, ax=ax, label="speedup (x)")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_vs_temperature(matrix: dict, path: Path) -> None:
+    """Left: each method's tau against the temperature; right: its speedup."""
+    rows = sorted(matrix["rows"], key=lambda r: r["temperature"])
+    temperatures = [r["temperature"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in rows[0]["methods"]:
+        left.plot(temperatures, [r["methods"][name]["tau"] for r in rows], marker="o", label=name)
+        right.plot(temperatures, [r["methods"][name]["speedup"] for r in rows], marker="o", label=name)
+    for ax, label in ((left, "tau (tokens per target forward)"), (right, "speedup vs vanilla (x)")):
+        ax.set_xlabel("temperature")
+        ax.set_ylabel(label)
+    left.set_title("Acceptance length vs temperature")
+    right.set_title("Speedup vs temperature")
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.legend(fontsize="small", loc="center left", bbox_to_anchor=(1, 0.5))
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write_matrix_report(matrix: dict, out_dir: str | Path) -> str:
+    """Write matrix.json, matrix.md and the matrix plots into ``out_dir``; returns the Markdown."""
+    return _write(
+        out_dir,
+        "matrix",
+        matrix,
+        matrix_markdown,
+        {MATRIX_PLOTS[0]: plot_speedup_per_group, MATRIX_PLOTS[1]: plot_vs_temperature},
+    )
 
 
 # ------------------------------------------------------------------------------------------- autotune

@@ -183,6 +183,13 @@ class Tally:
         self.forwards += stats.target_forwards
         self.committed += sum(stats.accepted_lengths)
 
+    def merge(self, other: Tally) -> None:
+        """Add ``other``'s sums: a group of categories is the sum of theirs (``eval.matrix``)."""
+        self.new_tokens += other.new_tokens
+        self.wall_s += other.wall_s
+        self.forwards += other.forwards
+        self.committed += other.committed
+
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
