@@ -391,6 +391,7 @@ class VerifyEngines(CommandFlags):
     k: Count = 3
     prompts: Count = 8
     max_tokens: Count = 96
+    schedule: str | None = None  # vLLM num_speculative_tokens_per_batch_size (JSON or a tree.json); null: not checked
     work: str = "runs/verify_engines"
     out: str | None = None  # null: <work>/parity.json
 
