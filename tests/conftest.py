@@ -377,3 +377,24 @@ def engine_layer_names(decoder):
 
 def layer(tensors, prefix):
     return {k.removeprefix(prefix) for k in tensors if k.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target_dir, tmp_path_factory):
+    """A tiny draft model (the target's tokenizer) and tiny random EAGLE-3, Medusa and P-EAGLE heads, saved like
+    real ones (one set per test module)."""
+    from transformers import LlamaForCausalLM
+
+    from headstart.heads import build_head
+
+    out = tmp_path_factory.mktemp("models")
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    torch.manual_seed(1)
+    config = target.config.to_dict() | {"num_hidden_layers": 2}
+    LlamaForCausalLM(type(target.config)(**config)).save_pretrained(out / "draft")
+    head = build_head({"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100}, target)
+    head.save_pretrained(out / "eagle3")
+    build_head({"type": "medusa", "num_heads": 3}, target).save_pretrained(out / "medusa")
+    options = {"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100, "parallel_drafting": True}
+    build_head(options, target).save_pretrained(out / "peagle")
+    return out

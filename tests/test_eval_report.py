@@ -4,16 +4,14 @@ import json
 import shutil
 
 import pytest
-import torch
 from conftest import REPO
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from headstart.core.errors import DataError
 from headstart.eval.acceptance import main
 from headstart.eval.bench import load_bench, render
 from headstart.eval.report import markdown
 from headstart.eval.speedup import chain_acceptance, predicted_speedup
-from headstart.heads import build_head
 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Ann has 3 apples.", "Now she buys 4 more. How many?"]},
@@ -104,22 +102,6 @@ def test_chain_acceptance_counts_tries_per_depth():
     assert alpha == pytest.approx(7 / 10)
     assert chain_acceptance([2, 2], [0, 0]) == ([0.0, None], 0.0)  # depth 2 never reached
     assert chain_acceptance([0, 0], [0, 0]) == ([], 0.0)  # vanilla: nothing drafted
-
-
-@pytest.fixture(scope="module")
-def models(tiny_target_dir, tmp_path_factory):
-    """A tiny draft model (the target's tokenizer) and tiny random EAGLE-3 and Medusa heads, saved like real ones."""
-    out = tmp_path_factory.mktemp("models")
-    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
-    torch.manual_seed(1)
-    config = target.config.to_dict() | {"num_hidden_layers": 2}
-    LlamaForCausalLM(type(target.config)(**config)).save_pretrained(out / "draft")
-    head = build_head({"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100}, target)
-    head.save_pretrained(out / "eagle3")
-    build_head({"type": "medusa", "num_heads": 3}, target).save_pretrained(out / "medusa")
-    options = {"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100, "parallel_drafting": True}
-    build_head(options, target).save_pretrained(out / "peagle")
-    return out
 
 
 def test_report_run_on_tiny_models(tiny_target_dir, models, tmp_path):

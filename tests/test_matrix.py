@@ -5,12 +5,10 @@ import json
 import pytest
 import torch
 from conftest import REPO
-from transformers import LlamaForCausalLM
 
 from headstart.eval.acceptance import main
 from headstart.eval.bench import load_bench
 from headstart.eval.matrix import GROUPS, check_claims, pick_per_group
-from headstart.heads import build_head
 
 BENCH = [
     {"question_id": 1, "category": "coding", "turns": ["Write a loop over 3 apples.", "Now add 4 more."]},
@@ -21,20 +19,6 @@ BENCH = [
     {"question_id": 6, "category": "writing", "turns": ["Tell a story about apples."]},
 ]
 NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def models(tiny_target_dir, tmp_path_factory):
-    """A tiny draft model (the target's tokenizer) and a tiny random EAGLE-3 head, saved like real ones."""
-    out = tmp_path_factory.mktemp("models")
-    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
-    torch.manual_seed(1)
-    config = target.config.to_dict() | {"num_hidden_layers": 2}
-    LlamaForCausalLM(type(target.config)(**config)).save_pretrained(out / "draft")
-    build_head({"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100}, target).save_pretrained(
-        out / "eagle3"
-    )
-    return out
 
 
 @pytest.fixture(scope="module")
