@@ -197,6 +197,13 @@ class DraftSlots:
         return parent_slots, own
 
 
+def kept_parents(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """The parents of the ``keep`` nodes (an ancestor-closed set), as indices among the kept nodes (-1: root)."""
+    new_index = keep.long().cumsum(0) - 1
+    kept = parents[keep]
+    return torch.where(kept >= 0, new_index[kept.clamp(min=0)], -1)
+
+
 def _kept_tree(
     keep: torch.Tensor,
     tokens: torch.Tensor,
@@ -207,12 +214,11 @@ def _kept_tree(
     sample: bool,
 ) -> Tree:
     """The Tree of the ``keep`` nodes (ancestor-closed, in topological order), parents renumbered."""
-    new_index = keep.long().cumsum(0) - 1
-    kept_parents, kept_tokens, kept_index = parents[keep], tokens[keep], dist_index[keep]
+    kept_tokens, kept_index = tokens[keep], dist_index[keep]
     logq = torch.cat(logq_rows)
     return Tree(
         kept_tokens,
-        torch.where(kept_parents >= 0, new_index[kept_parents.clamp(min=0)], -1),
+        kept_parents(keep, parents),
         depths[keep],
         logq[kept_index, kept_tokens],
         logq.exp() if sample else None,  # greedy trees are point masses: no [g, V] exp per step
@@ -365,11 +371,9 @@ def capped(tree: Tree, depth: int) -> Tree:
     if not len(tree) or int(tree.depths.max()) <= depth:
         return tree
     keep = tree.depths <= depth
-    new_index = keep.long().cumsum(0) - 1
-    parents = tree.parents[keep]
     return Tree(
         tree.tokens[keep],
-        torch.where(parents >= 0, new_index[parents.clamp(min=0)], -1),
+        kept_parents(keep, tree.parents),
         tree.depths[keep],
         tree.draft_logprobs[keep],
         tree.dists,
