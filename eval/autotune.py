@@ -7,7 +7,7 @@
    tree nodes, acceptance and KV commit) against n, at the bench's mean KV length and for each batch size;
    the head's drafting: a fixed part per step (reading the accepted rows, picking the root's children) and
    the cost of one drafting level against the number of nodes it expands.
-2. Acceptance, measured on a calibration slice of the bench with a "comb" tree (``eval.run.calibrate``):
+2. Acceptance, measured on a calibration slice of the bench with a "comb" tree (``eval.tune_runs.calibrate``):
    p[d][r] = P(the target's token at depth d is the head's rank-r candidate | depth d - 1 was accepted on
    the rank-0 chain).
 3. Model (``eval.speedup``): a tree's expected tokens per step is 1 + the sum of its nodes' acceptance
@@ -20,12 +20,12 @@
 5. Speculation by load: per batch size, the depth to cut the chosen tree at (0: plain decoding) and the best
    chain length, written as ``depth_per_batch_size`` (``eval.verify.generate_batch`` follows it) and as
    vLLM's ``num_speculative_tokens_per_batch_size`` (the exports' serve commands carry it).
-6. Validation on held-out prompts (``eval.run.validate``): the chosen tree (and the same tree at fixed depth),
+6. Validation on held-out prompts (``eval.tune_runs.validate``): the chosen tree (and the same tree at fixed depth),
    chains, other sizes and dynamic EAGLE-2 trees (EAGLE's default among them; none for a DFlash head, whose
    every depth comes from one forward, so its trees are static and no deeper than its block) decode the
    same prompts, interleaved prompt by prompt so that a shared CPU's load drifts over all of them alike; the
    table puts measured and predicted tau and tokens/s side by side. Then, per batch size, the held-out
-   prompts decode together plainly, with the fixed tree and as scheduled (``eval.run.validate_batches``).
+   prompts decode together plainly, with the fixed tree and as scheduled (``eval.tune_runs.validate_batches``).
 
 The choice is written as JSON (``tree.json``, ``eval.tree_config``) that ``python -m eval.acceptance --tree
 FILE`` reads (and picks up from a head folder by itself), as do the exports' model cards. ``--out`` also
@@ -55,10 +55,10 @@ from headstart.core.schema import flags_config
 from headstart.eval.bench import load_bench, render
 from headstart.eval.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
 from headstart.eval.report import write_autotune_report
-from headstart.eval.run import calibrate, validate, validate_batches, validation_checks, validation_rows
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
 from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges, tree_json
+from headstart.eval.tune_runs import calibrate, validate, validate_batches, validation_checks, validation_rows
 from headstart.heads import DraftHead, load_head
 
 

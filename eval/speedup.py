@@ -203,7 +203,7 @@ def best_cap(costs: Costs, rank_probs: Sequence[Sequence[float]], tree: TreeSpec
 @dataclass
 class ConfidenceStep:
     """One calibration step: the rank-0 chain's cumulative draft log-probability at each depth, and the rank
-    path the target accepted (``eval.run.CombRecorder``)."""
+    path the target accepted (``eval.tune_runs.CombRecorder``)."""
 
     chain_logq: list[float]
     accepted_ranks: list[int]
