@@ -493,6 +493,7 @@ class DemoConfig(Section):
     report: str
     nproc_per_node: Count = 1
     target: str | None = None  # a folder the stage commands name as {target}
+    heads: str | None = None  # where stages after training read the heads, as {heads}
     stages: Annotated[list[DemoStage], Field(min_length=1)]
 
 

@@ -36,12 +36,19 @@ def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) ->
     """
     command = stage["cmd"].format(**settings, python="{python}", bin="{bin}")
     digest = hashlib.sha256((upstream + "\0" + command).encode())
-    for name in stage.get("inputs", []):
-        path = Path(name)
+    for path in stage_paths(stage, "inputs", settings):
         if not path.is_file():
             raise FileNotFoundError(f"stage {stage['name']}: input {path} not found")
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def stage_paths(stage: dict[str, Any], field: str, settings: dict[str, Any]) -> list[Path]:
+    """A stage's ``inputs`` or ``outputs``, with config keys filled in as in its command (``{heads}/eagle3/head``)."""
+    try:
+        return [Path(name.format(**settings)) for name in stage.get(field, [])]
+    except KeyError as err:
+        raise ConfigError(f"stage {stage['name']}: {{{err.args[0]}}} in its {field} is not a config key") from None
 
 
 def expand(stage: dict[str, Any], settings: dict[str, Any]) -> list[str]:
@@ -53,10 +60,10 @@ def expand(stage: dict[str, Any], settings: dict[str, Any]) -> list[str]:
         raise ConfigError(f"stage {stage['name']}: {{{err.args[0]}}} in its cmd is not a config key") from None
 
 
-def is_complete(stamp_path: Path, key: str, outputs: list[str]) -> bool:
+def is_complete(stamp_path: Path, key: str, outputs: list[Path]) -> bool:
     if not stamp_path.is_file() or json.loads(stamp_path.read_text())["key"] != key:
         return False
-    return all(Path(p).exists() for p in outputs)
+    return all(p.exists() for p in outputs)
 
 
 def run_stages(cfg: dict[str, Any], only: set[str] | None = None) -> dict[str, Any]:
@@ -77,7 +84,7 @@ def run_stages(cfg: dict[str, Any], only: set[str] | None = None) -> dict[str, A
         if only is not None and name not in only:
             continue  # its key still feeds the stages after it, so a partial run keys them as a full one does
         header = f"[{index}/{len(stages)}] stage {name}"
-        if is_complete(stamp_path, key, stage.get("outputs", [])):
+        if is_complete(stamp_path, key, stage_paths(stage, "outputs", settings)):
             seconds = json.loads(stamp_path.read_text())["seconds"]
             print(f"{header}: done, skipped (outputs complete; it took {seconds:.1f} s when it ran)", flush=True)
             timings["stages"][name] = {"status": "skipped", "seconds": 0.0, "seconds_when_run": seconds}

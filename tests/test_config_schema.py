@@ -205,7 +205,7 @@ def test_demo_refuses_unknown_keys_before_running_a_stage(tmp_path):
         demo.main(["--config", str(path)])
     assert str(err.value).splitlines()[1:] == [
         "  unknown key stages[0].ouputs (known: cmd, inputs, name, outputs)",
-        "  unknown key 'nproc' (known: nproc_per_node, out_dir, report, stages, target)",
+        "  unknown key 'nproc' (known: heads, nproc_per_node, out_dir, report, stages, target)",
     ]
     assert not ran.exists()
 

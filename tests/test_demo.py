@@ -76,6 +76,25 @@ def test_a_subset_of_stages_keys_them_as_the_full_run_does(tmp_path):
     assert ran(tmp_path) == ["second"]
 
 
+def test_stage_paths_take_config_keys_as_commands_do(tmp_path):
+    """``{heads}`` in outputs is the folder the config names: published heads elsewhere are not this run's output."""
+    cfg = pipeline(tmp_path)
+    cfg["heads"] = str(tmp_path / "mine")
+    (tmp_path / "mine").mkdir()
+    cfg["stages"][1]["cmd"] = cfg["stages"][1]["cmd"].replace(str(tmp_path / "b.txt"), "{heads}/b.txt")
+    cfg["stages"][1]["outputs"] = ["{heads}/b.txt"]
+    run_stages(cfg)
+    assert ran(tmp_path) == ["first", "second"] and (tmp_path / "mine" / "b.txt").read_text() == "second"
+    run_stages(cfg)
+    assert ran(tmp_path) == []
+    (tmp_path / "mine" / "b.txt").unlink()
+    run_stages(cfg)
+    assert ran(tmp_path) == ["second"]
+    cfg["stages"][1]["inputs"] = ["{nowhere}/x"]
+    with pytest.raises(ConfigError, match=r"stage second: \{nowhere\} in its inputs is not a config key"):
+        run_stages(cfg)
+
+
 def test_a_failed_stage_stops_the_run_and_says_how_to_resume(tmp_path):
     cfg = pipeline(tmp_path, fail="second")
     with pytest.raises(SystemExit, match=r"\[2/2\] stage second: failed \(exit code 3\).*Run the demo again to resume"):
