@@ -20,6 +20,21 @@ _DTYPES = {
 }
 
 
+def slow_dtype_warning(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why computing in ``dtype`` on ``device`` would be much slower than fp32, or None.
+
+    A CPU without native bf16 (no avx512_bf16 / AMX, e.g. an AVX2-only EPYC) emulates it: EAGLE-3 training on
+    SmolLM2 took 128 s per step in bf16 against 10 s in fp32 on such a machine, while a CPU with avx512_bf16
+    ran bf16 1.37x faster than fp32 (docs/REAL_TARGETS.md). oneDNN's own check says which kind this is.
+    """
+    if device.type != "cpu" or dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return (
+        f"bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()}, no native bf16) is emulated and about 10x "
+        "slower than fp32: set the dtype to fp32 here"
+    )
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     """``auto`` picks CUDA when present, else the CPU; anything else is passed to torch."""
     if name == "auto":

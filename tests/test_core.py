@@ -3,11 +3,13 @@ import os
 
 import pytest
 import torch
+from conftest import REPO
 
 from headstart.core.config import ConfigError, apply_overrides, load_config, save_config
 from headstart.core.errors import DataError
 from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
-from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype
+from headstart.core.models import load_model
+from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, slow_dtype_warning
 
 
 def test_overrides_parse_yaml_values_and_create_sections():
@@ -65,6 +67,20 @@ def test_runtime_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_bf16_on_a_cpu_that_emulates_it_is_named_as_slow(native_bf16, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16)
+    cpu = torch.device("cpu")
+    assert slow_dtype_warning(cpu, torch.float32) is None
+    assert slow_dtype_warning(torch.device("cuda", 0), torch.bfloat16) is None
+    why = slow_dtype_warning(cpu, torch.bfloat16)
+    assert (why is None) == native_bf16
+    if not native_bf16:
+        assert "no native bf16" in why and "set the dtype to fp32" in why
+        with pytest.warns(UserWarning, match=r"demo-target: bf16 on this CPU .* no native bf16"):
+            load_model(str(REPO / "assets" / "demo-target"), "cpu", "bf16")
 
 
 def test_read_jsonl_names_each_line_and_skips_blank_ones(tmp_path):

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from headstart.core.config import save_config
-from headstart.core.runtime import cosine_with_warmup, mix_seed, rank_device
+from headstart.core.runtime import cosine_with_warmup, mix_seed, rank_device, resolve_dtype, slow_dtype_warning
 from headstart.data_recipes.capture import OnlineCapture
 from headstart.heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
 from headstart.train.checkpoint import (
@@ -255,6 +256,8 @@ def train(
         check_tokenizer(read_head_config(saved), head.config.tokenizer_hash, saved, remedy=remedy)
     if proc.rank == 0:
         save_config(cfg, out_dir / "config.yaml")
+        if why := slow_dtype_warning(proc.device, resolve_dtype(train_cfg["dtype"])):
+            warnings.warn(f"train.dtype: {why}", stacklevel=2)
         if start:
             print(f"{out_dir}: resumed from step {start} of {total}")
     log = MetricsLog(cfg, proc.rank, start, total)
