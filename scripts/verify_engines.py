@@ -444,12 +444,20 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out or work / "parity.json")
     write_report(report, out)
     reexport_cards(report, out)
-    for entry in report["heads"]:
-        for check in [entry["speculators"], *entry["served"], *[entry["schedule"]] * ("schedule" in entry)]:
-            where = f"{check['engine']} {check['layout']} layout" if "layout" in check else "speculators"
-            print(f"{check['status']:8} {entry['type']} {where}: {check['detail']}")
+    print(check_lines(report))
     print(f"{report['status']}: {out} and {out.with_suffix('.md')}")
     sys.exit(0 if report["status"] == "PASS" else 1)
+
+
+def check_lines(report: dict[str, Any]) -> str:
+    """One line per check: its status, the head and where it ran (the schedule check only when one was asked for)."""
+    lines = []
+    for entry in report["heads"]:
+        schedule = [entry["schedule"]] if "schedule" in entry else []
+        for check in [entry["speculators"], *entry["served"], *schedule]:
+            where = f"{check['engine']} {check['layout']} layout" if "layout" in check else "speculators"
+            lines.append(f"{check['status']:8} {entry['type']} {where}: {check['detail']}")
+    return "\n".join(lines)
 
 
 def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:

@@ -234,3 +234,17 @@ def test_schedule_flag_reads_json_or_a_tree_json_and_refuses_what_vllm_would(tmp
         verify_engines.read_schedule("[[1, 8, 0]]")
     with pytest.raises(ValueError, match="neither a file nor JSON"):
         verify_engines.read_schedule("nope.json")
+
+
+def test_check_lines_name_every_check_and_the_schedule_only_when_asked_for():
+    def check(status: str, detail: str, layout: str | None = None) -> dict:
+        return {"status": status, "detail": detail} | ({"engine": "vllm", "layout": layout} if layout else {})
+
+    entry = {"type": "eagle3", "speculators": check("PASS", "logits equal"), "served": [check("FAIL", "-9%", "eagle")]}
+    lines = verify_engines.check_lines({"heads": [entry]}).splitlines()
+    assert lines == ["PASS     eagle3 speculators: logits equal", "FAIL     eagle3 vllm eagle layout: -9%"]
+    entry["schedule"] = check("PASS", "at most k=2", "schedule")
+    assert (
+        verify_engines.check_lines({"heads": [entry]}).splitlines()[-1]
+        == "PASS     eagle3 vllm schedule layout: at most k=2"
+    )
