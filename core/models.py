@@ -19,9 +19,10 @@ from headstart.core.runtime import resolve_device, resolve_dtype, slow_dtype_war
 def load_model(path: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "fp32") -> PreTrainedModel:
     """``path`` (a folder or hub id) in eval mode with gradients off, SDPA attention, on ``device`` in ``dtype``."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
-    if why := slow_dtype_warning(device, resolve_dtype(dtype)):
+    dtype = resolve_dtype(dtype)
+    if why := slow_dtype_warning(device, dtype):
         warnings.warn(f"{path}: {why}", stacklevel=2)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
     return model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
 

@@ -43,21 +43,23 @@ def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) ->
     return digest.hexdigest()[:16]
 
 
-def stage_paths(stage: dict[str, Any], field: str, settings: dict[str, Any]) -> list[Path]:
-    """A stage's ``inputs`` or ``outputs``, with config keys filled in as in its command (``{heads}/eagle3/head``)."""
+def fill(stage: dict[str, Any], field: str, text: str, fields: dict[str, Any]) -> str:
+    """``text`` from the stage's ``field`` with ``{key}`` placeholders filled in; an unknown key is a config error."""
     try:
-        return [Path(name.format(**settings)) for name in stage.get(field, [])]
+        return text.format(**fields)
     except KeyError as err:
         raise ConfigError(f"stage {stage['name']}: {{{err.args[0]}}} in its {field} is not a config key") from None
+
+
+def stage_paths(stage: dict[str, Any], field: str, settings: dict[str, Any]) -> list[Path]:
+    """A stage's ``inputs`` or ``outputs``, with config keys filled in as in its command (``{heads}/eagle3/head``)."""
+    return [Path(fill(stage, field, name, settings)) for name in stage.get(field, [])]
 
 
 def expand(stage: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     """The stage's command line, with ``{python}``, ``{bin}`` (this interpreter's folder) and config keys filled in."""
     fields = {"python": sys.executable, "bin": str(Path(sys.executable).parent), **settings}
-    try:
-        return shlex.split(stage["cmd"].format(**fields))
-    except KeyError as err:
-        raise ConfigError(f"stage {stage['name']}: {{{err.args[0]}}} in its cmd is not a config key") from None
+    return shlex.split(fill(stage, "cmd", stage["cmd"], fields))
 
 
 def is_complete(stamp_path: Path, key: str, outputs: list[Path]) -> bool:
