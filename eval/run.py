@@ -224,44 +224,50 @@ def decode_item(
         yield new, stats
 
 
-def run_method(
+def warm_up(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     proposer: Proposer,
-    items: list[BenchItem],
+    item: BenchItem,
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
-    name: str,
-) -> MethodRun:
-    """Decode every item with ``proposer``, after an untimed warm-up on the first one."""
-    device = target.device
+) -> None:
+    """An untimed short decode, so that first-call costs (allocation, kernel selection) are nobody's time."""
     seed_everything(seed)
-    for _ in decode_item(target, tokenizer, proposer, items[0], min(WARMUP_TOKENS, max_new_tokens), sampling):
+    for _ in decode_item(target, tokenizer, proposer, item, min(WARMUP_TOKENS, max_new_tokens), sampling):
         pass
+
+
+def decode_into(
+    run: MethodRun,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    item: BenchItem,
+    max_new_tokens: int,
+    sampling: Sampling,
+) -> None:
+    """Decode ``item`` with ``run``'s proposer and add its tokens, stats and peak memory to ``run``."""
+    device = target.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seed_everything(seed)
-    run = MethodRun(timer=TimedProposer(proposer, device))
+    category = run.by_category.setdefault(item.category, Tally())
+    run.ids.append(item.id)
+    run.outputs.append([])
     hooks = [
         target.register_forward_pre_hook(run.timer.before_forward),
         target.register_forward_hook(run.timer.after_forward),
     ]
     try:
-        for item in tqdm(items, desc=name, leave=False):
-            category = run.by_category.setdefault(item.category, Tally())
-            run.ids.append(item.id)
-            run.outputs.append([])
-            for new, stats in decode_item(target, tokenizer, run.timer, item, max_new_tokens, sampling):
-                run.outputs[-1].append(new.tolist())
-                run.accepted.extend(n - 1 for n in stats.accepted_lengths)
-                run.add(len(new), stats)
-                category.add(len(new), stats)
+        for new, stats in decode_item(target, tokenizer, run.timer, item, max_new_tokens, sampling):
+            run.outputs[-1].append(new.tolist())
+            run.accepted.extend(n - 1 for n in stats.accepted_lengths)
+            run.add(len(new), stats)
+            category.add(len(new), stats)
     finally:
         for hook in hooks:
             hook.remove()
-    run.peak_memory_mb = peak_memory_mb(device)
-    return run
+    run.peak_memory_mb = max(run.peak_memory_mb, peak_memory_mb(device))
 
 
 def run_methods(
@@ -273,11 +279,21 @@ def run_methods(
     sampling: Sampling,
     seed: int,
 ) -> dict[str, MethodRun]:
-    """``run_method`` for every method, in the order given (the speedup baseline first)."""
-    return {
-        method: run_method(target, tokenizer, proposer, items, max_new_tokens, sampling, seed, method)
-        for method, proposer in tqdm(proposers.items(), desc="methods")
-    }
+    """Every method (in the order given, the speedup baseline first) over every item, after an untimed
+    warm-up each.
+
+    The methods take turns item by item, so a change in the machine's load during the run falls on every
+    method alike and the speedups stay fair on a shared CPU. Each (item, method) decode starts from the
+    seed ``seed + the item's index``: a method's output does not depend on which methods run beside it.
+    """
+    for proposer in proposers.values():
+        warm_up(target, tokenizer, proposer, items[0], max_new_tokens, sampling, seed)
+    runs = {method: MethodRun(timer=TimedProposer(proposer, target.device)) for method, proposer in proposers.items()}
+    for index, item in enumerate(tqdm(items, desc=f"prompts x {len(runs)} methods")):
+        for run in runs.values():
+            seed_everything(seed + index)
+            decode_into(run, target, tokenizer, item, max_new_tokens, sampling)
+    return runs
 
 
 def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:

@@ -104,3 +104,22 @@ def test_build_proposer_takes_typed_settings():
     assert build_proposer("peagle", TreeFlags(), heads=heads, tree_config=tuned).choices == tuned["choices"]
     with pytest.raises(ValueError, match="P-EAGLE drafts static shapes only"):
         build_proposer("peagle", TreeFlags(), heads=heads, tree_config={"shape": "dynamic", "depth": 3})
+
+
+def test_methods_take_turns_and_each_output_is_independent_of_the_others(target, one_thread):
+    """run_methods interleaves the methods item by item; seeding each (item, method) decode from the item's
+    index keeps a sampled method's tokens the same whether it runs alone or beside others."""
+    from headstart.eval.bench import BenchItem
+    from headstart.eval.run import run_methods
+    from headstart.eval.verify import Sampling
+
+    model, tokenizer = target
+    items = [BenchItem(id=str(i), category="math", turns=[f"What is {i} plus {i + 2}?"]) for i in range(3)]
+    sampling = Sampling(temperature=1.0)
+    alone = run_methods(model, tokenizer, {"vanilla": Vanilla()}, items, 12, sampling, seed=5)
+    beside = run_methods(model, tokenizer, {"vanilla": Vanilla(), "ngram": NGram(k=3)}, items, 12, sampling, seed=5)
+    assert beside["vanilla"].outputs == alone["vanilla"].outputs
+    assert beside["vanilla"].ids == beside["ngram"].ids == ["0", "1", "2"]
+    greedy = run_methods(model, tokenizer, {"vanilla": Vanilla(), "ngram": NGram(k=3)}, items, 12, Sampling(), seed=5)
+    assert greedy["ngram"].outputs == greedy["vanilla"].outputs
+    assert greedy["ngram"].new_tokens == greedy["vanilla"].new_tokens > 0
