@@ -11,7 +11,8 @@ report.json, as ``eval.acceptance`` builds it:
         draft_depth (k), draft_cost_ratio (c), target_forward_ms,
         peak_memory_mb (CUDA: max allocated during the method; CPU: the process's peak RSS so far),
         greedy_identical (bool; null when sampling), mismatched_prompts, divergences (per mismatch: prompt, turn,
-        token, vanilla_token, method_token, logit_gap, near_tie), per_category.<cat>: tau, target_forwards,
+        token, vanilla_token, method_token, logit_gap, near_tie),
+        per_category.<cat>: tau, target_forwards, tokens_per_s, speedup_vs_vanilla (over vanilla on that category),
         predicted_tau (the head's training-time chain prediction, config.json "training"; null without one),
         tree_config (the tree.json an EAGLE method decoded with; null: the tree flags)
 
@@ -89,10 +90,10 @@ def markdown(report: dict) -> str:
             f"({e['draft_depth']}, {e['draft_cost_ratio']:.3f}) | {e['peak_memory_mb']:.0f} | {_identical(e)} |"
         )
     categories = sorted({c for e in methods.values() for c in e["per_category"]})
-    lines += ["", "## tau per category", "", "| method | " + " | ".join(categories) + " |"]
+    lines += ["", "## tau (speedup vs vanilla) per category", "", "| method | " + " | ".join(categories) + " |"]
     lines.append("|---" * (len(categories) + 1) + "|")
     for name, e in methods.items():
-        cells = [f"{e['per_category'][c]['tau']:.3f}" if c in e["per_category"] else "" for c in categories]
+        cells = [_category_cell(e["per_category"].get(c)) for c in categories]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     tuned = [(name, e["tree_config"]) for name, e in methods.items() if e.get("tree_config")]
     for name, tree in tuned:
@@ -121,6 +122,13 @@ def save_figure(fig: Figure, path: Path) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
+
+
+def _category_cell(entry: dict | None) -> str:
+    if entry is None:
+        return ""
+    speedup = entry.get("speedup_vs_vanilla")  # reports written before it was recorded have tau only
+    return f"{entry['tau']:.3f}" + (f" ({speedup:.2f}x)" if speedup else "")
 
 
 def plot_tau_per_category(report: dict, path: Path) -> None:

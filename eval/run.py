@@ -296,6 +296,18 @@ def run_methods(
     return runs
 
 
+def category_entry(tally: Tally, baseline: Tally | None) -> dict:
+    """One benchmark category of a method's report entry: tau, target forwards, tokens/s and the speedup over
+    the baseline's tokens/s on the same category's prompts (0.0 without one)."""
+    base = baseline.tokens_per_s if baseline is not None else 0.0
+    return {
+        "tau": tally.tau,
+        "target_forwards": tally.forwards,
+        "tokens_per_s": tally.tokens_per_s,
+        "speedup_vs_vanilla": tally.tokens_per_s / base if base else 0.0,
+    }
+
+
 def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
     """The report entry of one method (stable keys; see ``eval.report``)."""
     timer = run.timer
@@ -324,7 +336,7 @@ def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
         "greedy_identical": not mismatched if greedy else None,
         "mismatched_prompts": mismatched,
         "per_category": {
-            cat: {"tau": tally.tau, "target_forwards": tally.forwards} for cat, tally in run.by_category.items()
+            cat: category_entry(tally, baseline.by_category.get(cat)) for cat, tally in run.by_category.items()
         },
     }
 

@@ -125,6 +125,11 @@ def test_report_run_on_tiny_models(tiny_target_dir, models, tmp_path):
         assert entry["tau"] == pytest.approx(1 + entry["mean_accepted"]) and entry["tau"] >= 1.0
         assert entry["tokens_per_s"] > 0 and entry["predicted_speedup"] > 0 and entry["peak_memory_mb"] > 0
         assert set(entry["per_category"]) == {"writing", "math"}
+        # The categories split the method's tokens and forwards; each has its own speedup over vanilla's.
+        assert sum(c["target_forwards"] for c in entry["per_category"].values()) == entry["target_forwards"]
+        for category, stats in entry["per_category"].items():
+            base = methods["vanilla"]["per_category"][category]["tokens_per_s"]
+            assert stats["speedup_vs_vanilla"] == pytest.approx(stats["tokens_per_s"] / base)
         # Prompt 81 has two turns, each of 12 new tokens (a random target never says <|im_end|> this soon).
         assert entry["new_tokens"] == 4 * 12
     vanilla = methods["vanilla"]
@@ -137,6 +142,7 @@ def test_report_run_on_tiny_models(tiny_target_dir, models, tmp_path):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "report.md").read_text()
     assert "| method | tau |" in md and "| eagle3 |" in md and "WARNING" not in md
+    assert "| vanilla | 1.000 (1.00x) | 1.000 (1.00x) |" in md  # per category: tau (speedup)
     report["methods"]["eagle3"] |= {"greedy_identical": False, "mismatched_prompts": ["83"]}
     assert "WARNING: eagle3 did NOT reproduce vanilla greedy decoding" in markdown(report)
 
