@@ -75,11 +75,10 @@ def group_tallies(run: MethodRun) -> dict[str, Tally]:
 
 
 def _cell(tally: Tally, baseline: Tally) -> dict:
-    speedup = tally.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
     return {
         "tau": tally.tau,
         "tokens_per_s": tally.tokens_per_s,
-        "speedup": speedup,
+        "speedup": tally.speedup_over(baseline),
         "new_tokens": tally.new_tokens,
         "wall_s": tally.wall_s,
         "target_forwards": tally.forwards,

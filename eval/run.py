@@ -191,6 +191,11 @@ class Tally:
     def tau(self) -> float:
         return self.committed / max(self.forwards, 1)
 
+    def speedup_over(self, baseline: Tally | None) -> float:
+        """tokens/s over ``baseline``'s (0.0 without a baseline or with one that decoded nothing)."""
+        base = baseline.tokens_per_s if baseline is not None else 0.0
+        return self.tokens_per_s / base if base else 0.0
+
 
 # ------------------------------------------------------------------------------ methods on a benchmark
 
@@ -299,12 +304,11 @@ def run_methods(
 def category_entry(tally: Tally, baseline: Tally | None) -> dict:
     """One benchmark category of a method's report entry: tau, target forwards, tokens/s and the speedup over
     the baseline's tokens/s on the same category's prompts (0.0 without one)."""
-    base = baseline.tokens_per_s if baseline is not None else 0.0
     return {
         "tau": tally.tau,
         "target_forwards": tally.forwards,
         "tokens_per_s": tally.tokens_per_s,
-        "speedup_vs_vanilla": tally.tokens_per_s / base if base else 0.0,
+        "speedup_vs_vanilla": tally.speedup_over(baseline),
     }
 
 
@@ -316,7 +320,6 @@ def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
     forward_s = timer.target_s / max(timer.target_calls, 1)
     # c: one draft call's cost in target forwards, with k draft calls per step.
     c = timer.draft_s / max(len(timer.depths), 1) / (k * forward_s) if k and forward_s else 0.0
-    base_tokens_per_s = baseline.tokens_per_s
     mismatched = [i for i, out, ref in zip(run.ids, run.outputs, baseline.outputs) if out != ref] if greedy else []
     return {
         "tau": sum(run.accepted) / max(len(run.accepted), 1) + 1,
@@ -327,7 +330,7 @@ def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
         "new_tokens": run.new_tokens,
         "wall_s": run.wall_s,
         "tokens_per_s": run.tokens_per_s,
-        "speedup_vs_vanilla": run.tokens_per_s / base_tokens_per_s if base_tokens_per_s else 0.0,
+        "speedup_vs_vanilla": run.speedup_over(baseline),
         "draft_depth": k,
         "draft_cost_ratio": c,
         "target_forward_ms": forward_s * 1e3,
