@@ -391,18 +391,19 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_batch_inputs(
-    valid: torch.Tensor, trees: list[Tree], dtype: torch.dtype
+    valid: torch.Tensor, trees: list[Tree], dtype: torch.dtype, queries: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids [B, n + 1], additive mask [B, 1, n + 1, P + n + 1], position ids [B, n + 1]) of the queries
-    [root, nodes..., padding] of every sequence, n the largest tree; ``valid`` [B, P] marks each sequence's
-    committed cache slots. Input ids hold the tree tokens; the caller fills in the roots (column 0).
+    [root, nodes..., padding] of every sequence, n the largest tree or ``queries`` - 1 if more; ``valid``
+    [B, P] marks each sequence's committed cache slots. Input ids hold the tree tokens; the caller fills in the
+    roots (column 0).
 
     A query sees its sequence's valid slots and root; a node also sees its ancestors and itself; padding
     queries see only the root (their outputs are ignored, their keys never visible). A root sits at its
     sequence's committed length, a node ``depth`` positions further.
     """
     batch, prefix = valid.shape
-    n, device = max(len(t) for t in trees), valid.device
+    n, device = max(max(len(t) for t in trees), queries - 1), valid.device
     ids = torch.zeros(batch, n + 1, dtype=torch.long, device=device)
     allowed = torch.zeros(batch, n + 1, prefix + n + 1, dtype=torch.bool, device=device)
     allowed[:, :, :prefix] = valid[:, None]

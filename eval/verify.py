@@ -219,6 +219,23 @@ def _hidden(out: CausalLMOutputWithPast, layers: tuple[int, ...]) -> torch.Tenso
     return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
 
+# On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 rows on a slower kernel: SmolLM2's
+# whole forward after 300 tokens (torch 2.13, 2-core AMD EPYC) took 60, 102, 121, 83, 90, 111, 131 and 80 ms for
+# 1 to 8 new tokens (``python -m scripts.bench_verify_rows``, docs/BENCHMARKS.md). So on a CPU a verify forward of
+# more than one query runs a multiple of 4, the extra queries padding that no row keeps. One query (plain
+# decoding) stays one: its matrix-vector kernel is the fastest of all.
+CPU_QUERY_MULTIPLE = 4
+
+
+def verify_queries(device: torch.device, trees: list[Tree]) -> int:
+    """The queries a verify forward over ``trees`` runs on ``device``: the root and the largest tree, on a CPU
+    rounded up to a multiple of ``CPU_QUERY_MULTIPLE`` when there is a tree at all."""
+    queries = 1 + max(len(tree) for tree in trees)
+    if device.type != "cpu" or queries == 1:
+        return queries
+    return -(-queries // CPU_QUERY_MULTIPLE) * CPU_QUERY_MULTIPLE
+
+
 def verify_batch(
     target: PreTrainedModel,
     cache: DynamicCache,
@@ -236,7 +253,7 @@ def verify_batch(
     each sequence's root and accepted nodes follow the old slots (its bonus is its new root).
     """
     prefix_len = valid.shape[1]
-    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype)
+    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, verify_queries(target.device, trees))
     ids[:, 0] = roots
     key_positions = torch.cat((valid.long().cumsum(1) - 1, positions), dim=1)  # committed slots count up
     out = target(

@@ -12,11 +12,20 @@ from headstart.eval.tree import (
     Tree,
     chain,
     dynamic_tree,
+    empty_tree,
     static_tree,
     tree_batch_inputs,
 )
 from headstart.eval.tree_config import comb_choices
-from headstart.eval.verify import Sampling, accept, generate, generate_batch, verify
+from headstart.eval.verify import (
+    CPU_QUERY_MULTIPLE,
+    Sampling,
+    accept,
+    generate,
+    generate_batch,
+    verify,
+    verify_queries,
+)
 from headstart.heads import KVCache, build_head
 
 V, NEW = 300, 16
@@ -144,6 +153,38 @@ def test_kv_compaction_equals_recomputing_the_accepted_prefix(target):
         committed = torch.cat((prompt[0], tokens[path]))
         target(committed[None], past_key_values=fresh, use_cache=True)
     assert cache.get_seq_length() == fresh.get_seq_length() == 8
+    for mine, ref in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_a_short_cpu_verify_runs_four_queries_and_keeps_only_the_accepted_rows(target):
+    """A chain of 2 is verified as 4 queries on a CPU (``CPU_QUERY_MULTIPLE``); the padding query changes
+    neither the acceptance nor the committed cache, which equals recomputing the accepted prefix."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, V, (1, 6), generator=gen)
+    greedy = reference(target, prompt, new=3)[0, 6:]
+    tree = chain(torch.tensor([int(greedy[0]), int(greedy[1]) + 1]))  # the first right, the second wrong
+    cpu = torch.device("cpu")
+    assert CPU_QUERY_MULTIPLE == 4 and verify_queries(cpu, [tree]) == 4
+    assert verify_queries(cpu, [empty_tree(cpu)]) == 1  # plain decoding: one query
+    assert verify_queries(cpu, [tree, chain(torch.arange(4))]) == 8  # the larger tree's 5 queries, rounded up
+    assert verify_queries(cpu, [chain(torch.arange(7))]) == 8
+    assert verify_queries(torch.device("cuda"), [tree]) == 3
+    seen = []
+    hook = target.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    cache = DynamicCache(config=target.config)
+    try:
+        with torch.no_grad():
+            target(prompt[:, :-1], past_key_values=cache, use_cache=True)
+            path, bonus, _ = verify(target, cache, prompt[0, -1:], tree, Sampling())
+            fresh = DynamicCache(config=target.config)
+            target(torch.cat((prompt[0], greedy[:1]))[None], past_key_values=fresh, use_cache=True)
+    finally:
+        hook.remove()
+    assert seen[1] == (1, 4)  # root, 2 drafts, 1 padding query
+    assert path.tolist() == [0] and int(bonus) == int(greedy[1])
+    assert cache.get_seq_length() == fresh.get_seq_length() == 7
     for mine, ref in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
