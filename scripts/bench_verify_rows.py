@@ -4,9 +4,9 @@
 
 On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 on a slower kernel, so a forward
 over 3 new tokens can cost more than one over 4; ``eval.verify`` rounds a verify's queries up to a multiple of
-``CPU_QUERY_MULTIPLE`` there. Both columns are measured in one process, alternating, at the same KV length:
-the bare forward over q new tokens, and ``eval.verify.verify_batch`` over a chain of q - 1 drafts (forward,
-acceptance and KV commit, padded where the rule says), medians of ``repeats``.
+``CPU_QUERY_MULTIPLE`` there. Both columns are measured in one process, one after the other for each q, at
+the same KV length: the bare forward over q new tokens, and ``eval.verify.verify_batch`` over a chain of q - 1
+drafts (forward, acceptance and KV commit, padded where the rule says), medians of ``repeats``.
 """
 
 from __future__ import annotations
