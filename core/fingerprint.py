@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from transformers import AutoConfig
+
+from headstart.core.runtime import resolve_dtype
+from headstart.core.weights import checkpoint_folder, meta_model, read_borrowed, tensor_files
+
 if TYPE_CHECKING:
-    from torch import nn
     from transformers import PreTrainedTokenizerBase
 
 
@@ -22,17 +28,25 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256((backend + str(tokenizer.chat_template)).encode()).hexdigest()[:16]
 
 
-def weights_hash(model: nn.Module) -> str:
-    """A cheap fingerprint of the weights: names, shapes and a strided sample of every tensor's values.
+def weights_hash(path: str | Path, dtype: str | torch.dtype) -> str:
+    """The fingerprint of a target checkpoint loaded in ``dtype``, read without its decoder layers.
 
-    Taken over the weights as loaded, so the same checkpoint loaded in another dtype hashes differently.
+    Over the config, the names of every tensor in the checkpoint (from the index or the one file's header) and
+    every byte of the tensors a head borrows (embedding, final norm, lm_head) as stored: what training from
+    shards loads anyway, so the check costs one pass over a few GB at most, even for a 140 GB target. A
+    checkpoint whose borrowed tensors, shapes or tensor inventory changed hashes differently, and so does the
+    same checkpoint in another compute dtype; a fine-tune that changed decoder layers only does not
+    (docs/RELIABILITY.md, "Which weights a fingerprint covers").
     """
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        flat = tensor.detach().flatten()
-        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu()
-        digest.update(f"{name}{tuple(tensor.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
+    folder = checkpoint_folder(path)
+    config = json.loads((folder / "config.json").read_text())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    digest.update(str(resolve_dtype(dtype)).encode())
+    digest.update("\n".join(sorted(tensor_files(folder))).encode())
+    for role, tensor in read_borrowed(folder, meta_model(AutoConfig.from_pretrained(folder))).items():
+        digest.update(f"{role}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        # numpy arrays are buffers (no copy of a GB-sized table); numpy 2.4 does not type them as such
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     return digest.hexdigest()[:16]
 
 

@@ -7,34 +7,113 @@ attention kernel. Decoding commands also call ``core.runtime.prepare_decoding`` 
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.core.runtime import resolve_device, resolve_dtype, slow_dtype_warning
+from headstart.core.runtime import (
+    Ranks,
+    join_process_group,
+    rank_device,
+    resolve_device,
+    resolve_dtype,
+    slow_dtype_warning,
+)
+from headstart.core.weights import borrowed_model
 
 
-def load_model(path: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "fp32") -> PreTrainedModel:
-    """``path`` (a folder or hub id) in eval mode with gradients off, SDPA attention, on ``device`` in ``dtype``."""
+def load_model(
+    path: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "fp32", tp_size: int = 1
+) -> PreTrainedModel:
+    """``path`` (a folder or hub id) in eval mode with gradients off, SDPA attention, on ``device`` in ``dtype``.
+
+    ``tp_size`` > 1 splits it across that many processes of the torchrun job (transformers' tensor parallelism
+    over consecutive ranks, ``core.runtime.Ranks``): each holds 1/tp_size of the decoder, and every rank of the
+    group gets the whole logits and hidden states. A family transformers cannot split is refused first.
+    """
     device = device if isinstance(device, torch.device) else resolve_device(device)
     dtype = resolve_dtype(dtype)
     if why := slow_dtype_warning(device, dtype):
         warnings.warn(f"{path}: {why}", stacklevel=2)
+    if tp_size > 1:
+        check_tensor_parallel(AutoConfig.from_pretrained(path), tp_size, path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            tp_plan="auto",
+            device_mesh=tensor_parallel_mesh(device, tp_size),
+        )
+        return model.eval().requires_grad_(False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
     return model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
+
+
+def load_decoding_target(
+    path: str, device_name: str, dtype: str | torch.dtype, tp_size: int
+) -> tuple[PreTrainedModel, Ranks]:
+    """The target a decoding command (evaluation, autotune) runs, and this process's ranks: whole on one
+    process, or split across the ``tp_size`` processes torchrun started. Every rank decodes the same prompts
+    in lockstep (the split forward needs them all); the first writes the results."""
+    device = rank_device(device_name)
+    ranks = join_process_group(device, tp_size)
+    if ranks.dp_world > 1:
+        raise ValueError(
+            f"decoding runs one tensor-parallel group: torchrun started {ranks.world} processes for tp_size "
+            f"{tp_size}; start exactly {tp_size} (--nproc_per_node {tp_size})"
+        )
+    return load_model(path, device, dtype, tp_size), ranks
+
+
+def check_tensor_parallel(config: Any, tp_size: int, path: str) -> None:
+    """NotImplementedError naming why transformers cannot split this target ``tp_size`` ways, read from its config
+    alone (before any weight is loaded): a family without a tensor-parallel plan, or heads that do not divide."""
+    text = config.get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        raise NotImplementedError(
+            f"{path}: transformers has no tensor-parallel plan for {text.model_type} targets "
+            "(base_model_tp_plan is empty in its config class), so target.tp_size must be 1"
+        )
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    uneven = [
+        f"{name} {count}"
+        for name, count in (("attention heads", text.num_attention_heads), ("key/value heads", kv_heads))
+        if count % tp_size
+    ]
+    if uneven:
+        raise NotImplementedError(
+            f"{path}: target.tp_size={tp_size} does not divide the target's {' and '.join(uneven)}: each rank must "
+            "hold whole heads; pick a tp_size that divides both"
+        )
+
+
+def tensor_parallel_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
+    """This rank's tensor-parallel group: ranks [g * tp_size, (g + 1) * tp_size) of the job's world."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh = init_device_mesh(device.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"]
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_target(target: dict[str, Any]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The ``target:`` section of a config (path, device, dtype) -> (model, tokenizer)."""
-    path = target["path"]
-    return load_model(path, target.get("device", "auto"), target.get("dtype", "fp32")), load_tokenizer(path)
+def load_target(target: dict[str, Any], borrowed_only: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The ``target:`` section of a config (path, device, dtype, tp_size) -> (model, tokenizer).
+
+    ``borrowed_only``: what training from shards needs, the config and the embedding, final norm and lm_head
+    read by name from the safetensors (``core.weights.borrowed_model``), never the decoder layers.
+    """
+    path, dtype = target["path"], target.get("dtype", "fp32")
+    if borrowed_only:
+        device = resolve_device(target.get("device", "auto"))
+        return borrowed_model(path, device, resolve_dtype(dtype)), load_tokenizer(path)
+    return load_model(path, target.get("device", "auto"), dtype, target.get("tp_size", 1)), load_tokenizer(path)
 
 
 def default_aux_layers(num_hidden_layers: int) -> list[int]:

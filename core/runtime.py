@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import os
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -53,6 +55,51 @@ def rank_device(name: str = "auto") -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     return device
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a torchrun job of ``world`` processes: ``tp_size`` consecutive ranks hold one
+    copy of the target split between them (a tensor-parallel group, inside one node where it can be), and the
+    ``world // tp_size`` groups split the data. Every rank of a group sees the same batches and computes the same
+    results; its first rank writes what the group produces."""
+
+    rank: int = 0
+    world: int = 1
+    tp_size: int = 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.tp_size
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its group's outputs (shards, reports): the group's first."""
+        return self.tp_rank == 0
+
+
+def join_process_group(device: torch.device, tp_size: int = 1) -> Ranks:
+    """This process's ranks in the torchrun job that started it, joining its process group once (gloo on a CPU,
+    NCCL on GPUs); a world of one without torchrun. The world must be a whole number of tensor-parallel groups."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tp_size:
+        raise ValueError(
+            f"target.tp_size={tp_size} does not divide the {world} processes torchrun started: the world is "
+            f"tp_size x data-parallel groups (torchrun --nproc_per_node {tp_size * max(1, world // tp_size)})"
+        )
+    if world == 1:
+        return Ranks()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Ranks(dist.get_rank(), dist.get_world_size(), tp_size)
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

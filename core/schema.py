@@ -69,6 +69,7 @@ class Target(Section):
     path: str  # a local folder or a hub id
     device: str = "auto"  # cuda when present, else cpu
     dtype: Dtype = "fp32"  # the frozen target's compute dtype
+    tp_size: Count = 1  # processes one copy of the target is split across (torchrun; docs/TRAINING.md)
 
 
 class Data(Section):
@@ -297,6 +298,7 @@ class Eval(CommandFlags):
     seed: NonNegative = 0
     device: str = "auto"
     dtype: Dtype = "fp32"
+    tp_size: Count = 1  # the target split across this many torchrun processes
     out: str  # the report folder
 
 
@@ -322,6 +324,7 @@ class Autotune(CommandFlags):
     repeats: Count = 7
     device: str = "auto"
     dtype: Dtype = "fp32"
+    tp_size: Count = 1  # the target split across this many torchrun processes
     seed: NonNegative = 0
     out: str
     write_head: bool = False

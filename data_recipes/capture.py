@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from headstart.core.config import load_config, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from headstart.core.io import OutOfSpaceError, check_writable, output_lock
 from headstart.core.models import default_aux_layers, load_target
-from headstart.core.runtime import rank_device, resolve_dtype
+from headstart.core.runtime import join_process_group, rank_device, resolve_dtype
 from headstart.core.schema import CaptureConfig, validate_config
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import (
@@ -199,15 +198,6 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
         )
 
 
-def join_process_group(device: torch.device) -> tuple[int, int]:
-    """(rank, world size) of the torchrun job that started this process, joining its group once; (0, 1) alone."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
 def _barrier(world: int) -> None:
     if world > 1:
         dist.barrier()
@@ -220,8 +210,9 @@ def run_capture(cfg: dict[str, Any]) -> Path:
     here, before the target is loaded. Under torchrun each rank captures its share of the shards.
     """
     cfg = validate_config(cfg, CaptureConfig)
-    device = rank_device(cfg["target"].get("device", "auto"))
-    rank, world = join_process_group(device)
+    device = rank_device(cfg["target"]["device"])
+    ranks = join_process_group(device, cfg["target"]["tp_size"])
+    rank, world = ranks.rank, ranks.world
     model, tokenizer = load_target({**cfg["target"], "device": str(device)})
     data, cap = cfg["data"], cfg["capture"]
     out_dir = Path(cap["out_dir"])
@@ -240,7 +231,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
     settings = {
         "target": str(cfg["target"]["path"]),
         "target_config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16],
-        "target_weights_hash": weights_hash(model),
+        "target_weights_hash": weights_hash(cfg["target"]["path"], model.dtype),
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "compute_dtype": str(model.dtype).removeprefix("torch."),
         "store_dtype": str(store_dtype).removeprefix("torch."),
@@ -265,7 +256,8 @@ def run_capture(cfg: dict[str, Any]) -> Path:
     lock = output_lock(out_dir) if rank == 0 else contextlib.nullcontext(out_dir)
     with lock, ThreadPoolExecutor(max_workers=1) as hasher:
         done = _finished_shards(out_dir, plan, fingerprint, samples)
-        mine = [k for k in range(len(plan)) if k % world == rank and k not in done]
+        # Data parallelism across tensor-parallel groups: group g captures the shards k with k % groups == g.
+        mine = [k for k in range(len(plan)) if k % ranks.dp_world == ranks.dp_rank and k not in done]
         total_tokens = sum(len(s.input_ids) for s in samples)
         todo_tokens = sum(len(samples[i].input_ids) for k, shard in enumerate(plan) if k not in done for i in shard)
         if rank == 0:
@@ -275,6 +267,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
                 f"-> {estimate / 1e9:.2f} GB in {len(plan)} shards under {out_dir}"
                 + (f" ({len(done)} already complete, resuming)" if done else "")
                 + (f", {world} processes" if world > 1 else "")
+                + (f" ({ranks.dp_world} groups of {ranks.tp_size} splitting the target)" if ranks.tp_size > 1 else "")
             )
             check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
             save_config(cfg, out_dir / "capture_config.yaml")
@@ -295,8 +288,9 @@ def run_capture(cfg: dict[str, Any]) -> Path:
                 cap["batch_tokens"],
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
             )
-            write_shard(out_dir / shard_name(k), tensors, fingerprint)
-            digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
+            if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
+                write_shard(out_dir / shard_name(k), tensors, fingerprint)
+                digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
             bar.update(len(tensors["input_ids"]))
         bar.close()
         seconds = time.perf_counter() - start

@@ -155,7 +155,7 @@ def parts_settings(
     """Everything that decides the ``hf`` engine's parts: a part made under other settings is another dataset."""
     return {
         "target": str(cfg["target"]["path"]),
-        "target_weights_hash": weights_hash(model),
+        "target_weights_hash": weights_hash(cfg["target"]["path"], model.dtype),
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "compute_dtype": str(model.dtype).removeprefix("torch."),
         **generation_settings(cfg, conversations),

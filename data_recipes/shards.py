@@ -134,8 +134,9 @@ def check_manifest(
 ) -> None:
     """Fail clearly when shards were captured from another target, tokenizer, layer choice or weights.
 
-    ``weights_hash`` (``core.fingerprint.weights_hash`` of the target as loaded) tells a fine-tuned or
-    perturbed checkpoint of the same shape apart; ``allow_other_weights`` turns that refusal into a warning.
+    ``weights_hash`` (``core.fingerprint.weights_hash``: the config, the tensor inventory and the borrowed
+    tensors' bytes, in the compute dtype) tells a fine-tuned or perturbed checkpoint of the same shape apart;
+    ``allow_other_weights`` turns that refusal into a warning.
     """
     problems = []
     if manifest["hidden_size"] != hidden_size:
@@ -153,8 +154,9 @@ def check_manifest(
     if weights_hash is not None and captured_from is not None and captured_from != weights_hash:
         weights = (
             f"the target's weights differ from those the shards were captured from (weights hash {captured_from} "
-            f"in the shards, {weights_hash} here; the hash is over the weights as loaded, so another target.dtype "
-            f"than the capture's {manifest.get('compute_dtype')} differs too)"
+            f"in the shards, {weights_hash} here; the hash covers the config, the tensor names, the embedding, "
+            f"final norm and lm_head, and the compute dtype, so another target.dtype than the capture's "
+            f"{manifest.get('compute_dtype')} differs too)"
         )
         if allow_other_weights:
             warnings.warn(f"{weights}: training on them anyway (capture.allow_other_weights)", stacklevel=2)

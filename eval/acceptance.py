@@ -25,8 +25,8 @@ import torch
 import transformers
 
 from headstart.core.config import save_config
-from headstart.core.models import load_model, load_tokenizer
-from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype
+from headstart.core.models import load_decoding_target, load_model, load_tokenizer
+from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.schema import flags_config
 from headstart.eval.bench import BenchItem, load_bench
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
@@ -155,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto|cpu|cuda")
     p.add_argument("--dtype", default="fp32", help="fp32|bf16")
+    p.add_argument("--tp-size", type=_positive, default=1, help="split the target across this many torchrun processes")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args(argv)
     args.method = [m.strip() for m in args.method.split(",") if m.strip()]
@@ -188,6 +189,7 @@ class Loaded:
     tree_configs: dict[str, dict]
     proposers: dict[str, Proposer]  # vanilla first: the speedup baseline
     device: torch.device
+    ranks: Ranks  # a split target: every rank decodes, the first writes
 
 
 def load(args: argparse.Namespace) -> Loaded:
@@ -198,9 +200,10 @@ def load(args: argparse.Namespace) -> Loaded:
     items = load_bench(args.bench, args.limit)
     if args.per_group:
         items = pick_per_group(items, args.per_group)
-    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    dtype = resolve_dtype(args.dtype)
+    target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size)
+    device, tokenizer = target.device, load_tokenizer(args.target)
     prepare_decoding(device)
-    target, tokenizer = load_model(args.target, device, dtype), load_tokenizer(args.target)
     draft = load_model(args.draft, device, dtype) if "draft_model" in args.method else None
     if draft is not None:
         check_draft_vocab(draft, target, args.draft, args.target)
@@ -210,7 +213,7 @@ def load(args: argparse.Namespace) -> Loaded:
     flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
     proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
-    return Loaded(items, target, tokenizer, head_dirs, tree_configs, proposers, device)
+    return Loaded(items, target, tokenizer, head_dirs, tree_configs, proposers, device, ranks)
 
 
 def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict]:
@@ -257,6 +260,7 @@ def settings(args: argparse.Namespace, loaded: Loaded) -> dict:
         "seed": args.seed,
         "device": str(loaded.device),
         "dtype": args.dtype,
+        "tp_size": args.tp_size,
         "machine": machine(loaded.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -281,8 +285,9 @@ def run_matrix(args: argparse.Namespace, loaded: Loaded, header: dict) -> dict:
     rows = []
     for temperature in args.temperatures:
         runs, methods = measure(args, loaded, temperature)
-        write_report(header | {"temperature": temperature, "methods": methods}, args.out / f"T{temperature:g}")
-        warn_mismatches(methods)
+        if loaded.ranks.rank == 0:
+            write_report(header | {"temperature": temperature, "methods": methods}, args.out / f"T{temperature:g}")
+            warn_mismatches(methods)
         rows.append(temperature_row(temperature, runs, methods))
     matrix = header | {
         "temperatures": args.temperatures,
@@ -290,7 +295,8 @@ def run_matrix(args: argparse.Namespace, loaded: Loaded, header: dict) -> dict:
         "rows": rows,
         "claims": check_claims(rows),
     }
-    print(write_matrix_report(matrix, args.out))
+    if loaded.ranks.rank == 0:
+        print(write_matrix_report(matrix, args.out))
     return matrix
 
 
@@ -303,8 +309,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         _, methods = measure(args, loaded, args.temperature)
         report = header | {"temperature": args.temperature, "methods": methods}
-        print(write_report(report, args.out))
-        warn_mismatches(methods)
+        if loaded.ranks.rank == 0:
+            print(write_report(report, args.out))
+            warn_mismatches(methods)
+    if loaded.ranks.rank != 0:  # the other ranks of a split target decoded in lockstep; the first writes
+        return report
     save_config(flags_config("eval", args), args.out / "eval_config.yaml")  # `headstart eval --config`
     if "vanilla" not in args.method:
         print("note: vanilla was not requested; it ran anyway as the speedup baseline", file=sys.stderr)

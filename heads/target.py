@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
 from headstart.heads.config import DraftArch, HeadConfig
@@ -206,6 +207,21 @@ class TargetParts:
 def target_parts(target_model: PreTrainedModel) -> TargetParts:
     # transformers types both as any module; a causal LM's are an Embedding (or a subclass: Gemma's scaled
     # one) and a Linear, whose .weight the heads read.
-    embed_tokens = cast(nn.Embedding, target_model.get_input_embeddings())
-    lm_head = cast(nn.Linear, target_model.get_output_embeddings())
+    embed_tokens = cast(nn.Embedding, whole(target_model.get_input_embeddings()))
+    lm_head = cast(nn.Linear, whole(target_model.get_output_embeddings()))
     return TargetParts(embed_tokens, lm_head, getattr(target_model.config, "final_logit_softcapping", None))
+
+
+def whole(module: nn.Module) -> nn.Module:
+    """``module`` itself, or, when tensor parallelism split its weight across ranks (a DTensor), a plain copy
+    holding the whole weight: a head on a split target drafts on every rank of the group with the same full
+    embedding and lm_head (one such copy per rank, counted in ``core.memory``)."""
+    weight = module.weight
+    if not isinstance(weight, DTensor):
+        return module
+    full = weight.full_tensor()
+    if isinstance(module, nn.Embedding):
+        return nn.Embedding.from_pretrained(full, freeze=True)
+    linear = nn.Linear(full.shape[1], full.shape[0], bias=False, device=full.device, dtype=full.dtype)
+    linear.weight = nn.Parameter(full, requires_grad=False)
+    return linear

@@ -77,7 +77,7 @@ def load_data(
             hidden_size=target.config.hidden_size,
             num_hidden_layers=num_layers,
             tokenizer_hash=tokenizer_hash(tokenizer),
-            weights_hash=weights_hash(target),  # once per run: a strided sample of each weight
+            weights_hash=weights_hash(cfg["target"]["path"], cfg["target"]["dtype"]),  # borrowed tensors + inventory
             aux_layers=aux_layers if aux else None,
             allow_other_weights=cap["allow_other_weights"],
         )

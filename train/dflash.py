@@ -19,13 +19,21 @@ from headstart.heads import DFlashHead
 from headstart.train.config import parse_args
 from headstart.train.data import load_data, loss_token_counts
 from headstart.train.eagle import head_settings, save_head
-from headstart.train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+from headstart.train.loop import (
+    HeadLoss,
+    build_engine,
+    runs_target,
+    start_processes,
+    target_settings,
+    total_steps,
+    train,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("dflash", argv)  # unknown keys, wrong types, another head's config: fail here, before any work
-    proc = init_distributed(cfg["target"]["device"])
-    target, tokenizer = load_target(target_settings(cfg, proc.device))
+    proc = start_processes(cfg)
+    target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
     data = load_data(cfg, target, tokenizer, aux=True, online_states=True)  # shards checked vs target
 
     seed_everything(cfg["train"]["seed"])
@@ -33,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     if head.lm_head is not None:  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
-    engine = build_engine(HeadLoss(head, data.capture), cfg["train"], proc.world, total_steps(cfg["train"], data))
+    engine = build_engine(HeadLoss(head, data.capture), cfg["train"], proc, total_steps(cfg["train"], data))
     train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
 
 

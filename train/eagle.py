@@ -18,7 +18,15 @@ from headstart.core.runtime import seed_everything
 from headstart.heads import DraftHead, Eagle3Head, build_head
 from headstart.train.config import parse_args
 from headstart.train.data import load_data, loss_token_counts
-from headstart.train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+from headstart.train.loop import (
+    HeadLoss,
+    build_engine,
+    runs_target,
+    start_processes,
+    target_settings,
+    total_steps,
+    train,
+)
 
 
 def head_settings(head_cfg: dict[str, Any], aux_layers: list[int]) -> dict[str, Any]:
@@ -38,8 +46,8 @@ def save_head(head: DraftHead, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("eagle", argv)  # unknown keys, wrong types, a Medusa config: fail here, before any work
-    proc = init_distributed(cfg["target"]["device"])
-    target, tokenizer = load_target(target_settings(cfg, proc.device))
+    proc = start_processes(cfg)
+    target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
     eagle3 = cfg["head"]["type"] == "eagle3"
     data = load_data(cfg, target, tokenizer, aux=eagle3, online_states=True)  # shards checked vs target
 
@@ -49,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
     module = HeadLoss(head, data.capture)
-    engine = build_engine(module, cfg["train"], proc.world, total_steps(cfg["train"], data))
+    engine = build_engine(module, cfg["train"], proc, total_steps(cfg["train"], data))
     train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
 
 

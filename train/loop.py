@@ -26,7 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 from headstart.core.config import save_config
-from headstart.core.runtime import cosine_with_warmup, mix_seed, rank_device, resolve_dtype, slow_dtype_warning
+from headstart.core.runtime import (
+    Ranks,
+    cosine_with_warmup,
+    mix_seed,
+    rank_device,
+    resolve_dtype,
+    slow_dtype_warning,
+)
 from headstart.data_recipes.capture import OnlineCapture
 from headstart.heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
 from headstart.train.checkpoint import (
@@ -50,17 +57,36 @@ class NonFiniteLoss(RuntimeError):
 
 @dataclass(frozen=True)
 class Process:
-    """This process's place in the job: its rank among ``world`` processes and its device."""
+    """This process's place in the job: its rank among ``world`` processes and its device; with a split target
+    (``tp_size`` > 1) the ranks of one tensor-parallel group train on the same batches (``core.runtime.Ranks``),
+    and the data is split across the ``dp_world`` groups."""
 
     rank: int
     world: int
     device: torch.device
+    tp_size: int = 1
+
+    @property
+    def dp_rank(self) -> int:
+        return Ranks(self.rank, self.world, self.tp_size).dp_rank
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.tp_size
 
 
-def init_distributed(device_name: str) -> Process:
-    """Join the process group torchrun (or the deepspeed launcher) describes; a world of one without one."""
+def init_distributed(device_name: str, tp_size: int = 1) -> Process:
+    """Join the process group torchrun (or the deepspeed launcher) describes; a world of one without one.
+
+    ``tp_size``: the processes one copy of the target is split across (only where the target runs: online
+    capture, Medusa-2); the world must be a whole number of such groups."""
     if "RANK" not in os.environ:  # python train/eagle.py ... (or a test calling main())
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port())
+    if int(os.environ["WORLD_SIZE"]) % tp_size:
+        raise ValueError(
+            f"target.tp_size={tp_size} does not divide the {os.environ['WORLD_SIZE']} processes torchrun started: "
+            "the world is tp_size x data-parallel groups"
+        )
     device = rank_device(device_name)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the progress bar
     if not dist.is_initialized():
@@ -68,7 +94,7 @@ def init_distributed(device_name: str) -> Process:
         # Destroyed at exit, not when main() returns: DeepSpeed caches groups made from this one, so a
         # second main() in the same process (the tests) must find the same group.
         atexit.register(_shutdown)
-    return Process(dist.get_rank(), dist.get_world_size(), device)
+    return Process(dist.get_rank(), dist.get_world_size(), device, tp_size)
 
 
 def _free_port() -> str:
@@ -85,6 +111,17 @@ def _shutdown() -> None:
 def target_settings(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The target section with this rank's own device (``cuda`` alone would put every rank on GPU 0)."""
     return {**cfg["target"], "device": str(device)}
+
+
+def runs_target(cfg: dict[str, Any]) -> bool:
+    """Whether training runs the target's forward (online capture, Medusa-2's LoRA); from shards it only borrows
+    the embedding, final norm and lm_head (``core.models.load_target(borrowed_only=True)``)."""
+    return bool(cfg["train"]["online_capture"] or cfg.get("lora"))
+
+
+def start_processes(cfg: dict[str, Any]) -> Process:
+    """This rank's process; the target splits across ``target.tp_size`` ranks only where training runs it."""
+    return init_distributed(cfg["target"]["device"], cfg["target"]["tp_size"] if runs_target(cfg) else 1)
 
 
 class HeadLoss(nn.Module):
@@ -112,19 +149,25 @@ def total_steps(train: dict[str, Any], data: TrainData) -> int:
     return train["max_steps"] if train["max_steps"] is not None else train["epochs"] * per_epoch
 
 
-def deepspeed_config(train: dict[str, Any], world: int, load_universal: bool = False) -> dict[str, Any]:
+def deepspeed_config(
+    train: dict[str, Any], world: int, load_universal: bool = False, tp_size: int = 1
+) -> dict[str, Any]:
     """The engine's config. ``batch_size`` is the global batch, fixed for the run: the process count only
-    changes how many micro-batches each rank accumulates (so a run may resume on another count)."""
-    micro = train["micro_batch_size"]
-    if train["batch_size"] % (micro * world):
+    changes how many micro-batches each rank accumulates (so a run may resume on another count).
+
+    With a split target the ``tp_size`` ranks of a group see the same micro-batches and so compute the same
+    gradients: DeepSpeed's mean over all ranks is the mean over the groups, and it counts each sample once per
+    rank of its group (``train_batch_size``)."""
+    micro, groups = train["micro_batch_size"], world // tp_size
+    if train["batch_size"] % (micro * groups):
         raise ValueError(
-            f"train.batch_size={train['batch_size']} is not a multiple of micro_batch_size x processes "
-            f"= {micro} x {world}: pick a process count (or micro_batch_size) that divides it"
+            f"train.batch_size={train['batch_size']} is not a multiple of micro_batch_size x data-parallel "
+            f"groups = {micro} x {groups}: pick a process count (or micro_batch_size) that divides it"
         )
     return {
-        "train_batch_size": train["batch_size"],
+        "train_batch_size": train["batch_size"] * tp_size,
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": train["batch_size"] // (micro * world),
+        "gradient_accumulation_steps": train["batch_size"] // (micro * groups),
         "gradient_clipping": train["max_grad_norm"],
         "zero_optimization": {"stage": train["zero_stage"]},
         "bf16": {"enabled": train["dtype"] == "bf16"},
@@ -135,7 +178,7 @@ def deepspeed_config(train: dict[str, Any], world: int, load_universal: bool = F
     }
 
 
-def build_engine(module: nn.Module, train: dict[str, Any], world: int, total: int) -> deepspeed.DeepSpeedEngine:
+def build_engine(module: nn.Module, train: dict[str, Any], proc: Process, total: int) -> deepspeed.DeepSpeedEngine:
     """DeepSpeed over ``module``'s trainable parameters: AdamW, cosine schedule with warm-up, clipping, ZeRO."""
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -144,10 +187,9 @@ def build_engine(module: nn.Module, train: dict[str, Any], world: int, total: in
     multiplier = partial(cosine_with_warmup, warmup=train["warmup_steps"], total=total, min_ratio=train["min_lr_ratio"])
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
     # A checkpoint from another process count is read in DeepSpeed's universal layout (train/checkpoint.py).
-    universal = loads_universal(newest_marker(Path(train["out_dir"])), world, train["zero_stage"])
-    engine, *_ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(train, world, universal)
-    )
+    universal = loads_universal(newest_marker(Path(train["out_dir"])), proc.world, train["zero_stage"])
+    config = deepspeed_config(train, proc.world, universal, proc.tp_size)
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=schedule, config=config)
     return engine
 
 
@@ -182,8 +224,8 @@ def train_step(
     tokens = torch.zeros(())
     for m, batch in enumerate(batches):
         # Dropout (Medusa-2's LoRA) draws from a generator set per micro-batch chunk: the same numbers for
-        # a resumed run and for any number of processes.
-        torch.manual_seed(mix_seed(seed, step, m * proc.world + proc.rank))
+        # a resumed run, for any number of processes, and on every rank of a tensor-parallel group.
+        torch.manual_seed(mix_seed(seed, step, m * proc.dp_world + proc.dp_rank))
         batch = _to(batch, proc.device)
         loss, metrics = engine(batch, step)
         finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
@@ -196,7 +238,7 @@ def train_step(
             sums[key] = sums.get(key, 0) + value.detach().float().cpu()
         tokens += batch["attention_mask"].sum().cpu()
     means = _reduce_mean(list(sums.values()), len(batches) * proc.world)
-    total_tokens = _reduce_mean([tokens], 1)[0]
+    total_tokens = _reduce_mean([tokens], proc.tp_size)[0]  # each group's ranks all counted its tokens
     seconds = time.perf_counter() - start
     return {
         "step": step + 1,
@@ -216,7 +258,7 @@ def evaluate(
     engine.eval()
     sums: dict[str, float] = {}
     count = 0
-    for batch in heldout_batches(data, train["micro_batch_size"], proc.rank, proc.world):
+    for batch in heldout_batches(data, train["micro_batch_size"], proc.dp_rank, proc.dp_world):
         loss, metrics = engine(_to(batch, proc.device), step)
         for key, value in {"loss": loss, **metrics}.items():
             sums[key] = sums.get(key, 0.0) + float(value)
@@ -266,7 +308,7 @@ def train(
     )
     done = start
     try:
-        for step, batches in step_batches(data, train_cfg, start, total, proc.rank, proc.world):
+        for step, batches in step_batches(data, train_cfg, start, total, proc.dp_rank, proc.dp_world):
             log.log(train_step(engine, batches, step, train_cfg["seed"], proc))
             done = step + 1
             if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:

@@ -24,7 +24,15 @@ from headstart.core.runtime import seed_everything
 from headstart.heads import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
 from headstart.train.config import parse_args
 from headstart.train.data import load_data
-from headstart.train.loop import HeadLoss, build_engine, init_distributed, target_settings, total_steps, train
+from headstart.train.loop import (
+    HeadLoss,
+    build_engine,
+    runs_target,
+    start_processes,
+    target_settings,
+    total_steps,
+    train,
+)
 
 
 class Medusa2Loss(nn.Module):
@@ -55,8 +63,8 @@ def save_medusa(head: MedusaHead, model: PeftModel | None, out_dir: Path) -> Non
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("medusa", argv)  # unknown keys, wrong types, an EAGLE config: fail here, before any work
-    proc = init_distributed(cfg["target"]["device"])
-    target, tokenizer = load_target(target_settings(cfg, proc.device))
+    proc = start_processes(cfg)
+    target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
     lora = cfg.get("lora")
     # Medusa-2 runs the (changing) target itself; Medusa-1 reads shards or captures in the step.
     data = load_data(cfg, target, tokenizer, aux=False, online_states=lora is None)
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         model = medusa2_wrap(target, lora)
         module = Medusa2Loss(head, model, lora)
 
-    engine = build_engine(module, cfg["train"], proc.world, total_steps(cfg["train"], data))
+    engine = build_engine(module, cfg["train"], proc, total_steps(cfg["train"], data))
     train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_medusa(head, model, out_dir))
 
 
