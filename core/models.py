@@ -15,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from headstart.core.memory import check_memory, decoding_memory
 from headstart.core.runtime import (
     Ranks,
     join_process_group,
@@ -55,11 +56,14 @@ def load_model(
 
 
 def load_decoding_target(
-    path: str, device_name: str, dtype: str | torch.dtype, tp_size: int
+    path: str, device_name: str, dtype: str | torch.dtype, tp_size: int, drafters: int, context_tokens: int
 ) -> tuple[PreTrainedModel, Ranks]:
     """The target a decoding command (evaluation, autotune) runs, and this process's ranks: whole on one
     process, or split across the ``tp_size`` processes torchrun started. Every rank decodes the same prompts
-    in lockstep (the split forward needs them all); the first writes the results."""
+    in lockstep (the split forward needs them all); the first writes the results.
+
+    First, before any weight is read, the rank's memory (``core.memory.decoding_memory``: ``drafters`` bytes of
+    heads or draft model, a KV cache of ``context_tokens``) is checked against its device."""
     device = rank_device(device_name)
     ranks = join_process_group(device, tp_size)
     if ranks.dp_world > 1:
@@ -67,6 +71,10 @@ def load_decoding_target(
             f"decoding runs one tensor-parallel group: torchrun started {ranks.world} processes for tp_size "
             f"{tp_size}; start exactly {tp_size} (--nproc_per_node {tp_size})"
         )
+    need = decoding_memory(AutoConfig.from_pretrained(path), resolve_dtype(dtype), tp_size, drafters, context_tokens)
+    line = check_memory(need, device, "split the target across more ranks (--tp-size) or use a larger device")
+    if ranks.rank == 0:
+        print(line)
     return load_model(path, device, dtype, tp_size), ranks
 
 

@@ -6,10 +6,13 @@ import math
 import os
 import random
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -100,6 +103,19 @@ def join_process_group(device: torch.device, tp_size: int = 1) -> Ranks:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Ranks(dist.get_rank(), dist.get_world_size(), tp_size)
+
+
+def rank_zero_value(value: T) -> T:
+    """``value`` as the job's rank 0 has it, on every rank (itself where there is no process group).
+
+    For what a rank measures rather than computes, timings above all: the ranks of a split target must take the
+    same decisions from them, or their forwards stop matching and the collectives inside hang.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

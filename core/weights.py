@@ -103,3 +103,8 @@ def borrowed_model(path: str | Path, device: torch.device, dtype: torch.dtype) -
     if "lm_head" not in tensors and "lm_head" in names:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied
     return model.eval()
+
+
+def safetensors_bytes(path: str | Path) -> int:
+    """Bytes of the safetensors files of a model or head folder (a hub id: its cached snapshot)."""
+    return sum(file.stat().st_size for file in checkpoint_folder(path).glob("*.safetensors"))

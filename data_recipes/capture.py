@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from headstart.core.config import load_config, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from headstart.core.io import OutOfSpaceError, check_writable, output_lock
+from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory
 from headstart.core.models import default_aux_layers, load_target
 from headstart.core.runtime import join_process_group, rank_device, resolve_dtype
 from headstart.core.schema import CaptureConfig, validate_config
@@ -203,6 +204,21 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+CAPTURE_MEMORY_REMEDY = "split the target across more ranks (target.tp_size) or lower capture.batch_tokens"
+
+
+def capture_memory(cfg: dict[str, Any]) -> MemoryNeed:
+    """One capture rank: its share of the target and one batch's activations (``core.memory``)."""
+    config = AutoConfig.from_pretrained(cfg["target"]["path"])
+    target, cap, dtype = cfg["target"], cfg["capture"], resolve_dtype(cfg["target"]["dtype"])
+    n_aux = len(resolve_aux_layers(cap["aux_layers"], config.get_text_config().num_hidden_layers))
+    share = TargetSizes.of(config).target_share(dtype, target["tp_size"])
+    activations = capture_activations(
+        config, cap["batch_tokens"], cfg["data"]["max_length"], n_aux, dtype, target["tp_size"]
+    )
+    return MemoryNeed("capture", {"target share": share, "activations": activations})
+
+
 def run_capture(cfg: dict[str, Any]) -> Path:
     """Capture every sample of ``cfg['data']`` from ``cfg['target']`` into ``cfg['capture']['out_dir']``.
 
@@ -213,6 +229,9 @@ def run_capture(cfg: dict[str, Any]) -> Path:
     device = rank_device(cfg["target"]["device"])
     ranks = join_process_group(device, cfg["target"]["tp_size"])
     rank, world = ranks.rank, ranks.world
+    memory = check_memory(capture_memory(cfg), device, CAPTURE_MEMORY_REMEDY)  # before any weight is read
+    if rank == 0:
+        print(memory)
     model, tokenizer = load_target({**cfg["target"], "device": str(device)})
     data, cap = cfg["data"], cfg["capture"]
     out_dir = Path(cap["out_dir"])

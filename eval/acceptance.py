@@ -28,7 +28,8 @@ from headstart.core.config import save_config
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.schema import flags_config
-from headstart.eval.bench import BenchItem, load_bench
+from headstart.core.weights import safetensors_bytes
+from headstart.eval.bench import BenchItem, load_bench, longest_context
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
 from headstart.eval.proposers import check_draft_vocab, head_method
 from headstart.eval.report import write_matrix_report, write_report
@@ -200,9 +201,11 @@ def load(args: argparse.Namespace) -> Loaded:
     items = load_bench(args.bench, args.limit)
     if args.per_group:
         items = pick_per_group(items, args.per_group)
-    dtype = resolve_dtype(args.dtype)
-    target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size)
-    device, tokenizer = target.device, load_tokenizer(args.target)
+    dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
+    drafters = sum(safetensors_bytes(d) for d in [*head_dirs.values(), *([args.draft] if args.draft else [])])
+    context = longest_context(tokenizer, items, args.max_new_tokens) + args.total_tokens
+    target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
+    device = target.device
     prepare_decoding(device)
     draft = load_model(args.draft, device, dtype) if "draft_model" in args.method else None
     if draft is not None:

@@ -49,10 +49,11 @@ from transformers import PreTrainedModel
 
 from headstart.core.config import save_config
 from headstart.core.io import atomic_write_text
-from headstart.core.models import load_model, load_tokenizer
-from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype, seed_everything
+from headstart.core.models import load_decoding_target, load_model, load_tokenizer
+from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
 from headstart.core.schema import flags_config
-from headstart.eval.bench import load_bench, render
+from headstart.core.weights import safetensors_bytes
+from headstart.eval.bench import load_bench, longest_context, render
 from headstart.eval.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
 from headstart.eval.report import write_autotune_report
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
@@ -113,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="timings per point (the median is kept)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda")
     p.add_argument("--dtype", default="fp32", help="fp32|bf16")
+    p.add_argument("--tp-size", type=int, default=1, help="split the target across this many torchrun processes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, type=Path, help="folder for tree.json, autotune.json/.md/.png")
     p.add_argument("--write-head", action="store_true", help="also write <head>/tree.json (eval.acceptance reads it)")
@@ -143,14 +145,19 @@ def draft_sources(args: argparse.Namespace, target: PreTrainedModel, dtype: torc
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     seed_everything(args.seed)
-    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    prepare_decoding(device)
-    target, tokenizer = load_model(args.target, device, dtype), load_tokenizer(args.target)
-    sources = draft_sources(args, target, dtype)
+    dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
     wanted = args.offset + args.calibration + args.heldout
     items = load_bench(args.bench, wanted)[args.offset :]
     if len(items) < args.calibration + args.heldout:
         raise ValueError(f"{args.bench}: fewer than --offset + --calibration + --heldout = {wanted} prompts")
+    drafters = safetensors_bytes(args.head or args.draft) if args.head or args.draft else 0
+    context = longest_context(tokenizer, items, args.max_new_tokens) + max(
+        args.max_nodes, EAGLE_DEFAULT["total_tokens"]
+    )
+    target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
+    device = target.device
+    prepare_decoding(device)
+    sources = draft_sources(args, target, dtype)
     prompts = [render(tokenizer, list(it.history) + [{"role": "user", "content": it.turns[0]}]) for it in items]
     prompts = [p.to(device) for p in prompts]
     calib, heldout = prompts[: args.calibration], prompts[args.calibration :]
@@ -171,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         verify = next(iter(tuned.values())).costs.verify_ms if tuned else None
         costs = measure_costs(target, source, decoded, kv_length, curve_nodes, args.batch_sizes, args.repeats, verify)
+        costs = rank_zero_value(costs)  # a split target's ranks tune (and then decode) the same trees
         chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, max_depth, args.batch_size)
         tuned[name] = Tuned(source, max_depth, rank_probs, steps, costs, chosen, vanilla)
     name = max(tuned, key=lambda n: tuned[n].chosen.tokens_per_s)
@@ -215,11 +223,12 @@ def main(argv: list[str] | None = None) -> dict:
         meta["exit_layer"] = cast(PreTrainedModel, source).config.num_hidden_layers
     # Written before the (long) validation, so an interrupted run still leaves its choice.
     config = json.dumps(tree_json(chosen, vanilla, batch, meta) | schedules, indent=2) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out / "tree.json", config)
-    save_config(flags_config("autotune", args), args.out / "autotune_config.yaml")  # `headstart autotune --config`
-    if args.write_head:
-        atomic_write_text(Path(args.head) / "tree.json", config)
+    if ranks.rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out / "tree.json", config)
+        save_config(flags_config("autotune", args), args.out / "autotune_config.yaml")  # `headstart autotune --config`
+        if args.write_head:
+            atomic_write_text(Path(args.head) / "tree.json", config)
 
     # P-EAGLE and DFlash draft every depth in one forward: they have no dynamic trees to compare with.
     trees = grid(chosen.tree, rank_probs, max_depth, dynamic=level_by_level)
@@ -259,8 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
             for n, t in tuned.items()
         ],  # fmt: skip
     }
-    md = write_autotune_report(result, args.out)
-    print(md)
+    if ranks.rank == 0:  # the other ranks of a split target ran the same forwards
+        print(write_autotune_report(result, args.out))
     return result
 
 

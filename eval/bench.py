@@ -114,6 +114,20 @@ def round_robin(items: list[BenchItem], limit: int | None) -> list[BenchItem]:
     return picked
 
 
+def longest_context(tokenizer: PreTrainedTokenizerBase, items: list[BenchItem], max_new_tokens: int) -> int:
+    """About the most tokens one item's conversation reaches (what the KV cache holds at the end of its last
+    turn): its history and all its turns rendered as one user message (a template may refuse two user messages
+    in a row), plus per turn a full reply and ``TURN_OVERHEAD`` tokens of the template's markers."""
+    return max(
+        render(tokenizer, [*item.history, {"role": "user", "content": "\n".join(item.turns)}]).shape[1]
+        + (max_new_tokens + TURN_OVERHEAD) * len(item.turns)
+        for item in items
+    )
+
+
+TURN_OVERHEAD = 16  # role markers around a turn and its reply: 4-10 tokens in the Llama, Qwen and Gemma templates
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
     """Token ids [1, S] of ``messages`` through the tokenizer's chat template, ready for the assistant's reply."""
     if not getattr(tokenizer, "chat_template", None):

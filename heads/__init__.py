@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import torch
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.base import WEIGHTS_NAME, DraftHead
 from headstart.heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
@@ -48,6 +49,7 @@ __all__ = [
     "check_tokenizer",
     "load_head",
     "medusa2_wrap",
+    "meta_head",
     "medusa_loss",
     "medusa_weight_at",
     "read_head_config",
@@ -69,6 +71,14 @@ def build_head(
     ``tokenizer`` (the target's) is recorded in the head's config, for ``load_head`` to check.
     """
     return _head_class(head_cfg["type"]).build(head_cfg, target_model, tokenizer)
+
+
+def meta_head(head_cfg: dict[str, Any], target_config: PretrainedConfig) -> DraftHead:
+    """The head ``build_head`` would build for a target of ``target_config``, on the meta device: its parameters
+    without memory, for sizing a run before anything is loaded (``core.memory``)."""
+    head_class = _head_class(head_cfg["type"])
+    with torch.device("meta"):
+        return head_class(head_class.make_config(head_cfg, target_config))
 
 
 def load_head(

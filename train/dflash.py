@@ -32,7 +32,7 @@ from headstart.train.loop import (
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("dflash", argv)  # unknown keys, wrong types, another head's config: fail here, before any work
-    proc = start_processes(cfg)
+    proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
     target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
     data = load_data(cfg, target, tokenizer, aux=True, online_states=True)  # shards checked vs target
 

@@ -46,7 +46,7 @@ def save_head(head: DraftHead, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("eagle", argv)  # unknown keys, wrong types, a Medusa config: fail here, before any work
-    proc = start_processes(cfg)
+    proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
     target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
     eagle3 = cfg["head"]["type"] == "eagle3"
     data = load_data(cfg, target, tokenizer, aux=eagle3, online_states=True)  # shards checked vs target

@@ -24,8 +24,17 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import AutoConfig
 
 from headstart.core.config import save_config
+from headstart.core.memory import (
+    MemoryNeed,
+    TargetSizes,
+    capture_activations,
+    check_memory,
+    head_activations,
+    head_training_parts,
+)
 from headstart.core.runtime import (
     Ranks,
     cosine_with_warmup,
@@ -34,8 +43,8 @@ from headstart.core.runtime import (
     resolve_dtype,
     slow_dtype_warning,
 )
-from headstart.data_recipes.capture import OnlineCapture
-from headstart.heads import CONFIG_NAME, DraftHead, check_tokenizer, read_head_config
+from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
+from headstart.heads import CONFIG_NAME, DraftHead, check_tokenizer, meta_head, read_head_config
 from headstart.train.checkpoint import (
     agreed_newest_verified,
     all_finite,
@@ -120,8 +129,44 @@ def runs_target(cfg: dict[str, Any]) -> bool:
 
 
 def start_processes(cfg: dict[str, Any]) -> Process:
-    """This rank's process; the target splits across ``target.tp_size`` ranks only where training runs it."""
-    return init_distributed(cfg["target"]["device"], cfg["target"]["tp_size"] if runs_target(cfg) else 1)
+    """This rank's process, once the run is known to fit its device (``training_memory``); the target splits
+    across ``target.tp_size`` ranks only where training runs it."""
+    proc = init_distributed(cfg["target"]["device"], cfg["target"]["tp_size"] if runs_target(cfg) else 1)
+    line = check_memory(training_memory(cfg, proc), proc.device, MEMORY_REMEDY)
+    if proc.rank == 0:
+        print(line)
+    return proc
+
+
+MEMORY_REMEDY = (
+    "train from shards (train.online_capture: false) to hold only the borrowed tensors, split the target across "
+    "more ranks (target.tp_size), lower train.micro_batch_size or data.max_length, or raise train.zero_stage"
+)
+
+
+def training_memory(cfg: dict[str, Any], proc: Process) -> MemoryNeed:
+    """What one rank of this run holds: the target's share (when it runs) or the borrowed tensors, the head with
+    its gradients and optimizer state, and one micro-batch's activations (``core.memory``), before loading."""
+    config = AutoConfig.from_pretrained(cfg["target"]["path"])
+    sizes, dtype = TargetSizes.of(config), resolve_dtype(cfg["target"]["dtype"])
+    train, layers = cfg["train"], config.get_text_config().num_hidden_layers
+    head_cfg = cfg["head"]
+    aux = resolve_aux_layers(cfg["capture"]["aux_layers"], layers) if "layer_ids" in head_cfg else []
+    head = meta_head({**head_cfg, "layer_ids": aux} if aux else head_cfg, config)
+    need = MemoryNeed("training")
+    need.parts["target share" if runs_target(cfg) else "borrowed tensors"] = (
+        sizes.target_share(dtype, proc.tp_size) if runs_target(cfg) else sizes.borrowed_bytes(dtype)
+    )
+    need.parts |= head_training_parts(head, train["zero_stage"], proc.world, train["dtype"] == "bf16")
+    tokens = train["micro_batch_size"] * cfg["data"]["max_length"]
+    options = head.config.options
+    depth = next((d for d in (getattr(options, k, None) for k in ("ttt_steps", "num_heads", "block_size")) if d), 1)
+    draft_vocab = getattr(options, "draft_vocab_size", None)
+    need.parts["activations"] = head_activations(config, tokens, len(aux), depth, draft_vocab, dtype)
+    if runs_target(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
+        forward = capture_activations(config, tokens, cfg["data"]["max_length"], len(aux), dtype, proc.tp_size)
+        need.parts["target activations"] = forward * (3 if cfg.get("lora") else 1)
+    return need
 
 
 class HeadLoss(nn.Module):

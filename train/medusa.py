@@ -63,7 +63,7 @@ def save_medusa(head: MedusaHead, model: PeftModel | None, out_dir: Path) -> Non
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("medusa", argv)  # unknown keys, wrong types, an EAGLE config: fail here, before any work
-    proc = start_processes(cfg)
+    proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
     target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
     lora = cfg.get("lora")
     # Medusa-2 runs the (changing) target itself; Medusa-1 reads shards or captures in the step.
