@@ -105,6 +105,21 @@ def join_process_group(device: torch.device, tp_size: int = 1) -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size(), tp_size)
 
 
+def barrier() -> None:
+    """Wait for every rank of the job (nothing to wait for without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def sum_over_ranks(value: int) -> int:
+    """``value`` summed over the job's ranks (itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
 def rank_zero_value(value: T) -> T:
     """``value`` as the job's rank 0 has it, on every rank (itself where there is no process group).
 

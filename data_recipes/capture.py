@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, PreTrainedModel
@@ -44,7 +43,7 @@ from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, wei
 from headstart.core.io import OutOfSpaceError, check_writable, output_lock
 from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory
 from headstart.core.models import default_aux_layers, load_target
-from headstart.core.runtime import join_process_group, rank_device, resolve_dtype
+from headstart.core.runtime import barrier, join_process_group, rank_device, resolve_dtype
 from headstart.core.schema import CaptureConfig, validate_config
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import (
@@ -199,11 +198,6 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
         )
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
-
-
 CAPTURE_MEMORY_REMEDY = "split the target across more ranks (target.tp_size) or lower capture.batch_tokens"
 
 
@@ -290,7 +284,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
             )
             check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
             save_config(cfg, out_dir / "capture_config.yaml")
-        _barrier(world)  # every rank has read what was done before any writes
+        barrier()  # every rank has read what was done before any writes
 
         my_tokens = sum(len(samples[i].input_ids) for k in mine for i in plan[k])
         desc = f"capture rank {rank}" if world > 1 else "capture"
@@ -313,7 +307,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
             bar.update(len(tensors["input_ids"]))
         bar.close()
         seconds = time.perf_counter() - start
-        _barrier(world)  # every shard exists
+        barrier()  # every shard exists
         if rank != 0:
             return out_dir
         for k in range(len(plan)):

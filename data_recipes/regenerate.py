@@ -33,7 +33,7 @@ import hashlib
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, cast
 
@@ -45,7 +45,7 @@ from headstart.core.config import load_config, save_config
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.io import atomic_path, atomic_write_text, output_lock
 from headstart.core.models import load_target
-from headstart.core.runtime import mix_seed
+from headstart.core.runtime import Ranks, barrier, join_process_group, mix_seed, rank_device, sum_over_ranks
 from headstart.core.schema import RegenerateConfig, validate_config
 from headstart.data_recipes.engine_client import ChatServer, EngineError, chat_request
 from headstart.data_recipes.recipes import read_conversations
@@ -183,7 +183,7 @@ def chunk_generator(cfg: dict[str, Any], conversations: list[Messages]) -> Itera
     """The parts' settings, and what regenerates chunk k, for the configured engine."""
     regen = cfg["regenerate"]
     if regen["engine"] == "hf":
-        model, tokenizer = load_target(cfg["target"])
+        model, tokenizer = load_target({**cfg["target"], "device": str(rank_device(cfg["target"]["device"]))})
         settings = parts_settings(cfg, model, tokenizer, conversations)
 
         def hf_chunk(k: int, chunk: list[Messages]) -> tuple[list[Messages], int]:
@@ -225,11 +225,13 @@ def check_parts(parts: Path, settings: dict[str, Any], discard: bool) -> None:
     atomic_write_text(record, json.dumps(settings, indent=1))
 
 
-def write_parts(parts: Path, chunks: list[list[Messages]], make_chunk: MakeChunk) -> int:
-    """Write each chunk's missing part, atomically; how many replies stopped at max_new_tokens."""
+def write_parts(parts: Path, chunks: list[list[Messages]], make_chunk: MakeChunk, ranks: Ranks) -> int:
+    """Write each missing part of this rank's group (chunk k goes to group k % groups), atomically; how many
+    replies stopped at max_new_tokens. Every rank of a split target generates; the group's first writes."""
     cut_off = 0
-    for k, chunk in enumerate(tqdm(chunks, desc="regenerate", unit="chunk")):
-        part = parts / f"part-{k:05d}.jsonl"
+    mine = [k for k in range(len(chunks)) if k % ranks.dp_world == ranks.dp_rank]
+    for k in tqdm(mine, desc="regenerate", unit="chunk", disable=not ranks.writes):
+        part, chunk = parts / f"part-{k:05d}.jsonl", chunks[k]
         if part.exists():
             continue
         try:
@@ -237,6 +239,8 @@ def write_parts(parts: Path, chunks: list[list[Messages]], make_chunk: MakeChunk
         except EngineError as err:  # this chunk's replies are lost, not the parts before it
             done = len(list(parts.glob("part-*.jsonl")))
             raise EngineError(f"{err}; {done} of {len(chunks)} parts are kept in {parts}: re-run to resume") from err
+        if not ranks.writes:
+            continue
         cut_off += hit_limit
         with atomic_path(part) as tmp:
             tmp.write_text("".join(json.dumps({"messages": r}, ensure_ascii=False) + "\n" for r in rows))
@@ -254,6 +258,9 @@ def run_regenerate(cfg: dict[str, Any]) -> Path:
     if out.exists():
         print(f"{out} exists; reusing it (delete it to regenerate)")
         return out
+    # The hf engine under torchrun: target.tp_size ranks split the target, the groups split the chunks.
+    tp_size = cfg["target"]["tp_size"] if regen["engine"] == "hf" else 1
+    ranks = join_process_group(rank_device(cfg["target"]["device"]), tp_size)
     conversations = [
         messages
         for _, messages in read_conversations(data["source"], data["format"], data["on_error"], limit=data["limit"])
@@ -261,9 +268,15 @@ def run_regenerate(cfg: dict[str, Any]) -> Path:
     with chunk_generator(cfg, conversations) as (settings, make_chunk):
         size = settings["chunk_size"]
         chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]
-        with output_lock(out.with_name(out.name + ".parts")) as parts:
-            check_parts(parts, settings, regen["discard_stale_parts"])
-            cut_off = write_parts(parts, chunks, make_chunk)
+        parts_dir = out.with_name(out.name + ".parts")
+        with output_lock(parts_dir) if ranks.rank == 0 else nullcontext(parts_dir) as parts:
+            if ranks.rank == 0:
+                check_parts(parts, settings, regen["discard_stale_parts"])
+            barrier()  # the parts folder exists and holds only parts of these settings
+            cut_off = sum_over_ranks(write_parts(parts, chunks, make_chunk, ranks))
+            barrier()  # every part is written
+            if ranks.rank != 0:
+                return out
             save_config(cfg, out.with_name(out.name + ".config.yaml"))  # first: the output never stands without it
             atomic_write_text(out, "".join((parts / f"part-{k:05d}.jsonl").read_text() for k in range(len(chunks))))
             shutil.rmtree(parts)

@@ -4,9 +4,11 @@ the chi-square check of the sampling tests; waiting on a process.
 
 Test modules import helpers from here (``from conftest import ...``), never from one another."""
 
+import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -356,6 +358,25 @@ def wait_for(predicate, proc, what: str, stall_s: float = 600, deadline_s: float
             if now - start > deadline_s:
                 raise AssertionError(f"the process still worked after {deadline_s:.0f} s but not yet {what}")
         time.sleep(0.002)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants together (torchrun's workers sit in their own sessions).
+
+    Each process is stopped before its children are listed, so none can fork past the kill.
+    """
+    stopped, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        stopped.append(p)
+        frontier += children(p)
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 # Exported decoder layers, as transformers builds them from an export's config (the family tests and Gemma-3's).

@@ -8,7 +8,6 @@ way under another root: shards and exports byte for byte, head weights within AT
 one thread: the resumed run does the same float ops in the same order, so they are in fact equal).
 """
 
-import contextlib
 import json
 import os
 import random
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, children, free_port, wait_for
+from conftest import REPO, children, free_port, kill_tree, wait_for
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -105,25 +104,6 @@ def demo_command(root: Path) -> list[str]:
 
 def env() -> dict[str, str]:
     return os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants together (torchrun's workers sit in their own sessions).
-
-    Each process is stopped before its children are listed, so none can fork past the kill.
-    """
-    stopped, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        try:
-            os.kill(p, signal.SIGSTOP)
-        except ProcessLookupError:
-            continue
-        stopped.append(p)
-        frontier += children(p)
-    for p in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
 
 
 def wait_for_child(proc: subprocess.Popen) -> int:

@@ -100,16 +100,21 @@ def rewrite_shard(path, change):
 # Item 6: shards captured from another checkpoint of the same shape.
 
 
-def test_training_refuses_shards_of_other_weights(captured, tiny_target_dir, gsm8k_file, target):
+def test_training_refuses_shards_of_other_weights(captured, tiny_target_dir, gsm8k_file, target, tmp_path):
     model, tokenizer = target
     cfg = train_config(capture_config(tiny_target_dir, gsm8k_file, captured))
     assert len(load_data(cfg, model, tokenizer, aux=True, online_states=True).dataset) == 16  # the same target
 
-    tuned = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    # "Fine-tuned": same shapes, other values in a tensor the head borrows (the lm_head).
+    tuned = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     with torch.no_grad():
-        tuned.model.layers[2].mlp.down_proj.weight.mul_(1.01)  # "fine-tuned": same shapes, other values
-    captured_from, here = read_manifest(captured)["target_weights_hash"], weights_hash(tuned)
-    assert captured_from == weights_hash(model) != here
+        tuned.lm_head.weight.mul_(1.01)
+    tuned.save_pretrained(tmp_path / "tuned")
+    tokenizer.save_pretrained(tmp_path / "tuned")
+    cfg["target"]["path"] = str(tmp_path / "tuned")
+    captured_from, here = read_manifest(captured)["target_weights_hash"], weights_hash(tmp_path / "tuned", "fp32")
+    assert captured_from == weights_hash(tiny_target_dir, "fp32") != here
+    assert weights_hash(tiny_target_dir, "bf16") != captured_from  # another compute dtype: other states
     with pytest.raises(ManifestMismatch, match=f"weights hash {captured_from} in the shards, {here} here"):
         load_data(cfg, tuned, tokenizer, aux=True, online_states=True)
 

@@ -61,7 +61,7 @@ def test_config_errors_fail_before_any_work(demo_config, trainer, overrides, mes
     def no_work(*args, **kwargs):
         raise AssertionError("a bad config got as far as the process group")
 
-    monkeypatch.setattr(trainer, "init_distributed", no_work)
+    monkeypatch.setattr(trainer, "start_processes", no_work)
     path, out_dir = demo_config
     with pytest.raises(ConfigError, match=message):
         trainer.main(["--config", str(path), *overrides])
