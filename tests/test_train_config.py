@@ -55,6 +55,7 @@ def demo_config(tmp_path):
         (eagle, ["head.type=hydra"], r"head\.type 'hydra' is not a head type"),
         (eagle, ["train.batch_size=7"], r"train\.batch_size \(7\) must be a multiple of train\.micro_batch_size"),
         (eagle, ["lora.r=8"], r"Medusa-2 .* set train\.online_capture: true"),
+        (eagle, ["lora.r=8", "train.online_capture=true", "target.tp_size=2"], r"cannot train a split target"),
     ],
 )
 def test_config_errors_fail_before_any_work(demo_config, trainer, overrides, message, monkeypatch):

@@ -49,6 +49,13 @@ def _check_consistency(cfg: dict[str, Any], trainer: str, problems: list[str]) -
             "Medusa-2 (a lora: section) trains the target itself, so its hidden states cannot come from "
             "shards: set train.online_capture: true"
         )
+    if "lora" in cfg and cfg["target"]["tp_size"] > 1:
+        problems.append(
+            f"Medusa-2 (a lora: section) cannot train a split target (target.tp_size={cfg['target']['tp_size']}): "
+            "its LoRA adapters on tensor-parallel layers hold sharded and partial-gradient weights that need "
+            "tensor-parallel-aware gradient reduction, which the DeepSpeed engine here does not do; train "
+            "Medusa-1 (no lora:) online or from shards, or Medusa-2 on a target one device holds"
+        )
     if "lora" in cfg and trainer != "medusa":
         problems.append("a lora: section (Medusa-2) is only read by train/medusa.py")
     if train["eval_every"] and not train["heldout_samples"]:
