@@ -36,6 +36,13 @@ matrix: install
 test: install lint
 	$(PY) -m pytest
 
+# On a CUDA machine, what CI cannot run: the CUDA evaluation path (fp32 identical, bf16 mismatches near-ties),
+# tensor-parallel capture and evaluation over 2 GPUs against one process, and bench_scale's GPU column, in
+# runs/gpu-check/gpu_check.md (scripts/gpu_check.py). Add an EAGLE-3 head with GPU_CHECK_FLAGS="--head DIR".
+.PHONY: gpu-check
+gpu-check: install
+	$(PY) -m scripts.gpu_check --out runs/gpu-check $(GPU_CHECK_FLAGS)
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -2,6 +2,7 @@
 
     python -m scripts.bench_scale --shape llama-3.1-8b --out runs/bench-scale [--device auto] [--dtype bf16]
         [--layers N] [--seq-len 2048] [--kv-length 2048] [--compare-generate 64]
+        [--borrowed-shapes llama-3.1-8b,llama-3.3-70b] [--capture-tp 1,2] [--stages borrowed,capture-tp]
 
 Nothing is downloaded: the target is built from its published shape (transformers' config class,
 ``from_config``, seeded random init), at full depth on a GPU and ``--layers`` deep (default 4) on a CPU.
@@ -15,7 +16,21 @@ One run measures, side by side:
    peak memory;
 3. verification: ``eval.timing.measure_verify``'s step over trees of 0..64 nodes at a KV length, relative
    to the one-token decoding step (0 nodes);
-4. with ``--compare-generate N``: our vanilla decoding against HF ``generate`` over N new tokens.
+4. with ``--compare-generate N``: our vanilla decoding against HF ``generate`` over N new tokens;
+5. with ``--borrowed-shapes``: the peak memory of what training from shards loads (``core.models.load_target``
+   with ``borrowed_only=True``, then ``core.fingerprint.weights_hash``), each shape at its published depth and
+   ``--borrowed-layers`` deep, in a fresh process each (its own peak RSS: VmHWM, as Linux's ru_maxrss
+   also counts the RSS of the process that started it), from a sharded safetensors checkpoint
+   written to a temporary folder: its index names every tensor of the model, but only the embedding, final
+   norm and lm_head (seeded random bf16) are real; the decoder layers' files are missing or garbage. Beside
+   it, what the whole target would take (parameters x 2 bytes);
+6. with ``--capture-tp 1,2``: ``data_recipes.capture`` on the bundled target (``--capture-config``,
+   ``data.limit`` = ``--capture-samples``), one process for tp 1, ``torchrun --nproc_per_node N ...
+   target.tp_size=N`` otherwise, each into a fresh folder, best of ``--repeats``: the tokens/s capture
+   prints, its ratio to tp 1, and whether every tp size wrote the same token ids.
+
+``--stages`` picks which run (default: 1-3, with 4-6 when their flags are given); ``--stages borrowed,capture-tp``
+builds no target at ``--shape``.
 
 It writes bench_scale.json and bench_scale.md under ``--out``. Random weights change no timing (the kernels
 are the same whatever the values) but make acceptance meaningless, so nothing here measures acceptance.
@@ -26,9 +41,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -36,15 +56,20 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from headstart.core.io import atomic_write_text
+from headstart.core.memory import TargetSizes
 from headstart.core.models import default_aux_layers
 from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype
 from headstart.core.schema import Capture
 from headstart.core.timing import timed
+from headstart.core.weights import INDEX_NAME, borrowed_names, meta_model
 from headstart.data_recipes.capture import OnlineCapture
 from headstart.data_recipes.recipes import Sample
+from headstart.data_recipes.shards import read_manifest
 from headstart.eval.proposers import Vanilla
 from headstart.eval.timing import VERIFY_NODES, machine, measure_verify, peak_memory_mb
 from headstart.eval.verify import generate
@@ -83,6 +108,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    "llama-3.3-70b": {
+        **_LLAMA3,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "rope_parameters": {**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 8192},
+    },
     "llama-3.2-1b": {
         **_LLAMA3,
         "hidden_size": 2048,
@@ -104,6 +137,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 CPU_LAYERS = 4  # the fewest that give EAGLE-3 and DFlash three distinct layers to fuse (``fused_layers``)
 HEAD_TYPES = ("eagle3", "dflash")
 PAD_ID = 0  # random tokens need no real pad: every sample is full length
+TARGET_STAGES = ("capture", "heads", "verify", "generate")  # the ones that build the --shape target
+STAGES = (*TARGET_STAGES, "borrowed", "capture-tp")
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED_TARGET = REPO / "assets" / "demo-target"
+DEFAULT_BORROWED_SHAPES = "llama-3.1-8b,llama-3.3-70b"
+DEFAULT_CAPTURE_TP = "1,2"
 
 
 def build_target(shape: str, layers: int | None, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
@@ -266,39 +305,323 @@ def compare_generate(
     }
 
 
+# ---- 5. what training from shards loads: the borrowed tensors of a checkpoint whose decoder cannot be read ----
+
+BORROWED_CHILD = """
+import json, resource, sys, time
+from headstart.core.fingerprint import weights_hash
+from headstart.core.models import load_target
+from headstart.core.weights import borrowed_names
+
+def ru_maxrss_mb():  # KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+def peak_mb():
+    # This process's own peak: Linux's ru_maxrss also counts the RSS of the process that exec'd it (the
+    # bench, holding what it just wrote), VmHWM is the peak of this address space alone.
+    try:
+        status = open("/proc/self/status").read().splitlines()
+    except OSError:
+        return ru_maxrss_mb()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**10
+
+folder, dtype = sys.argv[1], sys.argv[2]
+imports = peak_mb()
+start = time.perf_counter()
+model, tokenizer = load_target({"path": folder, "device": "cpu", "dtype": dtype}, borrowed_only=True)
+loaded, after_load = time.perf_counter(), peak_mb()
+digest = weights_hash(folder, dtype)
+hashed = time.perf_counter()
+borrowed = {id(p): p for p in (model.get_parameter(n) for n in borrowed_names(model).values())}
+print(json.dumps({
+    "peak_rss_mb": peak_mb(),
+    "ru_maxrss_mb": ru_maxrss_mb(),
+    "peak_rss_after_load_mb": after_load,
+    "imports_rss_mb": imports,
+    "load_s": loaded - start,
+    "hash_s": hashed - loaded,
+    "borrowed_bytes": sum(p.numel() * p.element_size() for p in borrowed.values()),
+    "borrowed_dtype": str(next(iter(borrowed.values())).dtype),
+    "parameters_loaded": sum(p.numel() for p in model.parameters() if not p.is_meta),
+    "parameters_on_meta": sum(p.numel() for p in model.parameters() if p.is_meta),
+    "weights_hash": digest,
+}))
+"""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def shape_config(shape: str, layers: int | None = None) -> PretrainedConfig:
+    """The shape's transformers config, ``layers`` deep (None: as published), saved as bf16 weights."""
+    settings = dict(SHAPES[shape])
+    if layers is not None:
+        settings["num_hidden_layers"] = layers
+    return AutoConfig.for_model(settings.pop("model_type"), dtype="bfloat16", **settings)
+
+
+def random_bf16(shape: tuple[int, ...], generator: torch.Generator, chunk: int = 1 << 24) -> torch.Tensor:
+    """A bf16 tensor of N(0, 0.02^2) values from ``generator``, filled ``chunk`` values at a time (no fp32 copy of
+    a GB-sized table)."""
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
+        flat[start : start + n] = torch.randn(n, generator=generator) * 0.02
+    return out
+
+
+def write_borrowed_checkpoint(
+    folder: Path, config: PretrainedConfig, seed: int, borrowed_from: Path | None = None
+) -> dict[str, Any]:
+    """A sharded safetensors checkpoint of ``config`` in ``folder`` whose index names every tensor of the model (its
+    module tree built on the meta device) and whose files hold only the tensors a head borrows: the embedding
+    in one file, lm_head and the final norm in another (seeded random bf16; hard links to ``borrowed_from``'s
+    files when given, the same shape at another depth). Decoder layer i's tensors are indexed to a file of
+    their own that is missing (even i) or garbage bytes (odd i), so anything that reads one fails. The tokenizer
+    is the bundled target's (``load_target`` loads one). Returns what was written."""
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (BUNDLED_TARGET / name).exists():
+            shutil.copy(BUNDLED_TARGET / name, folder / name)
+    model = meta_model(config)
+    roles = borrowed_names(model)
+    tied = config.get_text_config().tie_word_embeddings
+    names = [n for n in model.state_dict() if not (tied and n == roles.get("lm_head"))]
+    files = {"embed": "model-embed.safetensors", "lm_head": "model-lm-head.safetensors"}
+    files["norm"] = files["lm_head"] if "lm_head" in roles and not tied else files["embed"]
+    borrowed = {roles[role]: files[role] for role in roles if roles[role] in names}
+    layers = config.get_text_config().num_hidden_layers
+    weight_map: dict[str, str] = {}
+    missing: set[str] = set()
+    garbage: set[str] = set()
+    for name in names:
+        if name in borrowed:
+            weight_map[name] = borrowed[name]
+            continue
+        match = re.search(r"\.layers\.(\d+)\.", name)
+        if match is None:
+            raise ValueError(f"{name}: neither a borrowed tensor nor a decoder layer's; this checkpoint has no file")
+        layer = int(match.group(1))
+        weight_map[name] = file = f"model-layer-{layer + 1:05d}-of-{layers:05d}.safetensors"
+        (garbage if layer % 2 else missing).add(file)
+    for file in sorted(garbage):
+        (folder / file).write_bytes(os.urandom(4096))  # no safetensors header: any read raises
+    generator = torch.Generator().manual_seed(seed)
+    for file in sorted(set(borrowed.values())):
+        if borrowed_from is not None:
+            os.link(borrowed_from / file, folder / file)
+            continue
+        shapes = {n: tuple(model.get_parameter(n).shape) for n, f in borrowed.items() if f == file}
+        save_file({n: random_bf16(s, generator) for n, s in shapes.items()}, folder / file, metadata={"format": "pt"})
+        gc.collect()  # the next file's tables only after this one's are gone
+    index = {"metadata": {"note": "bench_scale: borrowed tensors only; decoder files missing or garbage"}}
+    (folder / INDEX_NAME).write_text(json.dumps({**index, "weight_map": weight_map}, indent=1) + "\n")
+    return {
+        "index_tensors": len(weight_map),
+        "borrowed_tensors": sorted(borrowed),
+        "decoder_files_missing": len(missing),
+        "decoder_files_garbage": len(garbage),
+        "bytes_on_disk": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+    }
+
+
+def run_borrowed_child(folder: Path, dtype: str) -> dict[str, Any]:
+    """``BORROWED_CHILD`` on ``folder`` in a fresh Python: its peak RSS is the load's own, nothing of this one's."""
+    done = subprocess.run(
+        [sys.executable, "-c", BORROWED_CHILD, str(folder), dtype], capture_output=True, text=True, timeout=1800
+    )
+    if done.returncode:
+        raise RuntimeError(f"the borrowed-tensor load of {folder} failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def measure_borrowed(shapes: list[str], shallow_layers: int, out: Path, seed: int) -> dict[str, Any]:
+    """Per shape, at its published depth and ``shallow_layers`` deep: peak RSS of loading the borrowed tensors and
+    fingerprinting the checkpoint, in bf16 on the CPU, against the whole target's size (parameters x 2 bytes)."""
+    result: dict[str, Any] = {
+        "dtype": "bf16",
+        "device": "cpu",
+        "machine": machine(torch.device("cpu")),
+        "shallow_layers": shallow_layers,
+        "shapes": {},
+    }
+    for shape in shapes:
+        runs: dict[str, dict[str, Any]] = {}
+        # One folder per shape, gone before the next shape's tables are written (a 70B one holds 4.2 GB).
+        with tempfile.TemporaryDirectory(dir=out, prefix=f"borrowed-{shape}-") as tmp:
+            first: Path | None = None
+            for label, layers in {"published": None, "shallow": shallow_layers}.items():
+                config = shape_config(shape, layers)
+                folder = Path(tmp) / f"{config.num_hidden_layers}-layers"
+                start = time.perf_counter()
+                written = write_borrowed_checkpoint(folder, config, seed, borrowed_from=first)
+                write_s = time.perf_counter() - start
+                first = first or folder
+                sizes = TargetSizes.of(config)
+                runs[label] = {
+                    "layers": config.num_hidden_layers,
+                    **written,
+                    "write_s": write_s,
+                    **run_borrowed_child(folder, "bf16"),
+                    "parameters": sizes.parameters,
+                    "whole_target_bytes": sizes.parameters * 2,
+                    "memory_estimate_bytes": sizes.borrowed * 2,  # core.memory's figure for the same tensors
+                }
+                print(
+                    f"borrowed: {shape} at {config.num_hidden_layers} layers, peak RSS "
+                    f"{runs[label]['peak_rss_mb']:,.0f} MB",
+                    flush=True,
+                )
+        published, shallow = runs["published"], runs["shallow"]
+        result["shapes"][shape] = {
+            **runs,
+            "peak_published_vs_shallow": published["peak_rss_mb"] / shallow["peak_rss_mb"],
+            "whole_target_vs_borrowed": published["whole_target_bytes"] / published["borrowed_bytes"],
+            "whole_target_vs_peak_rss": published["whole_target_bytes"] / (published["peak_rss_mb"] * 2**20),
+        }
+    return result
+
+
+# ---- 6. capture throughput of a split target: tp 1 against torchrun tp N on the bundled target ----
+
+CAPTURE_RATE = re.compile(r"capture: wrote .* \(([\d,.]+) tokens/s")
+
+
+def capture_command(config: str, tp_size: int, out_dir: Path, samples: int, device: str) -> list[str]:
+    """``data_recipes.capture`` of ``samples`` samples into ``out_dir``: one process for tp 1, else ``tp_size``
+    torchrun processes splitting the target."""
+    overrides = [f"data.limit={samples}", f"capture.out_dir={out_dir}", f"target.device={device}"]
+    if tp_size == 1:
+        return [sys.executable, "-m", "data_recipes.capture", "--config", config, *overrides]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp_size)]
+    return [*torchrun, "-m", "data_recipes.capture", "--config", config, *overrides, f"target.tp_size={tp_size}"]
+
+
+def compare_captures(reference: Path, other: Path) -> dict[str, Any]:
+    """Whether two captures of the same samples hold the same token ids, loss masks and sample ids shard by
+    shard, and how far apart their hidden states are (a split target sums its partial products in another
+    order, so the states may differ in the last bits)."""
+    same_ids, same_masks, hidden_diff = True, True, 0.0
+    shards_a, shards_b = read_manifest(reference)["shards"], read_manifest(other)["shards"]
+    if [s["file"] for s in shards_a] != [s["file"] for s in shards_b]:
+        return {"token_ids_equal": False, "why": "the captures wrote different shards"}
+    for entry in shards_a:
+        with safe_open(str(reference / entry["file"]), "pt") as a, safe_open(str(other / entry["file"]), "pt") as b:
+            for key in ("input_ids", "sample_ids", "sample_offsets"):
+                same_ids &= torch.equal(a.get_tensor(key), b.get_tensor(key))
+            same_masks &= torch.equal(a.get_tensor("loss_mask"), b.get_tensor("loss_mask"))
+            for key in sorted(set(a.keys()) & {"last_hidden", "aux_hidden"}):
+                diff = (a.get_tensor(key).float() - b.get_tensor(key).float()).abs().max().item()
+                hidden_diff = max(hidden_diff, diff)
+    return {"token_ids_equal": same_ids, "loss_masks_equal": same_masks, "hidden_max_abs_diff": hidden_diff}
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def measure_capture_tp(
+    tp_sizes: list[int], config: str, samples: int, device: str, repeats: int, out: Path
+) -> dict[str, Any]:
+    """Capture tokens/s (the rate capture prints: its capture loop, rank 0's) and process wall time at each tp
+    size, best of ``repeats`` with the sizes alternating; each process gets cores / tp threads, so every size
+    uses the whole CPU."""
+    runs: dict[int, dict[str, Any]] = {
+        tp: {"tp_size": tp, "threads_per_process": max(1, cpu_cores() // tp), "tokens_per_s": [], "wall_s": []}
+        for tp in tp_sizes
+    }
+    with tempfile.TemporaryDirectory(dir=out, prefix="capture-tp-") as tmp:
+        last: dict[int, Path] = {}
+        for repeat in range(repeats):
+            for tp in tp_sizes:
+                out_dir = Path(tmp) / f"tp{tp}-{repeat}"
+                cmd = capture_command(config, tp, out_dir, samples, device)
+                env = {**os.environ, "OMP_NUM_THREADS": str(runs[tp]["threads_per_process"])}
+                start = time.perf_counter()
+                done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+                wall = time.perf_counter() - start
+                rate = CAPTURE_RATE.search(done.stdout)
+                if done.returncode or rate is None:
+                    raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+                runs[tp]["command"] = " ".join(cmd)
+                runs[tp]["tokens_per_s"].append(float(rate.group(1).replace(",", "")))
+                runs[tp]["wall_s"].append(wall)
+                if tp in last:
+                    shutil.rmtree(last[tp])
+                last[tp] = out_dir
+                print(f"capture-tp: tp {tp}, {runs[tp]['tokens_per_s'][-1]:,.0f} tokens/s, {wall:.1f} s", flush=True)
+        base = last[tp_sizes[0]]
+        manifest = read_manifest(base)
+        same = {tp: compare_captures(base, last[tp]) for tp in tp_sizes[1:]}
+    best = {tp: max(run["tokens_per_s"]) for tp, run in runs.items()}
+    return {
+        "config": config,
+        "samples": manifest["samples"],
+        "tokens": manifest["tokens"],
+        "compute_dtype": manifest["compute_dtype"],
+        "device": device,
+        "cores": cpu_cores(),
+        "repeats": repeats,
+        "runs": {
+            str(tp): {
+                **run,
+                "best_tokens_per_s": best[tp],
+                "best_wall_s": min(run["wall_s"]),
+                "vs_first": best[tp] / best[tp_sizes[0]],
+            }
+            for tp, run in runs.items()
+        },
+        "same_as_first": {str(tp): entry for tp, entry in same.items()},
+    }
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The run's figures as the tables docs/BENCHMARKS.md holds."""
-    cap, verify, t = result["capture"], result["verify"], result["target"]
-    lines = [
-        f"{result['shape']} shape, {t['num_hidden_layers']} of {t['published_layers']} layers, "
-        f"{t['parameters'] / 1e9:.2f}B parameters, {result['dtype']}, {result['machine']}",
-        "",
-        f"| capture ({cap['samples']} x {cap['tokens'] // cap['samples']} tokens, layers {cap['aux_layers']} + last "
-        f"-> {cap['store_dtype']}) | tokens/s |",
-        "|---|---|",
-        f"| bare forward (with lm_head) | {cap['forward_tokens_per_s']:,.0f} |",
-        f"| decoder alone (no lm_head) | {cap['decoder_tokens_per_s']:,.0f} |",
-        f"| capture (decoder + hooks + store copy + shard write) | {cap['capture_tokens_per_s']:,.0f} |",
-        f"| **capture / forward** (goal >= 0.9x) | **{cap['capture_vs_forward']:.2f}x** |",
-        f"| capture / decoder | {cap['capture_vs_decoder']:.2f}x |",
-        "",
-        "| head step | batch x seq | trained parameters | tokens/s | peak memory (MB) |",
-        "|---|---|---|---|---|",
-    ]
-    for head_type, head in result["heads"].items():
-        extra = f", TTT {head['ttt_steps']}" if "ttt_steps" in head else ""
-        lines.append(
-            f"| {head_type} (draft vocab {head['draft_vocab_size']:,}{extra}) | {head['batch'][0]} x "
-            f"{head['batch'][1]} | {head['trained_parameters'] / 1e6:,.1f}M | {head['tokens_per_s']:,.1f} "
-            f"| {head['peak_memory_mb']:,.0f} |"
-        )
-    lines += [
-        "",
-        f"| tree nodes (KV length {verify['kv_length']}) | " + " | ".join(map(str, verify["nodes"])) + " |",
-        "|---" * (len(verify["nodes"]) + 1) + "|",
-        "| verify ms | " + " | ".join(f"{m:.1f}" for m in verify["ms"]) + " |",
-        "| / 1-token step | " + " | ".join(f"{r:.2f}" for r in verify["relative"]) + " |",
-    ]
+    """The run's figures as the tables docs/BENCHMARKS.md holds: a section per stage that ran."""
+    lines: list[str] = []
+    if "target" in result:
+        t = result["target"]
+        lines += [
+            f"{result['shape']} shape, {t['num_hidden_layers']} of {t['published_layers']} layers, "
+            f"{t['parameters'] / 1e9:.2f}B parameters, {result['dtype']}, {result['machine']}",
+        ]
+    else:
+        lines += [result["machine"]]
+    if "capture" in result:
+        cap = result["capture"]
+        lines += [
+            "",
+            f"| capture ({cap['samples']} x {cap['tokens'] // cap['samples']} tokens, layers {cap['aux_layers']} "
+            f"+ last -> {cap['store_dtype']}) | tokens/s |",
+            "|---|---|",
+            f"| bare forward (with lm_head) | {cap['forward_tokens_per_s']:,.0f} |",
+            f"| decoder alone (no lm_head) | {cap['decoder_tokens_per_s']:,.0f} |",
+            f"| capture (decoder + hooks + store copy + shard write) | {cap['capture_tokens_per_s']:,.0f} |",
+            f"| **capture / forward** (goal >= 0.9x) | **{cap['capture_vs_forward']:.2f}x** |",
+            f"| capture / decoder | {cap['capture_vs_decoder']:.2f}x |",
+        ]
+    if "heads" in result:
+        lines += [
+            "",
+            "| head step | batch x seq | trained parameters | tokens/s | peak memory (MB) |",
+            "|---|---|---|---|---|",
+        ]
+        for head_type, head in result["heads"].items():
+            extra = f", TTT {head['ttt_steps']}" if "ttt_steps" in head else ""
+            lines.append(
+                f"| {head_type} (draft vocab {head['draft_vocab_size']:,}{extra}) | {head['batch'][0]} x "
+                f"{head['batch'][1]} | {head['trained_parameters'] / 1e6:,.1f}M | {head['tokens_per_s']:,.1f} "
+                f"| {head['peak_memory_mb']:,.0f} |"
+            )
+    if "verify" in result:
+        verify = result["verify"]
+        lines += [
+            "",
+            f"| tree nodes (KV length {verify['kv_length']}) | " + " | ".join(map(str, verify["nodes"])) + " |",
+            "|---" * (len(verify["nodes"]) + 1) + "|",
+            "| verify ms | " + " | ".join(f"{m:.1f}" for m in verify["ms"]) + " |",
+            "| / 1-token step | " + " | ".join(f"{r:.2f}" for r in verify["relative"]) + " |",
+        ]
     if "generate" in result:
         gen = result["generate"]
         lines += [
@@ -307,7 +630,83 @@ def markdown(result: dict[str, Any]) -> str:
             f"{gen['ours_tokens_per_s']:.1f} tokens/s, HF generate {gen['hf_generate_tokens_per_s']:.1f} "
             f"({gen['ours_vs_hf']:.2f}x)",
         ]
+    if "borrowed" in result:
+        lines += ["", *borrowed_markdown(result["borrowed"])]
+    if "capture_tp" in result:
+        lines += ["", *capture_tp_markdown(result["capture_tp"])]
     return "\n".join(lines) + "\n"
+
+
+def borrowed_markdown(borrowed: dict[str, Any]) -> list[str]:
+    lines = [
+        f"| training from shards loads (bf16, {borrowed['machine']}, a fresh process each) | layers | borrowed "
+        "tensors (GB) | whole target (GB) | peak RSS, load (MB) | peak RSS, load + fingerprint (MB) | RSS of the "
+        "imports (MB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for shape, entry in borrowed["shapes"].items():
+        for label in ("published", "shallow"):
+            run = entry[label]
+            lines.append(
+                f"| {shape} ({label}) | {run['layers']} | {run['borrowed_bytes'] / 1e9:.2f} | "
+                f"{run['whole_target_bytes'] / 1e9:.1f} | {run['peak_rss_after_load_mb']:,.0f} | "
+                f"{run['peak_rss_mb']:,.0f} | {run['imports_rss_mb']:,.0f} |"
+            )
+    lines.append("")
+    for shape, entry in borrowed["shapes"].items():
+        run = entry["published"]
+        lines.append(
+            f"- {shape}: peak at {run['layers']} layers / at {entry['shallow']['layers']} = "
+            f"**{entry['peak_published_vs_shallow']:.3f}x**; whole target / borrowed tensors = "
+            f"{entry['whole_target_vs_borrowed']:.1f}x; whole target / peak RSS = "
+            f"{entry['whole_target_vs_peak_rss']:.1f}x "
+            f"({run['index_tensors']} tensors indexed, {run['decoder_files_missing']} decoder files missing and "
+            f"{run['decoder_files_garbage']} garbage)"
+        )
+    return lines
+
+
+def capture_tp_markdown(tp: dict[str, Any]) -> list[str]:
+    first = next(iter(tp["runs"]))
+    lines = [
+        f"| capture, bundled target ({tp['samples']} samples, {tp['tokens']:,} tokens, {tp['compute_dtype']}, "
+        f"{tp['device']}, best of {tp['repeats']}) | processes x threads | tokens/s | process wall (s) "
+        f"| vs tp {first} |",
+        "|---|---|---|---|---|",
+    ]
+    for size, run in tp["runs"].items():
+        lines.append(
+            f"| tp {size} | {size} x {run['threads_per_process']} | {run['best_tokens_per_s']:,.0f} | "
+            f"{run['best_wall_s']:.1f} | **{run['vs_first']:.2f}x** |"
+        )
+    for size, same in tp["same_as_first"].items():
+        diff = same.get("hidden_max_abs_diff")
+        lines.append(
+            f"\ntp {size} vs tp {first}: token ids {'equal' if same['token_ids_equal'] else 'DIFFERENT'}"
+            + (f", hidden states max |diff| {diff:.3g}" if diff is not None else "")
+        )
+    return lines
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _names(choices: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"{unknown or text!r}: expected comma-separated names of {list(choices)}")
+        return names
+
+    return parse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -320,7 +719,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--layers", type=int, help=f"target depth; default: as published on a GPU, {CPU_LAYERS} on a CPU"
     )
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sample, capture and head training")
-    parser.add_argument("--capture-samples", type=int, default=16)
+    parser.add_argument(
+        "--capture-samples", type=int, default=16, help="samples of the capture stage, and data.limit of --capture-tp"
+    )
     parser.add_argument("--store-dtype", choices=["bf16", "fp32", "fp8_e4m3"], default="bf16")
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--ttt-steps", type=int, default=7)
@@ -329,47 +730,97 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-length", type=int, default=2048, help="KV length the verify steps run at")
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--compare-generate", type=int, metavar="N", help="also time vanilla decoding of N tokens")
+    parser.add_argument(
+        "--borrowed-shapes",
+        type=_names(sorted(SHAPES)),
+        help=f"also measure what training from shards loads at these shapes (stage borrowed; default "
+        f"{DEFAULT_BORROWED_SHAPES} when the stage is named in --stages)",
+    )
+    parser.add_argument("--borrowed-layers", type=int, default=4, help="the shallow depth the borrowed stage compares")
+    parser.add_argument(
+        "--capture-tp",
+        type=_int_list,
+        help=f"also time capture of the bundled target at these tp sizes (stage capture-tp; default "
+        f"{DEFAULT_CAPTURE_TP})",
+    )
+    parser.add_argument("--capture-config", default="configs/demo-eagle3.yaml", help="the capture-tp stage's config")
+    parser.add_argument(
+        "--stages",
+        type=_names(STAGES),
+        help="comma-separated, of: " + ", ".join(STAGES) + "; default: capture, heads, verify, and generate, "
+        "borrowed, capture-tp where their flags are given",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="capture and generate: best of; verify: median of")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     counts = ["layers", "seq_len", "capture_samples", "draft_vocab", "ttt_steps", "head_batch", "head_steps"]
-    for name in [*counts, "kv_length", "compare_generate", "repeats"]:
+    for name in [*counts, "kv_length", "compare_generate", "borrowed_layers", "repeats"]:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.head_batch > args.capture_samples:
         parser.error(f"--head-batch {args.head_batch} needs as many samples: raise --capture-samples to it")
+    if args.stages is None:
+        flagged = {"generate": args.compare_generate, "borrowed": args.borrowed_shapes, "capture-tp": args.capture_tp}
+        args.stages = ["capture", "heads", "verify", *(stage for stage, flag in flagged.items() if flag)]
+    if "generate" in args.stages and not args.compare_generate:
+        parser.error("stage generate needs --compare-generate N (the new tokens)")
+    if "borrowed" in args.stages and args.borrowed_shapes is None:
+        args.borrowed_shapes = DEFAULT_BORROWED_SHAPES.split(",")
+    if "capture-tp" in args.stages and args.capture_tp is None:
+        args.capture_tp = _int_list(DEFAULT_CAPTURE_TP)
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    layers = args.layers if args.layers is not None or device.type == "cuda" else CPU_LAYERS
-    torch.manual_seed(args.seed)
-    target = build_target(args.shape, layers, device, dtype)
-    prepare_decoding(device)
-    fused = fused_layers(target.config.num_hidden_layers)
-    generator = torch.Generator().manual_seed(args.seed)
-    samples = random_samples(target.config.vocab_size, args.capture_samples, args.seq_len, generator)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = target.config
-    result: dict[str, Any] = {
-        "shape": args.shape,
-        "target": {
-            "model_type": config.model_type,
-            "hidden_size": config.hidden_size,
-            "intermediate_size": config.intermediate_size,
-            "num_hidden_layers": config.num_hidden_layers,
-            "published_layers": SHAPES[args.shape]["num_hidden_layers"],
-            "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_key_value_heads,
-            "head_dim": config.head_dim,
-            "vocab_size": config.vocab_size,
-            "tie_word_embeddings": config.tie_word_embeddings,
-            "parameters": sum(p.numel() for p in target.parameters()),
-        },
+    result: dict[str, Any] = {}
+    stages: dict[str, Callable[[], dict[str, Any]]] = {}
+    if any(stage in TARGET_STAGES for stage in args.stages):
+        layers = args.layers if args.layers is not None or device.type == "cuda" else CPU_LAYERS
+        torch.manual_seed(args.seed)
+        target = build_target(args.shape, layers, device, dtype)
+        prepare_decoding(device)
+        fused = fused_layers(target.config.num_hidden_layers)
+        generator = torch.Generator().manual_seed(args.seed)
+        samples = random_samples(target.config.vocab_size, args.capture_samples, args.seq_len, generator)
+        config = target.config
+        result |= {
+            "shape": args.shape,
+            "target": {
+                "model_type": config.model_type,
+                "hidden_size": config.hidden_size,
+                "intermediate_size": config.intermediate_size,
+                "num_hidden_layers": config.num_hidden_layers,
+                "published_layers": SHAPES[args.shape]["num_hidden_layers"],
+                "num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": config.num_key_value_heads,
+                "head_dim": config.head_dim,
+                "vocab_size": config.vocab_size,
+                "tie_word_embeddings": config.tie_word_embeddings,
+                "parameters": sum(p.numel() for p in target.parameters()),
+            },
+        }
+        target_stages: dict[str, Callable[[], dict[str, Any]]] = {
+            "capture": lambda: measure_capture(target, samples, fused, args.store_dtype, out, args.repeats),
+            "heads": lambda: measure_heads(target, samples[: args.head_batch], fused, args),
+            "verify": lambda: measure_verify_curve(target, args.kv_length, args.max_nodes, args.repeats, generator),
+            "generate": lambda: compare_generate(
+                target, args.kv_length, args.compare_generate, args.repeats, generator
+            ),
+        }
+        stages |= {name: stage for name, stage in target_stages.items() if name in args.stages}
+    if "borrowed" in args.stages:
+        stages["borrowed"] = lambda: measure_borrowed(args.borrowed_shapes, args.borrowed_layers, out, args.seed)
+    if "capture-tp" in args.stages:
+        capture_device = device.type if args.device == "auto" else args.device  # each rank: its own GPU
+        stages["capture_tp"] = lambda: measure_capture_tp(
+            args.capture_tp, args.capture_config, args.capture_samples, capture_device, args.repeats, out
+        )
+    result |= {
         "device": str(device),
         "dtype": args.dtype,
         "machine": machine(device),
@@ -380,17 +831,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "command": "python -m scripts.bench_scale " + " ".join(sys.argv[1:] if argv is None else argv),
         "peak_memory": "CUDA: per stage, from what was allocated at its start (the target included); "
-        "CPU: the process's peak resident set so far",
+        "CPU: the process's peak resident set so far; borrowed: each load's own process",
     }
-    stages: dict[str, Callable[[], dict[str, Any]]] = {
-        "capture": lambda: measure_capture(target, samples, fused, args.store_dtype, out, args.repeats),
-        "heads": lambda: measure_heads(target, samples[: args.head_batch], fused, args),
-        "verify": lambda: measure_verify_curve(target, args.kv_length, args.max_nodes, args.repeats, generator),
-    }
-    if args.compare_generate:
-        stages["generate"] = lambda: compare_generate(
-            target, args.kv_length, args.compare_generate, args.repeats, generator
-        )
     for name, stage in stages.items():
         result[name], seconds = timed(device, stage)
         print(f"{name}: measured in {seconds:.0f} s", flush=True)  # a full-depth GPU run takes minutes

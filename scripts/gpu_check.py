@@ -1,0 +1,402 @@
+"""What CI cannot run, checked on a CUDA machine in one command: ``make gpu-check``.
+
+    python -m scripts.gpu_check --out runs/gpu-check [--head runs/demo/eagle3/head] [--steps eval-fp32,...]
+        [--allow-cpu]
+
+Every step is a subprocess of the bundled target (``assets/demo-target``), its command, wall time and
+pass/fail recorded in gpu_check.json and gpu_check.md under ``--out`` (rewritten after every step, so a
+killed run keeps what finished):
+
+1. ``eval-fp32``: ``eval.acceptance`` on CUDA with vanilla, n-gram (and the ``--head``'s method) in fp32;
+   passes when every method's greedy output is token-for-token vanilla's (``greedy_identical``);
+2. ``eval-bf16``: the same in bf16, where the tree forward and the one-token forward may round a near-tie
+   differently: it reports each method's mismatches and passes when every divergence is a near-tie;
+3. ``capture-tp1`` / ``capture-tp2``: ``data_recipes.capture`` of the same samples in one process and under
+   ``torchrun --nproc_per_node 2 ... target.tp_size=2`` (the bundled target's 2 key/value heads allow 2 at
+   most); passes when the split capture's token ids, loss masks and sample ids equal the one-process capture's
+   (the hidden states' largest difference is reported);
+4. ``eval-tp2``: ``eval.acceptance --tp-size 2`` under torchrun in fp32; passes when every method's tau,
+   target forwards, new tokens and greedy_identical equal ``eval-fp32``'s (report.json holds no token ids);
+5. ``bench-scale``: ``scripts.bench_scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
+   (its GPU column: capture vs forward, head steps, verify curve); passes when it writes its report.
+
+The tensor-parallel steps need 2 visible GPUs; with one they are recorded as ``skipped: 1 GPU visible``. On a
+machine without CUDA the command refuses (exit 1) unless ``--allow-cpu``, which runs the same steps on the CPU
+with tiny settings (tensor parallelism over 2 gloo processes): what the test suite checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headstart.core.io import atomic_write_text
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = "assets/demo-target"
+BENCH = "assets/data/gsm8k_test.jsonl"
+CAPTURE_CONFIG = "configs/demo-eagle3.yaml"
+MAX_TP = 2  # the bundled target's key/value heads: each rank holds whole heads
+STEPS = ("eval-fp32", "eval-bf16", "capture-tp1", "capture-tp2", "eval-tp2", "bench-scale")
+NO_GPU = (
+    "scripts.gpu_check runs what CI cannot (the CUDA evaluation path, tensor parallelism over GPUs, the GPU bench) "
+    "and needs a CUDA GPU: torch.cuda.is_available() is False here (torch {torch}). Run it on a GPU machine, or "
+    "pass --allow-cpu to run the same steps on the CPU with tiny settings."
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How big each step runs: on a GPU, enough prompts and tokens to meet near-ties; on a CPU, seconds."""
+
+    device: str
+    prompts: int
+    new_tokens: int
+    capture_samples: int
+    bench: tuple[str, ...]
+
+    @classmethod
+    def for_device(cls, device: str) -> Settings:
+        if device == "cuda":  # the 8B shape at full depth (16 GB in bf16), short sequences: a few minutes
+            bench = "--shape llama-3.1-8b --dtype bf16 --seq-len 1024 --capture-samples 4 --head-steps 2 "
+            bench += "--kv-length 1024 --max-nodes 64 --repeats 2"
+            return cls("cuda", prompts=8, new_tokens=64, capture_samples=64, bench=tuple(bench.split()))
+        bench = "--shape tiny --layers 4 --dtype fp32 --seq-len 32 --capture-samples 2 --draft-vocab 256 "
+        bench += "--ttt-steps 2 --head-steps 1 --kv-length 16 --max-nodes 8 --repeats 1"
+        return cls("cpu", prompts=1, new_tokens=8, capture_samples=4, bench=tuple(bench.split()))
+
+
+@dataclass
+class Step:
+    """One subprocess and the check of what it wrote: ``check`` returns (passed, details)."""
+
+    name: str
+    command: list[str]
+    check: Callable[[], tuple[bool, dict[str, Any]]]
+    out_dir: Path
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
+def eval_command(s: Settings, methods: list[str], heads: list[str], dtype: str, out: Path, tp: int) -> list[str]:
+    launcher = [sys.executable] if tp == 1 else torchrun(tp)
+    cmd = [*launcher, "-m", "eval.acceptance", "--target", TARGET, "--method", ",".join(methods), "--bench", BENCH]
+    cmd += ["--limit", str(s.prompts), "--max-new-tokens", str(s.new_tokens), "--device", s.device]
+    cmd += ["--dtype", dtype, "--out", str(out)]
+    cmd += ["--head", ",".join(heads)] if heads else []
+    return cmd + (["--tp-size", str(tp)] if tp > 1 else [])
+
+
+def capture_command(s: Settings, out: Path, tp: int) -> list[str]:
+    launcher = [sys.executable] if tp == 1 else torchrun(tp)
+    cmd = [*launcher, "-m", "data_recipes.capture", "--config", CAPTURE_CONFIG, f"data.limit={s.capture_samples}"]
+    cmd += [f"capture.out_dir={out}", f"target.device={s.device}"]
+    return cmd + ([f"target.tp_size={tp}"] if tp > 1 else [])
+
+
+def read_report(out: Path) -> dict[str, Any]:
+    return dict(json.loads((out / "report.json").read_text()))
+
+
+def check_fp32(out: Path) -> tuple[bool, dict[str, Any]]:
+    """Every method's greedy output is vanilla's, token for token."""
+    methods = read_report(out)["methods"]
+    identical = {m: entry["greedy_identical"] for m, entry in methods.items()}
+    return all(v is True for v in identical.values()), {"greedy_identical": identical}
+
+
+def check_bf16(out: Path) -> tuple[bool, dict[str, Any]]:
+    """Mismatches are allowed in bf16 where they are near-ties (reduced-precision rounding), never otherwise."""
+    found: dict[str, Any] = {}
+    for method, entry in read_report(out)["methods"].items():
+        divergences = entry.get("divergences") or []
+        found[method] = {
+            "greedy_identical": entry["greedy_identical"],
+            "mismatched_prompts": len(entry["mismatched_prompts"]),
+            "near_ties": sum(bool(d["near_tie"]) for d in divergences),
+            "not_near_ties": [d for d in divergences if not d["near_tie"]],
+        }
+    return all(not f["not_near_ties"] for f in found.values()), {"methods": found}
+
+
+def check_capture(out: Path) -> tuple[bool, dict[str, Any]]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return True, {"samples": manifest["samples"], "tokens": manifest["tokens"]}
+
+
+def check_capture_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
+    from headstart.scripts.bench_scale import compare_captures
+
+    if not (reference / "manifest.json").exists():
+        return False, {"why": f"no one-process capture in {reference} to compare with (capture-tp1 did not run)"}
+    same = compare_captures(reference, out)
+    return bool(same["token_ids_equal"] and same.get("loss_masks_equal")), same
+
+
+COMPARED = ("tau", "target_forwards", "new_tokens", "greedy_identical")
+
+
+def check_eval_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
+    """The split target decodes what the whole one does: per method, the same tau, forwards and tokens."""
+    if not (reference / "report.json").exists():
+        return False, {"why": f"no tp 1 report in {reference} to compare with (eval-fp32 did not run)"}
+    whole, split = read_report(reference)["methods"], read_report(out)["methods"]
+    differ = {
+        m: {key: [whole[m][key], split[m][key]] for key in COMPARED if whole[m][key] != split[m][key]}
+        for m in whole.keys() & split.keys()
+    }
+    differ = {m: row for m, row in differ.items() if row}
+    identical = {m: entry["greedy_identical"] for m, entry in split.items()}
+    passed = not differ and split.keys() == whole.keys() and all(v is True for v in identical.values())
+    details: dict[str, Any] = {"tau": {m: entry["tau"] for m, entry in split.items()}, "greedy_identical": identical}
+    if split.keys() != whole.keys():
+        details["methods [tp1, tp2]"] = [sorted(whole), sorted(split)]
+    return passed, details | ({"differ [tp1, tp2]": differ} if differ else {})
+
+
+def check_bench(out: Path) -> tuple[bool, dict[str, Any]]:
+    result = json.loads((out / "bench_scale.json").read_text())
+    cap, heads = result["capture"], result["heads"]
+    return True, {
+        "machine": result["machine"],
+        "layers": result["target"]["num_hidden_layers"],
+        "capture_vs_forward": cap["capture_vs_forward"],
+        "capture_tokens_per_s": cap["capture_tokens_per_s"],
+        "head_tokens_per_s": {h: entry["tokens_per_s"] for h, entry in heads.items()},
+        "verify_relative_at_max_nodes": result["verify"]["relative"][-1],
+    }
+
+
+def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dict[str, Any]]:
+    """The steps in order; a tensor-parallel step that cannot run here is a dict saying why."""
+    methods = ["vanilla", "ngram", *head_methods(heads)]
+    d = {name: out / name for name in STEPS}
+    steps: list[Step | dict[str, Any]] = [
+        Step(
+            "eval-fp32",
+            eval_command(s, methods, heads, "fp32", d["eval-fp32"], 1),
+            lambda: check_fp32(d["eval-fp32"]),
+            d["eval-fp32"],
+        ),
+        Step(
+            "eval-bf16",
+            eval_command(s, methods, heads, "bf16", d["eval-bf16"], 1),
+            lambda: check_bf16(d["eval-bf16"]),
+            d["eval-bf16"],
+        ),
+        Step(
+            "capture-tp1",
+            capture_command(s, d["capture-tp1"], 1),
+            lambda: check_capture(d["capture-tp1"]),
+            d["capture-tp1"],
+        ),
+    ]
+    tp = min(MAX_TP, gpus) if s.device == "cuda" else MAX_TP  # on a CPU: gloo processes
+    if tp < 2:
+        why = f"skipped: {gpus} GPU visible"
+        steps += [{"name": "capture-tp2", "skipped": why}, {"name": "eval-tp2", "skipped": why}]
+    else:
+        steps += [
+            Step(
+                "capture-tp2",
+                capture_command(s, d["capture-tp2"], tp),
+                lambda: check_capture_tp(d["capture-tp1"], d["capture-tp2"]),
+                d["capture-tp2"],
+            ),
+            Step(
+                "eval-tp2",
+                eval_command(s, methods, heads, "fp32", d["eval-tp2"], tp),
+                lambda: check_eval_tp(d["eval-fp32"], d["eval-tp2"]),
+                d["eval-tp2"],
+            ),
+        ]
+    bench = [sys.executable, "-m", "scripts.bench_scale", *s.bench, "--device", s.device]
+    steps.append(
+        Step(
+            "bench-scale",
+            [*bench, "--out", str(d["bench-scale"])],
+            lambda: check_bench(d["bench-scale"]),
+            d["bench-scale"],
+        )
+    )
+    return steps
+
+
+def head_methods(heads: list[str]) -> list[str]:
+    """The evaluation method of each head folder (its config's type), as eval.acceptance names it."""
+    if not heads:
+        return []
+    from headstart.eval.acceptance import heads_by_method
+
+    return list(heads_by_method(heads))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc (Linux; elsewhere none): torchrun starts its workers in sessions
+    of their own, out of reach of a signal to its process group."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found += children
+        frontier += children
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant (listed first: they are orphaned once it dies)."""
+    below = descendants(pid)
+    for target in [pid, *below]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def run_step(step: Step, logs: Path, timeout_s: float) -> dict[str, Any]:
+    """The step's command in a fresh folder, its output in ``logs``; the check only when it exited 0. A step past
+    ``timeout_s`` (a collective that hangs) is killed with its whole process group, torchrun's workers included."""
+    shutil.rmtree(step.out_dir, ignore_errors=True)  # a capture that finished before would skip its work
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env.setdefault("WANDB_MODE", "disabled")
+    log = logs / f"{step.name}.log"
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            step.command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            returncode = proc.wait()
+    wall = time.perf_counter() - start
+    record: dict[str, Any] = {
+        "name": step.name,
+        "command": shlex.join(step.command),
+        "wall_s": round(wall, 1),
+        "returncode": returncode,
+        "log": str(log),
+    }
+    if returncode:
+        why = f"killed after {timeout_s:.0f} s (--step-timeout)" if wall >= timeout_s else f"exit {returncode}"
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        return record | {"passed": False, "details": {"why": why, "log_tail": tail}}
+    try:
+        passed, details = step.check()
+    except (OSError, KeyError, ValueError) as error:  # an output missing or not as expected
+        passed, details = False, {"why": f"{type(error).__name__}: {error}"}
+    return record | {"passed": passed, "details": details}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a table: a row per step, its result, wall time and command."""
+    verdict = "PASSED" if report["passed"] else ("FAILED" if report["passed"] is False else "INCOMPLETE")
+    lines = [
+        f"# gpu-check: {verdict}",
+        "",
+        f"{report['machine']}; device {report['device']}, {report['gpus']} GPU(s) visible; torch {report['torch']}",
+        "",
+        "| step | result | wall (s) | details | command |",
+        "|---|---|---|---|---|",
+    ]
+    for step in report["steps"]:
+        if "skipped" in step:
+            lines.append(f"| {step['name']} | {step['skipped']} | | | |")
+            continue
+        result = "pass" if step["passed"] else "**FAIL**"
+        details, command = (text.replace("|", "\\|") for text in (json.dumps(step["details"]), step["command"]))
+        lines.append(f"| {step['name']} | {result} | {step['wall_s']:.1f} | {details} | `{command}` |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """gpu_check.json and gpu_check.md under ``out``; ``passed``: every step that ran passed (None: none ran)."""
+    ran = [step["passed"] for step in report["steps"] if "skipped" not in step]
+    report["passed"] = all(ran) if ran else None
+    atomic_write_text(out / "gpu_check.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out / "gpu_check.md", markdown(report))
+
+
+def _steps(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STEPS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{unknown or text!r}: expected comma-separated steps of {list(STEPS)}")
+    return names
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json, gpu_check.md and each step's")
+    p.add_argument("--head", action="append", default=[], help="head folder(s) to evaluate too (e.g. an EAGLE-3 head)")
+    p.add_argument("--steps", type=_steps, default=list(STEPS), help=f"comma-separated, of: {', '.join(STEPS)}")
+    p.add_argument("--step-timeout", type=float, default=1800, help="seconds a step may run before it is killed")
+    p.add_argument("--allow-cpu", action="store_true", help="without CUDA: the same steps on the CPU, tiny settings")
+    args = p.parse_args(argv)
+    args.head = [h.strip() for arg in args.head for h in arg.split(",") if h.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise SystemExit(NO_GPU.format(torch=torch.__version__))
+    from headstart.eval.timing import machine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    settings = Settings.for_device(device)
+    out: Path = args.out
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "command": "python -m scripts.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "device": device,
+        "gpus": gpus,
+        "machine": machine(torch.device(device)),
+        "torch": torch.__version__,
+        "settings": {
+            "prompts": settings.prompts,
+            "max_new_tokens": settings.new_tokens,
+            "capture_samples": settings.capture_samples,
+        },
+        "steps": [],
+    }
+    for step in plan(settings, out, args.head, gpus):
+        name = step["name"] if isinstance(step, dict) else step.name
+        if name not in args.steps:
+            continue
+        print(f"gpu-check: {name} ...", flush=True)
+        record = step if isinstance(step, dict) else run_step(step, out / "logs", args.step_timeout)
+        report["steps"].append(record)
+        write_report(report, out)
+        print(f"gpu-check: {name}: {record.get('skipped') or ('pass' if record['passed'] else 'FAIL')}", flush=True)
+    write_report(report, out)
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["passed"] is True else 1)

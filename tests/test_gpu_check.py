@@ -1,0 +1,87 @@
+"""scripts/gpu_check.py: it refuses clearly without CUDA, its checks and report say which step failed and why,
+and with --allow-cpu one step runs for real (the whole CPU run takes ~100 s on 2 cores: too long for the suite)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+from headstart.scripts import gpu_check
+
+
+def test_without_cuda_it_refuses_and_says_what_it_needs(tmp_path) -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU even on a GPU machine
+    cmd = [sys.executable, "-m", "scripts.gpu_check", "--out", str(tmp_path / "out")]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "needs a CUDA GPU" in done.stderr and "torch.cuda.is_available() is False" in done.stderr
+    assert "--allow-cpu" in done.stderr
+    assert not (tmp_path / "out").exists()  # refused before any step
+
+
+def _eval_report(folder, methods: dict) -> None:
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text(json.dumps({"methods": methods}))
+
+
+def _method(tau: float, identical: bool, divergences: list | None = None) -> dict:
+    mismatched = [f"p{i}" for i in range(len(divergences or []))]
+    entry = {"tau": tau, "target_forwards": 10, "new_tokens": 32, "greedy_identical": identical}
+    return entry | {"mismatched_prompts": mismatched, "divergences": divergences or []}
+
+
+def test_the_checks_and_report_on_step_outputs(tmp_path) -> None:
+    # Outputs as eval.acceptance writes them: fp32 identical, bf16 one near-tie and one real divergence, and a
+    # split target whose n-gram tau differs from the whole one's.
+    _eval_report(tmp_path / "fp32", {"vanilla": _method(1.0, True), "ngram": _method(1.5, True)})
+    near, real = {"near_tie": True, "logit_gap": 0.001}, {"near_tie": False, "logit_gap": 2.0}
+    _eval_report(tmp_path / "bf16", {"vanilla": _method(1.0, True), "ngram": _method(1.5, False, [near])})
+    _eval_report(tmp_path / "bf16-bad", {"vanilla": _method(1.0, True), "ngram": _method(1.4, False, [near, real])})
+    _eval_report(tmp_path / "tp2", {"vanilla": _method(1.0, True), "ngram": _method(1.25, True)})
+
+    assert gpu_check.check_fp32(tmp_path / "fp32") == (True, {"greedy_identical": {"vanilla": True, "ngram": True}})
+    passed, details = gpu_check.check_bf16(tmp_path / "bf16")
+    assert passed and details["methods"]["ngram"]["near_ties"] == 1
+    passed, details = gpu_check.check_bf16(tmp_path / "bf16-bad")
+    assert not passed and details["methods"]["ngram"]["not_near_ties"] == [real]
+    passed, details = gpu_check.check_eval_tp(tmp_path / "fp32", tmp_path / "tp2")
+    assert not passed and details["differ [tp1, tp2]"] == {"ngram": {"tau": [1.5, 1.25]}}
+    assert gpu_check.check_eval_tp(tmp_path / "fp32", tmp_path / "fp32")[0]
+    assert not gpu_check.check_eval_tp(tmp_path / "missing", tmp_path / "tp2")[0]
+
+    one_gpu = gpu_check.plan(gpu_check.Settings.for_device("cuda"), tmp_path, [], gpus=1)
+    assert [s for s in one_gpu if isinstance(s, dict)] == [
+        {"name": "capture-tp2", "skipped": "skipped: 1 GPU visible"},
+        {"name": "eval-tp2", "skipped": "skipped: 1 GPU visible"},
+    ]
+    two_gpus = {s.name: s.command for s in gpu_check.plan(gpu_check.Settings.for_device("cuda"), tmp_path, [], 2)}
+    assert "--tp-size" in two_gpus["eval-tp2"] and "target.tp_size=2" in two_gpus["capture-tp2"]
+
+    report = {"machine": "m", "device": "cuda", "gpus": 1, "torch": "t", "steps": []}
+    report["steps"] = [
+        {"name": "eval-fp32", "command": "python -m eval.acceptance", "wall_s": 1.0, "passed": True, "details": {}},
+        {"name": "capture-tp2", "skipped": "skipped: 1 GPU visible"},
+    ]
+    gpu_check.write_report(report, tmp_path)
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["passed"] is True
+    report["steps"].append({"name": "eval-bf16", "command": "c | d", "wall_s": 2.0, "passed": False, "details": {}})
+    gpu_check.write_report(report, tmp_path)
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["passed"] is False
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert text.startswith("# gpu-check: FAILED") and "| capture-tp2 | skipped: 1 GPU visible |" in text
+    assert "| eval-bf16 | **FAIL** | 2.0 |" in text and "`c \\| d`" in text
+
+
+def test_allow_cpu_runs_the_step_and_records_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)  # the CPU path on any machine
+    report = gpu_check.main(["--out", str(tmp_path), "--allow-cpu", "--steps", "eval-fp32"])
+    (step,) = report["steps"]
+    assert step["name"] == "eval-fp32" and step["returncode"] == 0 and step["passed"] is True and step["wall_s"] > 0
+    assert "-m eval.acceptance" in step["command"] and "--device cpu --dtype fp32" in step["command"]
+    assert step["details"] == {"greedy_identical": {"vanilla": True, "ngram": True}}
+    assert report["passed"] is True and json.loads((tmp_path / "gpu_check.json").read_text()) == report
+    assert json.loads((tmp_path / "eval-fp32" / "report.json").read_text())["device"] == "cpu"
