@@ -93,6 +93,24 @@ class Capture(Section):
     # Train on shards whose manifest names other target weights (a fine-tune of the same shape): only
     # for users who know the states still fit; the run warns.
     allow_other_weights: bool = False
+    # Who runs the target: hf, transformers in this process (torchrun ranks, target.tp_size); vllm, a vLLM
+    # server with extract_hidden_states (docs/DATA.md, "Capture through vLLM"): the one at base_url, or one
+    # started here from engine_python with target.tp_size as its tensor_parallel_size.
+    engine: Literal["hf", "vllm"] = "hf"
+    engine_python: str = ".venv-engines/bin/python"  # the venv with vllm (make verify-engines builds it)
+    base_url: str | None = None  # a running server's API root; null: start one (engine vllm)
+    model: str | None = None  # the served model name; null: target.path
+    concurrency: Count = 8  # requests in flight (the server batches them)
+    timeout_s: Positive = 600.0  # per request: no answer within it is a failed attempt
+    retries: NonNegative = 3  # per request, after connection errors, timeouts and 5xx/429 answers
+
+    @model_validator(mode="after")
+    def _a_server_only_for_the_vllm_engine(self) -> Capture:
+        if self.engine == "hf" and self.base_url:
+            raise PydanticCustomError(
+                "section_rule", "base_url is only read by engine 'vllm' (set engine: vllm to capture through it)"
+            )
+        return self
 
 
 class CaptureToDisk(Capture):

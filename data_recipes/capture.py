@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +44,10 @@ from headstart.core.config import load_config, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from headstart.core.io import OutOfSpaceError, check_writable, output_lock
 from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory
-from headstart.core.models import default_aux_layers, load_target
-from headstart.core.runtime import barrier, join_process_group, rank_device, resolve_dtype
+from headstart.core.models import default_aux_layers, load_model, load_tokenizer
+from headstart.core.runtime import Ranks, barrier, join_process_group, rank_device, resolve_dtype
 from headstart.core.schema import CaptureConfig, validate_config
+from headstart.data_recipes.engine_capture import engine_states_for
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import (
     FP8,
@@ -135,28 +138,39 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+# Per-sample hidden states of a list of samples (with their sample ids): a dict of [tokens, ...] tensors each.
+StateSource = Callable[[list[Sample], list[int]], list[dict[str, torch.Tensor]]]
+
+
+def forward_states(model: PreTrainedModel, aux_layers: list[int], batch_tokens: int, pad_id: int) -> StateSource:
+    """The transformers target's states, run in padded batches of at most ``batch_tokens`` tokens."""
+
+    def states(samples: list[Sample], sample_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        lengths = [len(s.input_ids) for s in samples]
+        out: list[dict[str, torch.Tensor]] = [{} for _ in samples]
+        for batch in length_batches(lengths, batch_tokens):
+            longest = max(lengths[i] for i in batch)
+            ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), longest), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, : lengths[i]] = torch.tensor(samples[i].input_ids)
+                mask[row, : lengths[i]] = 1
+            found = capture_hidden_states(model, ids.to(model.device), mask.to(model.device), aux_layers)
+            for row, i in enumerate(batch):
+                out[i] = {key: value[row, : lengths[i]] for key, value in found.items()}
+        return out
+
+    return states
+
+
 def capture_shard(
-    model: PreTrainedModel,
-    samples: list[Sample],
-    sample_ids: list[int],
-    aux_layers: list[int],
-    store_dtype: torch.dtype,
-    batch_tokens: int,
-    pad_id: int,
+    states: StateSource, samples: list[Sample], sample_ids: list[int], n_aux: int, store_dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Capture one shard's samples in padded batches and concatenate them along the token axis."""
-    lengths = [len(s.input_ids) for s in samples]
+    """One shard's tensors: its samples' states, as stored (``store_hidden``), concatenated along the tokens."""
     pieces: dict[str, list[torch.Tensor]] = {}
-    for batch in length_batches(lengths, batch_tokens):
-        longest = max(lengths[i] for i in batch)
-        ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, i in enumerate(batch):
-            ids[row, : lengths[i]] = torch.tensor(samples[i].input_ids)
-            mask[row, : lengths[i]] = 1
-        states = capture_hidden_states(model, ids.to(model.device), mask.to(model.device), aux_layers)
-        for key, value in store_hidden(states, store_dtype, len(aux_layers)).items():
-            pieces.setdefault(key, []).extend(value[row, : lengths[i]].cpu() for row, i in enumerate(batch))
+    for one in states(samples, sample_ids):
+        for key, value in store_hidden(one, store_dtype, n_aux).items():
+            pieces.setdefault(key, []).append(value.cpu())
     return token_tensors(samples, sample_ids) | {key: torch.cat(chunks) for key, chunks in pieces.items() if chunks}
 
 
@@ -198,6 +212,29 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
         )
 
 
+@contextmanager
+def state_source(
+    cfg: dict[str, Any],
+    model: PreTrainedModel | None,
+    aux_layers: list[int],
+    pad_id: int,
+    out_dir: Path,
+    started: bool = True,
+) -> Iterator[StateSource]:
+    """Where the states come from while the block runs: the target loaded here, or a vLLM server (the one at
+    ``capture.base_url``, or one started for the block, its log and request files under ``out_dir/engine``).
+    ``started=False``: a rank with no shard to capture connects to no server."""
+    if model is not None or not started:
+        yield forward_states(model, aux_layers, cfg["capture"]["batch_tokens"], pad_id) if model else _no_states
+        return
+    with engine_states_for(cfg, aux_layers, out_dir / "engine") as engine:
+        yield lambda samples, sample_ids: engine([s.input_ids for s in samples], sample_ids)
+
+
+def _no_states(samples: list[Sample], sample_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+    raise AssertionError("a rank with no shard to capture asked for states")
+
+
 CAPTURE_MEMORY_REMEDY = "split the target across more ranks (target.tp_size) or lower capture.batch_tokens"
 
 
@@ -220,14 +257,22 @@ def run_capture(cfg: dict[str, Any]) -> Path:
     here, before the target is loaded. Under torchrun each rank captures its share of the shards.
     """
     cfg = validate_config(cfg, CaptureConfig)
-    device = rank_device(cfg["target"]["device"])
-    ranks = join_process_group(device, cfg["target"]["tp_size"])
+    target, data, cap = cfg["target"], cfg["data"], cfg["capture"]
+    engine = cap["engine"] == "vllm"
+    device = rank_device(target["device"])
+    if engine and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "capture.engine: vllm runs in one process (the server splits the target itself, target.tp_size ways): "
+            "start it without torchrun"
+        )
+    ranks = Ranks() if engine else join_process_group(device, target["tp_size"])
     rank, world = ranks.rank, ranks.world
-    memory = check_memory(capture_memory(cfg), device, CAPTURE_MEMORY_REMEDY)  # before any weight is read
-    if rank == 0:
-        print(memory)
-    model, tokenizer = load_target({**cfg["target"], "device": str(device)})
-    data, cap = cfg["data"], cfg["capture"]
+    if not engine:  # a server holds its own target, in its own memory
+        memory = check_memory(capture_memory(cfg), device, CAPTURE_MEMORY_REMEDY)  # before any weight is read
+        if rank == 0:
+            print(memory)
+    config, tokenizer = AutoConfig.from_pretrained(target["path"]), load_tokenizer(target["path"])
+    model = None if engine else load_model(target["path"], device, target["dtype"], target["tp_size"])
     out_dir = Path(cap["out_dir"])
     samples, report = load_samples(
         data["source"],
@@ -238,15 +283,16 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         limit=data["limit"],
     )
     require_samples(samples, report, data["source"], data["max_length"])
-    num_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    num_layers, hidden = config.get_text_config().num_hidden_layers, config.get_text_config().hidden_size
     aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers)
-    store_dtype = resolve_dtype(cap["store_dtype"])
+    store_dtype, compute_dtype = resolve_dtype(cap["store_dtype"]), resolve_dtype(target["dtype"])
     settings = {
-        "target": str(cfg["target"]["path"]),
-        "target_config_hash": hashlib.sha256(model.config.to_json_string().encode()).hexdigest()[:16],
-        "target_weights_hash": weights_hash(cfg["target"]["path"], model.dtype),
+        "target": str(target["path"]),
+        "engine": cap["engine"],  # the same tensors either way, but not bit for bit: never mixed in one capture
+        "target_config_hash": hashlib.sha256(config.to_json_string().encode()).hexdigest()[:16],
+        "target_weights_hash": weights_hash(target["path"], compute_dtype),
         "tokenizer_hash": tokenizer_hash(tokenizer),
-        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "store_dtype": str(store_dtype).removeprefix("torch."),
         "hidden_size": hidden,
         "num_hidden_layers": num_layers,
@@ -291,20 +337,14 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         bar = tqdm(total=my_tokens, unit="tok", unit_scale=True, desc=desc)
         start = time.perf_counter()
         digests: dict[int, Future] = {}
-        for k in mine:
-            tensors = capture_shard(
-                model,
-                [samples[i] for i in plan[k]],
-                plan[k],
-                aux_layers,
-                store_dtype,
-                cap["batch_tokens"],
-                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-            )
-            if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
-                write_shard(out_dir / shard_name(k), tensors, fingerprint)
-                digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
-            bar.update(len(tensors["input_ids"]))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        with state_source(cfg, model, aux_layers, pad_id, out_dir, started=bool(mine)) as states:
+            for k in mine:
+                tensors = capture_shard(states, [samples[i] for i in plan[k]], plan[k], len(aux_layers), store_dtype)
+                if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
+                    write_shard(out_dir / shard_name(k), tensors, fingerprint)
+                    digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
+                bar.update(len(tensors["input_ids"]))
         bar.close()
         seconds = time.perf_counter() - start
         barrier()  # every shard exists

@@ -1,6 +1,7 @@
-"""Chat completions from an OpenAI-compatible server (vLLM, SGLang), on the standard library alone.
+"""Requests to an OpenAI-compatible server (vLLM, SGLang), on the standard library alone.
 
-``ChatServer`` sends ``POST {base_url}/chat/completions`` requests, ``concurrency`` at a time (the
+``ChatServer`` sends ``POST {base_url}/chat/completions`` requests (regeneration) and any other POST
+(``/completions`` with token-id prompts: capture through vLLM), ``concurrency`` at a time (the
 server batches what is in flight), each with a timeout and retried with backoff after what a restart
 or an overload looks like: a refused or dropped connection, a timeout, a 5xx or 429 answer. Anything
 else (a 4xx: a prompt longer than the server's context, a model it does not serve) is the request's
@@ -67,12 +68,28 @@ class ChatServer:
         entry = next((m for m in models if m.get("id") == self.model), None)
         if entry is None:
             served = [m.get("id") for m in models]
-            raise EngineError(f"{self.base_url} serves {served}, not {self.model!r}: set regenerate.model to one")
+            raise EngineError(
+                f"{self.base_url} serves {served}, not {self.model!r}: "
+                "set the served model name (regenerate.model, capture.model) to one"
+            )
         return entry
 
     def complete_all(self, requests: list[tuple[dict[str, Any], str]]) -> list[tuple[str, str]]:
         """(reply, finish_reason) per ``(body, what)`` request, in order; ``what`` names it in errors."""
-        futures = [self._pool.submit(self.complete, body, what) for body, what in requests]
+        return self._in_flight(self.complete, requests)
+
+    def post_all(self, path: str, requests: list[tuple[dict[str, Any], str]]) -> list[dict[str, Any]]:
+        """The JSON answer of ``POST {base_url}{path}`` per ``(body, what)`` request, in order, with the retries
+        and failure rules of the chat requests (``/completions`` with token-id prompts, for instance)."""
+        return self._in_flight(
+            lambda body, what: self._with_retries(lambda: self._call("POST", path, body), what), requests
+        )
+
+    def _in_flight(
+        self, send: Callable[[dict[str, Any], str], Any], requests: list[tuple[dict[str, Any], str]]
+    ) -> list:
+        """``send(body, what)`` for every request, ``concurrency`` at a time; the answers in order."""
+        futures = [self._pool.submit(send, body, what) for body, what in requests]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # one failure ends the batch, whichever it is
         error = next((e for f in futures if f in done and (e := f.exception()) is not None), None)
         if error is not None:

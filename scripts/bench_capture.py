@@ -24,7 +24,7 @@ from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.core.schema import CaptureConfig, validate_config
 from headstart.core.timing import timed
-from headstart.data_recipes.capture import capture_shard, length_batches, resolve_aux_layers
+from headstart.data_recipes.capture import capture_shard, forward_states, length_batches, resolve_aux_layers
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import write_shard
 
@@ -60,9 +60,8 @@ def capture_to(
     """What ``data_recipes.capture`` does for ``samples``: ``capture_shard`` per shard, then the atomic write."""
     for k in range(0, len(samples), shard_samples):
         shard = samples[k : k + shard_samples]
-        tensors = capture_shard(
-            model, shard, list(range(k, k + len(shard))), aux_layers, store_dtype, batch_tokens, pad_id
-        )
+        states = forward_states(model, aux_layers, batch_tokens, pad_id)
+        tensors = capture_shard(states, shard, list(range(k, k + len(shard))), len(aux_layers), store_dtype)
         write_shard(out / f"shard-{k:05d}.safetensors", tensors, "bench")
 
 

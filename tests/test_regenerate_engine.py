@@ -215,7 +215,7 @@ def test_a_failed_request_stops_the_others_retrying(serve, messages_file, tmp_pa
 
 def test_no_server_or_another_model_fails_before_any_part(serve, messages_file, tmp_path):
     url, _ = serve()
-    with pytest.raises(EngineError, match=rf"{url} serves \['demo-target'\], not 'other': set regenerate.model"):
+    with pytest.raises(EngineError, match=rf"{url} serves \['demo-target'\], not 'other': set the served model name"):
         run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, model="other"))
     down = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
     with pytest.raises(EngineError, match=rf"the server at {down} did not answer GET /models .*Connection refused"):
