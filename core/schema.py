@@ -163,7 +163,9 @@ class Train(Section):
     max_grad_norm: NonNegativeFloat = 1.0  # 0: no clipping
     zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_a_flag)] = 2
     dtype: Literal["fp32", "bf16"] = "fp32"  # the head's training precision
-    online_capture: bool = False
+    # true: the target runs inside each step, here; vllm: each batch's states are asked of a vLLM server
+    # (capture.base_url, or one started from capture.engine_python); false: the shards in capture.out_dir
+    online_capture: bool | Literal["vllm"] = False
     heldout_samples: NonNegative = 0
     eval_every: NonNegative = 0  # 0: held-out eval at the end only
     save_every: NonNegative = 0  # 0: checkpoint at the end only

@@ -110,13 +110,27 @@ def capture_hidden_states(
 
 
 class OnlineCapture:
-    """Hidden states computed inside the training step, equal to what offline capture stores."""
+    """Hidden states computed inside the training step, equal to what offline capture stores.
 
-    def __init__(self, model: PreTrainedModel, aux_layers: list[int], store_dtype: torch.dtype):
+    A context manager like ``EngineCapture``: the training loop holds it open while it trains (nothing to open
+    for a target loaded here)."""
+
+    def __init__(self, model: PreTrainedModel | None, aux_layers: list[int], store_dtype: torch.dtype):
         self.model, self.aux_layers, self.store_dtype = model, aux_layers, store_dtype
 
+    def __enter__(self) -> OnlineCapture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def states(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``last_hidden`` [B,S,H] and ``aux_hidden`` [B,S,k*H] of the batch, as computed (before storing)."""
+        assert self.model is not None
+        return capture_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], self.aux_layers)
+
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        states = capture_hidden_states(self.model, batch["input_ids"], batch["attention_mask"], self.aux_layers)
+        states = self.states(batch)
         keep = batch["attention_mask"].bool()[..., None]
         if self.store_dtype == FP8:  # the states an fp8 shard gives back: quantized, then bf16
             stored = store_hidden(states, FP8, len(self.aux_layers))
@@ -125,6 +139,37 @@ class OnlineCapture:
             states = store_hidden(states, self.store_dtype, len(self.aux_layers))
         # Padded positions are zero, exactly as the shard collator pads them.
         return {**batch, **{k: v.masked_fill(~keep, 0) for k, v in states.items()}}
+
+
+class EngineCapture(OnlineCapture):
+    """Online states asked of a vLLM server for each batch (``train.online_capture: vllm``): the same request as
+    ``capture.engine: vllm`` makes per sample, so the step trains on what an engine capture's shards hold.
+
+    Open it (``with``) to start or reach the server; a request that fails is retried (``capture.retries``,
+    ``capture.timeout_s``) and then stops the run, naming the server and the sample."""
+
+    def __init__(self, cfg: dict[str, Any], aux_layers: list[int], store_dtype: torch.dtype, work_dir: Path):
+        super().__init__(None, aux_layers, store_dtype)
+        self.opening = engine_states_for(cfg, aux_layers, work_dir)
+        self.engine: Any = None
+
+    def __enter__(self) -> EngineCapture:
+        self.engine = self.opening.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.opening.__exit__(*exc)
+
+    def states(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+        rows = self.engine(
+            [row[keep].tolist() for row, keep in zip(ids.cpu(), mask.cpu())], batch["sample_id"].tolist()
+        )
+        out = {key: ids.new_zeros((*ids.shape, value.shape[-1]), dtype=value.dtype) for key, value in rows[0].items()}
+        for b, found in enumerate(rows):
+            for key, value in found.items():
+                out[key][b, : len(value)] = value.to(ids.device)
+        return out
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:

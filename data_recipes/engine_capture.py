@@ -22,16 +22,17 @@ import fcntl
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig
 
-from headstart.core.runtime import resolve_dtype
+from headstart.core.runtime import barrier, rank_zero_value, resolve_dtype
 from headstart.core.weights import borrowed_model
 from headstart.data_recipes.engine_client import ChatServer, EngineError
 from headstart.data_recipes.engine_server import vllm_server
@@ -140,28 +141,38 @@ def read_states_file(path: str) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def engine_states_for(cfg: dict[str, Any], aux_layers: list[int], work_dir: Path) -> Iterator[EngineStates]:
+def engine_states_for(
+    cfg: dict[str, Any], aux_layers: list[int], work_dir: Path, rank: int = 0
+) -> Iterator[EngineStates]:
     """``EngineStates`` from the server the config names (``capture.base_url``) or from one started here
-    (``capture.engine_python``, the target split ``target.tp_size`` ways), its files under ``work_dir``."""
+    (``capture.engine_python``, the target split ``target.tp_size`` ways; its log and files under ``work_dir``).
+
+    Under torchrun only rank 0 starts a server, and every rank asks it (all on one machine: the states files
+    are read where the server writes them); the server stops once every rank is done with it.
+    """
     target, cap = cfg["target"], cfg["capture"]
     norm = borrowed_model(target["path"], torch.device("cpu"), resolve_dtype(target["dtype"])).get_decoder().norm
     model = cap["model"] or str(target["path"])
     limits = cap["concurrency"], cap["timeout_s"], cap["retries"]
-    if cap["base_url"]:
-        with ChatServer(cap["base_url"], model, *limits) as server:
-            yield EngineStates(server, aux_layers, norm)
-        return
+    with ExitStack() as stack:
+        url = cap["base_url"]
+        if not url and (not dist.is_initialized() or dist.get_rank() == 0):
+            url = stack.enter_context(_started_server(cfg, aux_layers, work_dir, model))
+        url = rank_zero_value(url)
+        stack.callback(barrier)  # runs before the server stops: no rank loses it mid-request
+        yield EngineStates(stack.enter_context(ChatServer(url, model, *limits)), aux_layers, norm)
+
+
+def _started_server(cfg: dict[str, Any], aux_layers: list[int], work_dir: Path, model: str) -> Any:
+    target = cfg["target"]
     states_dir = work_dir / "engine-states"
     states_dir.mkdir(parents=True, exist_ok=True)
     layers = [*aux_layers, norm_free_last_layer(target["path"])]
     args = server_args(target, layers, cfg["data"]["max_length"], states_dir)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(VLLM_SIDE), os.environ.get("PYTHONPATH")]))}
-    log = work_dir / "vllm.log"
-    with (
-        vllm_server(cap["engine_python"], str(target["path"]), model, log, tuple(args), env) as url,
-        ChatServer(url, model, *limits) as server,
-    ):
-        yield EngineStates(server, aux_layers, norm)
+    return vllm_server(
+        cfg["capture"]["engine_python"], str(target["path"]), model, work_dir / "vllm.log", tuple(args), env
+    )
 
 
 def norm_free_last_layer(path: str) -> int:

@@ -42,6 +42,7 @@ def step_batches(
     """(token batches, the same with their captured states) of ``batch_size`` samples, as training collates
     them, on the target's device; a last partial batch is left out."""
     dataset = SampleDataset(samples)
+    assert capture.model is not None, "the bench captures with a target loaded here"
     device = capture.model.device
     raw, batches = [], []
     for k in range(0, len(dataset) - batch_size + 1, batch_size):

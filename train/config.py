@@ -49,6 +49,16 @@ def _check_consistency(cfg: dict[str, Any], trainer: str, problems: list[str]) -
             "Medusa-2 (a lora: section) trains the target itself, so its hidden states cannot come from "
             "shards: set train.online_capture: true"
         )
+    if train["online_capture"] == "vllm" and cfg["capture"]["engine"] != "vllm":
+        problems.append(
+            "train.online_capture: vllm asks the server the capture section describes: set capture.engine: vllm "
+            "(and capture.base_url for a running server, else one starts from capture.engine_python)"
+        )
+    if "lora" in cfg and train["online_capture"] == "vllm":
+        problems.append(
+            "Medusa-2 (a lora: section) trains the target itself, so a server's states (train.online_capture: "
+            "vllm) are not its states: set train.online_capture: true"
+        )
     if "lora" in cfg and cfg["target"]["tp_size"] > 1:
         problems.append(
             f"Medusa-2 (a lora: section) cannot train a split target (target.tp_size={cfg['target']['tp_size']}): "

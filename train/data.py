@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.runtime import mix_seed, resolve_dtype
-from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers, samples_hash
+from headstart.data_recipes.capture import EngineCapture, OnlineCapture, resolve_aux_layers, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
 
@@ -61,15 +62,18 @@ def load_data(
     data, cap, train = cfg["data"], cfg["capture"], cfg["train"]
     num_layers = target.config.num_hidden_layers
     aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers) if aux else []
-    capture = None
+    capture: OnlineCapture | None = None
     if train["online_capture"]:
         samples, report = load_samples(
             data["source"], data["format"], tokenizer, data["max_length"], data["on_error"], limit=data["limit"]
         )
         require_samples(samples, report, data["source"], data["max_length"])
         dataset: SampleDataset | ShardDataset = SampleDataset(samples)
-        if online_states:
-            capture = OnlineCapture(target, aux_layers, resolve_dtype(cap["store_dtype"]))
+        store_dtype = resolve_dtype(cap["store_dtype"])
+        if online_states and train["online_capture"] == "vllm":  # a server's states; the target is not here
+            capture = EngineCapture(cfg, aux_layers, store_dtype, Path(train["out_dir"]) / "engine")
+        elif online_states:
+            capture = OnlineCapture(target, aux_layers, store_dtype)
     else:
         dataset = ShardDataset(cap["out_dir"], vocab_size=target.config.vocab_size)
         check_manifest(

@@ -9,6 +9,7 @@ the optimizer never sees it and checkpoints never store it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -123,9 +124,10 @@ def target_settings(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]
 
 
 def runs_target(cfg: dict[str, Any]) -> bool:
-    """Whether training runs the target's forward (online capture, Medusa-2's LoRA); from shards it only borrows
-    the embedding, final norm and lm_head (``core.models.load_target(borrowed_only=True)``)."""
-    return bool(cfg["train"]["online_capture"] or cfg.get("lora"))
+    """Whether training runs the target's forward (online capture, Medusa-2's LoRA); from shards, or from a
+    server's states (``online_capture: vllm``), it only borrows the embedding, final norm and lm_head
+    (``core.models.load_target(borrowed_only=True)``)."""
+    return cfg["train"]["online_capture"] is True or bool(cfg.get("lora"))
 
 
 def start_processes(cfg: dict[str, Any]) -> Process:
@@ -352,22 +354,24 @@ def train(
         save_checkpoint, engine, out_dir, save_artifacts=save_artifacts, keep=train_cfg["keep_checkpoints"], order=order
     )
     done = start
-    try:
-        for step, batches in step_batches(data, train_cfg, start, total, proc.dp_rank, proc.dp_world):
-            log.log(train_step(engine, batches, step, train_cfg["seed"], proc))
-            done = step + 1
-            if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:
-                record = evaluate(engine, data, train_cfg, done, proc)
-                log.log(record)
-                head.config.training = training_summary(record)
-            if _due(done, train_cfg["save_every"], total):
-                if not all_finite(engine):
-                    raise NonFiniteLoss(f"the weights became non-finite at step {done}")
-                save(step=done)
-    except NonFiniteLoss as err:
-        raise NonFiniteLoss(f"{err}; stopped. {_last_good(engine, out_dir, done, save)}") from None
-    finally:
-        log.close()
+    # Online states from a server: it runs (or is reached) while the steps run.
+    with data.capture or contextlib.nullcontext():
+        try:
+            for step, batches in step_batches(data, train_cfg, start, total, proc.dp_rank, proc.dp_world):
+                log.log(train_step(engine, batches, step, train_cfg["seed"], proc))
+                done = step + 1
+                if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:
+                    record = evaluate(engine, data, train_cfg, done, proc)
+                    log.log(record)
+                    head.config.training = training_summary(record)
+                if _due(done, train_cfg["save_every"], total):
+                    if not all_finite(engine):
+                        raise NonFiniteLoss(f"the weights became non-finite at step {done}")
+                    save(step=done)
+        except NonFiniteLoss as err:
+            raise NonFiniteLoss(f"{err}; stopped. {_last_good(engine, out_dir, done, save)}") from None
+        finally:
+            log.close()
 
 
 def _due(done: int, every: int, total: int) -> bool:
