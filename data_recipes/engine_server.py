@@ -8,10 +8,12 @@ Regeneration (``scripts.serve_and_regenerate``) and capture (``capture.engine: v
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -70,14 +72,27 @@ def vllm_server(
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting vLLM on port {port} (log: {log})")
     with log.open("w") as out:
-        # Its own process group: vLLM forks an engine-core process, and both must go when we stop it.
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Its own process group: vLLM forks an engine-core process, and both must go when we stop it. And it
+        # goes with us: a capture or training killed with SIGKILL runs no cleanup, so the kernel sends the server
+        # SIGTERM when we die (Linux), instead of leaving it holding the memory and the port.
+        server = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent
+        )
     try:
         base_url = f"http://127.0.0.1:{port}/v1"
         wait_until_serving(base_url, server, log)
         yield base_url
     finally:
         stop(server)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (prctl PR_SET_PDEATHSIG; a no-op off Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def stop(server: subprocess.Popen) -> None:
