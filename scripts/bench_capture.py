@@ -1,11 +1,14 @@
 """Capture throughput as a ratio to a bare target forward over the same batches (goal: >= 0.9x).
 
     python -m scripts.bench_capture --config configs/demo-eagle3.yaml [--samples 256] [--repeats 3]
+        [--engine-python .venv-engines/bin/python]
 
 Both sides run on the same length-sorted, padded batches in one process, alternating, best of
 ``repeats``: the bare side is ``target(input_ids, attention_mask)`` (what any user would run); the
 capture side is what ``data_recipes.capture`` does per shard: the decoder forward with layer hooks,
-the copy into the store dtype and the atomic shard write. ``scripts.bench_scale`` times the same sides
+the copy into the store dtype and the atomic shard write. With ``--engine-python`` a third side is the
+capture through vLLM (``capture.engine: vllm``): a server started first, then the same shards from its
+states files. ``scripts.bench_scale`` times the same sides
 at real model shapes.
 """
 
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +29,14 @@ from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.core.schema import CaptureConfig, validate_config
 from headstart.core.timing import timed
-from headstart.data_recipes.capture import capture_shard, forward_states, length_batches, resolve_aux_layers
+from headstart.data_recipes.capture import (
+    StateSource,
+    capture_shard,
+    forward_states,
+    length_batches,
+    resolve_aux_layers,
+)
+from headstart.data_recipes.engine_capture import EngineStates, engine_states_for
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import write_shard
 
@@ -48,20 +60,13 @@ def bare_forward(
 
 
 def capture_to(
-    out: Path,
-    model: PreTrainedModel,
-    samples: list[Sample],
-    aux_layers: list[int],
-    store_dtype: torch.dtype,
-    batch_tokens: int,
-    shard_samples: int,
-    pad_id: int,
+    out: Path, states: StateSource, samples: list[Sample], n_aux: int, store_dtype: torch.dtype, shard_samples: int
 ) -> None:
-    """What ``data_recipes.capture`` does for ``samples``: ``capture_shard`` per shard, then the atomic write."""
+    """What ``data_recipes.capture`` does for ``samples``: ``capture_shard`` per shard from ``states`` (the target
+    here, ``forward_states``, or a vLLM server), then the atomic write."""
     for k in range(0, len(samples), shard_samples):
         shard = samples[k : k + shard_samples]
-        states = forward_states(model, aux_layers, batch_tokens, pad_id)
-        tensors = capture_shard(states, shard, list(range(k, k + len(shard))), len(aux_layers), store_dtype)
+        tensors = capture_shard(states, shard, list(range(k, k + len(shard))), n_aux, store_dtype)
         write_shard(out / f"shard-{k:05d}.safetensors", tensors, "bench")
 
 
@@ -79,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="configs/demo-eagle3.yaml")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--engine-python", help="also time the capture through vLLM, served from this venv's Python (.venv-engines)"
+    )
     args = parser.parse_args(argv)
     cfg = validate_config(load_config(args.config), CaptureConfig)
     model, tokenizer = load_target(cfg["target"])
@@ -91,26 +99,21 @@ def main(argv: list[str] | None = None) -> None:
     tokens = sum(len(s.input_ids) for s in samples)
     batches = length_batches([len(s.input_ids) for s in samples], cap["batch_tokens"])
 
-    with tempfile.TemporaryDirectory(
-        dir=Path(cap["out_dir"]).parent if Path(cap["out_dir"]).parent.exists() else None
-    ) as tmp:
-        best = best_seconds(
-            model.device,
-            {
-                "bare": lambda: bare_forward(model, samples, cap["batch_tokens"], pad_id),
-                "capture": lambda: capture_to(
-                    Path(tmp),
-                    model,
-                    samples,
-                    aux_layers,
-                    store_dtype,
-                    cap["batch_tokens"],
-                    cap["shard_samples"],
-                    pad_id,
-                ),
-            },
-            args.repeats,
-        )
+    here = forward_states(model, aux_layers, cap["batch_tokens"], pad_id)
+    folder = Path(cap["out_dir"]).parent if Path(cap["out_dir"]).parent.exists() else None
+    with tempfile.TemporaryDirectory(dir=folder) as tmp, ExitStack() as stack:
+        sides: dict[str, Callable[[], object]] = {
+            "bare": lambda: bare_forward(model, samples, cap["batch_tokens"], pad_id),
+            "capture": lambda: capture_to(Path(tmp), here, samples, len(aux_layers), store_dtype, cap["shard_samples"]),
+        }
+        if args.engine_python:  # the server is started (and answering) before any side is timed
+            engine_cfg = {**cfg, "capture": {**cap, "engine": "vllm", "engine_python": args.engine_python}}
+            engine = stack.enter_context(engine_states_for(engine_cfg, aux_layers, Path(tmp) / "engine"))
+            served = partial(_served_states, engine)
+            sides["vllm"] = lambda: capture_to(
+                Path(tmp), served, samples, len(aux_layers), store_dtype, cap["shard_samples"]
+            )
+        best = best_seconds(model.device, sides, args.repeats)
     bare_tps, capture_tps = tokens / best["bare"], tokens / best["capture"]
     device = (
         torch.cuda.get_device_name(model.device)
@@ -126,7 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"| bare target forward | {bare_tps:,.0f} |\n| capture (forward + hooks + shard write) | {capture_tps:,.0f} |"
     )
+    if "vllm" in best:
+        vllm_tps = tokens / best["vllm"]
+        print(f"| capture through vLLM (requests, states files, final norm, shard write) | {vllm_tps:,.0f} |")
+        print(f"vLLM capture / transformers capture = {vllm_tps / capture_tps:.2f}x")
     print(f"capture / bare = {capture_tps / bare_tps:.2f}x (goal >= 0.9x)")
+
+
+def _served_states(engine: EngineStates, samples: list[Sample], sample_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+    return engine([s.input_ids for s in samples], sample_ids)
 
 
 if __name__ == "__main__":

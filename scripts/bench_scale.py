@@ -67,7 +67,7 @@ from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dty
 from headstart.core.schema import Capture
 from headstart.core.timing import timed
 from headstart.core.weights import INDEX_NAME, borrowed_names, meta_model
-from headstart.data_recipes.capture import OnlineCapture
+from headstart.data_recipes.capture import OnlineCapture, forward_states
 from headstart.data_recipes.recipes import Sample
 from headstart.data_recipes.shards import read_manifest
 from headstart.eval.proposers import Vanilla
@@ -204,7 +204,13 @@ def measure_capture(
             "forward": partial(bare_forward, target, samples, batch_tokens, PAD_ID),
             "decoder": partial(bare_forward, target, samples, batch_tokens, PAD_ID, decoder_only=True),
             "capture": partial(
-                capture_to, Path(tmp), target, samples, layers, dtype, batch_tokens, shard_samples, PAD_ID
+                capture_to,
+                Path(tmp),
+                forward_states(target, layers, batch_tokens, PAD_ID),
+                samples,
+                len(layers),
+                dtype,
+                shard_samples,
             ),
         }
         seconds = best_seconds(device, sides, repeats)
