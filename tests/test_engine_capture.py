@@ -191,16 +191,20 @@ def test_a_server_killed_mid_capture_leaves_the_finished_shards_and_a_rerun_resu
 
 @pytest.mark.engines
 @engines
-def test_online_training_from_the_server_reaches_the_head_of_its_shards(engine_and_hf, tmp_path, monkeypatch):
-    cfg = engine_config(engine_and_hf, "vllm", engine="vllm")
+def test_online_training_from_the_server_takes_the_steps_of_online_training_here(tmp_path, monkeypatch):
+    cfg = engine_config(tmp_path, "unused", engine="vllm")
     cfg["head"] = {"type": "eagle3", "draft_vocab_size": 512, "ttt_steps": 3}
     settings = {"seed": 1, "batch_size": 4, "micro_batch_size": 2, "max_steps": 4, "heldout_samples": 8, "lr": 1e-3}
     runs = {}
-    for name, online in (("shards", False), ("online", "vllm")):
+    for name, online in (("here", True), ("server", "vllm")):
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump(cfg | {"train": {"out_dir": str(tmp_path / name), "online_capture": online,
                                                           **settings}}))  # fmt: skip
         run_here(monkeypatch, eagle, config)
-        runs[name] = records(tmp_path / name, "heldout")[-1]
-    for key in [k for k in runs["shards"] if k.startswith("acc_")]:
-        assert runs["online"][key] == pytest.approx(runs["shards"][key], abs=0.01), key
+        runs[name] = records(tmp_path / name) + records(tmp_path / name, "heldout")
+    # The same batches, and states one bf16 rounding apart: the same losses and held-out accuracy.
+    for here, server in zip(runs["here"], runs["server"]):
+        assert server["loss"] == pytest.approx(here["loss"], rel=1e-3)
+    heldout = runs["here"][-1]
+    for key in [k for k in heldout if k.startswith("acc_")]:
+        assert runs["server"][-1][key] == pytest.approx(heldout[key], abs=0.005), key
