@@ -208,3 +208,26 @@ def test_online_training_from_the_server_takes_the_steps_of_online_training_here
     heldout = runs["here"][-1]
     for key in [k for k in heldout if k.startswith("acc_")]:
         assert runs["server"][-1][key] == pytest.approx(heldout[key], abs=0.005), key
+
+
+def test_compare_captures_names_what_differs(tiny_target_dir, gsm8k_file, tmp_path):
+    from conftest import base_config
+
+    from headstart.scripts.compare_captures import compare
+
+    run_capture(base_config(tiny_target_dir, gsm8k_file, tmp_path / "a", tmp_path, "eagle3"))
+    copy = tmp_path / "b"
+    copy.mkdir()
+    for file in (tmp_path / "a").iterdir():
+        if file.is_file():
+            (copy / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(copy / shard_name(0))
+    tensors["last_hidden"][0, 0] = tensors["last_hidden"][0, 0] * (1 + 2**-8)  # a value moved by half a bf16 step
+    save_file(tensors, copy / shard_name(0))
+    lines = compare(tmp_path / "a", copy)
+    assert lines[0].startswith("16 samples") and "layer 1: 0.0000% one step apart" in lines[1]
+    assert "last (after the final norm): 0.0" in lines[-1] and "0.0000% one step apart" not in lines[-1]
+    tensors["input_ids"][3] += 1
+    save_file(tensors, copy / shard_name(0))
+    with pytest.raises(ValueError, match="shard-00000.safetensors: input_ids differs"):
+        compare(tmp_path / "a", copy)
