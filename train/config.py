@@ -62,9 +62,10 @@ def _check_consistency(cfg: dict[str, Any], trainer: str, problems: list[str]) -
     if "lora" in cfg and cfg["target"]["tp_size"] > 1:
         problems.append(
             f"Medusa-2 (a lora: section) cannot train a split target (target.tp_size={cfg['target']['tp_size']}): "
-            "its LoRA adapters on tensor-parallel layers hold sharded and partial-gradient weights that need "
-            "tensor-parallel-aware gradient reduction, which the DeepSpeed engine here does not do; train "
-            "Medusa-1 (no lora:) online or from shards, or Medusa-2 on a target one device holds"
+            "peft's LoRA adapters on transformers' tensor-parallel layers fail in the forward with the pinned "
+            "peft 0.21.2 and transformers 5.23 (a shape error in the split attention), and their sharded and "
+            "partial-gradient weights would need tensor-parallel-aware gradient reduction besides; train Medusa-1 "
+            "(no lora:) online or from shards, or Medusa-2 on a target one device holds"
         )
     if "lora" in cfg and trainer != "medusa":
         problems.append("a lora: section (Medusa-2) is only read by train/medusa.py")
