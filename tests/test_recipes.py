@@ -153,6 +153,16 @@ def test_text_format_trains_on_every_token(tmp_path, tokenizers):
     assert sample.loss_mask == [1] * len(sample.input_ids)
 
 
+def test_chats_on_a_tokenizer_without_a_template_are_refused_naming_the_way_out(tmp_path, tokenizers):
+    base = copy.deepcopy(tokenizers[0])
+    base.chat_template = None  # a base model's tokenizer
+    source = write_jsonl(tmp_path / "chats.jsonl", [GSM8K_ROW])
+    with pytest.raises(ValueError, match=r"chats.jsonl: data.format 'gsm8k' .* has none .*use data.format: text"):
+        load_samples(source, "gsm8k", base, max_length=64)
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "Plain text."}])
+    assert len(load_samples(text, "text", base, max_length=64)[0]) == 1  # raw text needs no template
+
+
 def test_truncation_keeps_the_head_and_is_counted(tmp_path, tokenizers, capsys):
     tokenizer = tokenizers[0]
     full_ids, full_mask, _ = tokenize_messages(tokenizer, get_format("gsm8k")(GSM8K_ROW), 1024)
