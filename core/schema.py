@@ -17,14 +17,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import types
 import typing
+import urllib.parse
 from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import PurePath
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 
@@ -134,6 +145,15 @@ class Regenerate(Section):
     concurrency: Count = 16  # requests in flight (the server batches them)
     timeout_s: Positive = 600.0  # per request: no answer within it is a failed attempt
     retries: NonNegative = 3  # per request, after connection errors, timeouts and 5xx/429 answers
+
+    @field_validator("base_url")
+    @classmethod
+    def _an_http_url(cls, url: str | None) -> str | None:
+        # Only http(s) with a host: a file:// URL would have a client read a local file (and quote it in errors).
+        parts = urllib.parse.urlsplit(url or "")
+        if url and (parts.scheme not in ("http", "https") or not parts.hostname):
+            raise PydanticCustomError("url", "must be an http(s) URL, the server's API root (http://localhost:8000/v1)")
+        return url
 
     @model_validator(mode="after")
     def _a_server_for_the_openai_engine(self) -> Regenerate:
@@ -614,6 +634,21 @@ def flags_config(section: str, args: Namespace) -> dict[str, Any]:
     """
     values = {name: getattr(args, name) for name in COMMAND_FLAGS[section].model_fields}
     return {section: {name: _plain(value) for name, value in values.items()}}
+
+
+def flag_problems(section: str, args: Namespace) -> list[str]:
+    """A flag-driven command's parsed ``args`` through its section's schema, each problem named by its flag
+    (``--top-p must be <= 1, got 2.0``): ``python -m eval.acceptance`` refuses what ``headstart eval`` does."""
+    _, problems = check_config(flags_config(section, args), COMMAND_CONFIGS[section])
+    return [_as_flag(section, problem) for problem in problems]
+
+
+def _as_flag(section: str, problem: str) -> str:
+    """``eval.top_p must be ...`` -> ``--top-p must be ...``: on the command line a key is its flag."""
+    key = re.match(rf"{section}\.(\w+)", problem)
+    if key is None or key[1] not in COMMAND_FLAGS[section].model_fields:
+        return problem
+    return "--" + key[1].replace("_", "-") + problem[key.end() :]
 
 
 def section_keys(section: str) -> list[str]:

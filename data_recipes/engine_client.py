@@ -2,26 +2,34 @@
 
 ``ChatServer`` sends ``POST {base_url}/chat/completions`` requests (regeneration) and any other POST
 (``/completions`` with token-id prompts: capture through vLLM), ``concurrency`` at a time (the
-server batches what is in flight), each with a timeout and retried with backoff after what a restart
-or an overload looks like: a refused or dropped connection, a timeout, a 5xx or 429 answer. Anything
-else (a 4xx: a prompt longer than the server's context, a model it does not serve) is the request's
-own fault and fails at once. When a request's retries run out, the error names the server, the
-request and the last failure.
+server batches what is in flight), each within a deadline and retried with backoff after what a
+restart or an overload looks like: a refused or dropped connection, a timeout, a 5xx or 429 answer.
+Anything else (a 4xx: a prompt longer than the server's context, a model it does not serve) is the
+request's own fault and fails at once. When a request's retries run out, the error names the server,
+the request and the last failure.
+
+The deadline (``timeout_s``) bounds a request's whole exchange, not each read of it: a server that
+sends a byte a second answers every read in time. Requests go straight to the server (``http.client``,
+no proxy from the environment), to http(s) URLs only. What the server answers is checked before it
+is used (a chat reply is a non-empty string within ``max_tokens``, ``/models`` a list of models), and
+errors quote an answer that is not JSON only as a short printable prefix: it may be anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import socket
 import threading
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0  # sleep 0.5, 1, 2, 4, 8, 8, ... s between attempts
 SEED_RANGE = 2**63  # the servers take a signed 64-bit seed
+QUOTE_JSON, QUOTE_TEXT = 300, 80  # characters of an answer an error quotes: JSON, anything else
 
 
 class EngineError(RuntimeError):
@@ -30,6 +38,32 @@ class EngineError(RuntimeError):
 
 class RetryableError(Exception):
     """A failure another attempt may not meet: the server restarting, overloaded or slow."""
+
+
+def http_url(url: str) -> urllib.parse.SplitResult:
+    """``url`` split, if it is an http(s) URL with a host: anything else (``file://``, a bare host) is refused
+    before a request, which would otherwise read a local file or fail on a name."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        _ = parts.port  # raises on a port out of range or not a number
+    except ValueError as err:
+        raise ValueError(f"{url!r} is not an http(s) URL: {err}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL (the server's API root, e.g. http://localhost:8000/v1)")
+    return parts
+
+
+def quote(answer: Any) -> str:
+    """What an error may show of a server's answer (the body's bytes, or its parsed JSON): JSON as JSON, cut to
+    300 characters; anything else as its length and its first 80 characters of printable ASCII, the rest as
+    ``?``. A body that is not JSON may be a page, a binary or a file's content: not ours to print whole."""
+    if isinstance(answer, bytes):
+        try:
+            answer = json.loads(answer)
+        except (ValueError, RecursionError):
+            prefix = "".join(c if " " <= c <= "~" else "?" for c in answer[:QUOTE_TEXT].decode("latin-1"))
+            return f"{len(answer)} bytes of no JSON, starting {prefix!r}"
+    return json.dumps(answer)[:QUOTE_JSON]
 
 
 def chat_request(model: str, messages: list[dict[str, str]], generation: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -49,6 +83,7 @@ class ChatServer:
 
     def __init__(self, base_url: str, model: str, concurrency: int, timeout_s: float, retries: int) -> None:
         self.base_url = base_url.rstrip("/")
+        self._url = http_url(self.base_url)
         self.model = model
         self.timeout_s = timeout_s
         self.retries = retries
@@ -64,7 +99,13 @@ class ChatServer:
 
     def served_model(self) -> dict[str, Any]:
         """The server's entry for ``model`` in ``GET /models`` (vLLM adds ``root``, the folder it loaded)."""
-        models = self._with_retries(lambda: self._call("GET", "/models"), "GET /models")["data"]
+        answer = self._with_retries(lambda: self._call("GET", "/models"), "GET /models")
+        models = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+            raise EngineError(
+                f"{self.base_url}: GET /models answered {quote(answer)}: not a list of models "
+                '({"data": [{"id": ...}, ...]}); is base_url an OpenAI-compatible server\'s API root?'
+            )
         entry = next((m for m in models if m.get("id") == self.model), None)
         if entry is None:
             served = [m.get("id") for m in models]
@@ -74,9 +115,12 @@ class ChatServer:
             )
         return entry
 
-    def complete_all(self, requests: list[tuple[dict[str, Any], str]]) -> list[tuple[str, str]]:
-        """(reply, finish_reason) per ``(body, what)`` request, in order; ``what`` names it in errors."""
-        return self._in_flight(self.complete, requests)
+    def complete_all(
+        self, requests: list[tuple[dict[str, Any], str]], count_tokens: Callable[[str], int] | None = None
+    ) -> list[tuple[str, str]]:
+        """(reply, finish_reason) per ``(body, what)`` request, in order; ``what`` names it in errors.
+        ``count_tokens`` counts a reply's tokens where the answer reports no ``usage`` (see ``complete``)."""
+        return self._in_flight(lambda body, what: self.complete(body, what, count_tokens), requests)
 
     def post_all(self, path: str, requests: list[tuple[dict[str, Any], str]]) -> list[dict[str, Any]]:
         """The JSON answer of ``POST {base_url}{path}`` per ``(body, what)`` request, in order, with the retries
@@ -98,13 +142,42 @@ class ChatServer:
             raise error
         return [future.result() for future in futures]
 
-    def complete(self, body: dict[str, Any], what: str) -> tuple[str, str]:
+    def complete(
+        self, body: dict[str, Any], what: str, count_tokens: Callable[[str], int] | None = None
+    ) -> tuple[str, str]:
+        """The reply to a chat request and its finish_reason, checked: a non-empty string (null is what a server
+        answers when the text went elsewhere, a reasoning or tool-call field) of at most ``max_tokens`` tokens."""
         answer = self._with_retries(lambda: self._call("POST", "/chat/completions", body), what)
         try:
             choice = answer["choices"][0]
-            return choice["message"]["content"] or "", choice["finish_reason"]
+            reply, finish_reason = choice["message"]["content"], choice["finish_reason"]
         except (KeyError, IndexError, TypeError):
-            raise EngineError(f"{self.base_url}: {what}: not a chat completion: {str(answer)[:300]}") from None
+            raise EngineError(f"{self.base_url}: {what}: not a chat completion: {quote(answer)}") from None
+        if not isinstance(reply, str) or not reply.strip():
+            raise EngineError(f"{self.base_url}: {what}: the reply is {quote(reply)}, not a non-empty string")
+        self._check_length(answer, reply, body["max_tokens"], what, count_tokens)
+        return reply, finish_reason
+
+    def _check_length(
+        self, answer: dict[str, Any], reply: str, max_tokens: int, what: str, count_tokens: Callable[[str], int] | None
+    ) -> None:
+        """A reply longer than the request allowed is a server that ignores max_tokens: its replies are not what
+        the target says under these settings. The answer's own count is exact; the reply counted again with the
+        target's tokenizer may split the same text otherwise, so it gets some slack."""
+        usage = answer.get("usage")
+        reported = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(reported, int) and not isinstance(reported, bool):
+            tokens, how, allowed = reported, "usage.completion_tokens", max_tokens
+        elif count_tokens is not None:
+            tokens, how = count_tokens(reply), "counted with the target's tokenizer"
+            allowed = max_tokens + max_tokens // 10 + 4
+        else:
+            return
+        if tokens > allowed:
+            raise EngineError(
+                f"{self.base_url}: {what}: the reply is {tokens} tokens long ({how}), the request's max_tokens "
+                f"{max_tokens}: the server does not honour max_tokens"
+            )
 
     def _with_retries(self, call: Callable[[], Any], what: str) -> Any:
         for attempt in range(self.retries + 1):
@@ -119,24 +192,61 @@ class ChatServer:
             f"(timeout {self.timeout_s:g} s each); last error: {last}"
         )
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The server's JSON answer, whatever its shape: the callers check it."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                text = response.read()
-        except urllib.error.HTTPError as err:
-            detail = f"HTTP {err.code} from {method} {path}: {err.read().decode(errors='replace')[:300]}"
-            if err.code >= 500 or err.code == 429:
-                raise RetryableError(detail) from err
-            raise EngineError(f"{self.base_url}: {detail}") from err
-        except TimeoutError as err:
-            raise RetryableError(f"no answer to {method} {path} within {self.timeout_s:g} s") from err
-        except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as err:
-            raise RetryableError(f"{method} {path}: {getattr(err, 'reason', err)!r}") from err
+        status, text = self._exchange(method, path, data)
+        if not 200 <= status < 300:
+            detail = f"HTTP {status} from {method} {path}: {quote(text)}"
+            if status >= 500 or status == 429:
+                raise RetryableError(detail)
+            raise EngineError(f"{self.base_url}: {detail}")
         try:
             return json.loads(text)
-        except json.JSONDecodeError:
-            raise EngineError(f"{self.base_url}: {method} {path} answered with no JSON: {text[:300]!r}") from None
+        except (ValueError, RecursionError):
+            raise EngineError(f"{self.base_url}: {method} {path} answered with no JSON: {quote(text)}") from None
+
+    def _exchange(self, method: str, path: str, data: bytes | None) -> tuple[int, bytes]:
+        """One request's status and body, the whole exchange within ``timeout_s``: the socket's timeout bounds
+        each read, a watchdog the whole, shutting the socket at the deadline, which ends a read in progress."""
+        kind = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
+        connection = kind(self._url.hostname or "", self._url.port, timeout=self.timeout_s)
+        expired = threading.Event()
+        # The socket, kept here: an answer that closes the connection takes it off ``connection`` before its body.
+        sockets: list[socket.socket] = []
+        watchdog = threading.Timer(self.timeout_s, _cut, (connection, sockets, expired))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            connection.connect()
+            sockets.append(connection.sock)
+            if expired.is_set():  # the deadline passed while connecting, maybe before there was a socket to shut
+                raise TimeoutError
+            connection.request(method, self._url.path + path, data, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            status, text = response.status, response.read()
+        except (OSError, http.client.HTTPException) as err:  # TimeoutError, ConnectionError, RemoteDisconnected
+            if expired.is_set() or isinstance(err, TimeoutError):
+                raise RetryableError(self._late(method, path)) from err
+            raise RetryableError(f"{method} {path}: {err!r}") from err
+        finally:
+            watchdog.cancel()
+            watchdog.join()  # the socket is closed only once the watchdog can no longer shut it
+            connection.close()
+        if expired.is_set():  # an answer cut short where nothing told its length
+            raise RetryableError(self._late(method, path))
+        return status, text
+
+    def _late(self, method: str, path: str) -> str:
+        return f"no complete answer to {method} {path} within {self.timeout_s:g} s"
+
+
+def _cut(connection: http.client.HTTPConnection, sockets: list[socket.socket], expired: threading.Event) -> None:
+    """The watchdog: shut the request's socket (``connection``'s while it connects, then the one kept), which
+    wakes the thread reading it with an end of file. The plain socket's shutdown, for a TLS one too: only the
+    file descriptor is shut, the TLS state is left to its reader."""
+    expired.set()
+    for sock in [connection.sock, *sockets]:
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)

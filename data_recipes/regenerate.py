@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -44,7 +45,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from headstart.core.config import load_config, save_config
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.io import atomic_path, atomic_write_text, output_lock
-from headstart.core.models import load_target
+from headstart.core.models import load_target, load_tokenizer
 from headstart.core.runtime import Ranks, barrier, join_process_group, mix_seed, rank_device, sum_over_ranks
 from headstart.core.schema import RegenerateConfig, validate_config
 from headstart.data_recipes.engine_client import ChatServer, EngineError, chat_request
@@ -120,11 +121,35 @@ def regenerate_chunk(
     return regenerate_turns(conversations, lambda _, prompts: generate_replies(model, tokenizer, prompts, generation))
 
 
-def served_replies(server: ChatServer, generation: dict[str, Any], first: int) -> Reply:
+def reply_token_counter(path: str) -> Callable[[str], int]:
+    """Counts a reply's tokens with the target's tokenizer, for answers that report no ``usage``. Loaded at the
+    first count: vLLM and SGLang report usage, so a run against them never needs ``path`` on this machine."""
+    lock = threading.Lock()  # the requests' threads count at once; one load, and one encode at a time
+    loaded: list[PreTrainedTokenizerBase] = []
+
+    def count(reply: str) -> int:
+        with lock:
+            if not loaded:
+                try:
+                    loaded.append(load_tokenizer(path))
+                except (OSError, ValueError) as err:
+                    raise EngineError(
+                        f"the server reports no usage.completion_tokens, and the target's tokenizer ({path}) to "
+                        f"count its replies with does not load: {err}"
+                    ) from err
+            return len(loaded[0](reply, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+def served_replies(
+    server: ChatServer, generation: dict[str, Any], first: int, count_tokens: Callable[[str], int]
+) -> Reply:
     """The ``openai`` engine's replies for the chunk from conversation ``first`` on, its requests in flight together.
 
     A request samples with its own seed, ``mix_seed(seed, conversation, turn)``: the server's batching,
-    a retry or a resumed run do not change what it draws.
+    a retry or a resumed run do not change what it draws. A reply over ``max_new_tokens`` (``count_tokens``
+    where the server does not say) fails its conversation.
     """
 
     def reply(asking: list[int], prompts: list[Messages]) -> tuple[list[str], int]:
@@ -133,7 +158,7 @@ def served_replies(server: ChatServer, generation: dict[str, Any], first: int) -
             turn = sum(m["role"] == "assistant" for m in prompt)
             seed = mix_seed(generation["seed"], first + i, turn)
             requests.append((chat_request(server.model, prompt, generation, seed), f"conversation {first + i}"))
-        answers = server.complete_all(requests)
+        answers = server.complete_all(requests, count_tokens)
         # Stripped as generate_replies strips; "length" is the server's word for hitting max_tokens.
         return [text.strip() for text, _ in answers], sum(reason == "length" for _, reason in answers)
 
@@ -194,10 +219,11 @@ def chunk_generator(cfg: dict[str, Any], conversations: list[Messages]) -> Itera
         return
     model_name = regen["model"] or str(cfg["target"]["path"])  # `vllm serve PATH` names the model PATH
     limits = regen["concurrency"], regen["timeout_s"], regen["retries"]
+    count_tokens = reply_token_counter(str(cfg["target"]["path"]))
     with ChatServer(regen["base_url"], model_name, *limits) as server:
         settings = served_settings(cfg, server.served_model(), conversations)
         size = settings["chunk_size"]
-        yield settings, lambda k, chunk: regenerate_turns(chunk, served_replies(server, regen, k * size))
+        yield settings, lambda k, chunk: regenerate_turns(chunk, served_replies(server, regen, k * size, count_tokens))
 
 
 def check_parts(parts: Path, settings: dict[str, Any], discard: bool) -> None:

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import AutoConfig
 
 from headstart.core.config import save_config
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
-from headstart.core.schema import flags_config
+from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
-from headstart.eval.bench import BenchItem, load_bench, longest_context
+from headstart.eval.bench import BenchItem, check_positions, load_bench, longest_context
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
 from headstart.eval.proposers import check_draft_vocab, head_method
 from headstart.eval.report import write_matrix_report, write_report
@@ -44,7 +45,7 @@ from headstart.eval.run import (
     summarize,
 )
 from headstart.eval.timing import machine
-from headstart.eval.tree_config import head_tree_configs
+from headstart.eval.tree_config import check_tree_vocab, head_tree_configs
 from headstart.eval.verify import Proposer, Sampling
 from headstart.heads import load_head, read_head_config
 
@@ -106,6 +107,12 @@ def _temperatures(text: str) -> list[float]:
     return values
 
 
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The parsed flags through the eval section's ranges (``core.schema.flag_problems``)."""
+    if problems := flag_problems("eval", args):
+        parser.error("; ".join(problems))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.acceptance", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model folder or hub id")
@@ -161,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.method = [m.strip() for m in args.method.split(",") if m.strip()]
     args.head = [h.strip() for arg in args.head for h in arg.split(",") if h.strip()]
+    check_flags(p, args)  # the eval section's ranges (0 < --top-p <= 1, ...)
     return args
 
 
@@ -198,11 +206,14 @@ def load(args: argparse.Namespace) -> Loaded:
     head_dirs = heads_by_method(args.head)
     check_methods(args.method, head_dirs, args.draft)
     check_matrix_flags(args)
+    tree_configs = head_tree_configs(head_dirs, args.tree, args.method)  # every tree.json, before any model loads
     items = load_bench(args.bench, args.limit)
     if args.per_group:
         items = pick_per_group(items, args.per_group)
     dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
     drafters = sum(safetensors_bytes(d) for d in [*head_dirs.values(), *([args.draft] if args.draft else [])])
+    positions = AutoConfig.from_pretrained(args.target).get_text_config().max_position_embeddings
+    check_positions(tokenizer, items, args.max_new_tokens, args.total_tokens, positions)
     context = longest_context(tokenizer, items, args.max_new_tokens) + args.total_tokens
     target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
     device = target.device
@@ -211,7 +222,9 @@ def load(args: argparse.Namespace) -> Loaded:
     if draft is not None:
         check_draft_vocab(draft, target, args.draft, args.target)
     heads = {m: load_head(d, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, d in head_dirs.items()}
-    tree_configs = head_tree_configs(head_dirs, args.tree, args.method)
+    for method, model, name in (("draft_model", draft, args.draft), ("self_spec", target, args.target)):
+        if method in tree_configs and model is not None:  # a head's tree met its head's vocabulary in head_tree_configs
+            check_tree_vocab(tree_configs[method], model.config.vocab_size, str(args.tree), f"the model {name}")
     shape = args.tree if isinstance(args.tree, str) else None  # a tree.json reaches EAGLE through tree_configs
     flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first

@@ -51,7 +51,7 @@ from headstart.core.config import save_config
 from headstart.core.io import atomic_write_text
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
-from headstart.core.schema import flags_config
+from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
 from headstart.eval.bench import load_bench, longest_context, render
 from headstart.eval.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
@@ -78,6 +78,12 @@ class Tuned:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The parsed flags through the autotune section's ranges (``core.schema.flag_problems``)."""
+    if problems := flag_problems("autotune", args):
+        parser.error("; ".join(problems))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="folder for tree.json, autotune.json/.md/.png")
     p.add_argument("--write-head", action="store_true", help="also write <head>/tree.json (eval.acceptance reads it)")
     args = p.parse_args(argv)
+    check_flags(p, args)  # the autotune section's ranges (--max-depth >= 1, ...)
     if args.write_head and not args.head:
         p.error("--write-head needs --head (a draft model or self-spec tree.json goes to eval.acceptance --tree)")
     if args.batch_size not in args.batch_sizes:

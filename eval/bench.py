@@ -57,6 +57,10 @@ def _chat_item(record: dict, location: str, default_category: str) -> BenchItem:
         messages = messages[:-1]
     if not messages or messages[-1]["role"] != "user":
         raise DataError("'messages' must contain a user message after any system/assistant ones", location)
+    # What the target is shown must say something, as a prompt must; the dropped reference answers may be empty.
+    empty = [i for i, m in enumerate(messages) if not m["content"].strip()]
+    if empty:
+        raise DataError(f"message {empty[0]} ({messages[empty[0]]['role']}) has empty 'content'", location)
     category = record.get("category", default_category)
     return BenchItem(location, str(category), [messages[-1]["content"]], list(messages[:-1]))
 
@@ -114,15 +118,32 @@ def round_robin(items: list[BenchItem], limit: int | None) -> list[BenchItem]:
     return picked
 
 
-def longest_context(tokenizer: PreTrainedTokenizerBase, items: list[BenchItem], max_new_tokens: int) -> int:
-    """About the most tokens one item's conversation reaches (what the KV cache holds at the end of its last
+def context_tokens(tokenizer: PreTrainedTokenizerBase, item: BenchItem, max_new_tokens: int) -> int:
+    """About the most tokens ``item``'s conversation reaches (what the KV cache holds at the end of its last
     turn): its history and all its turns rendered as one user message (a template may refuse two user messages
     in a row), plus per turn a full reply and ``TURN_OVERHEAD`` tokens of the template's markers."""
-    return max(
-        render(tokenizer, [*item.history, {"role": "user", "content": "\n".join(item.turns)}]).shape[1]
-        + (max_new_tokens + TURN_OVERHEAD) * len(item.turns)
-        for item in items
-    )
+    rendered = render(tokenizer, [*item.history, {"role": "user", "content": "\n".join(item.turns)}]).shape[1]
+    return rendered + (max_new_tokens + TURN_OVERHEAD) * len(item.turns)
+
+
+def longest_context(tokenizer: PreTrainedTokenizerBase, items: list[BenchItem], max_new_tokens: int) -> int:
+    return max(context_tokens(tokenizer, item, max_new_tokens) for item in items)
+
+
+def check_positions(
+    tokenizer: PreTrainedTokenizerBase, items: list[BenchItem], max_new_tokens: int, tree_tokens: int, positions: int
+) -> None:
+    """ValueError naming the first item whose conversation (``context_tokens`` plus a tree's ``tree_tokens``) can
+    run past the target's ``positions`` (max_position_embeddings): refused before decoding, never a report of
+    positions the target was not trained for."""
+    for item in items:
+        needed = context_tokens(tokenizer, item, max_new_tokens) + tree_tokens
+        if needed > positions:
+            raise ValueError(
+                f"bench item {item.id} ({item.category}) can reach {needed} tokens (its turns rendered, "
+                f"{max_new_tokens} new tokens and {TURN_OVERHEAD} template tokens a turn, {tree_tokens} tree nodes), "
+                f"past the target's {positions} positions: lower --max-new-tokens or leave the item out"
+            )
 
 
 TURN_OVERHEAD = 16  # role markers around a turn and its reply: 4-10 tokens in the Llama, Qwen and Gemma templates

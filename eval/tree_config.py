@@ -13,6 +13,11 @@ it in a head's folder, and by the exports' model cards, ``scripts.formats.card``
   num_speculative_tokens_per_batch_size: the same for vLLM's chains, in the form vLLM's speculative config
   takes (``vllm/v1/spec_decode/dynamic/utils.py``);
 - plus what the tuner predicted and where it ran (machine, device, dtype, torch_threads, ...).
+
+Every reader gets it through ``load_tree_config`` (a tree given in code through ``TreeSpec.from_config``): one
+schema, ``TreeFile`` (strict types, ranges, no unknown key) plus the rules across keys and vLLM's schedule rules
+(``check_tree``), each problem named with the file, the key and the value; where the drafter is known, its
+vocabulary bounds the ranks (``check_tree_vocab``).
 """
 
 from __future__ import annotations
@@ -21,14 +26,119 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import Field
+
+from headstart.core.schema import Count, Dtype, NonNegative, Section, check_config
 
 if TYPE_CHECKING:
     from headstart.eval.speedup import Choice
 
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
+PREDICTED_KEYS = ("predicted_tau", "predicted_tokens_per_s", "predicted_vanilla_tokens_per_s")
 EAGLE_DEFAULT = {"shape": "dynamic", "total_tokens": 60, "depth": 6, "top_k": 10}  # EAGLE-2's published default
+
+# A JSON number, strictly: unlike core.schema's Float, no numeric string (JSON has no YAML 1.1 quirk to allow for).
+Number = Annotated[float, Field(allow_inf_nan=False)]
+RankPath = Annotated[list[NonNegative], Field(min_length=1)]  # a node: its ancestors' candidate ranks, then its own
+
+
+class TreeFile(Section):
+    """tree.json, the one schema of every reader (``check_tree``): the tree, what the tuner predicted for it and
+    where it was tuned. Keys a file leaves out stay out of what the readers get (they test ``in``), so the defaults
+    of the optional keys below are never read; none of them takes null, which a reader would print or compare."""
+
+    shape: Literal["static", "dynamic"]
+    choices: list[RankPath] | None = None  # static: the rank paths; dynamic: null
+    depth: Count
+    top_k: Count
+    total_tokens: Count
+    min_confidence: Annotated[Number, Field(ge=0, le=1)] = 0.0  # a cumulative draft probability
+    # [[first, last, depth], ...]: checked by check_schedule, with vLLM's own rules and messages
+    depth_per_batch_size: list[Any] = []
+    num_speculative_tokens_per_batch_size: list[Any] = []
+    predicted_tau: Annotated[Number, Field(ge=1)] = 1.0  # tokens per target forward: the target's own one at least
+    predicted_tokens_per_s: Annotated[Number, Field(ge=0)] = 0.0
+    predicted_vanilla_tokens_per_s: Annotated[Number, Field(ge=0)] = 0.0
+    speculate_max_batch: NonNegative = 0
+    # Where it was tuned (eval.autotune's meta).
+    machine: str = ""
+    device: str = ""
+    dtype: Dtype = "fp32"
+    torch_threads: Count = 1
+    target: str = ""
+    head: str = ""
+    # The drafter it was tuned for (eval.proposers.head_method, or the two drafters without a head); eval.acceptance
+    # gives a draft_model or self_spec tree to that method, and self_spec drafts with the target's first exit_layer.
+    method: Literal["eagle", "eagle3", "peagle", "dflash", "medusa", "draft_model", "self_spec"] | None = None
+    exit_layer: Count | None = None
+    bench: str = ""
+    batch_size: Count = 1
+    tuned_at: str = ""
+
+
+def _static_rules(tree: TreeFile) -> list[str]:
+    """A static tree's paths form a tree, and its depth, top_k and total_tokens are the ones its paths give (the
+    model card prints them; the drafters read the paths)."""
+    if not tree.choices:
+        return [f"choices: a static tree needs a non-empty list of rank paths, got {tree.choices!r}"]
+    paths = [tuple(path) for path in tree.choices]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    problems = [f"choices has {list(p)} more than once" for p in twice]
+    orphans = [p for p in paths if len(p) > 1 and p[:-1] not in paths]
+    problems += [f"choices {list(p)} lacks its parent path {list(p[:-1])}" for p in orphans]
+    implied = TreeSpec.static(tree.choices)
+    for key, what in (("depth", "the longest path in choices"), ("top_k", "the highest rank in choices, plus one"),
+                      ("total_tokens", "the paths in choices")):  # fmt: skip
+        if getattr(tree, key) != getattr(implied, key):
+            problems.append(f"{key} must be {getattr(implied, key)} ({what}), got {getattr(tree, key)}")
+    return problems
+
+
+def _tree_rules(tree: TreeFile, given: dict) -> list[str]:
+    """The rules across keys, once each key is of its type."""
+    if tree.shape == "static":
+        problems = _static_rules(tree)
+    else:
+        problems = [] if tree.choices is None else [f"choices: a dynamic tree has null, got {tree.choices!r}"]
+    # The card prints the three predictions together.
+    predicted = [k for k in PREDICTED_KEYS if k in given]
+    if predicted and len(predicted) < len(PREDICTED_KEYS):
+        problems.append(f"{', '.join(PREDICTED_KEYS)} come together, got only {predicted}")
+    return problems
+
+
+def check_tree(config: object, where: str) -> dict:
+    """``config`` (a tree.json's content, or a tree config given in code) checked against ``TreeFile`` and the
+    schedule rules; ValueError naming ``where``, each key and its value. Returns ``config`` itself: its own keys."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: expected a JSON object of tree keys, got {type(config).__name__}")
+    _, problems = check_config(config, TreeFile)
+    if not problems:
+        problems = _tree_rules(TreeFile.model_validate(config), config)
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+    for key in SCHEDULE_KEYS:
+        if key in config:
+            check_schedule(config[key], f"{where}: {key}")
+    return config
+
+
+def check_tree_vocab(config: dict, vocab_size: int, where: str, drafter: str) -> None:
+    """A tree needs no candidate past the drafter's vocabulary (torch's topk fails on it with no word of the file):
+    ValueError naming ``where``, the key and the value. ``config`` is checked (``check_tree``)."""
+    if config["top_k"] <= vocab_size:
+        return
+    if config["shape"] == "static":
+        path = next(p for p in config["choices"] if p[-1] + 1 == config["top_k"])
+        what = f"choices {path}: rank {path[-1]}"
+    else:
+        what = f"top_k {config['top_k']}"
+    raise ValueError(
+        f"{where}: {what} is past the {vocab_size} tokens {drafter} drafts from (ranks 0..{vocab_size - 1})"
+    )
 
 
 @dataclass
@@ -68,7 +178,9 @@ class TreeSpec:
         return cls("static", depth, max((c[-1] + 1 for c in ordered), default=0), len(ordered), ordered)
 
     @classmethod
-    def from_config(cls, config: dict) -> TreeSpec:
+    def from_config(cls, config: dict, where: str = "tree config") -> TreeSpec:
+        """The tree of a tree.json's content (or one given in code), checked first (``check_tree``)."""
+        check_tree(config, where)
         confidence = float(config.get("min_confidence", 0.0))
         if config["shape"] == "static":
             return replace(cls.static(config["choices"]), min_confidence=confidence)
@@ -122,7 +234,8 @@ def check_schedule(schedule: object, where: str) -> Schedule:
         raise ValueError(f"{where}: expected a non-empty list of [first, last, depth] batch-size ranges")
     previous = 0
     for entry in schedule:
-        if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(v, int) and v >= 0 for v in entry)):
+        # type() is int: a JSON true is an int to isinstance, and vLLM's int check would take it as a depth of 1.
+        if not (isinstance(entry, list) and len(entry) == 3 and all(type(v) is int and v >= 0 for v in entry)):
             raise ValueError(f"{where}: {entry!r} is not [first, last, depth] of non-negative integers")
         if entry[0] <= previous or entry[0] > entry[1]:
             raise ValueError(f"{where}: range {entry[:2]} overlaps the one before it or ends before it starts")
@@ -143,23 +256,22 @@ def scheduled_depth(schedule: Schedule, batch: int) -> int:
 
 
 def load_tree_config(path: str | Path) -> dict:
-    """A tree.json, checked: the keys ``eval.acceptance`` and the model cards read."""
+    """A tree.json, checked (``check_tree``): what every reader of one gets (``eval.acceptance``, the model cards,
+    ``scripts.verify_engines --schedule``)."""
     path = Path(path)
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
-    missing = [k for k in TREE_KEYS if k not in config]
-    if missing:
-        raise ValueError(f"{path}: tree config lacks {missing}; expected keys {list(TREE_KEYS)}")
-    if config["shape"] not in ("static", "dynamic"):
-        raise ValueError(f"{path}: shape must be 'static' or 'dynamic', got {config['shape']!r}")
-    if config["shape"] == "static" and not config["choices"]:
-        raise ValueError(f"{path}: a static tree needs a non-empty 'choices' list")
-    for key in SCHEDULE_KEYS:
-        if key in config:
-            check_schedule(config[key], f"{path}: {key}")
-    return config
+    return check_tree(config, str(path))
+
+
+def draft_vocab_size(head_dir: str | Path) -> int:
+    """The tokens a head drafts from: its reduced draft vocabulary, else the target's; read from its config alone."""
+    from headstart.heads import read_head_config  # heads load torch: only when a head folder is read
+
+    config = read_head_config(head_dir)
+    return min(getattr(config.options, "draft_vocab_size", None) or config.vocab_size, config.vocab_size)
 
 
 def head_tree_configs(heads: dict[str, str], tree: str | Path | None, methods: Sequence[str] = ()) -> dict[str, dict]:
@@ -180,6 +292,8 @@ def head_tree_configs(heads: dict[str, str], tree: str | Path | None, methods: S
         path = tree if isinstance(tree, Path) else Path(head_dir) / "tree.json"
         if method in ("eagle", "eagle3", "peagle", "dflash") and tree not in ("static", "dynamic") and path.is_file():
             found[method] = load_tree_config(path)
+            # From the head's config: a head folder's own tree.json fails here, before any model loads.
+            check_tree_vocab(found[method], draft_vocab_size(head_dir), str(path), f"the head {head_dir}")
     return found
 
 

@@ -4,6 +4,7 @@ head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model, to
 head.config.options.layer_ids, head.config.arch.hidden_size, head.hidden_layers
 head.save_pretrained("runs/x/head")
 head = load_head("runs/x/head", target_model, tokenizer)   # checks the head fits this target and tokenizer
+check_head_config(read_head_config("runs/x/head"), target_config, "runs/x/head/config.json")  # the same, no weights
 
 One file per job: ``config`` (the typed head config and its config.json), ``target`` (the target's layer
 shape, the families served, compatibility and tokenizer checks), ``base`` (``DraftHead``: build, save,
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.heads.base import WEIGHTS_NAME, DraftHead
+from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
 from headstart.heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
 from headstart.heads.dflash import DFlashHead
 from headstart.heads.eagle import EagleHead
@@ -46,6 +47,7 @@ __all__ = [
     "build_head",
     "build_vocab_mapping",
     "check_compatible",
+    "check_head_config",
     "check_tokenizer",
     "load_head",
     "medusa2_wrap",
@@ -53,6 +55,7 @@ __all__ = [
     "medusa_loss",
     "medusa_weight_at",
     "read_head_config",
+    "state_problems",
     "ttt_attention_mask",
 ]
 
@@ -79,6 +82,12 @@ def meta_head(head_cfg: dict[str, Any], target_config: PretrainedConfig) -> Draf
     head_class = _head_class(head_cfg["type"])
     with torch.device("meta"):
         return head_class(head_class.make_config(head_cfg, target_config))
+
+
+def check_head_config(config: HeadConfig, target_config: PretrainedConfig, where: str | Path) -> None:
+    """Refuse a saved head config (``where``: its config.json) that does not fit this target or that its head
+    type's build would not make for it (``DraftHead.check_fits``): what loading checks, without the weights."""
+    _head_class(config.type).check_fits(config, target_config, where)
 
 
 def load_head(

@@ -14,17 +14,42 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
 from headstart.core.schema import HeadOptions
-from headstart.heads.config import HeadConfig, parse_section, read_head_config, write_head_config
+from headstart.heads.config import CONFIG_NAME, HeadConfig, parse_section, read_head_config, write_head_config
 from headstart.heads.layers import KVCache
 from headstart.heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
 
 WEIGHTS_NAME = "model.safetensors"
+SHOWN_PROBLEMS = 6  # tensor problems named in an error; a wrong layer count can miss dozens
 Head = TypeVar("Head", bound="DraftHead")
 
 
-def load_head_weights(head: nn.Module, head_dir: str | Path, device: torch.device) -> nn.Module:
-    """Load the saved tensors into ``head`` and move it to ``device`` in the dtype it was saved in."""
-    state = load_file(str(Path(head_dir) / WEIGHTS_NAME))
+def state_problems(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """Every missing, unexpected and wrongly shaped tensor of ``got`` against ``expected``, in words."""
+    problems = [f"missing {k}" for k in sorted(expected.keys() - got.keys())]
+    problems += [f"unexpected {k}" for k in sorted(got.keys() - expected.keys())]
+    for k in sorted(expected.keys() & got.keys()):
+        if got[k].shape != expected[k].shape:
+            problems.append(f"{k} has shape {tuple(got[k].shape)}, expected {tuple(expected[k].shape)}")
+    return problems
+
+
+def load_head_weights(head: DraftHead, head_dir: str | Path, device: torch.device) -> nn.Module:
+    """Load the saved tensors into ``head`` and move it to ``device`` in the dtype it was saved in.
+
+    Names and shapes are compared first: weights that do not fit the config.json (edited by hand, or another
+    head's) would end in torch's size-mismatch or missing-key error, which names neither the folder nor the
+    setting; this names both, with the config's values the shapes follow from.
+    """
+    path = Path(head_dir) / WEIGHTS_NAME
+    state = load_file(str(path))
+    problems = state_problems(head.state_dict(), state)
+    if problems:
+        more = f"; and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
+        raise ValueError(
+            f"{path} does not fit {Path(head_dir) / CONFIG_NAME} ({head.shape_settings()}): "
+            + "; ".join(problems[:SHOWN_PROBLEMS])
+            + more
+        )
     head.load_state_dict(state, strict=True)
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     return head.to(device=device, dtype=dtype)
@@ -39,6 +64,8 @@ class DraftHead(nn.Module):
 
     head_type: ClassVar[str]
     options_model: ClassVar[type[HeadOptions]]
+    # The config.json keys the tensors' shapes follow from ("arch.<key>" under arch), named when weights do not fit.
+    shape_keys: ClassVar[tuple[str, ...]] = ("target_hidden_size", "vocab_size")
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -76,6 +103,35 @@ class DraftHead(nn.Module):
             vocab_size=target_config.vocab_size,
             arch=arch_from_target(target_config),
         )
+
+    @classmethod
+    def check_fits(cls, config: HeadConfig, target_config: PretrainedConfig, where: str | Path) -> None:
+        """Refuse a saved config (``where``: its config.json) that does not fit this target or that this head's
+        build would not make for it: ``check_compatible``, then ``make_config``'s own rules (the target family,
+        the layer ids, the mask token, ...) run again on the saved options, which must come back unchanged.
+
+        Loading, export and import all check a head this way: a config.json edited by hand (or from elsewhere)
+        meets the same rules as a head being built, and fails naming the file, the key and its value.
+        """
+        try:
+            check_compatible(config, target_config, cls.head_type)
+            built = cls.make_config(config.options.model_dump(exclude_none=True), target_config).options
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        except NotImplementedError as err:  # the target's family (check_eagle_family)
+            raise NotImplementedError(f"{where}: {err}") from None
+        saved, remade = config.options.model_dump(), built.model_dump()
+        changed = [
+            f"{k} {saved[k]!r} (a build for this target makes {remade[k]!r})" for k in saved if saved[k] != remade[k]
+        ]
+        if changed:
+            raise ValueError(f"{where}: not what a {cls.head_type} head's build makes: " + "; ".join(changed))
+
+    def shape_settings(self) -> str:
+        """``key value`` of each of ``shape_keys`` as config.json holds it (unset: None), for errors."""
+        saved = self.config.to_json()
+        values = [saved["arch"].get(k[5:]) if k.startswith("arch.") else saved.get(k) for k in self.shape_keys]
+        return ", ".join(f"{k} {v}" for k, v in zip(self.shape_keys, values))
 
     @classmethod
     def build(
@@ -118,9 +174,10 @@ class DraftHead(nn.Module):
         tokenizer: PreTrainedTokenizerBase | None = None,
         allow_other_tokenizer: bool = False,
     ) -> Head:
-        """The saved head, checked against ``target_model`` (shapes) and, when given, its ``tokenizer``."""
+        """The saved head, checked against ``target_model`` (shapes, the build's rules: ``check_fits``) and, when
+        given, its ``tokenizer``; its weights against its config (``load_head_weights``)."""
         config = read_head_config(head_dir)
-        check_compatible(config, target_model.config, cls.head_type)
+        cls.check_fits(config, target_model.config, Path(head_dir) / CONFIG_NAME)
         if tokenizer is not None:
             check_tokenizer(config, tokenizer_hash(tokenizer), head_dir, allow_other_tokenizer)
         head = cls(config)

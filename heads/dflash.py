@@ -146,6 +146,14 @@ class DFlashLayer(nn.Module):
 class DFlashHead(DraftHead):
     head_type = "dflash"
     options_model = DflashOptions
+    shape_keys = (
+        *DraftHead.shape_keys,
+        "arch.intermediate_size",
+        "layer_ids",
+        "num_layers",
+        "mask_embedding",
+        "draft_vocab_size",
+    )
     config: HeadConfig[DflashOptions]
     lm_head: nn.Linear | None  # the draft vocabulary's rows of the target's lm_head (draft_vocab_size), else None
     d2t: torch.Tensor  # buffers with lm_head, as EAGLE-3's

@@ -32,6 +32,7 @@ from headstart.heads.target import check_eagle_family
 class EagleHead(FeatureDrafter):
     head_type = "eagle"
     options_model = EagleOptions
+    shape_keys = (*FeatureDrafter.shape_keys, "arch.intermediate_size", "fc_bias")
     config: HeadConfig[EagleOptions]
 
     @classmethod

@@ -136,6 +136,13 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(FeatureDrafter):
     head_type = "eagle3"
     options_model = Eagle3Options
+    shape_keys = (
+        *FeatureDrafter.shape_keys,
+        "arch.intermediate_size",
+        "layer_ids",
+        "draft_vocab_size",
+        "parallel_drafting",
+    )
     config: HeadConfig[Eagle3Options]
     d2t: torch.Tensor  # buffers (register_buffer): draft id -> target id offset, target id -> in the draft vocab
     t2d: torch.Tensor

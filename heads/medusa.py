@@ -47,6 +47,7 @@ class ResBlock(nn.Module):
 class MedusaHead(DraftHead):
     head_type = "medusa"
     options_model = MedusaOptions
+    shape_keys = (*DraftHead.shape_keys, "num_heads", "num_layers")
     config: HeadConfig[MedusaOptions]
 
     def __init__(self, config: HeadConfig[MedusaOptions]):

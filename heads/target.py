@@ -125,6 +125,18 @@ def check_compatible(head_config: HeadConfig, target_config: PretrainedConfig, h
         ours, theirs = getattr(head_config.arch, key), getattr(target, key)
         if ours != theirs:
             problems.append(f"{key.replace('_', ' ')} {ours} vs {theirs}")
+    # The sizes the head's own tensors are built from (fc's input, Medusa's blocks, d2t/t2d), beside the arch's;
+    # named when they differ from it (an edited config.json), as a mismatch with the arch's is named above.
+    for key, arch_key in (("target_hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+        ours, theirs = getattr(head_config, key), getattr(target, arch_key)
+        if ours != theirs and ours != getattr(head_config.arch, arch_key):
+            problems.append(f"{key} {ours} vs {theirs}")
+    draft_vocab = getattr(head_config.options, "draft_vocab_size", None)
+    if draft_vocab is not None and draft_vocab > target.vocab_size:
+        problems.append(
+            f"draft_vocab_size {draft_vocab} vs vocab size {target.vocab_size}: "
+            "the draft vocabulary must not be larger than the target's"
+        )
     layers = target.num_hidden_layers
     bad_layers = [i for i in getattr(head_config.options, "layer_ids", None) or [] if not 0 <= i < layers]
     if bad_layers:

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import import_module
+from typing import Any
 
 from headstart.core.config import ConfigError, apply_overrides, load_config
 from headstart.core.schema import COMMAND_CONFIGS, TrainConfig, flags_argv, section_keys, validate_config
@@ -84,6 +85,20 @@ def run_module(module: str, argv: list[str], prog: str) -> None:
         import_module(f"headstart.{module}").main(argv)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def check_outputs(section: str, values: dict[str, Any]) -> None:
+    """An empty ``out`` is no folder: refuse it naming the key, before the command turns it into ``.``."""
+    out = values.get("out")
+    if isinstance(out, str) and not out.strip():
+        raise ConfigError(f"invalid {section} config: {section}.out must name a folder, got {out!r}")
+
+
 def run_flags(verb: Verb, section: str, argv: list[str], prog: str) -> None:
     """A flag-driven command with the settings of the config's ``section`` for it."""
     parser = argparse.ArgumentParser(
@@ -100,6 +115,7 @@ def run_flags(verb: Verb, section: str, argv: list[str], prog: str) -> None:
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
     values = validate_config(config, COMMAND_CONFIGS[section])[section]
+    check_outputs(section, values)
     run_module(verb.module, flags_argv(section, values), prog)
 
 
@@ -109,7 +125,7 @@ def run_train(argv: list[str], prog: str) -> None:
     parser = argparse.ArgumentParser(prog=prog, description=f"{VERBS['train'].summary} ({recipes}).")
     parser.add_argument("--config", required=True, help="YAML config with target, data, head and train sections")
     parser.add_argument(
-        "--nproc-per-node", type=int, default=1, help="processes on this machine: one per GPU (CPU: per core)"
+        "--nproc-per-node", type=_positive, default=1, help="processes on this machine: one per GPU (CPU: per core)"
     )
     for name, what in TORCHRUN_OPTIONS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", help=f"torchrun's --{name}: {what}")

@@ -7,7 +7,8 @@ layout, ``vllm`` only), ``speculators`` (EAGLE-3), ``medusa`` (the Medusa repo's
 (EAGLE-3 with ``parallel_drafting``) goes to ``vllm`` (with ``mask_hidden`` and ``mask_token_id``) or
 ``speculators`` (type ``peagle``); SGLang has no parallel drafting. The head's config names its target;
 ``--target`` overrides it. The head is checked against the target's config (hidden size, vocab, attention
-shape, layer ids) before anything is written, and against a ``--target``'s tokenizer (the hash the head
+shape, layer ids, and every rule a build of the head follows: ``heads.check_head_config``, what loading and
+import check) before anything is written, and against a ``--target``'s tokenizer (the hash the head
 recorded in training), and the folder appears whole or not at all, with the command's settings as
 export_config.yaml (the ``export:`` section that ``headstart export --config`` reads). See docs/EXPORT.md.
 """
@@ -32,13 +33,14 @@ from headstart.heads import (
     HEADS,
     WEIGHTS_NAME,
     HeadConfig,
-    check_compatible,
+    check_head_config,
     check_tokenizer,
     read_head_config,
+    state_problems,
 )
 from headstart.scripts.formats import dflash, eagle, eagle3, medusa
 from headstart.scripts.formats.card import model_card, tree_card_section
-from headstart.scripts.formats.common import check_out, state_problems
+from headstart.scripts.formats.common import check_out
 from headstart.scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
@@ -187,7 +189,8 @@ def export_head(
     check_out(out, head_dir, "head folder", overwrite, earlier)
     target_given = target is not None
     target, target_config = load_target_config(target, config)
-    check_compatible(config, target_config)
+    # What loading and import check (the build's rules too): never write a folder that import would refuse.
+    check_head_config(config, target_config, head_dir / CONFIG_NAME)
     if target_given and not allow_other_tokenizer:
         check_target_tokenizer(config, target, head_dir)
     state = load_head_state(head_dir, config)
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             allow_other_tokenizer=args.allow_other_tokenizer,
             settings=flags_config("export", args),
         )
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:  # NotImplementedError: the target's family
         parser.exit(2, f"export failed: {err}\n")
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
 

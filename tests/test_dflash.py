@@ -2,7 +2,11 @@
 drafting through the verifier (greedy identity, lossless sampling), training with exact resume, export and
 import in vLLM's layout."""
 
+import io
 import json
+import os
+import pickle
+import re
 import shutil
 import socket
 
@@ -20,6 +24,7 @@ from headstart.eval.verify import Sampling, generate, generate_batch, probabilit
 from headstart.heads import build_head, load_head
 from headstart.heads.dflash import block_attention, resolve_mask_token_id
 from headstart.scripts.export import export_head
+from headstart.scripts.export import main as export_main
 from headstart.scripts.import_head import import_head
 from headstart.train import dflash as dflash_trainer
 
@@ -393,3 +398,81 @@ def test_a_reduced_draft_vocabulary_drafts_the_target_rows_and_serves_as_d2t(tar
     assert tensors["lm_head.weight"].shape == (120, 64) and "t2d" not in tensors  # vLLM skips t2d
     imported = load_head(import_head("dflash", export, tmp_path / "imported", str(target_dir)), target)
     assert all(torch.equal(imported.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+def edit_config(head_dir, **edit):
+    path = head_dir / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | edit))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # vLLM's target_layer_ids would be [-1, 2, 3]: the embeddings have no DFlash name.
+        ({"layer_ids": [0, 3, 4]}, r"DFlash layer_ids \[0\] out of range: the target's layers 1\.\.5 can be fused"),
+        ({"mask_token_id": 99999}, r"head\.mask_token_id 99999 is not a row of the target's 300 embeddings"),
+    ],
+)
+def test_a_config_the_build_refuses_is_refused_by_loading_and_export_too(target, tmp_path, capsys, edit, message):
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    dflash_head(target).save_pretrained(tmp_path / "head")
+    edit_config(tmp_path / "head", **edit)
+    where = re.escape(str(tmp_path / "head" / "config.json"))
+    with pytest.raises(ValueError, match=f"{where}: {message}"):
+        load_head(tmp_path / "head", target)  # as eval.acceptance loads it
+    argv = ["--head", str(tmp_path / "head"), "--format", "vllm", "--out", str(tmp_path / "export")]
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([*argv, "--target", str(target_dir)])
+    assert exit_info.value.code == 2 and re.search(f"{where}: {message}", capsys.readouterr().err)
+    assert not (tmp_path / "export").exists()
+
+
+def test_weights_that_do_not_fit_the_config_name_the_folder_the_key_and_the_shapes(target, tmp_path):
+    dflash_head(target, draft_vocab_size=100).save_pretrained(tmp_path / "head")
+    edit_config(tmp_path / "head", num_layers=3)
+    weights, config = (re.escape(str(tmp_path / "head" / name)) for name in ("model.safetensors", "config.json"))
+    settings = r"target_hidden_size 64, vocab_size 300, arch\.intermediate_size 96, layer_ids \[1, 3, 4\]"
+    with pytest.raises(
+        ValueError, match=rf"{weights} does not fit {config} \({settings}, num_layers 3,.*missing layers\.2\."
+    ):
+        load_head(tmp_path / "head", target)
+    edit_config(tmp_path / "head", num_layers=2, draft_vocab_size=50)
+    with pytest.raises(
+        ValueError, match=r"draft_vocab_size 50\): d2t has shape \(100,\), expected \(50,\); lm_head\.weight has shape "
+    ):
+        load_head(tmp_path / "head", target)
+    edit_config(tmp_path / "head", draft_vocab_size=400)  # the documented check: not larger than the target's
+    with pytest.raises(ValueError, match=f"{config}: .*draft_vocab_size 400 vs vocab size 300: the draft vocabulary"):
+        load_head(tmp_path / "head", target)
+
+
+class Crafted:
+    """Unpickling it would run code (create a folder): what weights_only=True refuses."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_mask_embedding_that_is_not_a_tensor_file_is_refused_naming_it(target, tmp_path):
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    dflash_head(target, mask_embedding=True).save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    mask_file, marker = out / "mask_embedding.pt", tmp_path / "ran"
+    for name, data in [("crafted", pickle.dumps(Crafted(marker))), ("garbage", os.urandom(64)), ("empty", b"")]:
+        mask_file.write_bytes(data)
+        with pytest.raises(
+            ValueError,
+            match=rf"{re.escape(str(mask_file))} is not a tensor file loadable with torch\.load\(weights_only=True\)",
+        ):
+            import_head("dflash", out, tmp_path / name, str(target_dir))
+    assert not marker.exists()  # nothing in it ran
+    buffer = io.BytesIO()
+    torch.save({"embedding": [1.0, 2.0], "mask_token_id": 0}, buffer)  # loadable, but holds no tensor
+    mask_file.write_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match=rf"{re.escape(str(mask_file))} holds no mask vector: .*got list"):
+        import_head("dflash", out, tmp_path / "list", str(target_dir))

@@ -318,3 +318,15 @@ def test_every_safetensors_file_gets_the_mode_of_any_new_file(target, tmp_path):
     files = [tmp_path / "shard-00000.safetensors", *head_dir.iterdir(), *out.iterdir(), tmp_path / "plain.txt"]
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
     assert modes == {name: oct(0o640) for name in modes} and len(modes) == 7
+
+
+def test_a_head_import_would_refuse_is_not_exported(target, tmp_path, capsys):
+    # P-EAGLE's mask token must be a row of the target's embedding, as its build and import require.
+    head_dir = make_head(target, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 5})
+    path = head_dir / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"parallel_drafting": {"mask_token_id": V}}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--head", str(head_dir), "--format", "vllm", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"{path}: head.parallel_drafting.mask_token_id {V} is not a token" in err
+    assert not (tmp_path / "out").exists()

@@ -31,7 +31,7 @@ def make_run(target, tmp_path):
 
 def test_stage_holds_export_report_and_training_config(target, tmp_path):
     head_dir, report = make_run(target, tmp_path)
-    out = stage(head_dir, REPO, "vllm", tmp_path / "staged", report, target_id="acme/tiny-llama")
+    out = stage(head_dir, REPO, "vllm", tmp_path / "staged", report, target_id="acme/tiny-llama").folder
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == [
         "README.md",
@@ -89,7 +89,7 @@ def test_links_and_files_inside_the_report_folder_are_staged_as_regular_files(ta
     (report / "plots").mkdir()
     (report / "acceptance.png").rename(report / "plots" / "acceptance.png")
     (report / "acceptance.png").symlink_to("plots/acceptance.png")  # a link that stays inside: staged
-    out = stage(head_dir, REPO, "vllm", tmp_path / "staged", report, target_id="acme/tiny-llama")
+    out = stage(head_dir, REPO, "vllm", tmp_path / "staged", report, target_id="acme/tiny-llama").folder
     staged = out / "eval" / "acceptance.png"
     assert not staged.is_symlink() and staged.read_bytes() == b"\x89PNG fake"
     (report / "report.md").unlink()
@@ -105,7 +105,7 @@ def test_a_local_target_is_never_published(target, tmp_path, capsys):
         stage(head_dir, REPO, "speculators", tmp_path / "staged", report)
     with pytest.raises(ValueError, match="--target-id '/models/llama' is not a hub id"):
         stage(head_dir, REPO, "speculators", tmp_path / "staged2", report, target_id="/models/llama")
-    out = stage(head_dir, REPO, "speculators", tmp_path / "staged3", report, target_id="acme/tiny-llama")
+    out = stage(head_dir, REPO, "speculators", tmp_path / "staged3", report, target_id="acme/tiny-llama").folder
     for path in (p for p in out.rglob("*") if p.is_file()):
         text = path.read_bytes().decode("utf-8", "replace")
         assert local not in text and str(tmp_path) not in text, path

@@ -280,3 +280,11 @@ def test_a_hub_cache_snapshot_imports_through_its_blob_links(target, tiny_llama_
     (snapshot / "model.safetensors").symlink_to(tmp_path / "head" / "model.safetensors")  # not its blobs
     with pytest.raises(ValueError, match="model.safetensors leads outside"):
         import_head("eagle3", snapshot, tmp_path / "back2", tiny_llama_dir)
+
+
+def test_a_pytorch_model_bin_that_is_not_a_tensor_file_is_refused_naming_it(target, tiny_llama_dir, tmp_path):
+    out = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "export")
+    (out / "model.safetensors").unlink()
+    (out / "pytorch_model.bin").write_bytes(b"<html>not found</html>")  # a download that went wrong
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin is not a tensor file loadable with torch\.load"):
+        import_head("eagle3", out, tmp_path / "back", tiny_llama_dir)

@@ -491,3 +491,44 @@ def test_a_head_used_before_it_is_attached_to_a_target_says_so(target):
 def test_mask_slots_of_an_eagle3_head_without_parallel_drafting_are_refused(target):
     with pytest.raises(ValueError, match="mask slots are P-EAGLE's: this EAGLE-3 head has no head.parallel_drafting"):
         eagle3(target).mask_slots(1, 2)
+
+
+CONFIG_EDITS = [
+    # A config.json edited by hand: refused naming the file, the key, its value and the target's (or the
+    # weights') side, never torch's size-mismatch, missing-key or index error, nor a head that loads wrong.
+    ("eagle3", {"target_hidden_size": 64}, r"head/config\.json: .*target_hidden_size 64 vs 32"),
+    ("eagle3", {"vocab_size": 320}, r"head/config\.json: .*vocab_size 320 vs 300 \(head vs target\)"),
+    (
+        "eagle3",
+        {"draft_vocab_size": 400},
+        r"head/config\.json: .*draft_vocab_size 400 vs vocab size 300: the draft vocabulary must not be larger",
+    ),
+    (
+        "eagle3",
+        {"layer_ids": [5, 1, 3]},
+        r"head/config\.json: not what a eagle3 head's build makes: layer_ids \[5, 1, 3\] \(a build for this "
+        r"target makes \[1, 3, 5\]\)",
+    ),
+    (
+        "peagle",
+        {"parallel_drafting": {"mask_token_id": 300}},
+        r"head/config\.json: head\.parallel_drafting\.mask_token_id 300 is not a token of the target's 300-token",
+    ),
+    ("medusa", {"target_hidden_size": 16}, r"head/config\.json: .*target_hidden_size 16 vs 32"),
+    (
+        "medusa",
+        {"num_layers": 2},
+        r"head/model\.safetensors does not fit .*head/config\.json \(target_hidden_size 32, vocab_size 300, "
+        r"num_heads 4, num_layers 2\): missing medusa_head\.0\.1\.linear\.bias; .*; and \d+ more",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "edit", "message"), CONFIG_EDITS)
+def test_an_edited_config_json_is_refused_naming_the_file_the_key_and_both_sides(target, tmp_path, kind, edit, message):
+    head = {"eagle3": eagle3, "peagle": peagle}.get(kind, lambda t: build_head({"type": kind}, t))(target)
+    head.save_pretrained(tmp_path / "head")
+    path = tmp_path / "head" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | edit))
+    with pytest.raises(ValueError, match=message):
+        load_head(tmp_path / "head", target)

@@ -2,7 +2,9 @@
 
 The server here is a small http.server that answers /v1/chat/completions with the real bundled
 target through transformers, so the engine path's replies can be checked against the hf path's;
-it can be told to answer 503, drop the connection (a killed server) or hang.
+it can be told to answer 503, drop the connection (a killed server) or hang, and to answer what a
+broken server does: a byte a second, a reply longer than asked, a reply that is not text, no JSON,
+a /models that is not a list of models.
 """
 
 import json
@@ -15,7 +17,8 @@ import pytest
 import torch
 from conftest import TARGET
 
-from headstart.data_recipes.engine_client import EngineError
+from headstart.core.config import ConfigError
+from headstart.data_recipes.engine_client import ChatServer, EngineError
 from headstart.data_recipes.regenerate import run_regenerate
 
 SERVED = "demo-target"  # served under another name than its path: regenerate.model is sent
@@ -30,6 +33,8 @@ CONVERSATIONS = [[{"role": "user", "content": q}, {"role": "assistant", "content
     ],
 ]
 TURNS = 6  # assistant turns in CONVERSATIONS: the requests a whole run sends
+TRICKLE_S = 12  # a trickling answer gives up after this: a client without a deadline fails in seconds, not minutes
+NOT_JSON = b"\x1b[2J\x1b[31m<html>" + b"A" * 500 + b"</html>"  # a terminal escape, then more than any error shows
 
 
 class ServerState:
@@ -38,10 +43,13 @@ class ServerState:
         self.generate_lock = threading.Lock()  # one generate at a time: the target is shared
         self.count_lock = threading.Lock()
         self.release = threading.Event()  # ends hanging requests at teardown
-        self.plan: list[str] = []  # what the next requests get, in order: ok, 400, 503, drop, hang
+        # What the next requests get, in order: ok, 400, 503, drop, hang, trickle, trickle_body, long, overcount,
+        # content:<JSON> (that reply), notjson200, notjson503.
+        self.plan: list[str] = []
         self.then = "ok"  # ... once the plan is used up
         self.requests: list[dict] = []
         self.in_flight = self.peak_in_flight = 0
+        self.models: object = {"object": "list", "data": [{"id": SERVED, "object": "model", "root": str(TARGET)}]}
 
     def next_action(self, body: dict) -> str:
         with self.count_lock:
@@ -82,9 +90,32 @@ class ChatHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def answer_raw(self, status: int, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def trickle(self, payload: dict, body_only: bool) -> None:
+        """The answer a byte a second, from its status line or (``body_only``) after its headers: every read
+        the client makes gets a byte in time. Gives up after TRICKLE_S, or when the client hangs up."""
+        data = json.dumps(payload).encode()
+        head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+        self.close_connection = True  # HTTP/1.0: the client takes the socket off its connection before the body
+        if body_only:
+            self.wfile.write(head)
+        for byte in (data if body_only else head + data)[:TRICKLE_S]:
+            if self.server.state.release.wait(1):
+                return
+            try:
+                self.wfile.write(bytes([byte]))
+            except OSError:
+                return
+
     def do_GET(self):
         assert self.path == "/v1/models", self.path
-        self.answer(200, {"object": "list", "data": [{"id": SERVED, "object": "model", "root": str(TARGET)}]})
+        self.answer(200, self.server.state.models)
 
     def do_POST(self):
         assert self.path == "/v1/chat/completions", self.path
@@ -98,13 +129,27 @@ class ChatHandler(BaseHTTPRequestHandler):
                 self.close_connection = True
             elif action == "hang":
                 state.release.wait(30)
+            elif action.startswith("notjson"):
+                self.answer_raw(int(action.removeprefix("notjson")), NOT_JSON)
+            elif action.startswith("trickle"):
+                self.trickle(completion(body, "Four.", "stop"), body_only=action == "trickle_body")
+            elif action == "long":  # a server that ignores max_tokens, and says nothing of usage
+                self.answer(200, completion(body, "word " * 5000, "stop"))
+            elif action == "overcount":  # its own count says it ignored max_tokens
+                usage = {"prompt_tokens": 30, "completion_tokens": body["max_tokens"] + 1}
+                self.answer(200, completion(body, "Four.", "length") | {"usage": usage})
+            elif action.startswith("content:"):
+                self.answer(200, completion(body, json.loads(action.removeprefix("content:")), "stop"))
             else:
-                text, finish = state.complete(body)
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                self.answer(200, {"object": "chat.completion", "model": body["model"], "choices": [choice]})
+                self.answer(200, completion(body, *state.complete(body)))
         finally:
             with state.count_lock:
                 state.in_flight -= 1
+
+
+def completion(body: dict, content: object, finish: str) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
+    return {"object": "chat.completion", "model": body["model"], "choices": [choice]}
 
 
 @pytest.fixture
@@ -233,3 +278,96 @@ def test_sampled_replies_do_not_depend_on_concurrency(serve, messages_file, tmp_
     assert sorted(r["seed"] for r in state.requests[TURNS:]) == sorted(seeds)
     greedy = run_regenerate(config(messages_file, tmp_path / "greedy.jsonl", url)).read_text()
     assert greedy != one  # it did sample
+
+
+@pytest.mark.parametrize("trickle", ["trickle", "trickle_body"])
+def test_a_trickling_server_times_out_within_the_deadline(serve, messages_file, tmp_path, trickle):
+    """A byte a second answers every socket read in time: only a deadline on the whole request ends it."""
+    url, state = serve()
+    state.then = trickle
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"did not answer conversation [01] after 1 attempt\(s\) .*within 2 s"):
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, timeout_s=2.0, retries=0))
+    assert time.monotonic() - start < TRICKLE_S - 2  # the deadline ended it, not the server giving up
+    # A trickled attempt is retried like any timeout (the other replies are canned: no generate to wait for).
+    url, state = serve()
+    state.plan, state.then = [trickle], 'content:"Four."'
+    out = run_regenerate(config(messages_file, tmp_path / "retried.jsonl", url, timeout_s=2.0, retries=1))
+    assert len(out.read_text().splitlines()) == len(CONVERSATIONS) and len(state.requests) == TURNS + 1
+
+
+@pytest.mark.parametrize(
+    ("action", "how"), [("long", r"counted with the target's tokenizer"), ("overcount", r"usage.completion_tokens")]
+)
+def test_a_reply_longer_than_max_tokens_fails_its_conversation(serve, messages_file, tmp_path, action, how):
+    url, state = serve()
+    state.then = action
+    with pytest.raises(
+        EngineError,
+        match=rf"{url}: conversation [01]: the reply is \d+ tokens long \({how}\), the request's max_tokens 16: "
+        "the server does not honour max_tokens",
+    ) as err:
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url))
+    tokens = int(re.search(r"is (\d+) tokens", str(err.value)).group(1))
+    assert tokens == 17 if action == "overcount" else tokens >= 5000  # 5,000 words: a token or more each
+    assert len(state.requests) == 2  # the reply is wrong, not the server down: not retried
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("content", [None, 7, ["Four."], {"text": "Four."}, "", " \n"])
+def test_a_reply_that_is_not_text_fails_its_conversation(serve, messages_file, tmp_path, content):
+    url, state = serve()
+    state.then = f"content:{json.dumps(content)}"
+    with pytest.raises(
+        EngineError,
+        match=rf"{url}: conversation [01]: the reply is {re.escape(json.dumps(content))}, not a non-empty string",
+    ):
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url))
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("status", [200, 503])
+def test_an_answer_that_is_not_json_is_quoted_only_in_part(serve, messages_file, tmp_path, status):
+    url, state = serve()
+    state.then = f"notjson{status}"
+    with pytest.raises(EngineError) as err:
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url, retries=0))
+    message = str(err.value)
+    # Its length and 80 characters, of printable ASCII only: the escape codes are not sent to the terminal.
+    assert f"{len(NOT_JSON)} bytes of no JSON, starting '?[2J?[31m<html>AAA" in message
+    assert "A" * 65 in message and "A" * 66 not in message and "\x1b" not in message
+    assert message.isprintable() and "</html>" not in message
+
+
+@pytest.mark.parametrize(
+    "url", ["file:///etc/passwd", "ftp://localhost/v1", "localhost:8000/v1", "http:///v1", "http://localhost:99999/v1"]
+)
+def test_only_an_http_url_is_a_server(url):
+    with pytest.raises(ValueError, match="is not an http\\(s\\) URL"):
+        ChatServer(url, SERVED, 1, 1.0, 0)  # capture's client too
+
+
+def test_a_file_url_is_refused_before_it_is_read(messages_file, tmp_path):
+    """A file:// base_url once had the client read {base_url}/models and quote the file in its error."""
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api/models").write_text("SECRET " * 50)
+    url = f"file://{tmp_path / 'api'}"
+    with pytest.raises(ConfigError, match=r"regenerate.base_url: must be an http\(s\) URL") as err:
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url))
+    assert "SECRET" not in str(err.value)
+    with pytest.raises(ValueError, match="is not an http") as err:
+        ChatServer(url, SERVED, 1, 1.0, 0)
+    assert "SECRET" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "models",
+    [{"object": "list"}, {"data": SERVED}, [{"id": SERVED}], {"data": [SERVED]}, {"data": None}, "demo-target", 3],
+)
+def test_a_models_list_that_is_not_one_is_named(serve, messages_file, tmp_path, models):
+    url, state = serve()
+    state.models = models
+    with pytest.raises(EngineError, match=rf"{url}: GET /models answered .*: not a list of models") as err:
+        run_regenerate(config(messages_file, tmp_path / "out.jsonl", url))
+    assert json.dumps(models) in str(err.value)
+    assert not list(tmp_path.glob("out.jsonl*"))

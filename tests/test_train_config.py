@@ -5,7 +5,7 @@ import yaml
 from conftest import REPO
 
 from headstart.core.config import ConfigError, load_config
-from headstart.train import eagle, medusa
+from headstart.train import dflash, eagle, medusa
 from headstart.train.config import resolve_config
 from headstart.train.data import rank_micro_batches
 from headstart.train.loop import cosine_with_warmup
@@ -48,7 +48,7 @@ def demo_config(tmp_path):
         (eagle, ["head.ttt_stepz=3"], r"unknown key head\.ttt_stepz for a eagle3 head"),
         (eagle, ["train.batch_size=many"], r"train\.batch_size must be int, got 'many' \(str\)"),
         (eagle, ["train.lr=fast"], r"train\.lr must be float, got 'fast'"),
-        (eagle, ["train.online_capture=3"], r"train\.online_capture must be bool, got 3"),
+        (eagle, ["train.online_capture=3"], r"train\.online_capture must be bool or 'vllm', got 3"),
         (eagle, ["train.zero_stage=4"], r"train\.zero_stage must be one of \[0, 1, 2, 3\], got 4"),
         (eagle, ["head.type=medusa"], r"head\.type 'medusa' is trained by train/medusa\.py, not train/eagle\.py"),
         (medusa, [], r"head\.type 'eagle3' is trained by train/eagle\.py, not train/medusa\.py"),
@@ -56,6 +56,11 @@ def demo_config(tmp_path):
         (eagle, ["train.batch_size=7"], r"train\.batch_size \(7\) must be a multiple of train\.micro_batch_size"),
         (eagle, ["lora.r=8"], r"Medusa-2 .* set train\.online_capture: true"),
         (eagle, ["lora.r=8", "train.online_capture=true", "target.tp_size=2"], r"cannot train a split target"),
+        (
+            dflash,
+            ["head={type: dflash, block_size: 5000}"],
+            r"head\.block_size \(5000\) must not exceed data\.max_length \(512\)",
+        ),
     ],
 )
 def test_config_errors_fail_before_any_work(demo_config, trainer, overrides, message, monkeypatch):

@@ -69,6 +69,14 @@ def _check_consistency(cfg: dict[str, Any], trainer: str, problems: list[str]) -
         )
     if "lora" in cfg and trainer != "medusa":
         problems.append("a lora: section (Medusa-2) is only read by train/medusa.py")
+    head, max_length = cfg["head"], cfg["data"]["max_length"]
+    if head["type"] == "dflash" and head["block_size"] > max_length:
+        # Every step holds num_anchors blocks of block_size slots per sequence (5000 slots: 120 GB, after the
+        # target has loaded); slots past a sample's max_length tokens are never scored anyway.
+        problems.append(
+            f"head.block_size ({head['block_size']}) must not exceed data.max_length ({max_length}): "
+            "a block's slots past the end of a sample have no token to learn"
+        )
     if train["eval_every"] and not train["heldout_samples"]:
         problems.append("train.eval_every needs train.heldout_samples > 0 (nothing held out to evaluate)")
 

