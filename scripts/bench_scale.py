@@ -56,7 +56,6 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -76,6 +75,7 @@ from headstart.eval.verify import generate
 from headstart.heads import build_head
 from headstart.scripts.bench_capture import bare_forward, best_seconds, capture_to
 from headstart.scripts.bench_train import bench, step_batches
+from headstart.scripts.compare_captures import differences
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 _LLAMA3 = {
@@ -506,21 +506,17 @@ def capture_command(config: str, tp_size: int, out_dir: Path, samples: int, devi
 
 def compare_captures(reference: Path, other: Path) -> dict[str, Any]:
     """Whether two captures of the same samples hold the same token ids, loss masks and sample ids shard by
-    shard, and how far apart their hidden states are (a split target sums its partial products in another
-    order, so the states may differ in the last bits)."""
-    same_ids, same_masks, hidden_diff = True, True, 0.0
-    shards_a, shards_b = read_manifest(reference)["shards"], read_manifest(other)["shards"]
-    if [s["file"] for s in shards_a] != [s["file"] for s in shards_b]:
+    shard, and how far apart their hidden states are (``scripts.compare_captures``: a split target sums its
+    partial products in another order, so the states may differ in the last bits)."""
+    if [s["file"] for s in read_manifest(reference)["shards"]] != [s["file"] for s in read_manifest(other)["shards"]]:
         return {"token_ids_equal": False, "why": "the captures wrote different shards"}
-    for entry in shards_a:
-        with safe_open(str(reference / entry["file"]), "pt") as a, safe_open(str(other / entry["file"]), "pt") as b:
-            for key in ("input_ids", "sample_ids", "sample_offsets"):
-                same_ids &= torch.equal(a.get_tensor(key), b.get_tensor(key))
-            same_masks &= torch.equal(a.get_tensor("loss_mask"), b.get_tensor("loss_mask"))
-            for key in sorted(set(a.keys()) & {"last_hidden", "aux_hidden"}):
-                diff = (a.get_tensor(key).float() - b.get_tensor(key).float()).abs().max().item()
-                hidden_diff = max(hidden_diff, diff)
-    return {"token_ids_equal": same_ids, "loss_masks_equal": same_masks, "hidden_max_abs_diff": hidden_diff}
+    found = differences(reference, other)
+    unequal = {where.split(": ")[1] for where in found["token_side"]}
+    return {
+        "token_ids_equal": not unequal - {"loss_mask"},
+        "loss_masks_equal": "loss_mask" not in unequal,
+        "hidden_max_abs_diff": max((t["max_abs"] for t in found["layers"].values()), default=0.0),
+    }
 
 
 def cpu_cores() -> int:

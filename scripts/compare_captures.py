@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -47,34 +48,54 @@ def layer_pairs(a: dict, b: dict, manifest: dict) -> list[tuple[str, torch.Tenso
     return [*pairs, ("last (after the final norm)", a["last_hidden"], b["last_hidden"])]
 
 
-def compare(first: Path, second: Path) -> list[str]:
-    """The report's lines; ValueError naming the shard and tensor where the token side differs."""
+def differences(first: Path, second: Path) -> dict[str, Any]:
+    """How two captures of the same conversations differ: ``token_side``, every ``shard: tensor`` whose token
+    ids, masks, offsets or sample ids are not equal (that shard's states are then not compared), and per stored
+    layer its bf16-step statistics and largest absolute difference."""
     manifest = read_manifest(first)
     if read_manifest(second)["samples_hash"] != manifest["samples_hash"]:
         raise ValueError(f"{first} and {second} hold other conversations (samples_hash differs)")
+    token_side: list[str] = []
     totals: dict[str, dict[str, float]] = {}
     relative: dict[str, list[torch.Tensor]] = {}
     for entry in manifest["shards"]:
         a, b = load_file(first / entry["file"]), load_file(second / entry["file"])
-        for key in TOKEN_KEYS:
-            if not torch.equal(a[key], b[key]):
-                raise ValueError(f"{entry['file']}: {key} differs between {first} and {second}")
+        unequal = [f"{entry['file']}: {key}" for key in TOKEN_KEYS if not torch.equal(a[key], b[key])]
+        token_side += unequal
+        if unequal:
+            continue
         for name, x, y in layer_pairs(a, b, manifest):
             x, y = x.float(), y.float()
             steps, beyond = bf16_steps(x, y)
-            t = totals.setdefault(name, {"values": 0, "one": 0, "over_two": 0, "worst": 0.0})
+            t = totals.setdefault(name, {"values": 0, "one": 0, "over_two": 0, "worst": 0.0, "max_abs": 0.0})
             t["values"] += x.numel()
             t["one"] += int(((steps > 0) & (steps <= 1)).sum())
             t["over_two"] += int((steps > 2).sum())
             t["worst"] = max(t["worst"], beyond.max().item())
+            t["max_abs"] = max(t["max_abs"], (x - y).abs().max().item())
             relative.setdefault(name, []).append((x - y).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-12))
-    lines = [f"{manifest['samples']} samples, {manifest['tokens']:,} tokens: token ids, masks, offsets identical"]
-    for name, t in totals.items():
-        rel = torch.cat(relative[name])
+    layers = {
+        name: t
+        | {
+            "relative_median": torch.cat(relative[name]).median().item(),
+            "relative_max": torch.cat(relative[name]).max().item(),
+        }
+        for name, t in totals.items()
+    }
+    return {"samples": manifest["samples"], "tokens": manifest["tokens"], "token_side": token_side, "layers": layers}
+
+
+def compare(first: Path, second: Path) -> list[str]:
+    """The report's lines; ValueError naming the shard and tensor where the token side differs."""
+    found = differences(first, second)
+    if found["token_side"]:
+        raise ValueError(f"{found['token_side'][0]} differs between {first} and {second}")
+    lines = [f"{found['samples']} samples, {found['tokens']:,} tokens: token ids, masks, offsets identical"]
+    for name, t in found["layers"].items():
         lines.append(
             f"{name}: {t['one'] / t['values']:.4%} one step apart, {t['over_two'] / t['values']:.4%} more than two; "
-            f"worst beyond the floor {t['worst']:.2f} steps; token relative L2 median {rel.median():.1e}, "
-            f"max {rel.max():.1e}"
+            f"worst beyond the floor {t['worst']:.2f} steps; token relative L2 median {t['relative_median']:.1e}, "
+            f"max {t['relative_max']:.1e}"
         )
     return lines
 
