@@ -3,7 +3,7 @@
     python -m eval.acceptance --target assets/demo-target --draft assets/demo-draft \
         --method vanilla,ngram,draft_model --bench assets/data/gsm8k_test.jsonl --limit 8 --out runs/acc
 
-Every method decodes the same prompts through the one verification core (``eval.verify.generate``, run
+Every method decodes the same prompts through the one verification core (``decoding.verify.generate``, run
 by ``eval.run``); vanilla runs first as the speedup baseline (also when not asked for). ``--out`` gets
 report.json, report.md and PNG plots (``eval.report``), and eval_config.yaml: the settings, as the
 ``eval:`` section that ``headstart eval --config`` reads.
@@ -30,28 +30,20 @@ from headstart.core.models import load_decoding_target, load_model, load_tokeniz
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
+from headstart.decoding.methods import HEAD_METHODS, METHODS, TreeFlags, build_proposer
+from headstart.decoding.proposers import check_draft_vocab, head_method
+from headstart.decoding.tree_config import check_tree_vocab, head_tree_configs
+from headstart.decoding.verify import Proposer, Sampling
 from headstart.eval.bench import BenchItem, check_positions, load_bench, longest_context
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
-from headstart.eval.proposers import check_draft_vocab, head_method
 from headstart.eval.report import write_matrix_report, write_report
-from headstart.eval.run import (
-    HEAD_METHODS,
-    METHODS,
-    MethodRun,
-    TreeFlags,
-    build_proposer,
-    divergences,
-    run_methods,
-    summarize,
-)
+from headstart.eval.run import MethodRun, divergences, run_methods, summarize
 from headstart.eval.timing import machine
-from headstart.eval.tree_config import check_tree_vocab, head_tree_configs
-from headstart.eval.verify import Proposer, Sampling
 from headstart.heads import load_head, read_head_config
 
 
 def heads_by_method(head_dirs: list[str]) -> dict[str, str]:
-    """Method name (``eval.proposers.head_method``: the type, or peagle) -> head folder; reads only the configs."""
+    """Method name (``decoding.proposers.head_method``: the type, or peagle) -> head folder; reads only the configs."""
     found: dict[str, str] = {}
     for head_dir in head_dirs:
         head_type = head_method(read_head_config(head_dir))

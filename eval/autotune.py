@@ -18,7 +18,7 @@
    threshold (``eval.speedup.fit_confidence``); the threshold that replays fastest (0: fixed depth) goes
    into the tree as ``min_confidence``.
 5. Speculation by load: per batch size, the depth to cut the chosen tree at (0: plain decoding) and the best
-   chain length, written as ``depth_per_batch_size`` (``eval.verify.generate_batch`` follows it) and as
+   chain length, written as ``depth_per_batch_size`` (``decoding.verify.generate_batch`` follows it) and as
    vLLM's ``num_speculative_tokens_per_batch_size`` (the exports' serve commands carry it).
 6. Validation on held-out prompts (``eval.tune_runs.validate``): the chosen tree (and the same tree at fixed depth),
    chains, other sizes and dynamic EAGLE-2 trees (EAGLE's default among them; none for a DFlash head, whose
@@ -27,7 +27,7 @@
    table puts measured and predicted tau and tokens/s side by side. Then, per batch size, the held-out
    prompts decode together plainly, with the fixed tree and as scheduled (``eval.tune_runs.validate_batches``).
 
-The choice is written as JSON (``tree.json``, ``eval.tree_config``) that ``python -m eval.acceptance --tree
+The choice is written as JSON (``tree.json``, ``decoding.tree_config``) that ``python -m eval.acceptance --tree
 FILE`` reads (and picks up from a head folder by itself), as do the exports' model cards. ``--out`` also
 gets autotune.json, autotune.md and autotune.png (``eval.report``), and autotune_config.yaml: the settings,
 as the ``autotune:`` section that ``headstart autotune --config`` reads.
@@ -53,12 +53,12 @@ from headstart.core.models import load_decoding_target, load_model, load_tokeniz
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
 from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
+from headstart.decoding.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
+from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
 from headstart.eval.bench import load_bench, longest_context, render
-from headstart.eval.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
 from headstart.eval.report import write_autotune_report
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
-from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges, tree_json
 from headstart.eval.tune_runs import calibrate, validate, validate_batches, validation_checks, validation_rows
 from headstart.heads import DraftHead, load_head
 
@@ -147,6 +147,22 @@ def draft_sources(args: argparse.Namespace, target: PreTrainedModel, dtype: torc
     if not exits or not all(0 < n < layers for n in exits):
         raise ValueError(f"--exit-layers must lie in 1..{layers - 1} (the target has {layers} layers), got {exits}")
     return {f"exit layer {n}": early_exit(target, n) for n in exits}
+
+
+def tree_json(choice: Choice, vanilla: Choice, batch: dict[int, dict], meta: dict) -> dict:
+    """tree.json: the chosen tree (``TREE_KEYS``), the model's tau and tokens/s for it and for vanilla,
+    ``speculate_max_batch`` (the largest batch size of ``batch``, ``eval.speedup.batch_table``, at which the
+    model still prefers speculation; 0: never), and where it was tuned (``meta``: machine, device, dtype, ...)."""
+    return (
+        choice.tree.config()
+        | {
+            "predicted_tau": choice.tau,
+            "predicted_tokens_per_s": choice.tokens_per_s,
+            "predicted_vanilla_tokens_per_s": vanilla.tokens_per_s,
+            "speculate_max_batch": max((b for b, row in batch.items() if row["speculate"]), default=0),
+        }
+        | meta
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,6 +1,5 @@
 """Decoding runs: every method over a benchmark (``eval.acceptance``), through the one verification core
-(``eval.verify.generate``), and the proposers built for each method (also for the tuner's runs,
-``eval.tune_runs``).
+(``decoding.verify.generate``) with the proposers ``decoding.methods`` builds.
 
 Greedy runs must reproduce vanilla decoding token for token; where a method's output leaves vanilla's,
 ``divergence`` says where and whether the target's logits there were a near-tie (reduced-precision
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import cast
 
 import torch
@@ -19,143 +17,15 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.runtime import seed_everything
+from headstart.decoding.verify import Proposer, Sampling, Stats, generate
 from headstart.eval.bench import BenchItem, render
-from headstart.eval.proposers import (
-    DFlash,
-    Drafter,
-    DraftModel,
-    DraftSource,
-    Eagle,
-    Medusa,
-    NGram,
-    PEagle,
-    SelfSpec,
-    Vanilla,
-    early_exit,
-    head_method,
-)
-from headstart.eval.proposers_lookup import Lookahead, Suffix
 from headstart.eval.speedup import (
     chain_acceptance,
     predicted_speedup,
 )
 from headstart.eval.timing import TimedProposer, peak_memory_mb
-from headstart.eval.tree import MC_SIM_7B_63
-from headstart.eval.tree_config import TreeSpec, chain_choices
-from headstart.eval.verify import Proposer, Sampling, Stats, generate
-from headstart.heads import DraftHead
 
-METHODS = (
-    "vanilla", "ngram", "suffix", "lookahead", "draft_model", "self_spec",
-    "eagle", "eagle3", "peagle", "medusa", "dflash",
-)  # fmt: skip
-HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # eval.proposers.head_method
 WARMUP_TOKENS = 16
-
-# ------------------------------------------------------------------------------------------- proposers
-
-
-@dataclass(frozen=True)
-class TreeFlags:
-    """How methods draft when no tree.json says otherwise: ``shape`` None (each method's usual: chains
-    for ngram, draft_model, self_spec and DFlash, Medusa's fixed tree, EAGLE's dynamic tree), "static" (chains;
-    Medusa its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model, self_spec and EAGLE too; DFlash stays a
-    chain). suffix drafts a tree of at most ``depth`` nodes, lookahead its window and pool n-grams (own sizes)."""
-
-    shape: str | None = None
-    top_k: int = 8  # children per node in dynamic trees
-    depth: int = 5  # draft length / tree depth
-    total_tokens: int = 48  # tree nodes kept (dynamic and Medusa trees)
-    exit_layer: int | None = None  # self_spec: the target layers that draft (None: half of them)
-
-
-def build_proposer(
-    method: str,
-    flags: TreeFlags,
-    draft: PreTrainedModel | None = None,
-    heads: dict[str, DraftHead] | None = None,
-    tree_config: dict | None = None,
-    target: PreTrainedModel | None = None,
-) -> Proposer:
-    """The proposer of ``method`` (``METHODS``): ``draft`` for draft_model, ``target`` for self_spec,
-    ``heads[method]`` for the head methods; an EAGLE, DFlash, draft_model or self_spec method drafts ``tree_config``
-    (a tree.json; self_spec's names its exit layer) when given, else the tree ``flags``."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
-    if method == "vanilla":
-        return Vanilla()
-    if method == "ngram":
-        return NGram(k=flags.depth)
-    if method == "suffix":
-        return Suffix(k=flags.depth)
-    if method == "lookahead":
-        return Lookahead()
-    if method in ("draft_model", "self_spec"):
-        drafter = draft if method == "draft_model" else target
-        if drafter is None:
-            raise ValueError(f"the {method} method needs a {'draft' if method == 'draft_model' else 'target'} model")
-        if tree_config is not None:  # tuned by eval.autotune --draft / --self-spec (which names the exit layer)
-            source = drafter if method == "draft_model" else early_exit(drafter, int(tree_config["exit_layer"]))
-            return proposer_for_tree(source, tree_config)
-        model = (
-            partial(DraftModel, drafter) if method == "draft_model" else partial(SelfSpec, drafter, flags.exit_layer)
-        )
-        if flags.shape == "dynamic":
-            return model(k=flags.depth, top_k=flags.top_k, total_tokens=flags.total_tokens)
-        return model(k=flags.depth)
-    if heads is None or method not in heads:
-        raise ValueError(f"the {method} method needs its head")
-    head = heads[method]
-    if method == "medusa":
-        depth = min(flags.depth, head.config.options.num_heads)
-        # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
-        choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens]
-        return Medusa(head, choices)
-    if method == "peagle":  # one forward drafts every depth: chains, or a tuned static shape
-        return proposer_for_tree(head, tree_config) if tree_config is not None else PEagle(head, flags.depth)
-    if tree_config is not None:
-        return proposer_for_tree(head, tree_config)
-    if method == "dflash":  # one forward drafts every depth at once: a chain of them
-        return DFlash(head, choices=chain_choices(min(flags.depth, head.config.options.block_size - 1)))
-    if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
-        return Eagle(head, top_k=1, depth=flags.depth, total_tokens=flags.depth)
-    return Eagle(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
-
-
-def proposer_for_tree(head: DraftSource, config: dict) -> Drafter:
-    """The head's (or draft model's) proposer drafting the tree of a tree.json config
-    (``eval.tree_config.TREE_KEYS``).
-
-    P-EAGLE and DFlash draft every depth in one forward, so they fill static shapes only.
-    """
-    if not isinstance(head, DraftHead):
-        tree = TreeSpec.from_config(config)
-        if tree.shape == "static":
-            return DraftModel(head, choices=tree.choices, min_confidence=tree.min_confidence)
-        return DraftModel(head, tree.depth, tree.top_k, tree.total_tokens, min_confidence=tree.min_confidence)
-    method = head_method(head.config)
-    if method in ("peagle", "dflash"):
-        if config["shape"] != "static":
-            title = "P-EAGLE" if method == "peagle" else "DFlash"
-            raise ValueError(
-                f"{title} drafts static shapes only (every depth from one forward), not a {config['shape']} tree"
-            )
-        if config.get("min_confidence", 0.0) > 0:
-            raise ValueError(
-                "adaptive depth (min_confidence) needs a drafter that drafts level by level; "
-                f"{method} drafts every depth in one forward"
-            )
-        return (PEagle if method == "peagle" else DFlash)(head, choices=config["choices"])
-    tree = TreeSpec.from_config(config)
-    if tree.shape == "static":
-        return Eagle(head, choices=tree.choices, min_confidence=tree.min_confidence)
-    return Eagle(head, tree.top_k, tree.depth, tree.total_tokens, min_confidence=tree.min_confidence)
-
-
-def proposer_for(head: DraftSource, tree: TreeSpec) -> Proposer:
-    """The head (or draft model) drafting ``tree``; vanilla for the empty tree."""
-    return proposer_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
-
 
 # ------------------------------------------------------------------------------------------- tallies
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from headstart.core.acceptance import chain_tau, expected_tau, path_acceptance
-from headstart.eval.tree import Tree
-from headstart.eval.tree_config import EAGLE_DEFAULT, TreeSpec, chain_choices
+from headstart.decoding.tree import Tree
+from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, chain_choices
 
 # ------------------------------------------------------------------------------------------ chain model
 
@@ -186,7 +186,7 @@ def chain_spec(k: int) -> TreeSpec:
 
 def best_cap(costs: Costs, rank_probs: Sequence[Sequence[float]], tree: TreeSpec, batch: int) -> tuple[int, float]:
     """(depth, expected tokens/s): the depth to cut ``tree`` at when ``batch`` sequences decode together (0: plain
-    decoding). ``eval.verify.generate_batch`` cuts a drafted tree rather than drafting less, so every cut but
+    decoding). ``decoding.verify.generate_batch`` cuts a drafted tree rather than drafting less, so every cut but
     0 pays the whole tree's drafting; it saves verification, which grows with batch x nodes."""
     rates = {0: predict(costs, rank_probs, TreeSpec.static([]), batch).tokens_per_s}
     for depth in range(1, tree.depth + 1):
@@ -210,7 +210,7 @@ class ConfidenceStep:
 
 
 def adaptive_rate(costs: Costs, tree: TreeSpec, steps: Sequence[ConfidenceStep], min_confidence: float) -> float:
-    """Tokens/s of ``tree`` drafted with ``min_confidence`` (``eval.tree.confident``) replayed on recorded steps:
+    """Tokens/s of ``tree`` drafted with ``min_confidence`` (``decoding.tree.confident``) replayed on recorded steps:
     a step drafts below depth d only while the rank-0 chain's depth-d confidence reaches the threshold (the
     likeliest node of a greedy tree's level is nearly always on that chain), accepts the longest prefix of
     the target's rank path that the cut tree holds, and costs the cut tree's drafting and verification."""

@@ -17,10 +17,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.core.timing import clock, timed
-from headstart.eval.proposers import Drafter, DraftSource, ProposerWrapper, head_drafter
+from headstart.decoding.proposers import Drafter, DraftSource, ProposerWrapper, head_drafter
+from headstart.decoding.tree import Tree, chain
+from headstart.decoding.verify import Proposer, Sampling, new_cache, verify_batch
 from headstart.eval.speedup import Costs
-from headstart.eval.tree import Tree, chain
-from headstart.eval.verify import Proposer, Sampling, new_cache, verify_batch
 
 VERIFY_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)

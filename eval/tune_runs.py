@@ -1,6 +1,6 @@
 """The tree tuner's decoding runs (``eval.autotune``): calibration with a "comb" tree, validation of the chosen
 tree beside the others on held-out prompts, and the same at several batch sizes (speculation by load). Every
-run goes through the one verification core (``eval.verify``) with the proposers ``eval.run`` builds.
+run goes through the one verification core (``decoding.verify``) with the proposers ``eval.run`` builds.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from headstart.core.timing import timed
-from headstart.eval.proposers import Drafter, DraftSource, ProposerWrapper, head_drafter
-from headstart.eval.run import Tally, proposer_for
+from headstart.decoding.methods import proposer_for
+from headstart.decoding.proposers import Drafter, DraftSource, ProposerWrapper, head_drafter
+from headstart.decoding.tree import Tree
+from headstart.decoding.tree_config import Schedule, TreeSpec, comb_choices, scheduled_depth
+from headstart.decoding.verify import Proposer, Sampling, generate, generate_batch
+from headstart.eval.run import Tally
 from headstart.eval.speedup import ConfidenceStep, Costs, RankCounts, tree_tau
-from headstart.eval.tree import Tree
-from headstart.eval.tree_config import Schedule, TreeSpec, comb_choices, scheduled_depth
-from headstart.eval.verify import Proposer, Sampling, generate, generate_batch
 
 # ----------------------------------------------------------------------------------- tree calibration
 

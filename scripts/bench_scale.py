@@ -69,9 +69,9 @@ from headstart.core.weights import INDEX_NAME, borrowed_names, meta_model
 from headstart.data_recipes.capture import OnlineCapture, forward_states
 from headstart.data_recipes.recipes import Sample
 from headstart.data_recipes.shards import read_manifest
-from headstart.eval.proposers import Vanilla
+from headstart.decoding.proposers import Vanilla
+from headstart.decoding.verify import generate
 from headstart.eval.timing import VERIFY_NODES, machine, measure_verify, peak_memory_mb
-from headstart.eval.verify import generate
 from headstart.heads import build_head
 from headstart.scripts.bench_capture import bare_forward, best_seconds, capture_to
 from headstart.scripts.bench_train import bench, step_batches
@@ -284,7 +284,7 @@ def measure_verify_curve(
 def compare_generate(
     target: PreTrainedModel, prompt_len: int, new_tokens: int, repeats: int, generator: torch.Generator
 ) -> dict[str, Any]:
-    """Tokens/s of our vanilla decoding (``eval.verify.generate``) and HF ``generate``, greedy, same prompt."""
+    """Tokens/s of our vanilla decoding (``decoding.verify.generate``) and HF ``generate``, greedy, same prompt."""
     prompt = torch.randint(target.config.vocab_size, (1, prompt_len), generator=generator).to(target.device)
 
     def hf() -> None:

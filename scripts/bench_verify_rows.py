@@ -3,9 +3,9 @@
     python -m scripts.bench_verify_rows --target runs/real-smollm2/target [--context 300] [--repeats 15]
 
 On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 on a slower kernel, so a forward
-over 3 new tokens can cost more than one over 4; ``eval.verify`` rounds a verify's queries up to a multiple of
+over 3 new tokens can cost more than one over 4; ``decoding.verify`` rounds a verify's queries up to a multiple of
 ``CPU_QUERY_MULTIPLE`` there. Both columns are measured in one process, one after the other for each q, at
-the same KV length: the bare forward over q new tokens, and ``eval.verify.verify_batch`` over a chain of q - 1
+the same KV length: the bare forward over q new tokens, and ``decoding.verify.verify_batch`` over a chain of q - 1
 drafts (forward, acceptance and KV commit, padded where the rule says), medians of ``repeats``.
 """
 
@@ -19,9 +19,9 @@ from transformers import PreTrainedModel
 
 from headstart.core.models import load_model
 from headstart.core.timing import timed
+from headstart.decoding.tree import chain
+from headstart.decoding.verify import new_cache, verify_queries
 from headstart.eval.timing import measure_verify
-from headstart.eval.tree import chain
-from headstart.eval.verify import new_cache, verify_queries
 
 
 @torch.no_grad()

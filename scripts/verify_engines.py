@@ -7,7 +7,7 @@ speculators 0.9.0 (``make verify-engines``).
         [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
 
 Runs in two interpreters. This one (the project's venv) exports each head, computes our head's draft
-logits and runs our own engine (``eval.verify.generate`` with a greedy chain of k drafts) on the prompts;
+logits and runs our own engine (``decoding.verify.generate`` with a greedy chain of k drafts) on the prompts;
 the engines' side venv (transformers 5.19, torch 2.13 CPU, no peft: it cannot import ``heads``) runs each
 engine check in a fresh process:
 
@@ -148,13 +148,13 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
 
 def resolve_head(kind: str, path: str, model: PreTrainedModel, work: Path) -> tuple[Path, bool]:
     """(head folder, random_init): ``path``, checked to hold a ``kind`` head, else a seeded random one."""
-    from headstart.eval.proposers import head_method
+    from headstart.decoding.proposers import head_method
     from headstart.heads import build_head, read_head_config
 
     if Path(path, "config.json").is_file():
         found = head_method(read_head_config(path))
         if found != kind:
-            raise ValueError(f"--{kind} {path}: it is a {found} head (eval.proposers.head_method)")
+            raise ValueError(f"--{kind} {path}: it is a {found} head (decoding.proposers.head_method)")
         return Path(path), False
     torch.manual_seed(0)
     # draft_vocab_size: 2048 of the bundled target's 8k tokens; the other kinds take their defaults.
@@ -221,8 +221,8 @@ def our_acceptance(
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
     drafts vLLM's block: the newest token and k masks."""
-    from headstart.eval.proposers import DFlash, Drafter, Eagle, PEagle, head_method
-    from headstart.eval.verify import generate
+    from headstart.decoding.proposers import DFlash, Drafter, Eagle, PEagle, head_method
+    from headstart.decoding.verify import generate
 
     k = settings["k"]
     method = head_method(head.config)
@@ -324,7 +324,7 @@ def judge_schedule(plain: list[list[int]], run: dict[str, Any], schedule: list[l
     per position: a position never drafted accepts nothing), while a schedule that drafts at all drafted."""
     if "status" in run:
         return run
-    from headstart.eval.tree_config import scheduled_depth
+    from headstart.decoding.tree_config import scheduled_depth
 
     allowed = max(scheduled_depth(schedule, b) for b in range(1, batch + 1))
     per_pos = run["acceptance"]["accepted_per_pos"]
@@ -507,7 +507,7 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
 def read_schedule(text: str) -> list[list[int]]:
     """``--schedule``: a JSON schedule, or a tree.json holding ``num_speculative_tokens_per_batch_size``; checked
     as vLLM checks it, and drafting somewhere (vLLM refuses num_speculative_tokens 0)."""
-    from headstart.eval.tree_config import check_schedule, load_tree_config
+    from headstart.decoding.tree_config import check_schedule, load_tree_config
 
     if Path(text).is_file():
         config = load_tree_config(text)

@@ -9,10 +9,10 @@ from conftest import tiny_llama
 from transformers import LlamaForCausalLM
 
 from headstart.core.acceptance import expected_tau
-from headstart.eval.proposers import Eagle
+from headstart.decoding.proposers import Eagle
+from headstart.decoding.tree_config import TreeSpec, comb_choices, load_tree_config, scheduled_depth
+from headstart.decoding.verify import Sampling
 from headstart.eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
-from headstart.eval.tree_config import TreeSpec, comb_choices, load_tree_config, scheduled_depth
-from headstart.eval.verify import Sampling
 from headstart.heads import build_head
 from headstart.scripts.formats.card import served_schedule, tree_card_section, vllm_command
 

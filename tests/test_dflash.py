@@ -18,9 +18,9 @@ from conftest import TARGET, assert_matches, tiny_llama
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from headstart.eval.proposers import DFlash
-from headstart.eval.tree_config import comb_choices
-from headstart.eval.verify import Sampling, generate, generate_batch, probabilities
+from headstart.decoding.proposers import DFlash
+from headstart.decoding.tree_config import comb_choices
+from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
 from headstart.heads import build_head, load_head
 from headstart.heads.dflash import block_attention, resolve_mask_token_id
 from headstart.scripts.export import export_head

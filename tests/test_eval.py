@@ -5,8 +5,8 @@ import torch
 from conftest import tiny_llama
 from transformers import DynamicCache
 
-from headstart.eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
-from headstart.eval.tree import (
+from headstart.decoding.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
+from headstart.decoding.tree import (
     MC_SIM_7B_63,
     SMALL_CHOICES,
     Tree,
@@ -16,8 +16,8 @@ from headstart.eval.tree import (
     static_tree,
     tree_batch_inputs,
 )
-from headstart.eval.tree_config import comb_choices
-from headstart.eval.verify import (
+from headstart.decoding.tree_config import comb_choices
+from headstart.decoding.verify import (
     CPU_QUERY_MULTIPLE,
     Sampling,
     accept,

@@ -9,10 +9,10 @@ from conftest import REPO, tiny_llama
 
 from headstart.core.acceptance import chain_tau, expected_tau
 from headstart.core.timing import timed
-from headstart.eval.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
-from headstart.eval.run import TreeFlags, build_proposer
+from headstart.decoding.methods import TreeFlags, build_proposer
+from headstart.decoding.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
+from headstart.decoding.tree_config import chain_choices
 from headstart.eval.speedup import predicted_speedup
-from headstart.eval.tree_config import chain_choices
 from headstart.heads import build_head
 from headstart.train.metrics import predicted_tau
 
@@ -109,9 +109,9 @@ def test_build_proposer_takes_typed_settings():
 def test_methods_take_turns_and_each_output_is_independent_of_the_others(target, one_thread):
     """run_methods interleaves the methods item by item; seeding each (item, method) decode from the item's
     index keeps a sampled method's tokens the same whether it runs alone or beside others."""
+    from headstart.decoding.verify import Sampling
     from headstart.eval.bench import BenchItem
     from headstart.eval.run import run_methods
-    from headstart.eval.verify import Sampling
 
     model, tokenizer = target
     items = [BenchItem(id=str(i), category="math", turns=[f"What is {i} plus {i + 2}?"]) for i in range(3)]

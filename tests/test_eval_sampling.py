@@ -15,9 +15,9 @@ from conftest import assert_matches, tiny_llama
 from torch import nn
 from transformers import LlamaConfig
 
-from headstart.eval.proposers import DraftModel, NGram, PEagle
-from headstart.eval.tree import pick_children, static_tree
-from headstart.eval.verify import Sampling, accept, generate_batch, probabilities
+from headstart.decoding.proposers import DraftModel, NGram, PEagle
+from headstart.decoding.tree import pick_children, static_tree
+from headstart.decoding.verify import Sampling, accept, generate_batch, probabilities
 from headstart.heads import build_head
 
 V = 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TARGET
 
-from headstart.eval.proposers import head_method
+from headstart.decoding.proposers import head_method
 from headstart.heads import build_head, load_head, read_head_config
 from headstart.scripts import verify_engines
 from headstart.scripts.export import export_head

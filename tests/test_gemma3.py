@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Gemma3TextConfig
 
 from headstart.data_recipes.capture import capture_hidden_states, run_capture
-from headstart.eval.proposers import Eagle
-from headstart.eval.verify import generate
+from headstart.decoding.proposers import Eagle
+from headstart.decoding.verify import generate
 from headstart.heads import WEIGHTS_NAME, build_head, load_head, read_head_config
 from headstart.heads.target import check_eagle_family
 from headstart.scripts.export import engine_files

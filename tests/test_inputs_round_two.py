@@ -11,15 +11,15 @@ from conftest import make_head
 from transformers import LlamaForCausalLM
 
 from headstart.core.errors import DataError
-from headstart.eval import acceptance, autotune
-from headstart.eval.bench import load_bench
-from headstart.eval.tree_config import (
+from headstart.decoding.tree_config import (
     TreeSpec,
     chain_choices,
     check_tree_vocab,
     head_tree_configs,
     load_tree_config,
 )
+from headstart.eval import acceptance, autotune
+from headstart.eval.bench import load_bench
 from headstart.scripts import cli, push_to_hub
 from headstart.scripts.formats.card import served_schedule, tree_card_section
 

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.recipes import tokenize_messages
 from headstart.data_recipes.shards import read_manifest
-from headstart.eval.proposers import Eagle
-from headstart.eval.verify import generate
+from headstart.decoding.proposers import Eagle
+from headstart.decoding.verify import generate
 from headstart.heads import load_head
 from headstart.scripts import fetch_target
 from headstart.scripts.fetch_target import FetchError, fetch

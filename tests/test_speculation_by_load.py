@@ -1,5 +1,5 @@
 """Speculation that adapts to load: the depth by batch size (tree.json schedules, ``generate_batch``) and the
-per-sequence adaptive depth (``eval.tree.confident``, fitted by ``eval.speedup.fit_confidence``). Sampled
+per-sequence adaptive depth (``decoding.tree.confident``, fitted by ``eval.speedup.fit_confidence``). Sampled
 runs of both are checked for losslessness in test_eval_sampling.py."""
 
 import json
@@ -7,17 +7,17 @@ import json
 import pytest
 import torch
 
-from headstart.eval.proposers import DraftModel, Eagle, Vanilla
-from headstart.eval.speedup import Costs, best_cap
-from headstart.eval.tree import Tree, capped
-from headstart.eval.tree_config import (
+from headstart.decoding.proposers import DraftModel, Eagle, Vanilla
+from headstart.decoding.tree import Tree, capped
+from headstart.decoding.tree_config import (
     TreeSpec,
     chain_choices,
     load_tree_config,
     schedule_ranges,
     scheduled_depth,
 )
-from headstart.eval.verify import Sampling, generate_batch
+from headstart.decoding.verify import Sampling, generate_batch
+from headstart.eval.speedup import Costs, best_cap
 from headstart.heads import build_head
 
 CHAIN4 = TreeSpec.static(chain_choices(4))

@@ -140,8 +140,8 @@ SAMPLING_WORKER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_eval_sampling import PROMPT, exact_two_tokens_of, sample_pairs
     from headstart.core.models import load_decoding_target
-    from headstart.eval.proposers import DraftModel
-    from headstart.eval.verify import Sampling
+    from headstart.decoding.proposers import DraftModel
+    from headstart.decoding.verify import Sampling
     from conftest import tiny_llama
     target, ranks = load_decoding_target({target!r}, "cpu", "fp32", 2, 0, 16)
     draft = tiny_llama(7, vocab_size=4, num_hidden_layers=2)  # whole on every rank, the same weights
@@ -171,7 +171,7 @@ def test_sampling_at_tp_size_2_is_lossless(tmp_path):
     assert result["counts"].sum() == 1000
     from test_eval_sampling import PROMPT, exact_two_tokens_of
 
-    from headstart.eval.verify import Sampling
+    from headstart.decoding.verify import Sampling
 
     # The split target's exact distribution is the whole one's (fp32 reduction order only).
     torch.testing.assert_close(result["exact"], exact_two_tokens_of(whole, PROMPT, Sampling(temperature=1.0)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from headstart.eval.tree_config import Schedule, load_tree_config
+from headstart.decoding.tree_config import Schedule, load_tree_config
 from headstart.heads import HeadConfig
 from headstart.scripts.formats.medusa import NOT_SERVED
 

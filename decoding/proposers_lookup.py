@@ -6,7 +6,7 @@
   verification forward, fills an n-gram pool; the pool's n-grams that start with the pending root are drafted.
 
 Both propose fixed tokens (point masses, ``dists`` None): greedy runs are the target's own decoding and sampled
-runs stay lossless by the verifier's rule for deterministic drafts, as for ``eval.proposers.NGram``.
+runs stay lossless by the verifier's rule for deterministic drafts, as for ``decoding.proposers.NGram``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Iterable
 
 import torch
 
-from headstart.eval.proposers import Vanilla
-from headstart.eval.tree import Tree, empty_tree, tree_from_parents
-from headstart.eval.verify import Sampling
+from headstart.decoding.proposers import Vanilla
+from headstart.decoding.tree import Tree, empty_tree, tree_from_parents
+from headstart.decoding.verify import Sampling
 
 
 class _Node:

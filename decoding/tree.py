@@ -44,7 +44,7 @@ class Tree:
     dist_index: torch.Tensor | None = None  # [n] row of ``dists`` each node was drawn from
     # Lookahead decoding learns from every row the target scored, not only the accepted ones: a tree drafted
     # with ``want_target_argmax`` gets ``target_argmax`` [n + 1], the target's argmax at [root, nodes...],
-    # from the verifier (``eval.verify.verify_batch``).
+    # from the verifier (``decoding.verify.verify_batch``).
     want_target_argmax: bool = False
     target_argmax: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)

@@ -25,8 +25,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from headstart.eval.tree import Tree, additive_mask, capped, empty_tree, tree_batch_inputs
-from headstart.eval.tree_config import Schedule, scheduled_depth
+from headstart.decoding.tree import Tree, additive_mask, capped, empty_tree, tree_batch_inputs
+from headstart.decoding.tree_config import Schedule, scheduled_depth
 
 
 @dataclass
@@ -335,7 +335,7 @@ def generate_batch(
     after ``max_new_tokens`` or at ``eos_token_id`` (kept), as ``target.generate`` does. Sampling draws from
     torch's global generator: seed it for reproducible runs.
 
-    ``schedule`` (``eval.tree_config.Schedule``, a tree.json's ``depth_per_batch_size``) sets speculation by load:
+    ``schedule`` (``decoding.tree_config.Schedule``, a tree.json's ``depth_per_batch_size``) sets speculation by load:
     at every step, with n sequences still decoding, the drafted trees are cut at the depth it gives n, and
     at depth 0 nobody drafts (plain decoding, the proposers only read what was committed).
     """

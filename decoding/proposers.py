@@ -1,4 +1,4 @@
-"""Proposers: every drafting method behind one small interface (``eval.verify.Proposer``).
+"""Proposers: every drafting method behind one small interface (``decoding.verify.Proposer``).
 
     tokens, stats = generate(target, Eagle(head), input_ids, 128, Sampling(temperature=0.7))
 
@@ -13,7 +13,7 @@
 - ``Medusa``: Medusa heads filling a static tree from their per-head candidates.
 - ``DFlash``: a DFlash block drafter: one forward drafts every depth at once, handed over as a chain or as
   a static tree of each depth's top candidates.
-- ``Suffix`` and ``Lookahead`` (``eval.proposers_lookup``): suffix decoding and lookahead decoding, no model.
+- ``Suffix`` and ``Lookahead`` (``decoding.proposers_lookup``): suffix decoding and lookahead decoding, no model.
 - ``ProposerWrapper``: any of them behind a wrapper that records what passes through (timings, ranks).
 
 Greedy runs propose top-k tokens (point masses for the verifier). Sampling runs draw from the draft
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from headstart.eval.tree import (
+from headstart.decoding.tree import (
     SMALL_CHOICES,
     Tree,
     additive_mask,
@@ -41,8 +41,8 @@ from headstart.eval.tree import (
     shaped_tree,
     static_tree,
 )
-from headstart.eval.tree_config import chain_choices
-from headstart.eval.verify import Proposer, Sampling, new_cache, probabilities
+from headstart.decoding.tree_config import chain_choices
+from headstart.decoding.verify import Proposer, Sampling, new_cache, probabilities
 from headstart.heads import DFlashHead, DraftHead, Eagle3Head, EagleHead, HeadConfig, KVCache, MedusaHead
 
 
@@ -202,7 +202,7 @@ class Eagle:
     followed them, the last being the new pending root) into the head's own cache; the last pair's
     output is the root of the next tree. Drafted slots are cropped at the next ``update``. With
     ``min_confidence`` drafting stops at the first level whose best node is less likely than that
-    (``eval.tree.confident``; ``eval.autotune`` fits it).
+    (``decoding.tree.confident``; ``eval.autotune`` fits it).
     """
 
     def __init__(

@@ -3,13 +3,13 @@
 tree.json (written by ``python -m eval.autotune``; read by ``eval.acceptance --tree FILE``, which also finds
 it in a head's folder, and by the exports' model cards, ``scripts.formats.card``):
 
-- shape: "static" (``choices``: Medusa-style rank paths, drafted by ``eval.tree.shaped_tree``) or "dynamic"
+- shape: "static" (``choices``: Medusa-style rank paths, drafted by ``decoding.tree.shaped_tree``) or "dynamic"
   (EAGLE-2: ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);
 - depth, top_k (static: the most children of any node), total_tokens (draft nodes, the root excluded);
 - min_confidence (optional, 0 = fixed depth): drafting stops at the first level whose best node's cumulative
-  draft probability is below it (``eval.tree.confident``), EAGLE heads only;
+  draft probability is below it (``decoding.tree.confident``), EAGLE heads only;
 - depth_per_batch_size (optional): [[first, last, depth], ...] batch-size ranges and the deepest level
-  ``eval.verify.generate_batch`` verifies when that many sequences decode together (0: plain decoding);
+  ``decoding.verify.generate_batch`` verifies when that many sequences decode together (0: plain decoding);
   num_speculative_tokens_per_batch_size: the same for vLLM's chains, in the form vLLM's speculative config
   takes (``vllm/v1/spec_decode/dynamic/utils.py``);
 - plus what the tuner predicted and where it ran (machine, device, dtype, torch_threads, ...).
@@ -26,14 +26,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from headstart.core.schema import Count, Dtype, NonNegative, Section, check_config
-
-if TYPE_CHECKING:
-    from headstart.eval.speedup import Choice
 
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
@@ -70,7 +67,7 @@ class TreeFile(Section):
     torch_threads: Count = 1
     target: str = ""
     head: str = ""
-    # The drafter it was tuned for (eval.proposers.head_method, or the two drafters without a head); eval.acceptance
+    # The drafter it was tuned for (decoding.proposers.head_method, or the two drafters without a head); eval.acceptance
     # gives a draft_model or self_spec tree to that method, and self_spec drafts with the target's first exit_layer.
     method: Literal["eagle", "eagle3", "peagle", "dflash", "medusa", "draft_model", "self_spec"] | None = None
     exit_layer: Count | None = None
@@ -150,7 +147,7 @@ class TreeSpec:
     top_k: int  # static: the most children any node has; dynamic: children per expanded node
     total_tokens: int  # draft nodes, root excluded
     choices: list[list[int]] | None = None
-    min_confidence: float = 0.0  # adaptive depth (``eval.tree.confident``); 0: always the full depth
+    min_confidence: float = 0.0  # adaptive depth (``decoding.tree.confident``); 0: always the full depth
 
     @property
     def name(self) -> str:
@@ -295,19 +292,3 @@ def head_tree_configs(heads: dict[str, str], tree: str | Path | None, methods: S
             # From the head's config: a head folder's own tree.json fails here, before any model loads.
             check_tree_vocab(found[method], draft_vocab_size(head_dir), str(path), f"the head {head_dir}")
     return found
-
-
-def tree_json(choice: Choice, vanilla: Choice, batch: dict[int, dict], meta: dict) -> dict:
-    """tree.json: the chosen tree (``TREE_KEYS``), the model's tau and tokens/s for it and for vanilla,
-    ``speculate_max_batch`` (the largest batch size of ``batch``, ``eval.speedup.batch_table``, at which the
-    model still prefers speculation; 0: never), and where it was tuned (``meta``: machine, device, dtype, ...)."""
-    return (
-        choice.tree.config()
-        | {
-            "predicted_tau": choice.tau,
-            "predicted_tokens_per_s": choice.tokens_per_s,
-            "predicted_vanilla_tokens_per_s": vanilla.tokens_per_s,
-            "speculate_max_batch": max((b for b, row in batch.items() if row["speculate"]), default=0),
-        }
-        | meta
-    )
