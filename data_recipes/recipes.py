@@ -18,6 +18,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from headstart.data_recipes.errors import DataError
 from headstart.data_recipes.formats import check_messages, get_format
+from headstart.data_recipes.prompts import has_chat_template, raw_ids
 from headstart.data_recipes.sources import read_records
 
 # The marker transformers looks for before it can compute ``return_assistant_tokens_mask``.
@@ -63,7 +64,7 @@ def tokenize_messages(
     character spans of the assistant contents in the rendered text.
     """
     if messages[0]["role"] == "text":
-        input_ids = list(tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"])
+        input_ids = raw_ids(tokenizer, messages[0]["content"])
         loss_mask = [1] * len(input_ids)
     elif _GENERATION_BLOCK.search(tokenizer.get_chat_template()):
         # transformers types apply_chat_template's result as any of its forms: return_dict picks this one.
@@ -206,7 +207,7 @@ def load_samples(
 def check_template(tokenizer: PreTrainedTokenizerBase, source: str, format: str) -> None:
     """ValueError naming the target and the way out when chats are to be rendered by a tokenizer with no chat
     template (a base model's): before any record is read, not as transformers' traceback at the first one."""
-    if format == "text" or getattr(tokenizer, "chat_template", None):
+    if format == "text" or has_chat_template(tokenizer):
         return
     raise ValueError(
         f"{source}: data.format {format!r} renders conversations with the target's chat template, but its "

@@ -30,11 +30,11 @@ from headstart.core.models import load_decoding_target, load_model, load_tokeniz
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
+from headstart.data_recipes.bench import BenchItem, check_positions, load_bench, longest_context
 from headstart.decoding.methods import HEAD_METHODS, METHODS, TreeFlags, build_proposer
 from headstart.decoding.proposers import check_draft_vocab, head_method
 from headstart.decoding.tree_config import check_tree_vocab, head_tree_configs
 from headstart.decoding.verify import Proposer, Sampling
-from headstart.eval.bench import BenchItem, check_positions, load_bench, longest_context
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
 from headstart.eval.report import write_matrix_report, write_report
 from headstart.eval.run import MethodRun, divergences, run_methods, summarize

@@ -53,9 +53,10 @@ from headstart.core.models import load_decoding_target, load_model, load_tokeniz
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
 from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
+from headstart.data_recipes.bench import load_bench, longest_context
+from headstart.data_recipes.prompts import render
 from headstart.decoding.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
-from headstart.eval.bench import load_bench, longest_context, render
 from headstart.eval.report import write_autotune_report
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
@@ -107,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="tune a head trained with another tokenizer than the target's (refused by default)",
     )
-    p.add_argument("--bench", default="assets/data/gsm8k_test.jsonl", help="JSONL prompts (see eval.bench)")
+    p.add_argument("--bench", default="assets/data/gsm8k_test.jsonl", help="JSONL prompts (see data_recipes.bench)")
     p.add_argument("--offset", type=int, default=0, help="bench prompts to skip (e.g. those a later eval uses)")
     p.add_argument("--calibration", type=int, default=8, help="prompts for the acceptance statistics")
     p.add_argument("--heldout", type=int, default=8, help="further prompts for the validation grid")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from headstart.eval.bench import BenchItem, round_robin
+from headstart.data_recipes.bench import BenchItem, round_robin
 from headstart.eval.run import MethodRun, Tally
 
 # Spec-Bench's categories grouped into the tasks the claims name: the one mapping. MT-bench's eight

@@ -17,8 +17,9 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.runtime import seed_everything
+from headstart.data_recipes.bench import BenchItem
+from headstart.data_recipes.prompts import render
 from headstart.decoding.verify import Proposer, Sampling, Stats, generate
-from headstart.eval.bench import BenchItem, render
 from headstart.eval.speedup import (
     chain_acceptance,
     predicted_speedup,

@@ -103,8 +103,8 @@ def test_read_jsonl_names_each_line_and_skips_blank_ones(tmp_path):
 
 def test_every_jsonl_reader_raises_the_one_bad_record_error(tmp_path, monkeypatch):
     """Training data, benchmark prompts, the demo models' GSM8K rows and engine verification's prompts."""
+    from headstart.data_recipes.bench import load_bench
     from headstart.data_recipes.sources import read_records
-    from headstart.eval.bench import load_bench
     from headstart.scripts import verify_engines
     from headstart.scripts.build_demo_models import read_gsm8k
 

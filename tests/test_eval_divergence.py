@@ -4,7 +4,8 @@ import copy
 
 import torch
 
-from headstart.eval.bench import BenchItem, render
+from headstart.data_recipes.bench import BenchItem
+from headstart.data_recipes.prompts import render
 from headstart.eval.run import divergence
 
 

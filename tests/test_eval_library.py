@@ -109,8 +109,8 @@ def test_build_proposer_takes_typed_settings():
 def test_methods_take_turns_and_each_output_is_independent_of_the_others(target, one_thread):
     """run_methods interleaves the methods item by item; seeding each (item, method) decode from the item's
     index keeps a sampled method's tokens the same whether it runs alone or beside others."""
+    from headstart.data_recipes.bench import BenchItem
     from headstart.decoding.verify import Sampling
-    from headstart.eval.bench import BenchItem
     from headstart.eval.run import run_methods
 
     model, tokenizer = target

@@ -8,8 +8,9 @@ from conftest import REPO
 from transformers import AutoTokenizer
 
 from headstart.core.errors import DataError
+from headstart.data_recipes.bench import load_bench
+from headstart.data_recipes.prompts import render
 from headstart.eval.acceptance import main
-from headstart.eval.bench import load_bench, render
 from headstart.eval.report import markdown
 from headstart.eval.speedup import chain_acceptance, predicted_speedup
 

@@ -11,6 +11,7 @@ from conftest import make_head
 from transformers import LlamaForCausalLM
 
 from headstart.core.errors import DataError
+from headstart.data_recipes.bench import load_bench
 from headstart.decoding.tree_config import (
     TreeSpec,
     chain_choices,
@@ -19,7 +20,6 @@ from headstart.decoding.tree_config import (
     load_tree_config,
 )
 from headstart.eval import acceptance, autotune
-from headstart.eval.bench import load_bench
 from headstart.scripts import cli, push_to_hub
 from headstart.scripts.formats.card import served_schedule, tree_card_section
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import REPO
 
+from headstart.data_recipes.bench import load_bench
 from headstart.eval.acceptance import main
-from headstart.eval.bench import load_bench
 from headstart.eval.matrix import GROUPS, check_claims, pick_per_group
 
 BENCH = [

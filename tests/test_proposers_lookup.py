@@ -9,12 +9,13 @@ import torch
 from conftest import TARGET
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from headstart.data_recipes.bench import load_bench
+from headstart.data_recipes.prompts import render
 from headstart.decoding.methods import TreeFlags, build_proposer
 from headstart.decoding.proposers import DraftModel, SelfSpec, early_exit
 from headstart.decoding.proposers_lookup import Lookahead, Suffix, SuffixIndex
 from headstart.decoding.tree import Tree
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
-from headstart.eval.bench import load_bench, render
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

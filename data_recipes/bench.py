@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
+from headstart.data_recipes.prompts import render
 
 
 @dataclass
@@ -147,12 +147,3 @@ def check_positions(
 
 
 TURN_OVERHEAD = 16  # role markers around a turn and its reply: 4-10 tokens in the Llama, Qwen and Gemma templates
-
-
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids [1, S] of ``messages`` through the tokenizer's chat template, ready for the assistant's reply."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template to render prompts with")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template already writes every special token it wants (a BOS included).
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids

@@ -1,0 +1,76 @@
+"""How a prompt becomes the target's input tokens: through its chat template, or as raw text.
+
+Two prompt formats, one rule each:
+
+- ``chat``: the messages through the tokenizer's chat template with the generation prompt, so the target is
+  asked exactly as a chat API would ask it (the template writes its own special tokens, a BOS included);
+- ``raw``: what a completion API (vLLM's ``/v1/completions``) feeds the target: the text through the tokenizer
+  with its own special tokens (its BOS, where the tokenizer adds one). Messages are joined as one text, each
+  message's content after the one before it with ``RAW_TURN_SEPARATOR`` between them, so a later turn reads
+  as the target's own continuation of the earlier ones (no role markers: a base model has none).
+
+``auto`` (the default everywhere) is ``chat`` when the tokenizer has a chat template and ``raw`` when it has
+none (a base model, a code-completion model, an instruct checkpoint shipped without one). A target with a
+template can still be prompted raw.
+
+Raw text is also what ``data.format: text`` trains on (``raw_ids``), and a text's prompt for regeneration and
+for training's measured acceptance is its first ``TEXT_PROMPT_FRACTION`` of tokens (``text_prompt_length``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+PromptFormat = Literal["auto", "chat", "raw"]
+PROMPT_FORMATS: tuple[PromptFormat, ...] = ("auto", "chat", "raw")
+RAW_TURN_SEPARATOR = "\n\n"
+TEXT_PROMPT_FRACTION = 0.5  # a text's prompt: its first half of tokens; the target continues the rest
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def resolve_prompt_format(tokenizer: PreTrainedTokenizerBase, requested: str) -> Literal["chat", "raw"]:
+    """``requested`` (``PROMPT_FORMATS``) made concrete for ``tokenizer``: ``auto`` follows the template;
+    ``chat`` without a template is refused naming the way out."""
+    if requested not in PROMPT_FORMATS:
+        raise ValueError(f"unknown prompt format {requested!r}; known: {', '.join(PROMPT_FORMATS)}")
+    if requested == "raw" or (requested == "auto" and not has_chat_template(tokenizer)):
+        return "raw"
+    if not has_chat_template(tokenizer):
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no chat template to render chat prompts with (a base "
+            "model?): use the raw prompt format (--prompt-format raw, or auto)"
+        )
+    return "chat"
+
+
+def raw_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of ``text`` as a completion API tokenizes a prompt: with the tokenizer's own special tokens."""
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def raw_text(messages: list[dict[str, str]]) -> str:
+    """The messages' contents as one text, each after the one before it (``RAW_TURN_SEPARATOR`` between)."""
+    return RAW_TURN_SEPARATOR.join(message["content"] for message in messages)
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], prompt_format: str = "auto"
+) -> torch.Tensor:
+    """Token ids [1, S] of ``messages`` in ``prompt_format``, ready for the target's reply (or continuation)."""
+    if resolve_prompt_format(tokenizer, prompt_format) == "raw":
+        return torch.tensor([raw_ids(tokenizer, raw_text(messages))])
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already writes every special token it wants (a BOS included).
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+
+
+def text_prompt_length(tokens: int) -> int:
+    """How many of a text's ``tokens`` are its prompt: the first ``TEXT_PROMPT_FRACTION``, at least one, and at
+    least one left to continue (a text of one token is all prompt)."""
+    return max(1, min(tokens - 1, int(tokens * TEXT_PROMPT_FRACTION)))
