@@ -74,3 +74,9 @@ def text_prompt_length(tokens: int) -> int:
     """How many of a text's ``tokens`` are its prompt: the first ``TEXT_PROMPT_FRACTION``, at least one, and at
     least one left to continue (a text of one token is all prompt)."""
     return max(1, min(tokens - 1, int(tokens * TEXT_PROMPT_FRACTION)))
+
+
+def data_prompt_format(data_format: str) -> Literal["chat", "raw"]:
+    """How samples of ``data.format`` reached the target: raw for ``text``, its chat template for the rest. A head
+    records it (``HeadConfig.prompt_format``): its prompts are rendered the same way when it is measured or served."""
+    return "raw" if data_format == "text" else "chat"

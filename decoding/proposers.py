@@ -458,3 +458,17 @@ class ProposerWrapper:
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self.proposer.update(tokens, hidden)
+
+
+class DepthRecorder(ProposerWrapper):
+    """A proposer that records each proposed tree's depth (0: nothing drafted): what the per-depth acceptance
+    rates are counted against (``core.acceptance.chain_acceptance``)."""
+
+    def __init__(self, proposer: Proposer) -> None:
+        super().__init__(proposer)
+        self.depths: list[int] = []  # proposed tree depth per step
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        tree = self.proposer.propose(tokens)
+        self.depths.append(int(tree.depths.max()) if len(tree) else 0)
+        return tree

@@ -36,22 +36,6 @@ def predicted_speedup(alpha: float, c: float, k: int) -> float:
     return chain_tau([alpha] * k) / (k * c + 1)
 
 
-def chain_acceptance(proposed_depths: list[int], accepted: list[int]) -> tuple[list[float | None], float]:
-    """(acceptance rate per depth, pooled alpha) from each step's tree depth and accepted draft count.
-
-    Depth d is tried in a step whose tree reaches depth d and which accepted depth d - 1; its rate is
-    accepted / tried, None when never tried. The pooled alpha (all accepts over all tries) is the
-    maximum-likelihood per-token acceptance of the chain model above, truncated at each step's own depth.
-    A step that proposed nothing (an n-gram miss) tries nothing, so for such methods the model, which
-    drafts k every step, is optimistic.
-    """
-    depth = max(proposed_depths, default=0)
-    tried = [sum(p >= d and a >= d - 1 for p, a in zip(proposed_depths, accepted)) for d in range(1, depth + 1)]
-    hits = [sum(a >= d for a in accepted) for d in range(1, depth + 1)]
-    by_depth = [h / t if t else None for h, t in zip(hits, tried)]
-    return by_depth, sum(hits) / sum(tried) if sum(tried) else 0.0
-
-
 # ------------------------------------------------------------------------------------------- tree model
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.core.timing import clock, timed
-from headstart.decoding.proposers import Drafter, DraftSource, ProposerWrapper, head_drafter
+from headstart.decoding.proposers import DepthRecorder, Drafter, DraftSource, ProposerWrapper, head_drafter
 from headstart.decoding.tree import Tree, chain
 from headstart.decoding.verify import Proposer, Sampling, new_cache, verify_batch
 from headstart.eval.speedup import Costs
@@ -26,7 +26,7 @@ VERIFY_NODES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8)
 
 
-class TimedProposer(ProposerWrapper):
+class TimedProposer(DepthRecorder):
     """A proposer wrapper that times drafting apart from the target's forwards (hooked on the target).
 
     Only decoding steps count: the target's prompt prefill and the drafter's first read of the prompt
@@ -37,7 +37,6 @@ class TimedProposer(ProposerWrapper):
     def __init__(self, proposer: Proposer, device: torch.device) -> None:
         super().__init__(proposer)
         self.device = device
-        self.depths: list[int] = []  # proposed tree depth per step
         self.draft_s = self.target_s = 0.0
         self.target_calls, self.decoding, self._start = 0, False, 0.0
 
@@ -47,9 +46,8 @@ class TimedProposer(ProposerWrapper):
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         self.decoding = True
-        tree, seconds = timed(self.device, self.proposer.propose, tokens)
+        tree, seconds = timed(self.device, super().propose, tokens)
         self.draft_s += seconds
-        self.depths.append(int(tree.depths.max()) if len(tree) else 0)
         return tree
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:

@@ -70,10 +70,23 @@ class HeadConfig(Generic[Options]):
     arch: DraftArch
     tokenizer_hash: str | None = None  # the target tokenizer's (core.fingerprint), when training recorded one
     training: dict[str, Any] | None = None  # the last held-out evaluation's summary (train.loop)
+    # How the training data reached the target: "chat" (its chat template) or "raw" (data.format: text, the way a
+    # completion API prompts it; data_recipes.prompts). None for heads saved before it was recorded.
+    prompt_format: str | None = None
 
     @property
     def type(self) -> str:
         return self.options.type
+
+    @property
+    def trained_depth(self) -> int:
+        """How many draft positions training scored (the predicted tau's chain): EAGLE-3's and P-EAGLE's
+        ``ttt_steps``, Medusa's ``num_heads``, DFlash's ``block_size - 1`` mask slots, EAGLE-1/2's one."""
+        options = self.options
+        for name, offset in (("ttt_steps", 0), ("num_heads", 0), ("block_size", 1)):
+            if (value := getattr(options, name, None)) is not None:
+                return int(value) - offset
+        return 1
 
     def to_json(self) -> dict[str, Any]:
         """The config.json form: the keys in the order heads have always been saved with."""
@@ -90,6 +103,8 @@ class HeadConfig(Generic[Options]):
             out["tokenizer_hash"] = self.tokenizer_hash
         if self.training is not None:
             out["training"] = self.training
+        if self.prompt_format is not None:
+            out["prompt_format"] = self.prompt_format
         return out
 
     @classmethod

@@ -185,6 +185,15 @@ def all_finite(engine: deepspeed.DeepSpeedEngine) -> bool:
     return bool(flag.item())
 
 
+def save_head_files(engine: deepspeed.DeepSpeedEngine, folder: Path, save_artifacts: Callable[[Path], None]) -> None:
+    """Rank 0 writes the head's own files under ``folder`` (``save_artifacts``); every rank must call (ZeRO-3 keeps a
+    slice of each weight per rank, gathered whole here)."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        if dist.get_rank() == 0:
+            save_artifacts(folder)
+
+
 def save_checkpoint(
     engine: deepspeed.DeepSpeedEngine,
     out_dir: Path,
@@ -199,11 +208,7 @@ def save_checkpoint(
     frozen = has_frozen_parameters(engine)
     # Returns after DeepSpeed's closing barrier: every rank's files are written.
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, exclude_frozen_parameters=frozen)
-    # ZeRO-3 keeps a slice of each weight per rank: gather whole ones for the head's own files.
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        if dist.get_rank() == 0:
-            save_artifacts(out_dir)
+    save_head_files(engine, out_dir, save_artifacts)
     if dist.get_rank() == 0:
         marker = {"step": step, "world": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(), **order}
         marker["files"] = file_digests(ckpt_dir / tag)  # every rank's files: on shared storage, all written

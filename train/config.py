@@ -79,6 +79,13 @@ def _check_consistency(cfg: dict[str, Any], trainer: str, problems: list[str]) -
         )
     if train["eval_every"] and not train["heldout_samples"]:
         problems.append("train.eval_every needs train.heldout_samples > 0 (nothing held out to evaluate)")
+    if train["eval_prompts"] and not train["eval_bench"] and train["eval_prompts"] > train["heldout_samples"]:
+        problems.append(
+            f"train.eval_prompts ({train['eval_prompts']}) exceeds train.heldout_samples ({train['heldout_samples']}): "
+            "measured acceptance decodes held-out prompts (or set train.eval_bench to a benchmark file)"
+        )
+    if train["keep_best"] == "measured_tau" and not train["eval_prompts"]:
+        problems.append("train.keep_best: measured_tau needs train.eval_prompts > 0 (nothing is measured)")
 
 
 def parse_args(trainer: str, argv: list[str] | None = None) -> dict[str, Any]:

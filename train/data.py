@@ -166,12 +166,12 @@ def _loader(data: TrainData, plan: list[list[int]], num_workers: int) -> DataLoa
 def loss_token_counts(dataset: Dataset, indices: list[int], vocab_size: int) -> torch.Tensor:
     """[V] counts of the loss-masked tokens of samples ``indices``: what EAGLE-3's draft vocabulary is cut from."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for input_ids, loss_mask in _token_rows(dataset, indices):
+    for input_ids, loss_mask in token_rows(dataset, indices):
         counts += torch.bincount(input_ids[loss_mask.bool()].long(), minlength=vocab_size)
     return counts
 
 
-def _token_rows(dataset: Dataset, indices: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def token_rows(dataset: Dataset, indices: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     if isinstance(dataset, ShardDataset):
         # Only ids and masks: going through dataset[i] would read every sample's hidden states as well.
         yield from dataset.token_rows(indices)

@@ -22,6 +22,7 @@ from headstart.train.eagle import head_settings, save_head
 from headstart.train.loop import (
     HeadLoss,
     build_engine,
+    measurement,
     runs_target,
     start_processes,
     target_settings,
@@ -42,7 +43,15 @@ def main(argv: list[str] | None = None) -> None:
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
     engine = build_engine(HeadLoss(head, data.capture), cfg["train"], proc, total_steps(cfg["train"], data))
-    train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
+    train(
+        engine,
+        head,
+        data,
+        cfg,
+        proc,
+        save_artifacts=lambda out_dir: save_head(head, out_dir),
+        measured=measurement(cfg, target, tokenizer, data, proc),
+    )
 
 
 if __name__ == "__main__":

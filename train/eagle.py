@@ -21,6 +21,7 @@ from headstart.train.data import load_data, loss_token_counts
 from headstart.train.loop import (
     HeadLoss,
     build_engine,
+    measurement,
     runs_target,
     start_processes,
     target_settings,
@@ -58,7 +59,15 @@ def main(argv: list[str] | None = None) -> None:
 
     module = HeadLoss(head, data.capture)
     engine = build_engine(module, cfg["train"], proc, total_steps(cfg["train"], data))
-    train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_head(head, out_dir))
+    train(
+        engine,
+        head,
+        data,
+        cfg,
+        proc,
+        save_artifacts=lambda out_dir: save_head(head, out_dir),
+        measured=measurement(cfg, target, tokenizer, data, proc),
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.config import save_config
+from headstart.core.io import atomic_write_text
 from headstart.core.memory import (
     MemoryNeed,
     TargetSizes,
@@ -35,6 +36,7 @@ from headstart.core.memory import (
     check_memory,
     head_activations,
     head_training_parts,
+    kv_cache_bytes,
 )
 from headstart.core.runtime import (
     Ranks,
@@ -45,6 +47,7 @@ from headstart.core.runtime import (
     slow_dtype_warning,
 )
 from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
+from headstart.data_recipes.prompts import data_prompt_format
 from headstart.heads import CONFIG_NAME, DraftHead, check_tokenizer, meta_head, read_head_config
 from headstart.train.checkpoint import (
     agreed_newest_verified,
@@ -55,10 +58,21 @@ from headstart.train.checkpoint import (
     newest_marker,
     resume,
     save_checkpoint,
+    save_head_files,
     tag_for,
 )
 from headstart.train.data import TrainData, data_fingerprint, heldout_batches, step_batches
-from headstart.train.metrics import MetricsLog, heldout_top1, predicted_tau, training_summary
+from headstart.train.measured import MeasuredAcceptance, export_best, forget_best_after, is_better, write_best
+from headstart.train.metrics import (
+    ACCEPTANCE_PLOT,
+    MetricsLog,
+    head_readme,
+    heldout_top1,
+    measured_summary,
+    plot_acceptance,
+    predicted_tau,
+    training_summary,
+)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -123,11 +137,17 @@ def target_settings(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]
     return {**cfg["target"], "device": str(device)}
 
 
-def runs_target(cfg: dict[str, Any]) -> bool:
-    """Whether training runs the target's forward (online capture, Medusa-2's LoRA); from shards, or from a
-    server's states (``online_capture: vllm``), it only borrows the embedding, final norm and lm_head
-    (``core.models.load_target(borrowed_only=True)``)."""
+def forward_in_step(cfg: dict[str, Any]) -> bool:
+    """Whether each training step runs the target's forward (online capture, Medusa-2's LoRA)."""
     return cfg["train"]["online_capture"] is True or bool(cfg.get("lora"))
+
+
+def runs_target(cfg: dict[str, Any]) -> bool:
+    """Whether training holds the whole target: its forward in the step, or the verification of measured acceptance
+    (``train.eval_prompts``). From shards, or from a server's states (``online_capture: vllm``), without measured
+    acceptance, it only borrows the embedding, final norm and lm_head (``core.models.load_target(borrowed_only=True)``).
+    """
+    return forward_in_step(cfg) or cfg["train"]["eval_prompts"] > 0
 
 
 def start_processes(cfg: dict[str, Any]) -> Process:
@@ -165,10 +185,23 @@ def training_memory(cfg: dict[str, Any], proc: Process) -> MemoryNeed:
     depth = next((d for d in (getattr(options, k, None) for k in ("ttt_steps", "num_heads", "block_size")) if d), 1)
     draft_vocab = getattr(options, "draft_vocab_size", None)
     need.parts["activations"] = head_activations(config, tokens, len(aux), depth, draft_vocab, dtype)
-    if runs_target(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
+    if forward_in_step(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
         forward = capture_activations(config, tokens, cfg["data"]["max_length"], len(aux), dtype, proc.tp_size)
         need.parts["target activations"] = forward * (3 if cfg.get("lora") else 1)
+    if train["eval_prompts"]:  # measured acceptance: one sequence's KV cache, its prompt (at most max_length) and reply
+        context = cfg["data"]["max_length"] + train["eval_new_tokens"]
+        need.parts["measured acceptance KV cache"] = kv_cache_bytes(config, context, dtype, proc.tp_size)
     return need
+
+
+def measurement(
+    cfg: dict[str, Any], target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: TrainData, proc: Process
+) -> MeasuredAcceptance | None:
+    """The run's measured acceptance (``train.eval_prompts`` > 0), its prompts rendered as its data was."""
+    if not cfg["train"]["eval_prompts"]:
+        return None
+    prompt_format = data_prompt_format(cfg["data"]["format"])
+    return MeasuredAcceptance(cfg, target, tokenizer, data, prompt_format, proc.rank, proc.tp_size)
 
 
 class HeadLoss(nn.Module):
@@ -327,17 +360,22 @@ def train(
     cfg: dict[str, Any],
     proc: Process,
     save_artifacts: Callable[[Path], None],
+    measured: MeasuredAcceptance | None = None,
 ) -> None:
     """Resume, then step to the end: log every step, evaluate and checkpoint on schedule, stop on NaN/inf.
 
-    Each held-out evaluation's accuracies and predicted acceptance go into ``head.config.training``,
-    so the head saved next (``save_artifacts``) carries them in its config.json.
+    Each held-out evaluation's accuracies and predicted acceptance, and the acceptance ``measured`` finds by
+    decoding (``train.measured``), go into ``head.config.training``, so the head saved next (``save_artifacts``)
+    carries them in its config.json and README.md.
     """
     train_cfg = cfg["train"]
     out_dir = Path(train_cfg["out_dir"])
     total = total_steps(train_cfg, data)
     order = data_order(train_cfg, data)
+    head.config.prompt_format = data_prompt_format(cfg["data"]["format"])
+    save_artifacts = partial(_save_with_readme, save_artifacts, head, measured)
     start = resume(engine, out_dir, train_cfg["resume"], order)
+    best = forget_best_after(out_dir, start) if train_cfg["keep_best"] == "measured_tau" else None
     if start and (out_dir / "head" / CONFIG_NAME).is_file():
         # The steps still to come must see the tokens the resumed ones saw.
         saved = out_dir / "head"
@@ -360,18 +398,64 @@ def train(
             for step, batches in step_batches(data, train_cfg, start, total, proc.dp_rank, proc.dp_world):
                 log.log(train_step(engine, batches, step, train_cfg["seed"], proc))
                 done = step + 1
-                if _due(done, train_cfg["eval_every"], total) and data.heldout_ids:
-                    record = evaluate(engine, data, train_cfg, done, proc)
-                    log.log(record)
-                    head.config.training = training_summary(record)
+                if _due(done, train_cfg["eval_every"], total):
+                    best = _evaluate_all(engine, head, data, cfg, proc, done, log, measured, best, save_artifacts)
                 if _due(done, train_cfg["save_every"], total):
                     if not all_finite(engine):
                         raise NonFiniteLoss(f"the weights became non-finite at step {done}")
                     save(step=done)
+            if best is not None and proc.rank == 0:
+                export_best(out_dir)
         except NonFiniteLoss as err:
             raise NonFiniteLoss(f"{err}; stopped. {_last_good(engine, out_dir, done, save)}") from None
         finally:
             log.close()
+
+
+def _evaluate_all(
+    engine: deepspeed.DeepSpeedEngine,
+    head: DraftHead,
+    data: TrainData,
+    cfg: dict[str, Any],
+    proc: Process,
+    done: int,
+    log: MetricsLog,
+    measured: MeasuredAcceptance | None,
+    best: dict[str, Any] | None,
+    save_artifacts: Callable[[Path], None],
+) -> dict[str, Any] | None:
+    """The held-out evaluation and the measured acceptance after step ``done``, logged and summarised in the head's
+    config; with ``keep_best: measured_tau`` a better head is kept in ``<out_dir>/best``. Returns the best record."""
+    summary: dict[str, Any] = {}
+    if data.heldout_ids:
+        record = evaluate(engine, data, cfg["train"], done, proc)
+        log.log(record)
+        summary = training_summary(record)
+    if measured is not None:
+        record = measured(engine, head, done, proc.dp_rank, proc.dp_world)
+        log.log(record)
+        summary = {"step": done, **summary, **measured_summary(record)}
+        if proc.rank == 0:
+            plot_acceptance(log.path, log.path.with_name(ACCEPTANCE_PLOT))
+    if summary:
+        head.config.training = summary
+    out_dir = Path(cfg["train"]["out_dir"])
+    if measured is not None and cfg["train"]["keep_best"] == "measured_tau" and is_better(record, best):
+        save_head_files(engine, out_dir / "best", save_artifacts)
+        best = {"step": done, "measured_tau": record["tau"]}
+        if proc.rank == 0:
+            write_best(out_dir, best)
+        dist.barrier()
+    return best
+
+
+def _save_with_readme(
+    save_artifacts: Callable[[Path], None], head: DraftHead, measured: MeasuredAcceptance | None, folder: Path
+) -> None:
+    """The recipe's files under ``folder`` (``folder/head``), then the head's README.md naming its acceptance."""
+    save_artifacts(folder)
+    command = measured.command(head) if measured is not None else None
+    atomic_write_text(folder / "head" / "README.md", head_readme(head.config, command))
 
 
 def _due(done: int, every: int, total: int) -> bool:

@@ -27,6 +27,7 @@ from headstart.train.data import load_data
 from headstart.train.loop import (
     HeadLoss,
     build_engine,
+    measurement,
     runs_target,
     start_processes,
     target_settings,
@@ -79,7 +80,15 @@ def main(argv: list[str] | None = None) -> None:
         module = Medusa2Loss(head, model, lora)
 
     engine = build_engine(module, cfg["train"], proc, total_steps(cfg["train"], data))
-    train(engine, head, data, cfg, proc, save_artifacts=lambda out_dir: save_medusa(head, model, out_dir))
+    train(
+        engine,
+        head,
+        data,
+        cfg,
+        proc,
+        save_artifacts=lambda out_dir: save_medusa(head, model, out_dir),
+        measured=measurement(cfg, target, tokenizer, data, proc),
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 from tqdm import tqdm
 
 from headstart.core.acceptance import chain_tau as predicted_tau  # the chain model on held-out top-1 accuracies
-from headstart.core.io import atomic_write_text, read_jsonl
+from headstart.core.io import atomic_path, atomic_write_text, read_jsonl
+from headstart.heads import HeadConfig
 
 
 def heldout_top1(record: dict[str, Any]) -> list[float]:
@@ -32,6 +33,87 @@ def training_summary(record: dict[str, Any]) -> dict[str, Any]:
     """What a head's ``config.json`` keeps of its last held-out evaluation (key ``training``)."""
     top1 = heldout_top1(record)
     return {"heldout_top1": top1, "predicted_tau": predicted_tau(top1), "step": record["step"]}
+
+
+def measured_by_depth(record: dict[str, Any]) -> list[float]:
+    """The acceptance rate at each draft depth of a measured record (``acc_depth_1``..), in depth order."""
+    depths = sorted(int(key.removeprefix("acc_depth_")) for key in record if key.startswith("acc_depth_"))
+    return [record[f"acc_depth_{d}"] for d in depths]
+
+
+def measured_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """What a head's ``config.json`` keeps of its last measured acceptance (beside ``training_summary``)."""
+    return {
+        "measured_tau": record["tau"],
+        "measured_acceptance_by_depth": measured_by_depth(record),
+        "measured_prompts": record["prompts"],
+        "measured_new_tokens": record["new_tokens"],
+    }
+
+
+def head_readme(config: HeadConfig, command: str | None) -> str:
+    """A trained head's README.md: what it is, and the acceptance its last evaluation predicted and measured."""
+    summary = config.training or {}
+    lines = [
+        f"# {config.type} draft head for `{config.target}`",
+        "",
+        f"Trained by headstart on {RENDERING[config.prompt_format or 'chat']}.",
+        "",
+    ]
+    if "step" in summary:
+        lines.append(f"At step {summary['step']}:")
+        lines.append("")
+    if "predicted_tau" in summary:
+        top1 = ", ".join(f"{a:.3f}" for a in summary["heldout_top1"])
+        lines.append(f"- predicted tau {summary['predicted_tau']:.3f} (chain model on held-out top-1 {top1})")
+    if "measured_tau" in summary:
+        rates = ", ".join(f"{a:.3f}" for a in summary["measured_acceptance_by_depth"])
+        lines.append(
+            f"- measured tau {summary['measured_tau']:.3f} (greedy chains of depth {config.trained_depth}, "
+            f"{summary['measured_prompts']} prompts, {summary['measured_new_tokens']} new tokens; acceptance by "
+            f"depth {rates})"
+        )
+    if command:
+        lines += ["", "Repeat the measurement (exactly, in fp32):", "", "```", command, "```"]
+    return "\n".join(lines) + "\n"
+
+
+ACCEPTANCE_PLOT = "acceptance.png"
+RENDERING = {"chat": "chats in the target's chat template", "raw": "raw text, as a completion API feeds the target"}
+
+
+def plot_acceptance(metrics_path: Path, path: Path) -> None:
+    """Predicted and measured tau over the steps, and the last measurement's acceptance by depth beside the held-out
+    top-1 accuracy per position, from ``metrics.jsonl`` (a resumed run's earlier steps included)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [record for _, record in read_jsonl(metrics_path)]
+    heldout = [r for r in records if r["split"] == "heldout"]
+    measured = [r for r in records if r["split"] == "measured"]
+    if not measured:
+        return
+    fig, (over_steps, by_depth) = plt.subplots(1, 2, figsize=(11, 4))
+    if heldout:
+        over_steps.plot([r["step"] for r in heldout], [r["predicted_tau"] for r in heldout], "o--", label="predicted")
+    over_steps.plot([r["step"] for r in measured], [r["tau"] for r in measured], "o-", label="measured")
+    over_steps.set(xlabel="step", ylabel="tau (tokens per target forward)", title="acceptance length")
+    over_steps.legend()
+    last = measured[-1]
+    rates = measured_by_depth(last)
+    depths = range(1, len(rates) + 1)
+    by_depth.bar([d - 0.2 for d in depths], rates, width=0.4, label="measured acceptance")
+    top1 = next((heldout_top1(r) for r in reversed(heldout) if r["step"] == last["step"]), None)
+    if top1:
+        by_depth.bar([d + 0.2 for d in range(1, len(top1) + 1)], top1, width=0.4, label="held-out top-1")
+    by_depth.set(xlabel="draft depth", ylabel="rate", title=f"step {last['step']}", ylim=(0, 1))
+    by_depth.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
 
 
 class Backend(Protocol):
@@ -50,11 +132,11 @@ class MetricsLog:
         self.active = rank == 0
         self.file = None
         self.backends: list[Backend] = []
+        out_dir = Path(cfg["train"]["out_dir"])
+        self.path = out_dir / "metrics.jsonl"
         if self.active:
-            out_dir = Path(cfg["train"]["out_dir"])
-            path = out_dir / "metrics.jsonl"
-            _drop_after(path, start)
-            self.file = path.open("a")
+            _drop_after(self.path, start)
+            self.file = self.path.open("a")
             self.backends = open_backends(cfg, out_dir, start)
         self.bar = tqdm(total=total, initial=start, disable=not self.active, desc="train", unit="step")
 

@@ -1,0 +1,220 @@
+"""Acceptance measured while training: the current head drafts, the target verifies, through the decoding engine.
+
+At each held-out evaluation (``train.eval_every``) the head decodes ``train.eval_prompts`` prompts greedily,
+``train.eval_new_tokens`` new tokens each, drafting chains at the depth it was trained for
+(``HeadConfig.trained_depth``; Medusa: its usual tree of that depth) with the same ``decoding.methods.build_proposer``
+and ``decoding.verify.generate`` that ``eval.acceptance`` runs. The cost is fixed: prompts x new tokens target
+positions per evaluation, split over the data-parallel groups.
+
+The prompts are the held-out samples' own (a chat: everything before its first assistant token; a text: its first
+half, ``data_recipes.prompts.text_prompt_length``) or, with ``train.eval_bench``, the first turn of a benchmark's
+first prompts. They are written once, as token ids, to ``<train.out_dir>/eval_prompts.jsonl``, so
+``acceptance_command`` repeats a measurement exactly with ``eval.acceptance``.
+
+``train.keep_best: measured_tau`` keeps the head of the best measured tau in ``<out_dir>/best/head`` (its record
+in ``best.json``) and makes it the exported ``<out_dir>/head`` when training ends.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from headstart.core.acceptance import chain_acceptance
+from headstart.core.io import atomic_dir, atomic_write_text
+from headstart.data_recipes.bench import load_bench
+from headstart.data_recipes.prompts import render, text_prompt_length
+from headstart.decoding.methods import TreeFlags, build_proposer
+from headstart.decoding.proposers import DepthRecorder, head_method
+from headstart.decoding.verify import Sampling, generate
+from headstart.heads import DraftHead
+from headstart.train.data import TrainData, token_rows
+
+PROMPTS_FILE = "eval_prompts.jsonl"
+BEST_RECORD = "best.json"
+
+
+def sample_prompt(input_ids: list[int], loss_mask: list[int]) -> list[int]:
+    """A training sample's prompt: the tokens before its first loss token (a chat's system and user turns and the
+    assistant header), or for a text (every token in the loss) its first ``text_prompt_length`` tokens."""
+    first = next((i for i, m in enumerate(loss_mask) if m), len(loss_mask))
+    return input_ids[:first] if first else input_ids[: text_prompt_length(len(input_ids))]
+
+
+def heldout_prompts(data: TrainData, count: int) -> list[list[int]]:
+    """The prompts of the first ``count`` held-out samples (in sample order)."""
+    rows = token_rows(data.dataset, data.heldout_ids[:count])
+    return [sample_prompt(ids.tolist(), mask.tolist()) for ids, mask in rows]
+
+
+def bench_prompts(path: str, count: int, tokenizer: PreTrainedTokenizerBase, prompt_format: str) -> list[list[int]]:
+    """The first turn of the first ``count`` prompts of a benchmark file (round-robin over its categories), as the
+    head's data reached the target (``prompt_format``)."""
+    prompts = []
+    for item in load_bench(path, count):
+        if item.input_ids is not None:
+            prompts.append(list(item.input_ids))
+            continue
+        messages = [*item.history, {"role": "user", "content": item.turns[0]}]
+        prompts.append(render(tokenizer, messages, prompt_format)[0].tolist())
+    return prompts
+
+
+@dataclass
+class Decoded:
+    """What a set of greedy decodes adds up to: accepted draft tokens and proposed depth per target forward."""
+
+    accepted: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    prompts: int = 0
+
+    def merge(self, other: Decoded) -> None:
+        self.accepted += other.accepted
+        self.depths += other.depths
+        self.new_tokens += other.new_tokens
+        self.prompts += other.prompts
+
+
+def head_flags(head: DraftHead) -> TreeFlags:
+    """The drafting ``acceptance_command`` names: static chains at the head's trained depth (Medusa: its tree)."""
+    return TreeFlags(shape="static", depth=head.config.trained_depth)
+
+
+@torch.no_grad()
+def decode_prompts(
+    target: PreTrainedModel, head: DraftHead, prompts: list[list[int]], new_tokens: int, eos_token_id: int | None
+) -> Decoded:
+    """Greedy speculative decoding of each prompt with ``head`` drafting, through the one verification core."""
+    method = head_method(head.config)
+    proposer = DepthRecorder(build_proposer(method, head_flags(head), heads={method: head}))
+    decoded = Decoded()
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=target.device)
+        out, stats = generate(target, proposer, ids, new_tokens, Sampling(temperature=0.0), eos_token_id)
+        decoded.accepted += [n - 1 for n in stats.accepted_lengths]
+        decoded.new_tokens += out.shape[1] - ids.shape[1]
+        decoded.prompts += 1
+    decoded.depths = proposer.depths
+    return decoded
+
+
+def measured_record(step: int, decoded: Decoded, seconds: float) -> dict[str, Any]:
+    """metrics.jsonl's record of one measurement (split ``measured``): tau as ``eval.acceptance`` reports it, the
+    acceptance rate at each draft depth (``acc_depth_<d>``), the pooled alpha and what it cost."""
+    by_depth, alpha = chain_acceptance(decoded.depths, decoded.accepted)
+    forwards = len(decoded.accepted)
+    return {
+        "step": step,
+        "split": "measured",
+        "tau": sum(decoded.accepted) / max(forwards, 1) + 1,
+        **{f"acc_depth_{d}": rate for d, rate in enumerate(by_depth, start=1) if rate is not None},
+        "alpha": alpha,
+        "target_forwards": forwards,
+        "prompts": decoded.prompts,
+        "new_tokens": decoded.new_tokens,
+        "seconds": seconds,
+    }
+
+
+class MeasuredAcceptance:
+    """The measurement of one run: its prompts (written to ``eval_prompts.jsonl`` by rank 0), the target, and the
+    data-parallel split: each group decodes its share, in lockstep within a tensor-parallel group."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        data: TrainData,
+        prompt_format: str,
+        rank: int,
+        tp_size: int,
+    ) -> None:
+        train = cfg["train"]
+        self.target, self.new_tokens, self.eos = target, train["eval_new_tokens"], tokenizer.eos_token_id
+        count = train["eval_prompts"]
+        if train["eval_bench"]:
+            self.prompts = bench_prompts(train["eval_bench"], count, tokenizer, prompt_format)
+            self.category = "bench"
+        else:
+            self.prompts = heldout_prompts(data, count)
+            self.category = "heldout"
+        self.out_dir = Path(train["out_dir"])
+        self.target_path = cfg["target"]["path"]
+        self.first_of_group = rank % tp_size == 0
+        if rank == 0:
+            lines = [json.dumps({"input_ids": p, "category": self.category}) for p in self.prompts]
+            atomic_write_text(self.out_dir / PROMPTS_FILE, "".join(line + "\n" for line in lines))
+
+    def __call__(
+        self, engine: deepspeed.DeepSpeedEngine, head: DraftHead, step: int, dp_rank: int, dp_world: int
+    ) -> dict[str, Any]:
+        """Measure the head as it is after ``step`` (every rank calls; all get the record)."""
+        engine.eval()
+        start = time.perf_counter()
+        params = list(engine.module.parameters())
+        # ZeRO-3 keeps a slice of each weight per rank: decode with whole ones.
+        with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+            mine = decode_prompts(self.target, head, self.prompts[dp_rank::dp_world], self.new_tokens, self.eos)
+        engine.train()
+        shares: list[Any] = [None] * dist.get_world_size()
+        # The ranks of a tensor-parallel group decoded the same prompts: count each group once.
+        dist.all_gather_object(shares, mine if self.first_of_group else Decoded())
+        total = Decoded()
+        for share in shares:
+            total.merge(share)
+        return measured_record(step, total, time.perf_counter() - start)
+
+    def command(self, head: DraftHead) -> str:
+        """The ``eval.acceptance`` command that measures ``<out_dir>/head`` on the same prompts the same way."""
+        return (
+            f"python -m eval.acceptance --target {self.target_path} --head {self.out_dir / 'head'} "
+            f"--method {head_method(head.config)} --bench {self.out_dir / PROMPTS_FILE} "
+            f"--max-new-tokens {self.new_tokens} --tree static --depth {head.config.trained_depth} "
+            f"--out {self.out_dir / 'measured-eval'}"
+        )
+
+
+# ------------------------------------------------------------------------------------------- keep best
+
+
+def read_best(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / BEST_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def forget_best_after(out_dir: Path, step: int) -> dict[str, Any] | None:
+    """The best record a resumed run keeps: one made at or before its checkpoint ``step`` (0: a fresh run keeps
+    none). A best recorded after it belongs to steps the resumed run redoes, so it is dropped with its head (they
+    are measured again). Every rank reads it; any may remove it."""
+    best = read_best(out_dir)
+    if best is not None and (step == 0 or best["step"] > step):
+        (out_dir / BEST_RECORD).unlink(missing_ok=True)
+        shutil.rmtree(out_dir / "best", ignore_errors=True)
+        return None
+    return best
+
+
+def is_better(record: dict[str, Any], best: dict[str, Any] | None) -> bool:
+    return best is None or record["tau"] > best["measured_tau"]
+
+
+def write_best(out_dir: Path, best: dict[str, Any]) -> None:
+    """``best.json``, written once the head of its step is in ``<out_dir>/best/head``."""
+    atomic_write_text(out_dir / BEST_RECORD, json.dumps(best) + "\n")
+
+
+def export_best(out_dir: Path) -> None:
+    """Make the best head the exported ``<out_dir>/head`` (one rename: a reader sees the old or the new)."""
+    with atomic_dir(out_dir / "head") as tmp:
+        shutil.copytree(out_dir / "best" / "head", tmp, dirs_exist_ok=True)
