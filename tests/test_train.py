@@ -44,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.slow
 @pytest.mark.parametrize("head_type", ["eagle3", "eagle", "medusa"])
 def test_two_processes_train_the_same_head_as_one(head_type, make_config, sharp_target_dir, monkeypatch):
-    config, _ = make_config(head_type)
+    config, _ = make_config(head_type, eval_prompts=3, eval_new_tokens=12)  # measured acceptance too
     two, one = config.parent / "two", config.parent / "one"
     script = REPO / "train" / f"{TRAINERS[head_type].__name__.split('.')[-1]}.py"
     run_torchrun(script, config, f"train.out_dir={two}")
@@ -63,6 +63,11 @@ def test_two_processes_train_the_same_head_as_one(head_type, make_config, sharp_
     assert {k for k in steps[0] if k.startswith("acc")} == expected
     heldout = records(two, "heldout")
     assert [r["step"] for r in heldout] == [3, 6] and heldout[-1]["loss"] < heldout[0]["loss"]
+    # Each process decodes its share of the prompts; together they measure what one process does.
+    measured = records(two, "measured")
+    assert [(r["step"], r["prompts"]) for r in measured] == [(3, 3), (6, 3)]
+    for got, alone in zip(measured, records(one, "measured"), strict=True):
+        assert got["new_tokens"] == alone["new_tokens"] and got["tau"] == pytest.approx(alone["tau"], abs=0.05)
     head = load_head(two / "head", AutoModelForCausalLM.from_pretrained(sharp_target_dir))
     if head_type == "eagle3":  # the draft vocabulary came from the training tokens, not the default first ids
         assert head.t2d.sum() == 256 and head.d2t.any()

@@ -51,6 +51,10 @@ def measured_summary(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+ACCEPTANCE_PLOT = "acceptance.png"
+RENDERING = {"chat": "chats in the target's chat template", "raw": "raw text, as a completion API feeds the target"}
+
+
 def head_readme(config: HeadConfig, command: str | None) -> str:
     """A trained head's README.md: what it is, and the acceptance its last evaluation predicted and measured."""
     summary = config.training or {}
@@ -76,10 +80,6 @@ def head_readme(config: HeadConfig, command: str | None) -> str:
     if command:
         lines += ["", "Repeat the measurement (exactly, in fp32):", "", "```", command, "```"]
     return "\n".join(lines) + "\n"
-
-
-ACCEPTANCE_PLOT = "acceptance.png"
-RENDERING = {"chat": "chats in the target's chat template", "raw": "raw text, as a completion API feeds the target"}
 
 
 def plot_acceptance(metrics_path: Path, path: Path) -> None:
@@ -152,7 +152,7 @@ class MetricsLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         else:
-            self.bar.write(f"step {record['step']} held-out: " + _brief(record))
+            self.bar.write(f"step {record['step']} {record['split']}: " + _brief(record))
 
     def close(self) -> None:
         self.bar.close()
@@ -170,7 +170,9 @@ def _named_values(record: dict[str, Any]) -> dict[str, float]:
 
 
 def _brief(record: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in ("step", "split"))
+    return ", ".join(
+        f"{k} {v}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in record.items() if k not in ("step", "split")
+    )
 
 
 def _drop_after(path: Path, step: int) -> None:
