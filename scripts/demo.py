@@ -27,6 +27,7 @@ from typing import Any
 from headstart.core.config import ConfigError, load_config
 from headstart.core.io import atomic_write_text
 from headstart.core.schema import DemoConfig, validate_config
+from headstart.train.metrics import ACCEPTANCE_PLOT
 
 
 def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) -> str:
@@ -122,6 +123,8 @@ def summary(cfg: dict[str, Any], timings: dict[str, Any]) -> str:
         lines += ["", report.read_text().rstrip(), ""]
         lines += [f"plot: {p}" for p in sorted(report.parent.glob("*.png"))]
         lines.append(f"report: {report.with_suffix('.json')}")
+    # Training's predicted against measured tau (train.eval_prompts), one plot per trained head.
+    lines += [f"training acceptance: {p}" for p in sorted(Path(cfg["out_dir"]).glob(f"*/{ACCEPTANCE_PLOT}"))]
     return "\n".join(lines)
 
 

@@ -29,6 +29,10 @@ def heldout_record(step, acc):
     return {"step": step, "split": "heldout", "loss": 1.0 - acc, "acc": acc, "predicted_tau": 1 + acc}
 
 
+def measured_record(step, tau):
+    return {"step": step, "split": "measured", "tau": tau, "acc_depth_1": tau - 1, "prompts": 2, "new_tokens": 16}
+
+
 def run(cfg, start, records):
     log = MetricsLog(cfg, rank=0, start=start, total=4)
     for record in records:
@@ -38,8 +42,9 @@ def run(cfg, start, records):
 
 def killed_then_resumed(cfg):
     """Steps 1-4 and evaluations at 2 and 4, then a run resumed from the checkpoint at step 2 redoing 3-4."""
-    run(cfg, 0, [train_record(1, 4.0), train_record(2, 3.0), heldout_record(2, 0.25), train_record(3, 2.5)])
-    run(cfg, 2, [train_record(3, 2.0), train_record(4, 1.5), heldout_record(4, 0.5)])
+    first = [train_record(1, 4.0), train_record(2, 3.0), heldout_record(2, 0.25), measured_record(2, 1.3)]
+    run(cfg, 0, [*first, train_record(3, 2.5)])
+    run(cfg, 2, [train_record(3, 2.0), train_record(4, 1.5), heldout_record(4, 0.5), measured_record(4, 1.6)])
 
 
 def test_defaults_write_metrics_jsonl_only(tmp_path):
@@ -48,7 +53,7 @@ def test_defaults_write_metrics_jsonl_only(tmp_path):
     killed_then_resumed(cfg)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]  # no other backend
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["split"], r["loss"]) for r in lines] == [
+    assert [(r["step"], r["split"], r["loss"]) for r in lines if "loss" in r] == [
         (1, "train", 4.0),
         (2, "train", 3.0),
         (2, "heldout", 0.75),
@@ -56,6 +61,8 @@ def test_defaults_write_metrics_jsonl_only(tmp_path):
         (4, "train", 1.5),
         (4, "heldout", 0.5),
     ]
+    measured = [(r["step"], r["tau"]) for r in lines if r["split"] == "measured"]
+    assert measured == [(2, 1.3), (4, 1.6)]
 
 
 def test_a_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
@@ -74,9 +81,10 @@ def test_tensorboard_holds_the_numbers_and_hides_the_redone_steps(tmp_path):
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     scalars = events.Tags()["scalars"]
-    assert {"loss", "lr", "tokens", "tokens_per_s", "heldout/loss", "heldout/acc", "heldout/predicted_tau"} == set(
-        scalars
-    )
+    measured = {"measured/tau", "measured/acc_depth_1", "measured/prompts", "measured/new_tokens"}
+    held_out = {"heldout/loss", "heldout/acc", "heldout/predicted_tau"}
+    assert {"loss", "lr", "tokens", "tokens_per_s"} | held_out | measured == set(scalars)
+    assert [(e.step, round(e.value, 4)) for e in events.Scalars("measured/tau")] == [(2, 1.3), (4, 1.6)]
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.5)]
     assert [(e.step, e.value) for e in events.Scalars("heldout/acc")] == [(2, 0.25), (4, 0.5)]
 
@@ -99,6 +107,7 @@ def test_mlflow_holds_the_numbers_in_a_local_store(tmp_path):
     assert history(first, "heldout/acc") == [(2, 0.25)]
     assert history(resumed, "loss") == [(3, 2.0), (4, 1.5)]
     assert history(resumed, "heldout/predicted_tau") == [(4, 1.5)]
+    assert history(first, "measured/tau") == [(2, 1.3)] and history(resumed, "measured/tau") == [(4, 1.6)]
     assert history(resumed, "tokens") == [(3, 64.0), (4, 64.0)]
 
 
@@ -126,3 +135,14 @@ def test_a_bad_metrics_section_is_refused(tmp_path, section):
 
     with pytest.raises(ConfigError, match=r"metrics\."):
         config(tmp_path / "run", **section)
+
+
+def test_the_acceptance_plot_draws_predicted_and_measured_tau(tmp_path):
+    from PIL import Image
+
+    from headstart.train.metrics import plot_acceptance
+
+    killed_then_resumed(config(tmp_path / "run"))
+    plot = tmp_path / "run" / "acceptance.png"
+    plot_acceptance(tmp_path / "run" / "metrics.jsonl", plot)
+    assert Image.open(plot).size == (1210, 440)  # two panels, 11 x 4 inches at 110 dpi
