@@ -46,8 +46,10 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
     return config
 
 
-def save_config(config: dict[str, Any], path: str | Path) -> None:
-    """Write the resolved config beside the artifact it produced (atomically)."""
+def save_config(config: dict[str, Any], path: str | Path, note: str = "") -> None:
+    """Write the resolved config beside the artifact it produced (atomically); ``note``, what the keys alone do
+    not say (what an ``auto`` became), as a YAML comment above them."""
     from headstart.core.io import atomic_write_text
 
-    atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
+    comment = "".join(f"# {line}\n" for line in note.splitlines())
+    atomic_write_text(path, comment + yaml.safe_dump(config, sort_keys=False))

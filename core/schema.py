@@ -129,7 +129,7 @@ class CaptureToDisk(Capture):
 
 
 class Regenerate(Section):
-    out: str  # the regenerated dataset, OpenAI-messages JSONL
+    out: str  # the regenerated dataset: OpenAI-messages JSONL, or {"text": ...} JSONL for data.format text
     max_new_tokens: Count
     temperature: NonNegativeFloat = 0.0  # 0: greedy
     top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
@@ -188,6 +188,15 @@ class Train(Section):
     online_capture: bool | Literal["vllm"] = False
     heldout_samples: NonNegative = 0
     eval_every: NonNegative = 0  # 0: held-out eval at the end only
+    # Measured acceptance at each held-out evaluation (train/measured.py): the head drafts greedy chains at its
+    # trained depth and the target verifies, on eval_prompts prompts (the held-out samples' prompts, or the first
+    # of eval_bench), eval_new_tokens new tokens each. 0: off (it loads the whole target, not only the borrowed
+    # tensors).
+    eval_prompts: NonNegative = 0
+    eval_new_tokens: Count = 64
+    eval_bench: str | None = None  # a benchmark JSONL (data_recipes.bench) instead of the held-out samples
+    # last: the exported head (<out_dir>/head) is the last step's; measured_tau: the one whose measured tau was best
+    keep_best: Literal["last", "measured_tau"] = "last"
     save_every: NonNegative = 0  # 0: checkpoint at the end only
     keep_checkpoints: NonNegative = 2  # 0 keeps them all
     num_workers: NonNegative = 0
@@ -302,6 +311,8 @@ HEAD_OPTIONS: dict[str, type[HeadOptions]] = {
 
 # ---- the flag-driven commands: a section each, a field per flag (see ``flags_argv``)
 
+PromptFormat = Literal["auto", "chat", "raw"]  # how prompts become tokens: data_recipes.prompts
+
 
 class CommandFlags(Section):
     """The flags of a command driven by flags (``python -m eval.acceptance --target ...``), as a section.
@@ -323,6 +334,7 @@ class Eval(CommandFlags):
     allow_other_tokenizer: bool = False
     method: Annotated[list[str], Field(min_length=1)]  # eval.run.METHODS
     bench: str
+    prompt_format: PromptFormat = "auto"  # auto: the chat template where the tokenizer has one, else raw text
     limit: Count | None = None  # null: every prompt
     per_group: Count | None = None  # prompts per category group (eval.matrix.GROUPS); null: --limit's
     max_new_tokens: Count = 128
@@ -352,6 +364,7 @@ class Autotune(CommandFlags):
     exit_layers: list[Count] | None = None  # self_spec: the exit layers to try; null: every one
     allow_other_tokenizer: bool = False
     bench: str = "assets/data/gsm8k_test.jsonl"
+    prompt_format: PromptFormat = "auto"  # auto: the chat template where the tokenizer has one, else raw text
     offset: NonNegative = 0
     calibration: Count = 8
     heldout: Count = 8
@@ -434,6 +447,7 @@ class VerifyEngines(CommandFlags):
     k: Count = 3
     prompts: Count = 8
     max_tokens: Count = 96
+    prompt_format: PromptFormat = "auto"  # auto: the chat template where the tokenizer has one, else raw text
     schedule: str | None = None  # vLLM num_speculative_tokens_per_batch_size (JSON or a tree.json); null: not checked
     work: str = "runs/verify_engines"
     out: str | None = None  # null: <work>/parity.json

@@ -1,36 +1,71 @@
-"""Benchmark prompts: Spec-Bench, GSM8K, or any JSONL of chats or prompts, rendered with the target's chat template.
+"""Benchmark prompts: Spec-Bench, GSM8K, or any JSONL of chats, prompts or token ids, rendered in a prompt format
+(``data_recipes.prompts``: the target's chat template, or raw text as a completion API feeds it).
 
-One JSON object per line, in any of these shapes (told apart by their keys):
+One JSON object per line, in any of these shapes (told apart by their keys, in this order):
 
 - Spec-Bench: ``{"question_id", "category", "turns": [str, ...]}``; multi-turn: each turn is asked after
   the model's own answer to the previous one;
 - GSM8K: ``{"question", "answer"}``, category ``gsm8k`` (the answer is the reference, never shown);
 - chat: ``{"messages": [{"role", "content"}, ...]}``; trailing assistant messages (reference answers)
   are dropped and the conversation must then end with a user message;
-- prompt: ``{"prompt": str}``.
+- token ids: ``{"input_ids": [int, ...]}``: a prompt already tokenized, fed to the target as it is (one turn;
+  the prompt format does not apply). Training writes its held-out prompts so (``<train.out_dir>/eval_prompts.jsonl``,
+  category ``heldout``): ``eval.acceptance --bench`` on that file decodes exactly what training measured;
+- prompt: ``{"prompt": str}`` or ``{"text": str}``.
 
-Chats and prompts take an optional ``category``, else the file's name. Errors name ``file:line``.
+Chats, token ids and prompts take an optional ``category``, else the file's name. Errors name ``file:line``; token
+ids past the tokenizer's vocabulary are refused once it is known (``check_token_ids``).
 """
 
 from __future__ import annotations
 
+from argparse import ArgumentParser
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
-from headstart.data_recipes.prompts import render
+from headstart.data_recipes.prompts import PROMPT_FORMATS, RAW_TURN_SEPARATOR, render, resolve_prompt_format
 
 
 @dataclass
 class BenchItem:
     id: str
     category: str
-    turns: list[str]  # user messages, asked one after another
+    turns: list[str]  # user messages, asked one after another (token ids: one turn, its text unused)
     history: list[dict[str, str]] = field(default_factory=list)  # earlier messages (system, past turns)
+    input_ids: list[int] | None = None  # a prompt already tokenized: the target is fed these, as they are
+
+
+def turn_prompt(
+    tokenizer: PreTrainedTokenizerBase, item: BenchItem, answers: list[str], prompt_format: str = "auto"
+) -> torch.Tensor:
+    """Token ids [1, S] of ``item``'s turn ``len(answers)``, asked after its earlier turns and the model's
+    ``answers`` to them: its ``input_ids`` as they are, else its messages in ``prompt_format`` (raw: everything so
+    far as one text, each turn a continuation of the answer before it)."""
+    if item.input_ids is not None:
+        return torch.tensor([item.input_ids])
+    messages = list(item.history)
+    for turn, answer in zip(item.turns, answers):
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": item.turns[len(answers)]})
+    return render(tokenizer, messages, prompt_format)
+
+
+def add_prompt_format_flag(parser: ArgumentParser) -> None:
+    """``--prompt-format``, one flag for every command that decodes bench prompts (``eval.acceptance``,
+    ``eval.autotune``); the command resolves it once (``resolve_prompt_format``), before any decoding."""
+    parser.add_argument(
+        "--prompt-format",
+        choices=PROMPT_FORMATS,
+        default="auto",
+        help="chat: the target's chat template; raw: the text as a completion API tokenizes it; "
+        "auto: chat where the tokenizer has a template, else raw",
+    )
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict]]:
@@ -65,6 +100,17 @@ def _chat_item(record: dict, location: str, default_category: str) -> BenchItem:
     return BenchItem(location, str(category), [messages[-1]["content"]], list(messages[:-1]))
 
 
+def _ids_item(record: dict, location: str, default_category: str) -> BenchItem:
+    ids = record["input_ids"]
+    # bool is an int to Python; a true/false among token ids is a mistake, not token 1 or 0.
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DataError("'input_ids' must be a non-empty list of integer token ids", location)
+    if min(ids) < 0:
+        raise DataError(f"'input_ids' has a negative token id {min(ids)}", location)
+    category = str(record.get("category", default_category))
+    return BenchItem(location, category, [""], input_ids=ids)
+
+
 def parse_record(record: dict, location: str, default_category: str) -> BenchItem:
     """One benchmark item from one JSONL record (any supported shape)."""
     if "turns" in record:
@@ -78,12 +124,14 @@ def parse_record(record: dict, location: str, default_category: str) -> BenchIte
         return BenchItem(location, "gsm8k", [_text(record, "question", location)])
     if "messages" in record:
         return _chat_item(record, location, default_category)
-    if "prompt" in record:
-        category = str(record.get("category", default_category))
-        return BenchItem(location, category, [_text(record, "prompt", location)])
+    if "input_ids" in record:  # before text: where a record carries its ids, they are the prompt exactly
+        return _ids_item(record, location, default_category)
+    for key in ("prompt", "text"):
+        if key in record:
+            return BenchItem(location, str(record.get("category", default_category)), [_text(record, key, location)])
     raise DataError(
         f"unknown record shape (keys {sorted(record)}); expected 'turns' (Spec-Bench), 'question' (GSM8K), "
-        "'messages' or 'prompt'",
+        "'messages', 'input_ids', 'prompt' or 'text'",
         location,
     )
 
@@ -118,32 +166,70 @@ def round_robin(items: list[BenchItem], limit: int | None) -> list[BenchItem]:
     return picked
 
 
-def context_tokens(tokenizer: PreTrainedTokenizerBase, item: BenchItem, max_new_tokens: int) -> int:
+def turn_overhead(prompt_format: str) -> int:
+    """Tokens a turn adds besides its message and reply (``prompt_format`` resolved): the chat template's
+    markers, or raw text's separator before the next turn and the reply re-tokenized across its edges."""
+    return TURN_OVERHEAD if prompt_format == "chat" else RAW_TURN_OVERHEAD
+
+
+def context_tokens(
+    tokenizer: PreTrainedTokenizerBase, item: BenchItem, max_new_tokens: int, prompt_format: str = "auto"
+) -> int:
     """About the most tokens ``item``'s conversation reaches (what the KV cache holds at the end of its last
-    turn): its history and all its turns rendered as one user message (a template may refuse two user messages
-    in a row), plus per turn a full reply and ``TURN_OVERHEAD`` tokens of the template's markers."""
-    rendered = render(tokenizer, [*item.history, {"role": "user", "content": "\n".join(item.turns)}]).shape[1]
-    return rendered + (max_new_tokens + TURN_OVERHEAD) * len(item.turns)
+    turn): its history and all its turns rendered in ``prompt_format`` as one user message (a template may refuse
+    two user messages in a row), plus per turn a full reply and ``turn_overhead`` tokens. A token-ids item: its
+    ids and one reply."""
+    if item.input_ids is not None:
+        return len(item.input_ids) + max_new_tokens
+    asked = [*item.history, {"role": "user", "content": RAW_TURN_SEPARATOR.join(item.turns)}]
+    rendered = render(tokenizer, asked, prompt_format).shape[1]
+    overhead = turn_overhead(resolve_prompt_format(tokenizer, prompt_format))
+    return rendered + (max_new_tokens + overhead) * len(item.turns)
 
 
-def longest_context(tokenizer: PreTrainedTokenizerBase, items: list[BenchItem], max_new_tokens: int) -> int:
-    return max(context_tokens(tokenizer, item, max_new_tokens) for item in items)
+def longest_context(
+    tokenizer: PreTrainedTokenizerBase, items: list[BenchItem], max_new_tokens: int, prompt_format: str = "auto"
+) -> int:
+    return max(context_tokens(tokenizer, item, max_new_tokens, prompt_format) for item in items)
+
+
+def check_token_ids(tokenizer: PreTrainedTokenizerBase, items: list[BenchItem]) -> None:
+    """ValueError naming the first token-ids item with an id past ``tokenizer``'s vocabulary: ids tokenized for
+    another model, refused before decoding (the target's embedding would fail on them with no word of the file)."""
+    vocab = len(tokenizer)
+    for item in items:
+        past = [i for i in item.input_ids or [] if i >= vocab]
+        if past:
+            raise ValueError(
+                f"bench item {item.id} ({item.category}): token id {past[0]} is past the target tokenizer's "
+                f"{vocab} tokens (ids 0..{vocab - 1}): were its input_ids tokenized for another model?"
+            )
 
 
 def check_positions(
-    tokenizer: PreTrainedTokenizerBase, items: list[BenchItem], max_new_tokens: int, tree_tokens: int, positions: int
+    tokenizer: PreTrainedTokenizerBase,
+    items: list[BenchItem],
+    max_new_tokens: int,
+    tree_tokens: int,
+    positions: int,
+    prompt_format: str = "auto",
 ) -> None:
     """ValueError naming the first item whose conversation (``context_tokens`` plus a tree's ``tree_tokens``) can
     run past the target's ``positions`` (max_position_embeddings): refused before decoding, never a report of
     positions the target was not trained for."""
+    resolved = resolve_prompt_format(tokenizer, prompt_format)
     for item in items:
-        needed = context_tokens(tokenizer, item, max_new_tokens) + tree_tokens
+        needed = context_tokens(tokenizer, item, max_new_tokens, resolved) + tree_tokens
         if needed > positions:
             raise ValueError(
                 f"bench item {item.id} ({item.category}) can reach {needed} tokens (its turns rendered, "
-                f"{max_new_tokens} new tokens and {TURN_OVERHEAD} template tokens a turn, {tree_tokens} tree nodes), "
-                f"past the target's {positions} positions: lower --max-new-tokens or leave the item out"
+                f"{max_new_tokens} new tokens and {turn_overhead(resolved)} tokens of {resolved} prompt markers a "
+                f"turn, {tree_tokens} tree nodes), past the target's {positions} positions: lower --max-new-tokens "
+                "or leave the item out"
             )
 
 
 TURN_OVERHEAD = 16  # role markers around a turn and its reply: 4-10 tokens in the Llama, Qwen and Gemma templates
+# Raw text: the blank line between a reply and the next turn (1-2 tokens) and the reply's text re-tokenized,
+# which may merge differently across its edges than the tokens the target generated.
+RAW_TURN_OVERHEAD = 4

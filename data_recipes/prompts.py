@@ -19,13 +19,14 @@ for training's measured acceptance is its first ``TEXT_PROMPT_FRACTION`` of toke
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-PromptFormat = Literal["auto", "chat", "raw"]
-PROMPT_FORMATS: tuple[PromptFormat, ...] = ("auto", "chat", "raw")
+from headstart.core.schema import PromptFormat
+
+PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
 RAW_TURN_SEPARATOR = "\n\n"
 TEXT_PROMPT_FRACTION = 0.5  # a text's prompt: its first half of tokens; the target continues the rest
 

@@ -72,6 +72,7 @@ class TreeFile(Section):
     method: Literal["eagle", "eagle3", "peagle", "dflash", "medusa", "draft_model", "self_spec"] | None = None
     exit_layer: Count | None = None
     bench: str = ""
+    prompt_format: Literal["chat", "raw"] | None = None  # how the tuning prompts were rendered (data_recipes.prompts)
     batch_size: Count = 1
     tuned_at: str = ""
 

@@ -12,6 +12,10 @@ report.json, report.md and PNG plots (``eval.report``), and eval_config.yaml: th
 matrix (``eval.matrix``: tau and speedup per category group, the speedup claims checked) as matrix.json,
 matrix.md and its plots, with each temperature's own report under ``T<temperature>/``. ``--per-group N``
 takes N prompts from each group of Spec-Bench categories.
+
+``--prompt-format`` (``data_recipes.prompts``): ``auto`` (the default) renders prompts with the target's chat
+template where its tokenizer has one, else as raw text the way a completion API tokenizes it (a base model);
+``chat`` or ``raw`` forces one. It is resolved once, before any decoding; the reports say what it became.
 """
 
 from __future__ import annotations
@@ -30,13 +34,21 @@ from headstart.core.models import load_decoding_target, load_model, load_tokeniz
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
-from headstart.data_recipes.bench import BenchItem, check_positions, load_bench, longest_context
+from headstart.data_recipes.bench import (
+    BenchItem,
+    add_prompt_format_flag,
+    check_positions,
+    check_token_ids,
+    load_bench,
+    longest_context,
+)
+from headstart.data_recipes.prompts import resolve_prompt_format
 from headstart.decoding.methods import HEAD_METHODS, METHODS, TreeFlags, build_proposer
 from headstart.decoding.proposers import check_draft_vocab, head_method
 from headstart.decoding.tree_config import check_tree_vocab, head_tree_configs
 from headstart.decoding.verify import Proposer, Sampling
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
-from headstart.eval.report import write_matrix_report, write_report
+from headstart.eval.report import prompts_rendered, write_matrix_report, write_report
 from headstart.eval.run import MethodRun, divergences, run_methods, summarize
 from headstart.eval.timing import machine
 from headstart.heads import load_head, read_head_config
@@ -116,7 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="evaluate heads trained with another tokenizer than the target's (refused by default)",
     )
     p.add_argument("--method", required=True, help=f"comma-separated, of: {', '.join(METHODS)}")
-    p.add_argument("--bench", required=True, help="JSONL: Spec-Bench, GSM8K, messages or prompt records")
+    p.add_argument(
+        "--bench", required=True, help="JSONL: Spec-Bench, GSM8K, messages, prompt/text or input_ids records"
+    )
+    add_prompt_format_flag(p)
     p.add_argument("--limit", type=_positive, help="prompts to run, round-robin over categories")
     p.add_argument(
         "--per-group",
@@ -186,6 +201,7 @@ class Loaded:
     items: list[BenchItem]
     target: transformers.PreTrainedModel
     tokenizer: transformers.PreTrainedTokenizerBase
+    prompt_format: str  # --prompt-format resolved for the tokenizer: chat or raw
     head_dirs: dict[str, str]
     tree_configs: dict[str, dict]
     proposers: dict[str, Proposer]  # vanilla first: the speedup baseline
@@ -203,10 +219,12 @@ def load(args: argparse.Namespace) -> Loaded:
     if args.per_group:
         items = pick_per_group(items, args.per_group)
     dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
+    prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
+    check_token_ids(tokenizer, items)
     drafters = sum(safetensors_bytes(d) for d in [*head_dirs.values(), *([args.draft] if args.draft else [])])
     positions = AutoConfig.from_pretrained(args.target).get_text_config().max_position_embeddings
-    check_positions(tokenizer, items, args.max_new_tokens, args.total_tokens, positions)
-    context = longest_context(tokenizer, items, args.max_new_tokens) + args.total_tokens
+    check_positions(tokenizer, items, args.max_new_tokens, args.total_tokens, positions, prompt_format)
+    context = longest_context(tokenizer, items, args.max_new_tokens, prompt_format) + args.total_tokens
     target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
     device = target.device
     prepare_decoding(device)
@@ -221,14 +239,16 @@ def load(args: argparse.Namespace) -> Loaded:
     flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
     proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
-    return Loaded(items, target, tokenizer, head_dirs, tree_configs, proposers, device, ranks)
+    return Loaded(items, target, tokenizer, prompt_format, head_dirs, tree_configs, proposers, device, ranks)
 
 
 def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict]:
     """Every method over the prompts at ``temperature``: the runs and their report entries."""
     sampling = Sampling(temperature=temperature, top_p=args.top_p, top_k=args.top_k)
-    target, tokenizer, items = loaded.target, loaded.tokenizer, loaded.items
-    runs = run_methods(target, tokenizer, loaded.proposers, items, args.max_new_tokens, sampling, args.seed)
+    target, tokenizer, items, prompt_format = loaded.target, loaded.tokenizer, loaded.items, loaded.prompt_format
+    runs = run_methods(
+        target, tokenizer, loaded.proposers, items, args.max_new_tokens, sampling, args.seed, prompt_format
+    )
     head_dirs = loaded.head_dirs
     methods = {
         m: summarize(run, runs["vanilla"], sampling.greedy)
@@ -241,7 +261,9 @@ def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tup
     }
     for method, entry in methods.items():
         mismatched = entry["mismatched_prompts"]
-        entry["divergences"] = divergences(target, tokenizer, items, runs["vanilla"], runs[method], mismatched)
+        entry["divergences"] = divergences(
+            target, tokenizer, items, runs["vanilla"], runs[method], mismatched, prompt_format
+        )
     return runs, methods
 
 
@@ -252,6 +274,8 @@ def settings(args: argparse.Namespace, loaded: Loaded) -> dict:
         "draft": args.draft,
         "heads": loaded.head_dirs,
         "bench": str(args.bench),
+        "prompt_format": args.prompt_format,
+        "prompt_format_resolved": loaded.prompt_format,
         "limit": args.limit,
         "per_group": args.per_group,
         "prompts": len(loaded.items),
@@ -322,7 +346,8 @@ def main(argv: list[str] | None = None) -> dict:
             warn_mismatches(methods)
     if loaded.ranks.rank != 0:  # the other ranks of a split target decoded in lockstep; the first writes
         return report
-    save_config(flags_config("eval", args), args.out / "eval_config.yaml")  # `headstart eval --config`
+    note = f"prompts: {prompts_rendered(args.prompt_format, loaded.prompt_format)}"
+    save_config(flags_config("eval", args), args.out / "eval_config.yaml", note)  # `headstart eval --config`
     if "vanilla" not in args.method:
         print("note: vanilla was not requested; it ran anyway as the speedup baseline", file=sys.stderr)
     return report

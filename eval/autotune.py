@@ -31,6 +31,9 @@ The choice is written as JSON (``tree.json``, ``decoding.tree_config``) that ``p
 FILE`` reads (and picks up from a head folder by itself), as do the exports' model cards. ``--out`` also
 gets autotune.json, autotune.md and autotune.png (``eval.report``), and autotune_config.yaml: the settings,
 as the ``autotune:`` section that ``headstart autotune --config`` reads.
+
+``--prompt-format`` renders the prompts as ``eval.acceptance``'s does (``data_recipes.prompts``; ``auto``: the chat
+template where the tokenizer has one, else raw text); autotune.json and its report say what it became.
 """
 
 from __future__ import annotations
@@ -53,11 +56,17 @@ from headstart.core.models import load_decoding_target, load_model, load_tokeniz
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
 from headstart.core.schema import flag_problems, flags_config
 from headstart.core.weights import safetensors_bytes
-from headstart.data_recipes.bench import load_bench, longest_context
-from headstart.data_recipes.prompts import render
+from headstart.data_recipes.bench import (
+    add_prompt_format_flag,
+    check_token_ids,
+    load_bench,
+    longest_context,
+    turn_prompt,
+)
+from headstart.data_recipes.prompts import resolve_prompt_format
 from headstart.decoding.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
-from headstart.eval.report import write_autotune_report
+from headstart.eval.report import prompts_rendered, write_autotune_report
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
 from headstart.eval.tune_runs import calibrate, validate, validate_batches, validation_checks, validation_rows
@@ -109,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tune a head trained with another tokenizer than the target's (refused by default)",
     )
     p.add_argument("--bench", default="assets/data/gsm8k_test.jsonl", help="JSONL prompts (see data_recipes.bench)")
+    add_prompt_format_flag(p)
     p.add_argument("--offset", type=int, default=0, help="bench prompts to skip (e.g. those a later eval uses)")
     p.add_argument("--calibration", type=int, default=8, help="prompts for the acceptance statistics")
     p.add_argument("--heldout", type=int, default=8, help="further prompts for the validation grid")
@@ -174,16 +184,17 @@ def main(argv: list[str] | None = None) -> dict:
     items = load_bench(args.bench, wanted)[args.offset :]
     if len(items) < args.calibration + args.heldout:
         raise ValueError(f"{args.bench}: fewer than --offset + --calibration + --heldout = {wanted} prompts")
+    prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
+    check_token_ids(tokenizer, items)
     drafters = safetensors_bytes(args.head or args.draft) if args.head or args.draft else 0
-    context = longest_context(tokenizer, items, args.max_new_tokens) + max(
+    context = longest_context(tokenizer, items, args.max_new_tokens, prompt_format) + max(
         args.max_nodes, EAGLE_DEFAULT["total_tokens"]
     )
     target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
     device = target.device
     prepare_decoding(device)
     sources = draft_sources(args, target, dtype)
-    prompts = [render(tokenizer, list(it.history) + [{"role": "user", "content": it.turns[0]}]) for it in items]
-    prompts = [p.to(device) for p in prompts]
+    prompts = [turn_prompt(tokenizer, item, [], prompt_format).to(device) for item in items]  # first turns only
     calib, heldout = prompts[: args.calibration], prompts[args.calibration :]
     eos = tokenizer.eos_token_id
     kv_length = round(statistics.fmean(p.shape[1] for p in calib) + args.max_new_tokens / 2)
@@ -240,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.self_spec
         else "draft_model",
         "bench": str(args.bench),
+        "prompt_format": prompt_format,
         "batch_size": args.batch_size,
         "tuned_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -250,7 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
     if ranks.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out / "tree.json", config)
-        save_config(flags_config("autotune", args), args.out / "autotune_config.yaml")  # `headstart autotune --config`
+        note = f"prompts: {prompts_rendered(args.prompt_format, prompt_format)}"
+        # What `headstart autotune --config` reads, what auto became in a comment.
+        save_config(flags_config("autotune", args), args.out / "autotune_config.yaml", note)
         if args.write_head:
             atomic_write_text(Path(args.head) / "tree.json", config)
 
@@ -263,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     batch_rows = validate_batches(target, source, heldout, chosen.tree, schedules["depth_per_batch_size"], sizes,
                                   args.max_new_tokens, eos)  # fmt: skip
     result = meta | {
+        "prompt_format": args.prompt_format,
+        "prompt_format_resolved": prompt_format,
         "kv_length": kv_length,
         "calibration_prompts": len(calib),
         "heldout_prompts": len(heldout),

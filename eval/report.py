@@ -6,6 +6,7 @@ report.json, as ``eval.acceptance`` builds it:
 
     target, draft, heads, bench, limit, per_group, prompts, max_new_tokens, temperature, top_p, top_k, tree, seed,
     device, dtype, machine, torch, transformers,
+    prompt_format (as asked: auto, chat or raw), prompt_format_resolved (what rendered the prompts: chat or raw),
     methods.<name>: requested, tau, acceptance_by_depth [rate of depth d given d - 1; null: never tried],
         alpha, mean_accepted, target_forwards, new_tokens, wall_s, tokens_per_s, speedup_vs_vanilla, predicted_speedup,
         draft_depth (k), draft_cost_ratio (c), target_forward_ms,
@@ -46,6 +47,17 @@ def _identical(entry: dict) -> str:
     return "yes" if entry["greedy_identical"] else "**NO**"
 
 
+def prompts_rendered(requested: str, resolved: str) -> str:
+    """How the prompts were rendered (``data_recipes.prompts``), in words: report.md, autotune.md, saved configs."""
+    if resolved == "chat":
+        how = "the tokenizer's chat template with its generation prompt, as a chat API asks the target"
+        why = "auto: the tokenizer has one" if requested == "auto" else "--prompt-format chat"
+    else:
+        how = "raw text, as a completion API feeds the target"
+        why = "the tokenizer has no chat template" if requested == "auto" else "--prompt-format raw"
+    return f"{how} ({why})"
+
+
 def markdown(report: dict) -> str:
     """The report as Markdown: settings, the per-method table, per-category tau, warnings first."""
     methods = report["methods"]
@@ -71,6 +83,7 @@ def markdown(report: dict) -> str:
     lines += [
         f"- bench: `{report['bench']}`, {report['prompts']} prompts (limit {report['limit']}), "
         f"{report['max_new_tokens']} new tokens per turn",
+        f"- prompts: {prompts_rendered(report['prompt_format'], report['prompt_format_resolved'])}",
         f"- sampling: temperature {report['temperature']}, top-p {report['top_p']}, top-k {report['top_k']}; "
         f"tree {tree['shape'] or 'per method'} (top-k {tree['top_k_draft']}, depth {tree['depth']}, "
         f"{tree['total']} nodes); seed {report['seed']}",
@@ -213,6 +226,7 @@ def matrix_markdown(matrix: dict) -> str:
         f"{matrix['max_new_tokens']} new tokens per turn; temperatures "
         + ", ".join(f"{t:g}" for t in matrix["temperatures"])
         + f", top-p {matrix['top_p']}, top-k {matrix['top_k']}; seed {matrix['seed']}",
+        f"- prompts: {prompts_rendered(matrix['prompt_format'], matrix['prompt_format_resolved'])}",
         f"- tree {tree['shape'] or 'per method'} (top-k {tree['top_k_draft']}, depth {tree['depth']}, "
         f"{tree['total']} nodes); machine: {matrix['machine']} ({matrix['device']}, {matrix['dtype']})",
         "- groups: " + "; ".join(f"{g} = {' + '.join(members)}" for g, members in groups.items()),
@@ -306,6 +320,7 @@ def autotune_markdown(result: dict) -> str:
         f"- machine: {result['machine']} ({result['device']}, {result['dtype']}); KV length {result['kv_length']}",
         f"- calibration: {result['calibration_prompts']} prompts; held out: {result['heldout_prompts']} prompts, "
         f"{result['max_new_tokens']} new tokens, greedy",
+        f"- prompts: {prompts_rendered(result['prompt_format'], result['prompt_format_resolved'])}",
         "- verify ms (nodes: ms, batch 1): "
         + ", ".join(f"{n}: {ms:.1f}" for n, ms in zip(result["costs"]["nodes"], result["costs"]["verify_ms"]["1"])),
         f"- drafting: base {result['costs']['base_ms']:.2f} ms, one level "

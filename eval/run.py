@@ -16,14 +16,11 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from headstart.core.acceptance import chain_acceptance
 from headstart.core.runtime import seed_everything
-from headstart.data_recipes.bench import BenchItem
-from headstart.data_recipes.prompts import render
+from headstart.data_recipes.bench import BenchItem, turn_prompt
 from headstart.decoding.verify import Proposer, Sampling, Stats, generate
-from headstart.eval.speedup import (
-    chain_acceptance,
-    predicted_speedup,
-)
+from headstart.eval.speedup import predicted_speedup
 from headstart.eval.timing import TimedProposer, peak_memory_mb
 
 WARMUP_TOKENS = 16
@@ -88,15 +85,16 @@ def decode_item(
     item: BenchItem,
     max_new_tokens: int,
     sampling: Sampling,
+    prompt_format: str = "auto",
 ) -> Iterator[tuple[torch.Tensor, Stats]]:
-    """Yield (new tokens [n], stats) per turn; each turn is asked after the model's own previous answer."""
-    messages = list(item.history)
-    for turn in item.turns:
-        messages.append({"role": "user", "content": turn})
-        prompt = render(tokenizer, messages).to(target.device)
+    """Yield (new tokens [n], stats) per turn; each turn is asked after the model's own previous answer, its
+    prompt in ``prompt_format`` (``data_recipes.bench.turn_prompt``)."""
+    answers: list[str] = []
+    for _ in item.turns:
+        prompt = turn_prompt(tokenizer, item, answers, prompt_format).to(target.device)
         out, stats = generate(target, proposer, prompt, max_new_tokens, sampling, tokenizer.eos_token_id)
         new = out[0, prompt.shape[1] :]
-        messages.append({"role": "assistant", "content": cast(str, tokenizer.decode(new, skip_special_tokens=True))})
+        answers.append(cast(str, tokenizer.decode(new, skip_special_tokens=True)))
         yield new, stats
 
 
@@ -108,10 +106,12 @@ def warm_up(
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
+    prompt_format: str = "auto",
 ) -> None:
     """An untimed short decode, so that first-call costs (allocation, kernel selection) are nobody's time."""
     seed_everything(seed)
-    for _ in decode_item(target, tokenizer, proposer, item, min(WARMUP_TOKENS, max_new_tokens), sampling):
+    tokens = min(WARMUP_TOKENS, max_new_tokens)
+    for _ in decode_item(target, tokenizer, proposer, item, tokens, sampling, prompt_format):
         pass
 
 
@@ -122,8 +122,10 @@ def decode_into(
     item: BenchItem,
     max_new_tokens: int,
     sampling: Sampling,
+    prompt_format: str = "auto",
 ) -> None:
-    """Decode ``item`` with ``run``'s proposer and add its tokens, stats and peak memory to ``run``."""
+    """Decode ``item`` with ``run``'s proposer (prompts in ``prompt_format``) and add its tokens, stats and peak
+    memory to ``run``."""
     device = target.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -135,7 +137,7 @@ def decode_into(
         target.register_forward_hook(run.timer.after_forward),
     ]
     try:
-        for new, stats in decode_item(target, tokenizer, run.timer, item, max_new_tokens, sampling):
+        for new, stats in decode_item(target, tokenizer, run.timer, item, max_new_tokens, sampling, prompt_format):
             run.outputs[-1].append(new.tolist())
             run.accepted.extend(n - 1 for n in stats.accepted_lengths)
             run.add(len(new), stats)
@@ -154,21 +156,22 @@ def run_methods(
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
+    prompt_format: str = "auto",
 ) -> dict[str, MethodRun]:
-    """Every method (in the order given, the speedup baseline first) over every item, after an untimed
-    warm-up each.
+    """Every method (in the order given, the speedup baseline first) over every item, its prompts in
+    ``prompt_format``, after an untimed warm-up each.
 
     The methods take turns item by item, so a change in the machine's load during the run falls on every
     method alike and the speedups stay fair on a shared CPU. Each (item, method) decode starts from the
     seed ``seed + the item's index``: a method's output does not depend on which methods run beside it.
     """
     for proposer in proposers.values():
-        warm_up(target, tokenizer, proposer, items[0], max_new_tokens, sampling, seed)
+        warm_up(target, tokenizer, proposer, items[0], max_new_tokens, sampling, seed, prompt_format)
     runs = {method: MethodRun(timer=TimedProposer(proposer, target.device)) for method, proposer in proposers.items()}
     for index, item in enumerate(tqdm(items, desc=f"prompts x {len(runs)} methods")):
         for run in runs.values():
             seed_everything(seed + index)
-            decode_into(run, target, tokenizer, item, max_new_tokens, sampling)
+            decode_into(run, target, tokenizer, item, max_new_tokens, sampling, prompt_format)
     return runs
 
 
@@ -228,18 +231,19 @@ def divergence(
     item: BenchItem,
     ref_turns: list[list[int]],
     out_turns: list[list[int]],
+    prompt_format: str = "auto",
 ) -> dict:
     """Where a method's greedy output first leaves vanilla's: turn, token index, both tokens, and the
-    target's logit gap between them there (one full forward over the shared prefix), with ``near_tie``."""
-    messages = list(item.history)
-    for turn_index, (turn, ref, out) in enumerate(zip(item.turns, ref_turns, out_turns)):
-        messages.append({"role": "user", "content": turn})
+    target's logit gap between them there (one full forward over the shared prefix, the prompt in
+    ``prompt_format``), with ``near_tie``."""
+    answers: list[str] = []
+    for turn_index, (ref, out) in enumerate(zip(ref_turns, out_turns)):
         if ref != out:
             at = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
             entry = {"prompt": item.id, "turn": turn_index, "token": at}
             if at == min(len(ref), len(out)):  # one output is a prefix of the other: a stop, not a token choice
                 return entry | {"vanilla_token": None, "method_token": None, "logit_gap": None, "near_tie": False}
-            prompt = render(tokenizer, messages).to(target.device)[0]
+            prompt = turn_prompt(tokenizer, item, answers, prompt_format).to(target.device)[0]
             ids = torch.cat((prompt, torch.tensor(ref[:at], dtype=prompt.dtype, device=prompt.device)))
             logits = target(ids[None]).logits[0, -1].float()
             gap = float(logits[ref[at]] - logits[out[at]])
@@ -250,7 +254,7 @@ def divergence(
                 "logit_gap": gap,
                 "near_tie": abs(gap) <= tolerance,
             }
-        messages.append({"role": "assistant", "content": cast(str, tokenizer.decode(ref, skip_special_tokens=True))})
+        answers.append(cast(str, tokenizer.decode(ref, skip_special_tokens=True)))
     raise ValueError(f"{item.id}: outputs do not differ")
 
 
@@ -261,8 +265,9 @@ def divergences(
     baseline: MethodRun,
     run: MethodRun,
     mismatched: list[str],
+    prompt_format: str = "auto",
 ) -> list[dict]:
-    """``divergence`` of each mismatched item id of ``run`` from ``baseline``."""
+    """``divergence`` of each mismatched item id of ``run`` from ``baseline`` (prompts in ``prompt_format``)."""
     by_id = {item.id: item for item in items}
     outputs, reference = dict(zip(run.ids, run.outputs)), dict(zip(baseline.ids, baseline.outputs))
-    return [divergence(target, tokenizer, by_id[i], reference[i], outputs[i]) for i in mismatched]
+    return [divergence(target, tokenizer, by_id[i], reference[i], outputs[i], prompt_format) for i in mismatched]

@@ -7,12 +7,13 @@ import pytest
 from conftest import REPO
 from transformers import AutoTokenizer
 
+from headstart.core.acceptance import chain_acceptance
 from headstart.core.errors import DataError
 from headstart.data_recipes.bench import load_bench
 from headstart.data_recipes.prompts import render
 from headstart.eval.acceptance import main
 from headstart.eval.report import markdown
-from headstart.eval.speedup import chain_acceptance, predicted_speedup
+from headstart.eval.speedup import predicted_speedup
 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Ann has 3 apples.", "Now she buys 4 more. How many?"]},
@@ -69,7 +70,7 @@ def test_gsm8k_messages_and_prompt_records(tmp_path):
         ({"category": "x", "turns": []}, "'turns' must be"),
         ({"prompt": ""}, "'prompt' must be"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "user message"),
-        ({"text": "hi"}, "unknown record shape"),
+        ({"body": "hi"}, "unknown record shape"),  # {"text": ...} is a prompt
     ],
 )
 def test_bad_records_name_file_and_line(tmp_path, row, message):
