@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -87,6 +88,25 @@ def tiny_target_dir(tmp_path_factory):
     LlamaForCausalLM(model_config(arch, tokenizer)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def without_chat_template(src: Path, dst: Path) -> Path:
+    """A copy of the model folder ``src`` at ``dst`` without its chat template: what a base model's folder is."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not AutoTokenizer.from_pretrained(dst).chat_template
+    return dst
+
+
+@pytest.fixture(scope="session")
+def base_target(tmp_path_factory):
+    """The bundled target without its chat template (a base model)."""
+    return without_chat_template(TARGET, tmp_path_factory.mktemp("base-target") / "target")
 
 
 @pytest.fixture(scope="session")
