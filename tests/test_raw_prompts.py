@@ -3,12 +3,10 @@
 template-less copy of the bundled demo target."""
 
 import json
-import shutil
 
 import pytest
 import torch
 import yaml
-from conftest import TARGET
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.core.errors import DataError
@@ -35,19 +33,6 @@ RAW_LINE = "- prompts: raw text, as a completion API feeds the target (the token
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
-
-
-@pytest.fixture(scope="module")
-def base_target(tmp_path_factory):
-    """The bundled demo target with its chat template stripped: a base model's folder."""
-    out = tmp_path_factory.mktemp("base-target")
-    shutil.copytree(TARGET, out, dirs_exist_ok=True)
-    (out / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    assert not AutoTokenizer.from_pretrained(out).chat_template
-    return out
 
 
 @pytest.fixture(scope="module")
