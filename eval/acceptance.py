@@ -221,6 +221,7 @@ def load(args: argparse.Namespace) -> Loaded:
     dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
     prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
     check_token_ids(tokenizer, items)
+    warn_prompt_formats(head_dirs, prompt_format)
     drafters = sum(safetensors_bytes(d) for d in [*head_dirs.values(), *([args.draft] if args.draft else [])])
     positions = AutoConfig.from_pretrained(args.target).get_text_config().max_position_embeddings
     check_positions(tokenizer, items, args.max_new_tokens, args.total_tokens, positions, prompt_format)
@@ -297,6 +298,19 @@ def settings(args: argparse.Namespace, loaded: Loaded) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def warn_prompt_formats(head_dirs: dict[str, str], prompt_format: str) -> None:
+    """Say so where a head trained on other prompts than these (chat data, now raw prompts, or the reverse): its
+    acceptance here is not what it reaches where it is served as it was trained."""
+    for method, head_dir in head_dirs.items():
+        trained = read_head_config(head_dir).prompt_format
+        if trained is not None and trained != prompt_format:
+            print(
+                f"WARNING: the {method} head {head_dir} was trained on {trained} prompts, evaluated here on "
+                f"{prompt_format} ones (--prompt-format {trained} evaluates it as it was trained)",
+                file=sys.stderr,
+            )
 
 
 def warn_mismatches(methods: dict) -> None:

@@ -189,3 +189,15 @@ def test_autotune_on_a_template_less_target_tunes_on_raw_prompts(base_target, gs
     saved = json.loads((out / "autotune.json").read_text())
     assert saved["prompt_format_resolved"] == "raw" and RAW_LINE in (out / "autotune.md").read_text()
     assert (out / "autotune_config.yaml").read_text().startswith("# prompts: raw text")
+
+
+def test_a_head_trained_on_other_prompts_is_named(tmp_path, capsys):
+    from conftest import make_head, tiny_llama
+
+    head = make_head(tiny_llama(), tmp_path, "eagle")
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps(config | {"prompt_format": "chat"}))
+    acceptance.warn_prompt_formats({"eagle": str(head)}, "chat")
+    assert capsys.readouterr().err == ""
+    acceptance.warn_prompt_formats({"eagle": str(head)}, "raw")
+    assert "trained on chat prompts, evaluated here on raw ones (--prompt-format chat" in capsys.readouterr().err
