@@ -1,7 +1,8 @@
 """Requests to an OpenAI-compatible server (vLLM, SGLang), on the standard library alone.
 
-``ChatServer`` sends ``POST {base_url}/chat/completions`` requests (regeneration) and any other POST
-(``/completions`` with token-id prompts: capture through vLLM), ``concurrency`` at a time (the
+``ChatServer`` sends ``POST {base_url}/chat/completions`` requests (regeneration of chats), ``/completions``
+requests (regeneration of raw text: a token-id prompt continued) and any other POST (capture through
+vLLM), ``concurrency`` at a time (the
 server batches what is in flight), each within a deadline and retried with backoff after what a
 restart or an overload looks like: a refused or dropped connection, a timeout, a 5xx or 429 answer.
 Anything else (a 4xx: a prompt longer than the server's context, a model it does not serve) is the
@@ -11,7 +12,8 @@ the request and the last failure.
 The deadline (``timeout_s``) bounds a request's whole exchange, not each read of it: a server that
 sends a byte a second answers every read in time. Requests go straight to the server (``http.client``,
 no proxy from the environment), to http(s) URLs only. What the server answers is checked before it
-is used (a chat reply is a non-empty string within ``max_tokens``, ``/models`` a list of models), and
+is used (a chat reply is a non-empty string within ``max_tokens``, a continuation a string within it,
+``/models`` a list of models), and
 errors quote an answer that is not JSON only as a short printable prefix: it may be anything.
 """
 
@@ -67,10 +69,20 @@ def quote(answer: Any) -> str:
 
 
 def chat_request(model: str, messages: list[dict[str, str]], generation: dict[str, Any], seed: int) -> dict[str, Any]:
-    """The request body: greedy at temperature 0; sampled with top_p, top_k (vLLM's and SGLang's extra
+    """A ``/chat/completions`` body: the reply to ``messages`` (``sampling``)."""
+    return {"model": model, "messages": messages, **sampling(generation, seed)}
+
+
+def completion_request(model: str, prompt: list[int], generation: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A ``/completions`` body: the continuation of the token ids ``prompt``, fed to the target as they are (no
+    BOS added, nothing re-tokenized), ``sampling`` as a chat request samples."""
+    return {"model": model, "prompt": prompt, **sampling(generation, seed)}
+
+
+def sampling(generation: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A request's sampling fields: greedy at temperature 0; sampled with top_p, top_k (vLLM's and SGLang's extra
     field, sent only when set) and a per-request seed, so a retried or resumed request samples the same."""
-    body = {"model": model, "messages": messages, "max_tokens": generation["max_new_tokens"]}
-    body["temperature"] = generation["temperature"]
+    body: dict[str, Any] = {"max_tokens": generation["max_new_tokens"], "temperature": generation["temperature"]}
     if generation["temperature"] > 0:
         body |= {"top_p": generation["top_p"], "seed": seed % SEED_RANGE}
         if generation["top_k"]:
@@ -79,7 +91,8 @@ def chat_request(model: str, messages: list[dict[str, str]], generation: dict[st
 
 
 class ChatServer:
-    """An OpenAI-compatible server's chat completions; use it as a context manager (it owns a thread pool)."""
+    """An OpenAI-compatible server's chat completions and completions; use it as a context manager (it owns a
+    thread pool)."""
 
     def __init__(self, base_url: str, model: str, concurrency: int, timeout_s: float, retries: int) -> None:
         self.base_url = base_url.rstrip("/")
@@ -145,16 +158,21 @@ class ChatServer:
     def complete(
         self, body: dict[str, Any], what: str, count_tokens: Callable[[str], int] | None = None
     ) -> tuple[str, str]:
-        """The reply to a chat request and its finish_reason, checked: a non-empty string (null is what a server
-        answers when the text went elsewhere, a reasoning or tool-call field) of at most ``max_tokens`` tokens."""
-        answer = self._with_retries(lambda: self._call("POST", "/chat/completions", body), what)
+        """The reply to a chat request (``chat_request``) or the continuation of a completion request
+        (``completion_request``) and its finish_reason, checked: a string of at most ``max_tokens`` tokens, and a
+        chat reply a non-empty one (null or blank is what a server answers when the text went elsewhere, a
+        reasoning or tool-call field; a continuation may end at once, its first token the end of text)."""
+        chat = "messages" in body
+        path = "/chat/completions" if chat else "/completions"
+        answer = self._with_retries(lambda: self._call("POST", path, body), what)
         try:
             choice = answer["choices"][0]
-            reply, finish_reason = choice["message"]["content"], choice["finish_reason"]
+            reply, finish_reason = choice["message"]["content"] if chat else choice["text"], choice["finish_reason"]
         except (KeyError, IndexError, TypeError):
-            raise EngineError(f"{self.base_url}: {what}: not a chat completion: {quote(answer)}") from None
-        if not isinstance(reply, str) or not reply.strip():
-            raise EngineError(f"{self.base_url}: {what}: the reply is {quote(reply)}, not a non-empty string")
+            raise EngineError(f"{self.base_url}: {what}: not an answer of POST {path}: {quote(answer)}") from None
+        if not isinstance(reply, str) or (chat and not reply.strip()):
+            kind = "a non-empty string" if chat else "a string"
+            raise EngineError(f"{self.base_url}: {what}: the reply is {quote(reply)}, not {kind}")
         self._check_length(answer, reply, body["max_tokens"], what, count_tokens)
         return reply, finish_reason
 

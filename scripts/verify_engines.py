@@ -4,7 +4,12 @@ speculators 0.9.0 (``make verify-engines``).
     python -m scripts.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
         [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
-        [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
+        [--prompt-format auto|chat|raw] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
+
+The prompts are GSM8K questions, rendered as ``data_recipes.prompts.render`` renders them (``--prompt-format``;
+auto: raw text where the target's tokenizer has no chat template): through the chat template, as vLLM's
+``LLM.chat`` renders them, or as raw text, whose very token ids our side feeds vLLM's ``LLM.generate`` as
+token-id prompts (what its ``/v1/completions`` takes), so both sides continue the same tokens.
 
 Runs in two interpreters. This one (the project's venv) exports each head, computes our head's draft
 logits and runs our own engine (``decoding.verify.generate`` with a greedy chain of k drafts) on the prompts;
@@ -39,18 +44,19 @@ import time
 from importlib.metadata import version
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
+from headstart.data_recipes.bench import add_prompt_format_flag
 from headstart.data_recipes.errors import get_field
 from headstart.scripts.formats.parity import acceptance, report_markdown, weights_digest
 
 if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
-    from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from headstart.heads import DraftHead, Eagle3Head
 
@@ -73,6 +79,7 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 DATA = "assets/data/gsm8k_test.jsonl"
+PROMPT_IDS = "prompt_ids.json"  # in --work: the prompts' token ids, our side's, which vLLM is given in raw format
 NO_SPECULATORS = {
     "eagle": "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)",
     "peagle": "not run: the draft-logits check covers speculators' Eagle3DraftModel only; vLLM serves both "
@@ -166,12 +173,7 @@ def resolve_head(kind: str, path: str, model: PreTrainedModel, work: Path) -> tu
 
 
 def prepare(
-    head_type: str,
-    path: str,
-    settings: dict[str, Any],
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    work: Path,
+    head_type: str, path: str, settings: dict[str, Any], model: PreTrainedModel, ids: list[list[int]], work: Path
 ) -> dict[str, Any]:
     """Export one head for vLLM, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
     from headstart.heads import Eagle3Head, load_head
@@ -187,24 +189,22 @@ def prepare(
     if head_type == "eagle3":
         assert isinstance(head, Eagle3Head)  # resolve_head checked the folder holds an eagle3 head
         facts["layer_ids"] = list(head.hidden_layers)
-        write_reference(model, head, tokenizer, work)
-    facts["ours"] = our_acceptance(model, head, tokenizer, settings)
+        write_reference(model, head, ids[0], work)
+    facts["ours"] = our_acceptance(model, head, ids, settings)
     (work / "facts.json").write_text(json.dumps(facts, indent=2))
     return facts
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
-    """The token ids [1, S] of a chat prompt, rendered with its generation prompt."""
-    encoding = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    # return_dict: a BatchEncoding (transformers types the result as any of apply_chat_template's forms).
-    return cast("BatchEncoding", encoding)["input_ids"]
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, n: int, prompt_format: str) -> list[list[int]]:
+    """The token ids of the first ``n`` prompts in ``prompt_format`` (``data_recipes.prompts.render``)."""
+    from headstart.data_recipes.prompts import render
+
+    return [render(tokenizer, chat, prompt_format)[0].tolist() for chat in prompts(n)]
 
 
-def write_reference(model: PreTrainedModel, head: Eagle3Head, tokenizer: PreTrainedTokenizerBase, work: Path) -> None:
+def write_reference(model: PreTrainedModel, head: Eagle3Head, prompt: list[int], work: Path) -> None:
     """Our EAGLE-3 head's step-0 draft logits on the first prompt, for speculators to reproduce."""
-    ids = chat_ids(tokenizer, prompts(1)[0])
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         aux = torch.cat([states[i] for i in head.hidden_layers], dim=-1)
@@ -216,7 +216,7 @@ def write_reference(model: PreTrainedModel, head: Eagle3Head, tokenizer: PreTrai
 
 
 def our_acceptance(
-    model: PreTrainedModel, head: DraftHead, tokenizer: PreTrainedTokenizerBase, settings: dict[str, Any]
+    model: PreTrainedModel, head: DraftHead, prompts_ids: list[list[int]], settings: dict[str, Any]
 ) -> dict:
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
@@ -234,8 +234,8 @@ def our_acceptance(
     else:
         proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
     forwards, accepted, tokens = 0, [0] * k, []
-    for messages in prompts(settings["prompts"]):
-        ids = chat_ids(tokenizer, messages)
+    for prompt in prompts_ids:
+        ids = torch.tensor([prompt])
         out, stats = generate(model, proposer, ids, settings["max_tokens"], eos_token_id=settings["eos_token_id"])
         tokens.append(out[0, ids.shape[1] :].tolist())
         forwards += stats.target_forwards
@@ -291,10 +291,10 @@ def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any
 
 
 def run_vllm(
-    settings: dict[str, Any], facts: dict[str, Any] | None, layout: str | None, by_load: bool = False
+    work: Path, settings: dict[str, Any], facts: dict[str, Any] | None, layout: str | None, by_load: bool = False
 ) -> dict[str, Any]:
-    """Greedy chat completions of the target, with ``layout``'s export as draft (no facts: the target alone);
-    ``by_load``: with the ``--schedule`` (``num_speculative_tokens_per_batch_size``), k its longest chain."""
+    """Greedy completions of the prompts by the target, with ``layout``'s export as draft (no facts: the target
+    alone); ``by_load``: with the ``--schedule`` (``num_speculative_tokens_per_batch_size``), k its longest chain."""
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -309,7 +309,11 @@ def run_vllm(
         speculative_config=spec, disable_log_stats=False,
     )  # fmt: skip
     sampling = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"])
-    outputs = llm.chat(prompts(settings["prompts"]), sampling, use_tqdm=False)
+    if settings["prompt_format"] == "raw":  # our side's token ids themselves: nothing re-tokenized, no BOS added
+        ids = json.loads((work / PROMPT_IDS).read_text())
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in ids], sampling, use_tqdm=False)
+    else:
+        outputs = llm.chat(prompts(settings["prompts"]), sampling, use_tqdm=False)
     result: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     result["engine"] = f"vLLM {vllm.__version__}"
     if facts:
@@ -351,7 +355,7 @@ def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | No
             raise ValueError("the speculators stage checks one head: name its type")
         result = check_speculators(work / head_type, settings, facts)
     else:
-        result = run_vllm(settings, facts, layout, by_load=stage == "vllm-schedule")
+        result = run_vllm(work, settings, facts, layout, by_load=stage == "vllm-schedule")
     result_path(work, stage, head_type, layout).with_suffix(".json").write_text(json.dumps(result))
 
 
@@ -418,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
     parser.add_argument("--prompts", type=int, default=8, help=f"the first N questions of {DATA}")
     parser.add_argument("--max-tokens", type=int, default=96)
+    add_prompt_format_flag(parser)
     parser.add_argument(
         "--schedule",
         help="also serve the EAGLE-3 head with this vLLM num_speculative_tokens_per_batch_size (JSON, e.g. "
@@ -466,10 +471,13 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
 
     from headstart.core.io import atomic_write_text
     from headstart.core.models import load_target
+    from headstart.data_recipes.prompts import resolve_prompt_format
 
     model, tokenizer = load_target({"path": args.target, "device": "cpu", "dtype": "fp32"})
+    prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
     settings = {
         "target": args.target, "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens, "data": DATA,
+        "prompt_format": prompt_format,
         "dtype": "float32", "device": "CPU", "max_model_len": min(1024, model.config.max_position_embeddings),
         "eos_token_id": GenerationConfig.from_pretrained(args.target).eos_token_id, "max_shortfall": MAX_SHORTFALL,
     }  # fmt: skip
@@ -477,7 +485,9 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
         settings["schedule"] = read_schedule(args.schedule)
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(work / "settings.json", json.dumps(settings, indent=2))
-    facts = {t: prepare(t, p, settings, model, tokenizer, work / t) for t, p in heads.items()}
+    ids = prompt_ids(tokenizer, args.prompts, prompt_format)
+    atomic_write_text(work / PROMPT_IDS, json.dumps(ids))
+    facts = {t: prepare(t, p, settings, model, ids, work / t) for t, p in heads.items()}
     for f in facts.values():
         print(f"{f['type']} head: {f['head']}" + (" (UNTRAINED random init)" if f["random_init"] else ""))
     python = args.engines_python

@@ -1,7 +1,8 @@
 """Regeneration through an OpenAI-compatible server (``regenerate.engine: openai``).
 
-The server here is a small http.server that answers /v1/chat/completions with the real bundled
-target through transformers, so the engine path's replies can be checked against the hf path's;
+The server here is a small http.server that answers /v1/chat/completions (and /v1/completions of token-id
+prompts, raw text's) with the real bundled target through transformers, so the engine path's replies can be
+checked against the hf path's;
 it can be told to answer 503, drop the connection (a killed server) or hang, and to answer what a
 broken server does: a byte a second, a reply longer than asked, a reply that is not text, no JSON,
 a /models that is not a list of models.
@@ -16,9 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from conftest import TARGET
+from transformers import AutoTokenizer
 
 from headstart.core.config import ConfigError
 from headstart.data_recipes.engine_client import ChatServer, EngineError
+from headstart.data_recipes.prompts import raw_ids, text_prompt_length
 from headstart.data_recipes.regenerate import run_regenerate
 
 SERVED = "demo-target"  # served under another name than its path: regenerate.model is sent
@@ -59,11 +62,15 @@ class ServerState:
             return self.plan.pop(0) if self.plan else self.then
 
     def complete(self, body: dict) -> tuple[str, str]:
-        """The target's reply, as vLLM gives it: greedy at temperature 0, else sampled with the request's seed."""
+        """The target's reply, as vLLM gives it: greedy at temperature 0, else sampled with the request's seed;
+        a completion's token ids continued as they are, its text decoded in their context."""
         tok = self.tokenizer
-        prompt = tok.apply_chat_template(
-            body["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        if "prompt" in body:
+            prompt = {"input_ids": torch.tensor([body["prompt"]])}
+        else:
+            prompt = tok.apply_chat_template(
+                body["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
         sampling = {"do_sample": False}
         if body["temperature"] > 0:
             sampling = {"do_sample": True, "temperature": body["temperature"], "top_p": body["top_p"], "top_k": 0}
@@ -75,6 +82,9 @@ class ServerState:
             )
         new = out[0, prompt["input_ids"].shape[1] :]
         finish = "stop" if (new == tok.eos_token_id).any() else "length"
+        if "prompt" in body:
+            before = tok.decode(body["prompt"], skip_special_tokens=True)
+            return tok.decode(out[0], skip_special_tokens=True).removeprefix(before), finish
         return tok.decode(new, skip_special_tokens=True), finish
 
 
@@ -118,9 +128,9 @@ class ChatHandler(BaseHTTPRequestHandler):
         self.answer(200, self.server.state.models)
 
     def do_POST(self):
-        assert self.path == "/v1/chat/completions", self.path
         state = self.server.state
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == ("/v1/completions" if "prompt" in body else "/v1/chat/completions"), self.path
         action = state.next_action(body)
         try:
             if action in ("400", "503"):
@@ -148,6 +158,9 @@ class ChatHandler(BaseHTTPRequestHandler):
 
 
 def completion(body: dict, content: object, finish: str) -> dict:
+    if "prompt" in body:  # vLLM's /v1/completions answer
+        choice = {"index": 0, "text": content, "finish_reason": finish}
+        return {"object": "text_completion", "model": body["model"], "choices": [choice]}
     choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}
     return {"object": "chat.completion", "model": body["model"], "choices": [choice]}
 
@@ -179,11 +192,11 @@ def messages_file(tmp_path):
     return path
 
 
-def config(source, out, base_url=None, **regenerate):
+def config(source, out, base_url=None, data_format="messages", **regenerate):
     engine = {"engine": "openai", "base_url": base_url, "model": SERVED} if base_url else {}
     return {
         "target": {"path": str(TARGET), "device": "cpu", "dtype": "fp32"},
-        "data": {"source": str(source), "format": "messages"},
+        "data": {"source": str(source), "format": data_format},
         "regenerate": {"out": str(out), "max_new_tokens": 16, "chunk_size": 2, **engine, **regenerate},
     }
 
@@ -205,6 +218,22 @@ def test_engine_replies_equal_the_hf_paths_at_temperature_0(serve, messages_file
     assert len(state.requests) == TURNS and state.peak_in_flight == 2  # both slots used, never more
     assert {(r["model"], r["max_tokens"], r["temperature"]) for r in state.requests} == {(SERVED, 16, 0.0)}
     assert not any("seed" in r or "top_k" in r for r in state.requests)  # greedy: nothing to seed
+
+
+def test_texts_go_to_completions_as_token_ids_and_equal_the_hf_paths(serve, tmp_path, one_thread):
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": q}) + "\n" for q in QUESTIONS))
+    hf_config = config(texts, tmp_path / "hf.jsonl", data_format="text")
+    hf_config["target"]["dtype"] = "bf16"  # the served target's (the session fixture loads it as its config says)
+    hf = run_regenerate(hf_config).read_text()
+    url, state = serve()
+    served = run_regenerate(config(texts, tmp_path / "served.jsonl", url, "text", concurrency=2)).read_text()
+    assert served == hf and len(state.requests) == len(QUESTIONS)
+    # The server got the texts' first tokens themselves (raw_ids: as a completion API tokenizes them).
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    ids = [raw_ids(tokenizer, q) for q in QUESTIONS]
+    assert sorted(r["prompt"] for r in state.requests) == sorted(i[: text_prompt_length(len(i))] for i in ids)
+    assert {r["max_tokens"] for r in state.requests} == {16}
 
 
 def test_503s_are_retried_and_the_replies_are_the_same(serve, messages_file, tmp_path, one_thread):

@@ -124,6 +124,20 @@ def serve_section(head_config: HeadConfig, fmt: str, target: str, draft: str, he
     )
 
 
+def raw_prompt_section(target: str) -> str:
+    """How to ask a target that a head trained on raw text (``data.format: text``) drafts for: its completion API,
+    the prompt fed as raw text, as the head saw the target's text in training."""
+    body = json.dumps({"model": target, "prompt": "Once upon a time,", "max_tokens": 128})
+    return (
+        "The head was trained on raw text (`data.format: text`): the target is prompted as raw text, with no chat "
+        "template, so ask it through the completion API:\n\n"
+        + _block(f"curl http://localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+        + "\n\n(`model` is the path `vllm serve` was given.) `/v1/chat/completions` needs a chat template, which "
+        "the target lacks (a base model), and would prompt it otherwise than the head was trained on. SGLang: its "
+        "`/v1/completions` the same way (on its port, 30000 by default)."
+    )
+
+
 def describe(config: HeadConfig) -> list[tuple[str, str]]:
     """Rows of the card's table for the head's own settings."""
     options = config.options
@@ -177,11 +191,14 @@ def model_card(
         else ""
     )
     sections = "".join(f"\n{s.rstrip()}\n" for s in extra_sections or [])
+    serve = serve_section(config, fmt, target, draft, head_dir)
+    if config.prompt_format == "raw" and config.type != "medusa":  # no engine serves Medusa: nothing to ask
+        serve += "\n\n" + raw_prompt_section(target)
     return (
         f"---\ntags:\n- speculative-decoding\n- {config.type}\n- headstart\n---\n\n"
         f"# {title} draft head for `{target}`\n\n{table}\n"
         f"Made with headstart: `{made_by}`.\n\n"
-        f"## Serve it\n\n{serve_section(config, fmt, target, draft, head_dir)}\n{acceptance}{sections}"
+        f"## Serve it\n\n{serve}\n{acceptance}{sections}"
     )
 
 

@@ -73,11 +73,18 @@ def speculators_row(entry: dict[str, Any]) -> str:
     return f"| {TITLES[entry['type']]} | {check['detail']} | {check['status']} |\n"
 
 
+# How the prompts reached the target, per the report's prompt_format (reports from before it was recorded: chat).
+PROMPTED = {
+    "chat": "through the target's chat template",
+    "raw": "as raw text (no chat template; vLLM given our token ids as a completion prompt)",
+}
+
+
 def settings_line(report: dict[str, Any]) -> str:
     s = report["settings"]
     return (
         f"Greedy, chains of {s['k']} drafts (vLLM `num_speculative_tokens={s['k']}`), the first {s['prompts']} "
-        f"questions of `{s['data']}` through the target's chat template, up to {s['max_tokens']} new tokens, "
+        f"questions of `{s['data']}` {PROMPTED[s.get('prompt_format', 'chat')]}, up to {s['max_tokens']} new tokens, "
         f"target `{s['target']}` in {s['dtype']} on {s['device']}; engines: {', '.join(report['engines'])}. "
         f"vLLM's figures are its own counters (`vllm:spec_decode_num_drafts`, "
         f"`vllm:spec_decode_num_accepted_tokens_per_pos`); a check fails when greedy tokens differ from the "
