@@ -9,6 +9,7 @@ from conftest import head_weights, records, run_here
 
 from headstart.eval import acceptance
 from headstart.heads import read_head_config
+from headstart.scripts.export import export_head
 from headstart.train import dflash, eagle
 from headstart.train.measured import forget_best_after, sample_prompt, write_best
 
@@ -70,6 +71,9 @@ def test_measured_tau_during_training_is_what_eval_acceptance_measures(head_type
     assert f"measured tau {last['tau']:.3f}" in readme and f"predicted tau {training['predicted_tau']:.3f}" in readme
     assert "python -m eval.acceptance" in readme and "eval_prompts.jsonl" in readme
     assert (out / "acceptance.png").stat().st_size > 10_000
+    card = (export_head(out / "head", "vllm", tmp_path / "export") / "README.md").read_text()
+    assert f"| measured tau (training) | {last['tau']:.3f} at step 6" in card
+    assert f"| predicted tau (training) | {training['predicted_tau']:.3f} at step 6 |" in card
 
 
 @pytest.mark.slow

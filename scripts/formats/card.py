@@ -168,6 +168,21 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
     return [("feature", "the target's last hidden state (after its final norm)")]
 
 
+def training_rows(config: HeadConfig) -> list[tuple[str, str]]:
+    """What the head's training recorded of its acceptance (config.json ``training``): the tau its held-out top-1
+    accuracies predict and the tau measured by decoding (``train.eval_prompts``), at the step it was saved."""
+    training = config.training or {}
+    chain = f"greedy chains of {config.trained_depth}"
+    rows = []
+    if "predicted_tau" in training:
+        rows.append(("predicted tau (training)", f"{training['predicted_tau']:.3f} at step {training['step']}"))
+    if "measured_tau" in training:
+        measured = f"{training['measured_tau']:.3f} at step {training['step']} ({chain}, "
+        measured += f"{training['measured_prompts']} prompts, headstart's engine)"
+        rows.append(("measured tau (training)", measured))
+    return rows
+
+
 def model_card(
     config: HeadConfig,
     fmt: str,
@@ -181,7 +196,7 @@ def model_card(
     (a path or a hub id) and ``made_by`` the command that wrote it."""
     title = TITLES["peagle" if parallel_depths(config) else config.type]
     layout = "vLLM's DFlash layout (`DFlashDraftModel`)" if config.type == "dflash" else LAYOUTS[fmt]
-    rows = [("head", title), ("target", f"`{target}`"), ("format", layout), *describe(config)]
+    rows = [("head", title), ("target", f"`{target}`"), ("format", layout), *describe(config), *training_rows(config)]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     acceptance = (
         "\n## Is it working?\n\nA wrongly exported head still runs but accepts almost nothing. Build vLLM's "
