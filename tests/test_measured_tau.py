@@ -115,3 +115,10 @@ def test_keep_best_without_measurement_and_too_many_prompts_are_refused(make_con
         resolve_config(load_config(config, []), "eagle")
     with pytest.raises(ConfigError, match=r"train.eval_prompts \(9\) exceeds train.heldout_samples \(4\)"):
         resolve_config(load_config(config, ["train.eval_prompts=9", "train.keep_best=last"]), "eagle")
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"step": "8"}', "[]"])
+def test_a_damaged_best_record_is_named(tmp_path, text):
+    (tmp_path / "best.json").write_text(text)
+    with pytest.raises(ValueError, match="best.json is not"):
+        forget_best_after(tmp_path, 4)

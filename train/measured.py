@@ -189,8 +189,19 @@ class MeasuredAcceptance:
 
 
 def read_best(out_dir: Path) -> dict[str, Any] | None:
+    """``best.json``'s record, None without one; ValueError naming the file when it is not the record it writes."""
     path = out_dir / BEST_RECORD
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        best = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not JSON ({err}): remove it (and {out_dir / 'best'}) to measure afresh") from None
+    if not (
+        isinstance(best, dict) and isinstance(best.get("step"), int) and isinstance(best.get("measured_tau"), float)
+    ):
+        raise ValueError(f"{path} is not a best-head record ({{'step': int, 'measured_tau': float}}): remove it")
+    return best
 
 
 def forget_best_after(out_dir: Path, step: int) -> dict[str, Any] | None:
