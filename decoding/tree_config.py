@@ -26,11 +26,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
 from headstart.core.schema import Count, Dtype, NonNegative, Section, check_config
+
+if TYPE_CHECKING:  # heads load torch; tree.json readers (the model cards) do not need it
+    from headstart.heads import HeadConfig, HeadFolder
 
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
@@ -264,15 +267,14 @@ def load_tree_config(path: str | Path) -> dict:
     return check_tree(config, str(path))
 
 
-def draft_vocab_size(head_dir: str | Path) -> int:
-    """The tokens a head drafts from: its reduced draft vocabulary, else the target's; read from its config alone."""
-    from headstart.heads import read_head_config  # heads load torch: only when a head folder is read
-
-    config = read_head_config(head_dir)
+def draft_vocab_size(config: HeadConfig) -> int:
+    """The tokens a head drafts from: its reduced draft vocabulary, else the target's; from its config alone."""
     return min(getattr(config.options, "draft_vocab_size", None) or config.vocab_size, config.vocab_size)
 
 
-def head_tree_configs(heads: dict[str, str], tree: str | Path | None, methods: Sequence[str] = ()) -> dict[str, dict]:
+def head_tree_configs(
+    heads: dict[str, HeadFolder], tree: str | Path | None, methods: Sequence[str] = ()
+) -> dict[str, dict]:
     """EAGLE or DFlash method -> the tree.json it decodes with: ``tree`` when it is a file, else its head folder's
     tree.json (as ``eval.autotune --write-head`` leaves it); "static" or "dynamic" (the tree flags) and
     methods without one get none. A tree.json tuned for a draft model or self-speculation (its ``method``)
@@ -286,10 +288,10 @@ def head_tree_configs(heads: dict[str, str], tree: str | Path | None, methods: S
                     f"{tree}: a self_spec tree needs its 'exit_layer' (eval.autotune --self-spec writes it)"
                 )
             found[config["method"]] = config
-    for method, head_dir in heads.items():
-        path = tree if isinstance(tree, Path) else Path(head_dir) / "tree.json"
+    for method, head in heads.items():
+        path = tree if isinstance(tree, Path) else Path(head.path) / "tree.json"
         if method in ("eagle", "eagle3", "peagle", "dflash") and tree not in ("static", "dynamic") and path.is_file():
             found[method] = load_tree_config(path)
             # From the head's config: a head folder's own tree.json fails here, before any model loads.
-            check_tree_vocab(found[method], draft_vocab_size(head_dir), str(path), f"the head {head_dir}")
+            check_tree_vocab(found[method], draft_vocab_size(head.config), str(path), f"the head {head.path}")
     return found

@@ -51,19 +51,21 @@ from headstart.eval.matrix import check_claims, groups_of, pick_per_group, tempe
 from headstart.eval.report import prompts_rendered, write_matrix_report, write_report
 from headstart.eval.run import MethodRun, divergences, run_methods, summarize
 from headstart.eval.timing import machine
-from headstart.heads import load_head, read_head_config
+from headstart.heads import HeadConfig, HeadFolder, load_head, read_head_folder
 
 
-def heads_by_method(head_dirs: list[str]) -> dict[str, str]:
-    """Method name (``decoding.proposers.head_method``: the type, or peagle) -> head folder; reads only the configs."""
-    found: dict[str, str] = {}
+def heads_by_method(head_dirs: list[str]) -> dict[str, HeadFolder]:
+    """Method name (``decoding.proposers.head_method``: the type, or peagle) -> head folder, its config.json read
+    here once for the whole run."""
+    found: dict[str, HeadFolder] = {}
     for head_dir in head_dirs:
-        head_type = head_method(read_head_config(head_dir))
+        head = read_head_folder(head_dir)
+        head_type = head_method(head.config)
         if head_type not in HEAD_METHODS:
             raise ValueError(f"--head {head_dir}: unknown head type {head_type!r}; known: {list(HEAD_METHODS)}")
         if head_type in found:
-            raise ValueError(f"--head {head_dir} and {found[head_type]} are both {head_type} heads; give one")
-        found[head_type] = head_dir
+            raise ValueError(f"--head {head_dir} and {found[head_type].path} are both {head_type} heads; give one")
+        found[head_type] = head
     return found
 
 
@@ -84,9 +86,9 @@ def check_methods(methods: list[str], heads: dict[str, str], draft: str | None) 
         raise ValueError(f"--head {', '.join(unused)} given but its method is not in --method")
 
 
-def training_predicted_tau(head_dir: str) -> float | None:
+def training_predicted_tau(config: HeadConfig) -> float | None:
     """The chain tau the head's training predicted from held-out top-1 accuracies, when it recorded one."""
-    return (read_head_config(head_dir).training or {}).get("predicted_tau")
+    return (config.training or {}).get("predicted_tau")
 
 
 def _positive(text: str) -> int:
@@ -202,7 +204,7 @@ class Loaded:
     target: transformers.PreTrainedModel
     tokenizer: transformers.PreTrainedTokenizerBase
     prompt_format: str  # --prompt-format resolved for the tokenizer: chat or raw
-    head_dirs: dict[str, str]
+    heads: dict[str, HeadFolder]  # by method, each config.json read once
     tree_configs: dict[str, dict]
     proposers: dict[str, Proposer]  # vanilla first: the speedup baseline
     device: torch.device
@@ -211,17 +213,18 @@ class Loaded:
 
 def load(args: argparse.Namespace) -> Loaded:
     """Check the flags, then load the prompts, the target, the draft model and heads, and build the proposers."""
-    head_dirs = heads_by_method(args.head)
+    head_folders = heads_by_method(args.head)
+    head_dirs = {method: head.path for method, head in head_folders.items()}
     check_methods(args.method, head_dirs, args.draft)
     check_matrix_flags(args)
-    tree_configs = head_tree_configs(head_dirs, args.tree, args.method)  # every tree.json, before any model loads
+    tree_configs = head_tree_configs(head_folders, args.tree, args.method)  # every tree.json, before any model loads
     items = load_bench(args.bench, args.limit)
     if args.per_group:
         items = pick_per_group(items, args.per_group)
     dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
     prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
     check_token_ids(tokenizer, items)
-    warn_prompt_formats(head_dirs, prompt_format)
+    warn_prompt_formats(head_folders, prompt_format)
     drafters = sum(safetensors_bytes(d) for d in [*head_dirs.values(), *([args.draft] if args.draft else [])])
     positions = AutoConfig.from_pretrained(args.target).get_text_config().max_position_embeddings
     check_positions(tokenizer, items, args.max_new_tokens, args.total_tokens, positions, prompt_format)
@@ -232,7 +235,7 @@ def load(args: argparse.Namespace) -> Loaded:
     draft = load_model(args.draft, device, dtype) if "draft_model" in args.method else None
     if draft is not None:
         check_draft_vocab(draft, target, args.draft, args.target)
-    heads = {m: load_head(d, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, d in head_dirs.items()}
+    heads = {m: load_head(h, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, h in head_folders.items()}
     for method, model, name in (("draft_model", draft, args.draft), ("self_spec", target, args.target)):
         if method in tree_configs and model is not None:  # a head's tree met its head's vocabulary in head_tree_configs
             check_tree_vocab(tree_configs[method], model.config.vocab_size, str(args.tree), f"the model {name}")
@@ -240,7 +243,7 @@ def load(args: argparse.Namespace) -> Loaded:
     flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
     proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
-    return Loaded(items, target, tokenizer, prompt_format, head_dirs, tree_configs, proposers, device, ranks)
+    return Loaded(items, target, tokenizer, prompt_format, head_folders, tree_configs, proposers, device, ranks)
 
 
 def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict]:
@@ -250,12 +253,12 @@ def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tup
     runs = run_methods(
         target, tokenizer, loaded.proposers, items, args.max_new_tokens, sampling, args.seed, prompt_format
     )
-    head_dirs = loaded.head_dirs
+    heads = loaded.heads
     methods = {
         m: summarize(run, runs["vanilla"], sampling.greedy)
         | {
             "requested": m in args.method,
-            "predicted_tau": training_predicted_tau(head_dirs[m]) if m in head_dirs else None,
+            "predicted_tau": training_predicted_tau(heads[m].config) if m in heads else None,
             "tree_config": loaded.tree_configs.get(m),
         }
         for m, run in runs.items()
@@ -273,7 +276,7 @@ def settings(args: argparse.Namespace, loaded: Loaded) -> dict:
     return {
         "target": str(args.target),
         "draft": args.draft,
-        "heads": loaded.head_dirs,
+        "heads": {method: head.path for method, head in loaded.heads.items()},
         "bench": str(args.bench),
         "prompt_format": args.prompt_format,
         "prompt_format_resolved": loaded.prompt_format,
@@ -300,14 +303,14 @@ def settings(args: argparse.Namespace, loaded: Loaded) -> dict:
     }
 
 
-def warn_prompt_formats(head_dirs: dict[str, str], prompt_format: str) -> None:
+def warn_prompt_formats(heads: dict[str, HeadFolder], prompt_format: str) -> None:
     """Say so where a head trained on other prompts than these (chat data, now raw prompts, or the reverse): its
     acceptance here is not what it reaches where it is served as it was trained."""
-    for method, head_dir in head_dirs.items():
-        trained = read_head_config(head_dir).prompt_format
+    for method, head in heads.items():
+        trained = head.config.prompt_format
         if trained is not None and trained != prompt_format:
             print(
-                f"WARNING: the {method} head {head_dir} was trained on {trained} prompts, evaluated here on "
+                f"WARNING: the {method} head {head.path} was trained on {trained} prompts, evaluated here on "
                 f"{prompt_format} ones (--prompt-format {trained} evaluates it as it was trained)",
                 file=sys.stderr,
             )

@@ -21,7 +21,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
-from headstart.heads.config import CONFIG_NAME, DraftArch, HeadConfig, read_head_config
+from headstart.heads.config import CONFIG_NAME, DraftArch, HeadConfig, HeadFolder, read_head_config, read_head_folder
 from headstart.heads.dflash import DFlashHead
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
@@ -41,6 +41,7 @@ __all__ = [
     "Eagle3Head",
     "EagleHead",
     "HeadConfig",
+    "HeadFolder",
     "KVCache",
     "MedusaHead",
     "arch_from_target",
@@ -55,6 +56,7 @@ __all__ = [
     "medusa_loss",
     "medusa_weight_at",
     "read_head_config",
+    "read_head_folder",
     "state_problems",
     "ttt_attention_mask",
 ]
@@ -91,14 +93,16 @@ def check_head_config(config: HeadConfig, target_config: PretrainedConfig, where
 
 
 def load_head(
-    head_dir: str | Path,
+    head: str | Path | HeadFolder,
     target_model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None = None,
     allow_other_tokenizer: bool = False,
 ) -> DraftHead:
-    """The head saved in ``head_dir`` (any type), checked against and attached to ``target_model``.
+    """The head saved in ``head`` (a folder, or a ``HeadFolder`` whose config.json was read already), checked
+    against and attached to ``target_model``.
 
     With the target's ``tokenizer``, a head trained with another one is refused (``check_tokenizer``).
     """
-    head_class = _head_class(read_head_config(head_dir).type)
-    return head_class.from_pretrained(head_dir, target_model, tokenizer, allow_other_tokenizer)
+    folder = head if isinstance(head, HeadFolder) else read_head_folder(head)
+    head_class = _head_class(folder.config.type)
+    return head_class.from_pretrained(folder.path, target_model, tokenizer, allow_other_tokenizer, folder.config)

@@ -173,10 +173,12 @@ class DraftHead(nn.Module):
         target_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
         allow_other_tokenizer: bool = False,
+        config: HeadConfig | None = None,
     ) -> Head:
         """The saved head, checked against ``target_model`` (shapes, the build's rules: ``check_fits``) and, when
-        given, its ``tokenizer``; its weights against its config (``load_head_weights``)."""
-        config = read_head_config(head_dir)
+        given, its ``tokenizer``; its weights against its config (``load_head_weights``). ``config``: its config.json
+        when the caller has read it already (``HeadFolder``)."""
+        config = read_head_config(head_dir) if config is None else config
         cls.check_fits(config, target_model.config, Path(head_dir) / CONFIG_NAME)
         if tokenizer is not None:
             check_tokenizer(config, tokenizer_hash(tokenizer), head_dir, allow_other_tokenizer)

@@ -127,5 +127,17 @@ def read_head_config(head_dir: str | Path) -> HeadConfig:
     return HeadConfig.from_json(json.loads(path.read_text()), path)
 
 
+@dataclass(frozen=True)
+class HeadFolder:
+    """A saved head's folder with its config.json, read once: what a run checks, matches with trees and loads."""
+
+    path: str
+    config: HeadConfig
+
+
+def read_head_folder(head_dir: str | Path) -> HeadFolder:
+    return HeadFolder(str(head_dir), read_head_config(head_dir))
+
+
 def write_head_config(config: HeadConfig, head_dir: Path) -> None:
     (head_dir / CONFIG_NAME).write_text(json.dumps(config.to_json(), indent=2) + "\n")

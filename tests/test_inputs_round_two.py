@@ -20,6 +20,7 @@ from headstart.decoding.tree_config import (
     load_tree_config,
 )
 from headstart.eval import acceptance, autotune
+from headstart.heads import read_head_folder
 from headstart.scripts import cli, push_to_hub
 from headstart.scripts.formats.card import served_schedule, tree_card_section
 
@@ -81,7 +82,7 @@ def test_a_rank_past_the_drafters_vocabulary_is_refused_naming_the_file(target, 
     (head / "tree.json").write_text(json.dumps({"shape": "static", "choices": choices, "depth": 1, "top_k": 201,
                                                 "total_tokens": 2}))  # fmt: skip
     with pytest.raises(ValueError, match=rf"{head / 'tree.json'}: choices \[200\]: rank 200 is past the 200 tokens"):
-        head_tree_configs({"eagle3": str(head)}, None, ["eagle3"])
+        head_tree_configs({"eagle3": read_head_folder(head)}, None, ["eagle3"])
     with pytest.raises(ValueError, match=r"x.json: top_k 301 is past the 300 tokens the model t drafts from"):
         check_tree_vocab(DYNAMIC | {"top_k": 301}, 300, "x.json", "the model t")
 

@@ -25,7 +25,7 @@ from headstart.decoding.verify import Sampling
 from headstart.eval import acceptance, autotune
 from headstart.eval.report import prompts_rendered
 from headstart.eval.run import run_methods
-from headstart.heads import build_head
+from headstart.heads import HeadConfig, build_head, read_head_folder
 
 RAW_LINE = "- prompts: raw text, as a completion API feeds the target (the tokenizer has no chat template)"
 
@@ -145,7 +145,7 @@ def test_auto_is_chat_with_a_template_and_raw_can_be_forced(target, one_thread):
     assert runs["vanilla"].outputs == runs["ngram"].outputs == [[reference], [reference]]
 
 
-def test_acceptance_on_a_template_less_target_renders_raw_prompts(base, base_target, tmp_path, one_thread):
+def test_acceptance_on_a_template_less_target_renders_raw_prompts(base, base_target, tmp_path, one_thread, monkeypatch):
     model, tokenizer = base
     head = tmp_path / "eagle3"
     build_head({"type": "eagle3", "layer_ids": [1, 4, 7], "draft_vocab_size": 256}, model, tokenizer).save_pretrained(
@@ -160,7 +160,11 @@ def test_acceptance_on_a_template_less_target_renders_raw_prompts(base, base_tar
     out = tmp_path / "r"
     argv = ["--target", str(base_target), "--head", str(head), "--method", "vanilla,ngram,eagle3"]
     argv += ["--bench", str(bench), "--max-new-tokens", "6", "--depth", "2", "--total-tokens", "4"]
+    reads = []  # every config.json parsed: the head folder is read once for the whole run
+    from_json = HeadConfig.from_json.__func__
+    monkeypatch.setattr(HeadConfig, "from_json", classmethod(lambda cls, *a: reads.append(a[1]) or from_json(cls, *a)))
     report = acceptance.main([*argv, "--out", str(out)])  # no --prompt-format: auto, as the demo's stages run it
+    assert reads == [head / "config.json"]
     assert (report["prompt_format"], report["prompt_format_resolved"]) == ("auto", "raw")
     assert report["prompts"] == 3 and set(report["methods"]["vanilla"]["per_category"]) == {"chat", "text", "heldout"}
     decoded = report["methods"]["vanilla"]["new_tokens"]
@@ -197,7 +201,7 @@ def test_a_head_trained_on_other_prompts_is_named(tmp_path, capsys):
     head = make_head(tiny_llama(), tmp_path, "eagle")
     config = json.loads((head / "config.json").read_text())
     (head / "config.json").write_text(json.dumps(config | {"prompt_format": "chat"}))
-    acceptance.warn_prompt_formats({"eagle": str(head)}, "chat")
+    acceptance.warn_prompt_formats({"eagle": read_head_folder(head)}, "chat")
     assert capsys.readouterr().err == ""
-    acceptance.warn_prompt_formats({"eagle": str(head)}, "raw")
+    acceptance.warn_prompt_formats({"eagle": read_head_folder(head)}, "raw")
     assert "trained on chat prompts, evaluated here on raw ones (--prompt-format chat" in capsys.readouterr().err
