@@ -141,7 +141,7 @@ def check_capture(out: Path) -> tuple[bool, dict[str, Any]]:
 
 
 def check_capture_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
-    from headstart.scripts.bench_scale import compare_captures
+    from headstart.scripts.bench_scale_capture_tp import compare_captures
 
     if not (reference / "manifest.json").exists():
         return False, {"why": f"no one-process capture in {reference} to compare with (capture-tp1 did not run)"}

@@ -31,39 +31,37 @@ Markdown table next to it (parity.md), and rewrites each export's model card wit
 PASS, FAIL or NOT RUN with the reason; the exit code is 0 only if all passed. A head folder that does
 not exist is replaced by a random-init head of its type: it accepts almost nothing, but greedy output
 must still be identical and vLLM must still draft.
+
+This module holds the command line, the prompts, our side and the report; the engine stages and how they are
+started are in ``verify_engines_side``, the PASS/FAIL verdicts in ``verify_engines_judge``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
-from importlib.metadata import version
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
 from headstart.data_recipes.bench import add_prompt_format_flag
 from headstart.data_recipes.errors import get_field
 from headstart.scripts.formats.parity import acceptance, report_markdown, weights_digest
+from headstart.scripts.verify_engines_judge import MAX_SHORTFALL, judge_schedule, overall, served
+from headstart.scripts.verify_engines_side import STAGES, engine_stage, spawn
 
 if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from headstart.heads import DraftHead, Eagle3Head
 
-TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
-MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
-STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
-STAGES = ("speculators", "vllm-plain", "vllm-spec", "vllm-schedule")
 # The exports vLLM serves, per kind of head (peagle: an EAGLE-3 head with parallel_drafting).
 LAYOUTS = {
     "eagle3": ("vllm", "speculators"),
@@ -71,13 +69,6 @@ LAYOUTS = {
     "peagle": ("vllm", "speculators"),
     "dflash": ("vllm",),
 }
-# vLLM's speculative config per kind: P-EAGLE is method eagle3 with parallel drafting (vllm/config/speculative.py).
-METHODS: dict[str, dict[str, Any]] = {
-    "eagle3": {"method": "eagle3"},
-    "eagle": {"method": "eagle"},
-    "dflash": {"method": "dflash"},
-}
-METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 DATA = "assets/data/gsm8k_test.jsonl"
 PROMPT_IDS = "prompt_ids.json"  # in --work: the prompts' token ids, our side's, which vLLM is given in raw format
 NO_SPECULATORS = {
@@ -97,57 +88,6 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
         except DataError as err:
             raise DataError(f"not a GSM8K row: {err.message}", location) from None
     return chats
-
-
-def read_counters(metrics: dict[str, Any], k: int) -> dict[str, Any]:
-    """vLLM's acceptance from ``{metric name: value}`` of ``llm.get_metrics()`` (counters are values, the
-    per-position vector a list)."""
-    drafts = metrics.get("vllm:spec_decode_num_drafts")
-    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    if drafts is None or per_pos is None:
-        raise ValueError(
-            "vLLM reported no spec_decode counters: build LLM(..., disable_log_stats=False) with a speculative_config"
-        )
-    if len(per_pos) != k:
-        raise ValueError(f"vLLM counted {len(per_pos)} draft positions, expected num_speculative_tokens={k}")
-    return acceptance(int(drafts), [int(a) for a in per_pos])
-
-
-def differing(a: list[list[int]], b: list[list[int]]) -> int:
-    """How many prompts' tokens differ (a missing prompt counts)."""
-    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
-
-
-def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any], ours: dict[str, Any]) -> dict:
-    """The served-acceptance verdict: the engine's greedy tokens with the head equal the target's alone and
-    our engine's (else the two sides' figures cover different text), the engine drafted, and its acceptance
-    length is at most MAX_SHORTFALL below ours (a head read wrongly still runs and keeps the output, but
-    accepts far less)."""
-    problems = [
-        f"greedy tokens {what} in {differing(plain, other)} prompts"
-        for what, other in (
-            ("with the head differ from the target's alone", spec),
-            ("differ from ours", ours["tokens"]),
-        )
-        if other != plain
-    ]
-    if not engine["drafts"]:
-        problems.append("the engine made no drafts")
-    relative = None
-    if engine["acceptance_length"] is not None and ours["acceptance_length"] is not None:
-        relative = engine["acceptance_length"] / ours["acceptance_length"] - 1
-        if relative < -MAX_SHORTFALL:
-            problems.append(
-                f"acceptance length {engine['acceptance_length']:.3f} is {-relative:.1%} below ours "
-                f"({ours['acceptance_length']:.3f}); at most {MAX_SHORTFALL:.0%} allowed"
-            )
-    return {
-        "status": "FAIL" if problems else "PASS",
-        "detail": "; ".join(problems) or "greedy tokens identical, acceptance within bounds",
-        "greedy_identical": spec == plain == ours["tokens"],
-        "engine_acceptance": engine,
-        "relative": relative,
-    }
 
 
 # ---- the project's side: exports, references, our own engine (imports the project lazily: the side venv cannot) ----
@@ -243,172 +183,7 @@ def our_acceptance(
     return {**acceptance(forwards, accepted), "tokens": tokens}
 
 
-# ---- the engines' side: each stage runs in its own process of the side venv ----
-
-
-def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
-    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.models.eagle3.core import Eagle3DraftModel
-
-    ref = load_file(str(work / "reference.safetensors"))
-    export = facts["exports"]["speculators"]
-    config = Eagle3SpeculatorConfig.from_pretrained(export)
-    config.transformer_layer_config._attn_implementation = "eager"  # flex attention is for GPUs
-    model = Eagle3DraftModel.from_pretrained(export, config=config).float().eval()
-    # speculators leaves embed_tokens out of the draft; the served draft uses the target's (as vLLM does).
-    target_state = load_file(str(Path(settings["target"]) / "model.safetensors"))
-    model.embed_tokens.weight.data.copy_(target_state["model.embed_tokens.weight"])
-    captured = []
-    model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
-    seq = ref["input_ids"].shape[1] - 1
-    with torch.no_grad():
-        model(
-            hidden_states=ref["aux"][:, :-1],
-            input_ids=ref["input_ids"][:, 1:],
-            document_ids=torch.zeros(1, seq, dtype=torch.long),
-            position_ids=torch.arange(seq)[None],
-            ttt_steps=1,
-        )
-    diff = (captured[0] - ref["logits"]).abs().max().item()
-    converted = work / "converted-by-speculators"
-    Eagle3Converter().convert(
-        facts["exports"]["vllm"], converted, base_model=settings["target"], validate=False,
-        eagle_aux_hidden_state_layer_ids=facts["layer_ids"],
-    )  # fmt: skip
-    theirs, ours = load_file(str(converted / "model.safetensors")), load_file(f"{export}/model.safetensors")
-    same = sorted(k for k in ours if k in theirs and torch.equal(ours[k], theirs[k]))
-    different = sorted(set(ours) - set(same))
-    ok = diff <= TOLERANCE and not different
-    detail = (
-        f"`Eagle3DraftModel` draft logits vs ours: max abs diff {diff:.1e} "
-        f"(tolerance {TOLERANCE:.0e}, fp32) over {tuple(captured[0].shape)}; its `Eagle3Converter` on our "
-        f"EAGLE-repo export: {len(same)}/{len(ours)} tensors equal to our speculators export"
-        + (f", differing or absent: {different}" if different else "")
-    )
-    engine = f"speculators {version('speculators')}"
-    return {"status": "PASS" if ok else "FAIL", "detail": detail, "engine": engine, "max_abs_diff": diff}
-
-
-def run_vllm(
-    work: Path, settings: dict[str, Any], facts: dict[str, Any] | None, layout: str | None, by_load: bool = False
-) -> dict[str, Any]:
-    """Greedy completions of the prompts by the target, with ``layout``'s export as draft (no facts: the target
-    alone); ``by_load``: with the ``--schedule`` (``num_speculative_tokens_per_batch_size``), k its longest chain."""
-    import vllm
-    from vllm import LLM, SamplingParams
-
-    spec = None
-    if facts:
-        k = max(d for _, _, d in settings["schedule"]) if by_load else settings["k"]
-        spec = {**METHODS[facts["type"]], "model": facts["exports"][layout], "num_speculative_tokens": k}
-        if by_load:
-            spec["num_speculative_tokens_per_batch_size"] = settings["schedule"]
-    llm = LLM(
-        model=settings["target"], dtype=settings["dtype"], enforce_eager=True, max_model_len=settings["max_model_len"],
-        speculative_config=spec, disable_log_stats=False,
-    )  # fmt: skip
-    sampling = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"])
-    if settings["prompt_format"] == "raw":  # our side's token ids themselves: nothing re-tokenized, no BOS added
-        ids = json.loads((work / PROMPT_IDS).read_text())
-        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in ids], sampling, use_tqdm=False)
-    else:
-        outputs = llm.chat(prompts(settings["prompts"]), sampling, use_tqdm=False)
-    result: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
-    result["engine"] = f"vLLM {vllm.__version__}"
-    if facts:
-        metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
-        result["acceptance"] = read_counters(metrics, spec["num_speculative_tokens"] if spec else settings["k"])
-    return result
-
-
-def judge_schedule(plain: list[list[int]], run: dict[str, Any], schedule: list[list[int]], batch: int) -> dict:
-    """The served speculation-by-load verdict: greedy tokens equal the target's alone, and no draft position past
-    the deepest k the schedule allows for 1..``batch`` running requests was accepted (vLLM counts acceptance
-    per position: a position never drafted accepts nothing), while a schedule that drafts at all drafted."""
-    if "status" in run:
-        return run
-    from headstart.decoding.tree_config import scheduled_depth
-
-    allowed = max(scheduled_depth(schedule, b) for b in range(1, batch + 1))
-    per_pos = run["acceptance"]["accepted_per_pos"]
-    problems = [f"greedy tokens differ from the target's alone in {differing(plain, run['tokens'])} prompts"]
-    problems = problems if run["tokens"] != plain else []
-    if any(per_pos[allowed:]):
-        problems.append(f"positions past k={allowed} accepted tokens: {per_pos}")
-    if allowed and not run["acceptance"]["drafts"]:
-        problems.append("the engine made no drafts")
-    detail = f"schedule {schedule}, {batch} requests at once: at most k={allowed}; accepted per position {per_pos}"
-    return {"status": "FAIL" if problems else "PASS", "detail": "; ".join(problems) or detail,
-            "engine": run["engine"], "schedule": schedule, "engine_acceptance": run["acceptance"]}  # fmt: skip
-
-
-def result_path(work: Path, stage: str, head_type: str | None, layout: str | None) -> Path:
-    return (work / head_type if head_type else work) / (stage + (f"-{layout}" if layout else ""))
-
-
-def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | None) -> None:
-    settings = json.loads((work / "settings.json").read_text())
-    facts = json.loads((work / head_type / "facts.json").read_text()) if head_type else None
-    if stage == "speculators":
-        if head_type is None or facts is None:
-            raise ValueError("the speculators stage checks one head: name its type")
-        result = check_speculators(work / head_type, settings, facts)
-    else:
-        result = run_vllm(work, settings, facts, layout, by_load=stage == "vllm-schedule")
-    result_path(work, stage, head_type, layout).with_suffix(".json").write_text(json.dumps(result))
-
-
-# ---- orchestration (project venv) ----
-
-
-def side_import_path(work: Path) -> Path:
-    """A folder in which ``headstart`` links to the folder holding this package's modules (the repository,
-    or site-packages/headstart): the side venv has no headstart installed, and imports ours by that name."""
-    folder, ours = work / ".imports", Path(__file__).resolve().parents[1]
-    link = folder / "headstart"
-    if not (link.is_symlink() and link.resolve() == ours):
-        folder.mkdir(parents=True, exist_ok=True)
-        link.unlink(missing_ok=True)
-        link.symlink_to(ours, target_is_directory=True)
-    return folder
-
-
-def spawn(python: str, stage: str, work: Path, head_type: str | None = None, layout: str | None = None) -> dict:
-    """Run one engine stage in the side venv; its result, or NOT RUN/FAIL with the reason."""
-    if not Path(python).is_file():
-        return {"status": "NOT RUN", "detail": f"no side-venv interpreter {python}: `make verify-engines` builds it"}
-    out = result_path(work, stage, head_type, layout)
-    out.with_suffix(".json").unlink(missing_ok=True)
-    cmd = [python, "-m", "headstart.scripts.verify_engines", "--stage", stage, "--work", str(work)]
-    cmd += ["--head-type", head_type] if head_type else []
-    cmd += ["--layout", layout] if layout else []
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side_import_path(work)), env.get("PYTHONPATH")]))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=STAGE_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return {"status": "FAIL", "detail": f"no result within {STAGE_TIMEOUT} s"}
-    out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not out.with_suffix(".json").is_file():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
-        status = "NOT RUN" if "ModuleNotFoundError" in proc.stderr else "FAIL"
-        return {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
-    return json.loads(out.with_suffix(".json").read_text())
-
-
-def served(plain: dict[str, Any], spec: dict[str, Any], ours: dict[str, Any], layout: str) -> dict[str, Any]:
-    """One served-acceptance row: the verdict, or the stage's NOT RUN/FAIL when a run gave no tokens."""
-    failed = next((run for run in (plain, spec) if "status" in run), None)
-    run = failed or judge(plain["tokens"], spec["tokens"], spec["acceptance"], ours)
-    return {"layout": layout, "engine": spec.get("engine", "vLLM"), **run}
-
-
-def overall(heads: list[dict[str, Any]]) -> str:
-    statuses = [e["speculators"]["status"] for e in heads] + [r["status"] for e in heads for r in e["served"]]
-    statuses += [e["schedule"]["status"] for e in heads if "schedule" in e]
-    statuses = [s for s in statuses if s != "N/A"]
-    return "PASS" if statuses and all(s == "PASS" for s in statuses) else "FAIL"
+# ---- the command line, orchestration (project venv) and the report ----
 
 
 def main(argv: list[str] | None = None) -> None:

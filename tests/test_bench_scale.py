@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from headstart.core.models import load_target
 from headstart.core.weights import INDEX_NAME
-from headstart.scripts import bench_scale
+from headstart.scripts import bench_scale, bench_scale_borrowed, bench_scale_capture_tp, bench_scale_shapes
 
 
 @pytest.mark.parametrize(
@@ -27,18 +27,18 @@ from headstart.scripts import bench_scale
 )
 def test_real_shapes_have_the_published_parameter_count(shape: str, parameters: int) -> None:
     # On the meta device: the shapes without the memory.
-    model = bench_scale.build_target(shape, None, torch.device("meta"), torch.bfloat16)
+    model = bench_scale_shapes.build_target(shape, None, torch.device("meta"), torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == parameters
     assert model.dtype == torch.bfloat16 and not any(p.requires_grad for p in model.parameters())
-    reduced = bench_scale.build_target(shape, 4, torch.device("meta"), torch.bfloat16)
+    reduced = bench_scale_shapes.build_target(shape, 4, torch.device("meta"), torch.bfloat16)
     assert reduced.config.num_hidden_layers == 4 and reduced.config.hidden_size == model.config.hidden_size
 
 
 def test_fused_layers_are_eagle3_defaults_or_three_spread_ones() -> None:
-    assert bench_scale.fused_layers(32) == [2, 16, 29]
-    assert bench_scale.fused_layers(4) == [1, 2, 3]
+    assert bench_scale_shapes.fused_layers(32) == [2, 16, 29]
+    assert bench_scale_shapes.fused_layers(4) == [1, 2, 3]
     with pytest.raises(ValueError, match="at least 4"):
-        bench_scale.fused_layers(3)
+        bench_scale_shapes.fused_layers(3)
 
 
 def test_tiny_run_measures_every_path(tmp_path) -> None:
@@ -112,15 +112,15 @@ def test_the_stages_default_to_the_target_ones_plus_those_flagged() -> None:
     ["capture: wrote r/manifest.json (1,234 tokens/s this run)", "capture: wrote r/m.json (1,234 tokens/s on rank 0"],
 )
 def test_the_capture_rate_is_read_from_what_capture_prints(line: str) -> None:
-    assert bench_scale.CAPTURE_RATE.search(f"other\n{line}\nmore").group(1) == "1,234"
+    assert bench_scale_capture_tp.CAPTURE_RATE.search(f"other\n{line}\nmore").group(1) == "1,234"
 
 
 TINY_BORROWED = (2 * 512 * 64 + 64) * 2  # embedding and lm_head 512 x 64, final norm 64, in bf16
 
 
 def test_the_borrowed_checkpoint_has_only_the_borrowed_tensors(tmp_path) -> None:
-    config = bench_scale.shape_config("tiny")
-    written = bench_scale.write_borrowed_checkpoint(tmp_path / "ckpt", config, seed=0)
+    config = bench_scale_shapes.shape_config("tiny")
+    written = bench_scale_borrowed.write_borrowed_checkpoint(tmp_path / "ckpt", config, seed=0)
     assert written["index_tensors"] == 3 + 4 * 9  # the borrowed three, 9 tensors per decoder layer
     assert (written["decoder_files_missing"], written["decoder_files_garbage"]) == (2, 2)
     assert json.loads((tmp_path / "ckpt" / INDEX_NAME).read_text())["weight_map"]["model.norm.weight"]
@@ -133,7 +133,7 @@ def test_the_borrowed_checkpoint_has_only_the_borrowed_tensors(tmp_path) -> None
 
 def test_borrowed_load_peak_does_not_grow_with_depth(tmp_path) -> None:
     # Two fresh processes (a few seconds each): the tiny shape at its 4 layers and at 2.
-    result = bench_scale.measure_borrowed(["tiny"], 2, tmp_path, seed=0)
+    result = bench_scale_borrowed.measure_borrowed(["tiny"], 2, tmp_path, seed=0)
     entry = result["shapes"]["tiny"]
     published, shallow = entry["published"], entry["shallow"]
     assert (published["layers"], shallow["layers"]) == (4, 2)

