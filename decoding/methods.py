@@ -12,6 +12,7 @@ from functools import partial
 
 from transformers import PreTrainedModel
 
+from headstart.core.schema import Eval
 from headstart.decoding.proposers import (
     DFlash,
     Drafter,
@@ -39,6 +40,9 @@ METHODS = (
 HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # decoding.proposers.head_method
 
 
+_EVAL = Eval.model_fields
+
+
 @dataclass(frozen=True)
 class TreeFlags:
     """How methods draft when no tree.json says otherwise: ``shape`` None (each method's usual: chains
@@ -46,10 +50,11 @@ class TreeFlags:
     Medusa its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model, self_spec and EAGLE too; DFlash stays a
     chain). suffix drafts a tree of at most ``depth`` nodes, lookahead its window and pool n-grams (own sizes)."""
 
+    # The defaults are eval.acceptance's (core.schema.Eval): declared once, there.
     shape: str | None = None
-    top_k: int = 8  # children per node in dynamic trees
-    depth: int = 5  # draft length / tree depth
-    total_tokens: int = 48  # tree nodes kept (dynamic and Medusa trees)
+    top_k: int = _EVAL["top_k_draft"].default  # children per node in dynamic trees
+    depth: int = _EVAL["depth"].default  # draft length / tree depth
+    total_tokens: int = _EVAL["total_tokens"].default  # tree nodes kept (dynamic and Medusa trees)
     exit_layer: int | None = None  # self_spec: the target layers that draft (None: half of them)
 
 
