@@ -86,9 +86,10 @@ def check_methods(methods: list[str], heads: dict[str, str], draft: str | None) 
         raise ValueError(f"--head {', '.join(unused)} given but its method is not in --method")
 
 
-def training_predicted_tau(config: HeadConfig) -> float | None:
-    """The chain tau the head's training predicted from held-out top-1 accuracies, when it recorded one."""
-    return (config.training or {}).get("predicted_tau")
+def training_tau(config: HeadConfig, kind: str) -> float | None:
+    """The tau the head's training recorded at its last evaluation, when it did: ``predicted_tau`` (the chain model on
+    held-out top-1 accuracies) or ``measured_tau`` (decoded with the head drafting, ``train.eval_prompts``)."""
+    return (config.training or {}).get(kind)
 
 
 def _positive(text: str) -> int:
@@ -258,7 +259,8 @@ def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tup
         m: summarize(run, runs["vanilla"], sampling.greedy)
         | {
             "requested": m in args.method,
-            "predicted_tau": training_predicted_tau(heads[m].config) if m in heads else None,
+            "predicted_tau": training_tau(heads[m].config, "predicted_tau") if m in heads else None,
+            "training_measured_tau": training_tau(heads[m].config, "measured_tau") if m in heads else None,
             "tree_config": loaded.tree_configs.get(m),
         }
         for m, run in runs.items()

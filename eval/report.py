@@ -15,6 +15,7 @@ report.json, as ``eval.acceptance`` builds it:
         token, vanilla_token, method_token, logit_gap, near_tie),
         per_category.<cat>: tau, target_forwards, tokens_per_s, speedup_vs_vanilla (over vanilla on that category),
         predicted_tau (the head's training-time chain prediction, config.json "training"; null without one),
+        training_measured_tau (the tau training measured by decoding, ``train.eval_prompts``; null without one),
         tree_config (the tree.json an EAGLE method decoded with; null: the tree flags)
 
 matrix.json (``eval.acceptance --temperatures``): report.json's settings without temperature and methods, then
@@ -90,14 +91,14 @@ def markdown(report: dict) -> str:
         f"- machine: {report['machine']} ({report['device']}, {report['dtype']}); "
         f"torch {report['torch']}, transformers {report['transformers']}",
         "",
-        "| method | tau | training predicted tau | alpha | mean accepted | target forwards | tokens/s | speedup "
-        "| predicted (k, c) | peak MB | greedy identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | tau | training predicted tau | training measured tau | alpha | mean accepted | target forwards "
+        "| tokens/s | speedup | predicted (k, c) | peak MB | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in methods.items():
-        predicted = "-" if e.get("predicted_tau") is None else f"{e['predicted_tau']:.3f}"
+        predicted, measured = (_tau(e.get(key)) for key in ("predicted_tau", "training_measured_tau"))
         lines.append(
-            f"| {name} | {e['tau']:.3f} | {predicted} | {e['alpha']:.3f} | {e['mean_accepted']:.3f} "
+            f"| {name} | {e['tau']:.3f} | {predicted} | {measured} | {e['alpha']:.3f} | {e['mean_accepted']:.3f} "
             f"| {e['target_forwards']} "
             f"| {e['tokens_per_s']:.1f} | {e['speedup_vs_vanilla']:.3f} | {e['predicted_speedup']:.3f} "
             f"({e['draft_depth']}, {e['draft_cost_ratio']:.3f}) | {e['peak_memory_mb']:.0f} | {_identical(e)} |"
@@ -128,6 +129,10 @@ def markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _tau(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def save_figure(fig: Figure, path: Path) -> None:

@@ -153,7 +153,7 @@ def test_head_folder_tree_json_and_training_prediction_reach_the_report(tiny_tar
     head = tmp_path / "eagle3"
     shutil.copytree(models / "eagle3", head)
     config = json.loads((head / "config.json").read_text())
-    config["training"] = {"heldout_top1": [0.5, 0.4], "predicted_tau": 1.7, "step": 10}
+    config["training"] = {"heldout_top1": [0.5, 0.4], "predicted_tau": 1.7, "measured_tau": 1.6, "step": 10}
     (head / "config.json").write_text(json.dumps(config))
     tree = {"shape": "static", "choices": [[0], [1], [0, 0]], "depth": 2, "top_k": 2, "total_tokens": 3}
     (head / "tree.json").write_text(json.dumps(tree | {"machine": "test box"}))
@@ -162,9 +162,10 @@ def test_head_folder_tree_json_and_training_prediction_reach_the_report(tiny_tar
     report = main(argv + ["--max-new-tokens", "8", "--depth", "5", "--out", str(tmp_path / "r")])
     eagle3, vanilla = report["methods"]["eagle3"], report["methods"]["vanilla"]
     assert eagle3["predicted_tau"] == 1.7 and vanilla["predicted_tau"] is None
+    assert eagle3["training_measured_tau"] == 1.6 and vanilla["training_measured_tau"] is None
     assert eagle3["tree_config"]["choices"] == tree["choices"] and eagle3["draft_depth"] == 2  # not --depth 5
     md = (tmp_path / "r" / "report.md").read_text()
-    assert "| eagle3 | " in md and " | 1.700 | " in md and "tuned on test box" in md
+    assert "| eagle3 | " in md and " | 1.700 | 1.600 | " in md and "tuned on test box" in md
     # --tree static (chains of --depth) overrides the folder's tree.json.
     report = main(argv + ["--max-new-tokens", "8", "--tree", "static", "--depth", "4", "--out", str(tmp_path / "d")])
     assert report["methods"]["eagle3"]["tree_config"] is None and report["methods"]["eagle3"]["draft_depth"] == 4
