@@ -428,21 +428,22 @@ def _evaluate_all(
     config; with ``keep_best: measured_tau`` a better head is kept in ``<out_dir>/best``. Returns the best record."""
     summary: dict[str, Any] = {}
     if data.heldout_ids:
-        record = evaluate(engine, data, cfg["train"], done, proc)
-        log.log(record)
-        summary = training_summary(record)
+        heldout = evaluate(engine, data, cfg["train"], done, proc)
+        log.log(heldout)
+        summary = training_summary(heldout)
+    decoded = None
     if measured is not None:
-        record = measured(engine, head, done, proc.dp_rank, proc.dp_world)
-        log.log(record)
-        summary = {"step": done, **summary, **measured_summary(record)}
+        decoded = measured(engine, head, done, proc.dp_rank, proc.dp_world)
+        log.log(decoded)
+        summary = {"step": done, **summary, **measured_summary(decoded)}
         if proc.rank == 0:
             plot_acceptance(log.path, log.path.with_name(ACCEPTANCE_PLOT))
     if summary:
         head.config.training = summary
     out_dir = Path(cfg["train"]["out_dir"])
-    if measured is not None and cfg["train"]["keep_best"] == "measured_tau" and is_better(record, best):
+    if decoded is not None and cfg["train"]["keep_best"] == "measured_tau" and is_better(decoded, best):
         save_head_files(engine, out_dir / "best", save_artifacts)
-        best = {"step": done, "measured_tau": record["tau"]}
+        best = {"step": done, "measured_tau": decoded["tau"]}
         if proc.rank == 0:
             write_best(out_dir, best)
         dist.barrier()

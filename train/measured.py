@@ -31,8 +31,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.acceptance import chain_acceptance
 from headstart.core.io import atomic_dir, atomic_write_text
-from headstart.data_recipes.bench import load_bench
-from headstart.data_recipes.prompts import render, text_prompt_length
+from headstart.data_recipes.bench import load_bench, turn_prompt
+from headstart.data_recipes.prompts import text_prompt_length
 from headstart.decoding.methods import TreeFlags, build_proposer
 from headstart.decoding.proposers import DepthRecorder, head_method
 from headstart.decoding.verify import Sampling, generate
@@ -59,14 +59,7 @@ def heldout_prompts(data: TrainData, count: int) -> list[list[int]]:
 def bench_prompts(path: str, count: int, tokenizer: PreTrainedTokenizerBase, prompt_format: str) -> list[list[int]]:
     """The first turn of the first ``count`` prompts of a benchmark file (round-robin over its categories), as the
     head's data reached the target (``prompt_format``)."""
-    prompts = []
-    for item in load_bench(path, count):
-        if item.input_ids is not None:
-            prompts.append(list(item.input_ids))
-            continue
-        messages = [*item.history, {"role": "user", "content": item.turns[0]}]
-        prompts.append(render(tokenizer, messages, prompt_format)[0].tolist())
-    return prompts
+    return [turn_prompt(tokenizer, item, [], prompt_format)[0].tolist() for item in load_bench(path, count)]
 
 
 @dataclass
