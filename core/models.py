@@ -111,17 +111,17 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_target(target: dict[str, Any], borrowed_only: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The ``target:`` section of a config (path, device, dtype, tp_size) -> (model, tokenizer).
+def load_target(
+    path: str, device: str = "auto", dtype: str = "fp32", tp_size: int = 1, borrowed_only: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A target (a config's ``target:`` section: path, device, dtype, tp_size) -> (model, tokenizer).
 
     ``borrowed_only``: what training from shards needs, the config and the embedding, final norm and lm_head
     read by name from the safetensors (``core.weights.borrowed_model``), never the decoder layers.
     """
-    path, dtype = target["path"], target.get("dtype", "fp32")
     if borrowed_only:
-        device = resolve_device(target.get("device", "auto"))
-        return borrowed_model(path, device, resolve_dtype(dtype)), load_tokenizer(path)
-    return load_model(path, target.get("device", "auto"), dtype, target.get("tp_size", 1)), load_tokenizer(path)
+        return borrowed_model(path, resolve_device(device), resolve_dtype(dtype)), load_tokenizer(path)
+    return load_model(path, device, dtype, tp_size), load_tokenizer(path)
 
 
 def default_aux_layers(num_hidden_layers: int) -> list[int]:

@@ -19,7 +19,6 @@ ids past the tokenizer's vocabulary are refused once it is known (``check_token_
 
 from __future__ import annotations
 
-from argparse import ArgumentParser
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
-from headstart.data_recipes.prompts import PROMPT_FORMATS, RAW_TURN_SEPARATOR, render, resolve_prompt_format
+from headstart.data_recipes.prompts import RAW_TURN_SEPARATOR, render, resolve_prompt_format
 
 
 @dataclass
@@ -54,18 +53,6 @@ def turn_prompt(
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": item.turns[len(answers)]})
     return render(tokenizer, messages, prompt_format)
-
-
-def add_prompt_format_flag(parser: ArgumentParser) -> None:
-    """``--prompt-format``, one flag for every command that decodes bench prompts (``eval.acceptance``,
-    ``eval.autotune``); the command resolves it once (``resolve_prompt_format``), before any decoding."""
-    parser.add_argument(
-        "--prompt-format",
-        choices=PROMPT_FORMATS,
-        default="auto",
-        help="chat: the target's chat template; raw: the text as a completion API tokenizes it; "
-        "auto: chat where the tokenizer has a template, else raw",
-    )
 
 
 def _records(path: Path) -> Iterator[tuple[str, dict]]:

@@ -46,9 +46,10 @@ from headstart.core.io import OutOfSpaceError, check_writable, output_lock
 from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory
 from headstart.core.models import default_aux_layers, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, barrier, join_process_group, rank_device, resolve_dtype
-from headstart.core.schema import CaptureConfig, validate_config
+from headstart.core.settings import as_dict, parse
 from headstart.data_recipes.engine_capture import engine_states_for
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
+from headstart.data_recipes.settings import Capture, CaptureConfig, Target
 from headstart.data_recipes.shards import (
     FP8,
     MANIFEST,
@@ -148,9 +149,11 @@ class EngineCapture(OnlineCapture):
     Open it (``with``) to start or reach the server; a request that fails is retried (``capture.retries``,
     ``capture.timeout_s``) and then stops the run, naming the server and the sample."""
 
-    def __init__(self, cfg: dict[str, Any], aux_layers: list[int], store_dtype: torch.dtype, work_dir: Path):
-        super().__init__(None, aux_layers, store_dtype)
-        self.opening = engine_states_for(cfg, aux_layers, work_dir)
+    def __init__(
+        self, target: Target, cap: Capture, max_length: int, aux_layers: list[int], dtype: torch.dtype, work_dir: Path
+    ):
+        super().__init__(None, aux_layers, dtype)
+        self.opening = engine_states_for(target, cap, max_length, aux_layers, work_dir)
         self.engine: Any = None
 
     def __enter__(self) -> EngineCapture:
@@ -259,7 +262,7 @@ def check_free_disk(out_dir: Path, needed: int) -> None:
 
 @contextmanager
 def state_source(
-    cfg: dict[str, Any],
+    cfg: CaptureConfig,
     model: PreTrainedModel | None,
     aux_layers: list[int],
     pad_id: int,
@@ -270,9 +273,9 @@ def state_source(
     ``capture.base_url``, or one started for the block, its log and request files under ``out_dir/engine``).
     ``started=False``: a rank with no shard to capture connects to no server."""
     if model is not None or not started:
-        yield forward_states(model, aux_layers, cfg["capture"]["batch_tokens"], pad_id) if model else _no_states
+        yield forward_states(model, aux_layers, cfg.capture.batch_tokens, pad_id) if model else _no_states
         return
-    with engine_states_for(cfg, aux_layers, out_dir / "engine") as engine:
+    with engine_states_for(cfg.target, cfg.capture, cfg.data.max_length, aux_layers, out_dir / "engine") as engine:
         yield lambda samples, sample_ids: engine([s.input_ids for s in samples], sample_ids)
 
 
@@ -283,59 +286,57 @@ def _no_states(samples: list[Sample], sample_ids: list[int]) -> list[dict[str, t
 CAPTURE_MEMORY_REMEDY = "split the target across more ranks (target.tp_size) or lower capture.batch_tokens"
 
 
-def capture_memory(cfg: dict[str, Any]) -> MemoryNeed:
+def capture_memory(cfg: CaptureConfig) -> MemoryNeed:
     """One capture rank: its share of the target and one batch's activations (``core.memory``)."""
-    config = AutoConfig.from_pretrained(cfg["target"]["path"])
-    target, cap, dtype = cfg["target"], cfg["capture"], resolve_dtype(cfg["target"]["dtype"])
-    n_aux = len(resolve_aux_layers(cap["aux_layers"], config.get_text_config().num_hidden_layers))
-    share = TargetSizes.of(config).target_share(dtype, target["tp_size"])
-    activations = capture_activations(
-        config, cap["batch_tokens"], cfg["data"]["max_length"], n_aux, dtype, target["tp_size"]
-    )
+    target, cap = cfg.target, cfg.capture
+    config, dtype = AutoConfig.from_pretrained(target.path), resolve_dtype(target.dtype)
+    n_aux = len(resolve_aux_layers(cap.aux_layers, config.get_text_config().num_hidden_layers))
+    share = TargetSizes.of(config).target_share(dtype, target.tp_size)
+    activations = capture_activations(config, cap.batch_tokens, cfg.data.max_length, n_aux, dtype, target.tp_size)
     return MemoryNeed("capture", {"target share": share, "activations": activations})
 
 
-def run_capture(cfg: dict[str, Any]) -> Path:
-    """Capture every sample of ``cfg['data']`` from ``cfg['target']`` into ``cfg['capture']['out_dir']``.
+def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
+    """Capture every sample of the config's ``data`` from its ``target`` into ``capture.out_dir``.
 
-    The config is checked first (``core.schema.CaptureConfig``): a typo or a value out of range fails
-    here, before the target is loaded. Under torchrun each rank captures its share of the shards.
+    A loaded config is checked first (``CaptureConfig``): a typo or a value out of range fails here, before
+    the target is loaded. Under torchrun each rank captures its share of the shards.
     """
-    cfg = validate_config(cfg, CaptureConfig)
-    target, data, cap = cfg["target"], cfg["data"], cfg["capture"]
-    engine = cap["engine"] == "vllm"
-    device = rank_device(target["device"])
+    cfg = given if isinstance(given, CaptureConfig) else parse(given, CaptureConfig)
+    target, data, cap = cfg.target, cfg.data, cfg.capture
+    engine = cap.engine == "vllm"
+    device = rank_device(target.device)
     if engine and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
             "capture.engine: vllm runs in one process (the server splits the target itself, target.tp_size ways): "
             "start it without torchrun"
         )
-    ranks = Ranks() if engine else join_process_group(device, target["tp_size"])
+    ranks = Ranks() if engine else join_process_group(device, target.tp_size)
     rank, world = ranks.rank, ranks.world
     if not engine:  # a server holds its own target, in its own memory
         memory = check_memory(capture_memory(cfg), device, CAPTURE_MEMORY_REMEDY)  # before any weight is read
         if rank == 0:
             print(memory)
-    config, tokenizer = AutoConfig.from_pretrained(target["path"]), load_tokenizer(target["path"])
-    model = None if engine else load_model(target["path"], device, target["dtype"], target["tp_size"])
-    out_dir = Path(cap["out_dir"])
+    config, tokenizer = AutoConfig.from_pretrained(target.path), load_tokenizer(target.path)
+    model = None if engine else load_model(target.path, device, target.dtype, target.tp_size)
+    out_dir = Path(cap.out_dir)
     samples, report = load_samples(
-        data["source"],
-        data["format"],
+        data.source,
+        data.format,
         tokenizer,
-        data["max_length"],
-        data["on_error"],
-        limit=data["limit"],
+        data.max_length,
+        data.on_error,
+        limit=data.limit,
     )
-    require_samples(samples, report, data["source"], data["max_length"])
+    require_samples(samples, report, data.source, data.max_length)
     num_layers, hidden = config.get_text_config().num_hidden_layers, config.get_text_config().hidden_size
-    aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers)
-    store_dtype, compute_dtype = resolve_dtype(cap["store_dtype"]), resolve_dtype(target["dtype"])
+    aux_layers = resolve_aux_layers(cap.aux_layers, num_layers)
+    store_dtype, compute_dtype = resolve_dtype(cap.store_dtype), resolve_dtype(target.dtype)
     settings = {
-        "target": str(target["path"]),
-        "engine": cap["engine"],  # the same tensors either way, but not bit for bit: never mixed in one capture
+        "target": str(target.path),
+        "engine": cap.engine,  # the same tensors either way, but not bit for bit: never mixed in one capture
         "target_config_hash": hashlib.sha256(config.to_json_string().encode()).hexdigest()[:16],
-        "target_weights_hash": weights_hash(target["path"], compute_dtype),
+        "target_weights_hash": weights_hash(target.path, compute_dtype),
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "store_dtype": str(store_dtype).removeprefix("torch."),
@@ -343,8 +344,8 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         "num_hidden_layers": num_layers,
         "aux_layers": aux_layers,
         "samples_hash": samples_hash(samples),
-        "shard_samples": cap["shard_samples"],
-        "batch_tokens": cap["batch_tokens"],
+        "shard_samples": cap.shard_samples,
+        "batch_tokens": cap.batch_tokens,
     }
     fingerprint = settings_fingerprint(settings)
     if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == fingerprint:
@@ -354,7 +355,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
         return out_dir
 
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
-    plan = [order[i : i + cap["shard_samples"]] for i in range(0, len(order), cap["shard_samples"])]
+    plan = [order[i : i + cap.shard_samples] for i in range(0, len(order), cap.shard_samples)]
     # One run per folder: rank 0 holds the lock for the job. Each shard's sha256 is read back while the
     # next shard is captured.
     lock = output_lock(out_dir) if rank == 0 else contextlib.nullcontext(out_dir)
@@ -374,7 +375,7 @@ def run_capture(cfg: dict[str, Any]) -> Path:
                 + (f" ({ranks.dp_world} groups of {ranks.tp_size} splitting the target)" if ranks.tp_size > 1 else "")
             )
             check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
-            save_config(cfg, out_dir / "capture_config.yaml")
+            save_config(as_dict(cfg), out_dir / "capture_config.yaml")
         barrier()  # every rank has read what was done before any writes
 
         my_tokens = sum(len(samples[i].input_ids) for k in mine for i in plan[k])
@@ -404,9 +405,9 @@ def run_capture(cfg: dict[str, Any]) -> Path:
             {
                 **settings,
                 "fingerprint": fingerprint,
-                "source": str(data["source"]),
-                "format": data["format"],
-                "max_length": data["max_length"],
+                "source": str(data.source),
+                "format": data.format,
+                "max_length": data.max_length,
                 "samples": len(samples),
                 "tokens": total_tokens,
                 "loss_tokens": sum(sum(s.loss_mask) for s in samples),

@@ -36,6 +36,7 @@ from headstart.core.runtime import barrier, rank_zero_value, resolve_dtype
 from headstart.core.weights import borrowed_model
 from headstart.data_recipes.engine_client import ChatServer, EngineError
 from headstart.data_recipes.engine_server import vllm_server
+from headstart.data_recipes.settings import Capture, Target
 
 CPU_CONNECTOR = ("CPUHiddenStatesConnector", "headstart_hidden_states")  # class, module (in vllm_side/)
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -43,14 +44,14 @@ VLLM_SIDE = Path(__file__).resolve().parent / "vllm_side"
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def server_args(target: dict[str, Any], layer_ids: list[int], max_length: int, states_dir: Path) -> list[str]:
+def server_args(target: Target, layer_ids: list[int], max_length: int, states_dir: Path) -> list[str]:
     """vLLM's flags for a hidden-states server over ``layer_ids`` (ascending; the last is the target's depth).
 
     Every state is computed fresh (no prefix cache) in one piece (no chunked prefill), and the context holds the
     longest sample plus the one generated token and the step after it: past ``max_model_len`` vLLM skips the
     states step for the whole batch without a word.
     """
-    cuda = torch.cuda.is_available() and target["device"] != "cpu"
+    cuda = torch.cuda.is_available() and target.device != "cpu"
     connector = (
         {"kv_connector": STOCK_CONNECTOR}
         if cuda
@@ -68,8 +69,8 @@ def server_args(target: dict[str, Any], layer_ids: list[int], max_length: int, s
     }
     context = max_length + 2
     return [
-        "--dtype", VLLM_DTYPES[resolve_dtype(target["dtype"])],
-        "--tensor-parallel-size", str(target["tp_size"]),
+        "--dtype", VLLM_DTYPES[resolve_dtype(target.dtype)],
+        "--tensor-parallel-size", str(target.tp_size),
         "--max-model-len", str(context),
         "--max-num-batched-tokens", str(max(context, 8192)),
         "--no-enable-prefix-caching",
@@ -142,37 +143,38 @@ def read_states_file(path: str) -> dict[str, torch.Tensor]:
 
 @contextmanager
 def engine_states_for(
-    cfg: dict[str, Any], aux_layers: list[int], work_dir: Path, rank: int = 0
+    target: Target, cap: Capture, max_length: int, aux_layers: list[int], work_dir: Path, rank: int = 0
 ) -> Iterator[EngineStates]:
-    """``EngineStates`` from the server the config names (``capture.base_url``) or from one started here
-    (``capture.engine_python``, the target split ``target.tp_size`` ways; its log and files under ``work_dir``).
+    """``EngineStates`` from the server the capture section names (``cap.base_url``) or from one started here
+    (``cap.engine_python``, the target split ``target.tp_size`` ways, its context ``max_length`` tokens; its log
+    and files under ``work_dir``).
 
     Under torchrun only rank 0 starts a server, and every rank asks it (all on one machine: the states files
     are read where the server writes them); the server stops once every rank is done with it.
     """
-    target, cap = cfg["target"], cfg["capture"]
-    norm = borrowed_model(target["path"], torch.device("cpu"), resolve_dtype(target["dtype"])).get_decoder().norm
-    model = cap["model"] or str(target["path"])
-    limits = cap["concurrency"], cap["timeout_s"], cap["retries"]
+    norm = borrowed_model(target.path, torch.device("cpu"), resolve_dtype(target.dtype)).get_decoder().norm
+    model = cap.model or str(target.path)
+    limits = cap.concurrency, cap.timeout_s, cap.retries
     with ExitStack() as stack:
-        url = cap["base_url"]
+        url = cap.base_url
         if not url and (not dist.is_initialized() or dist.get_rank() == 0):
-            url = stack.enter_context(_started_server(cfg, aux_layers, work_dir, model))
+            server = _started_server(target, cap.engine_python, max_length, aux_layers, work_dir, model)
+            url = stack.enter_context(server)
         url = rank_zero_value(url)
+        assert url is not None  # the given server's, or the one rank 0 started
         stack.callback(barrier)  # runs before the server stops: no rank loses it mid-request
         yield EngineStates(stack.enter_context(ChatServer(url, model, *limits)), aux_layers, norm)
 
 
-def _started_server(cfg: dict[str, Any], aux_layers: list[int], work_dir: Path, model: str) -> Any:
-    target = cfg["target"]
+def _started_server(
+    target: Target, engine_python: str, max_length: int, aux_layers: list[int], work_dir: Path, model: str
+) -> Any:
     states_dir = work_dir / "engine-states"
     states_dir.mkdir(parents=True, exist_ok=True)
-    layers = [*aux_layers, norm_free_last_layer(target["path"])]
-    args = server_args(target, layers, cfg["data"]["max_length"], states_dir)
+    layers = [*aux_layers, norm_free_last_layer(target.path)]
+    args = server_args(target, layers, max_length, states_dir)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(VLLM_SIDE), os.environ.get("PYTHONPATH")]))}
-    return vllm_server(
-        cfg["capture"]["engine_python"], str(target["path"]), model, work_dir / "vllm.log", tuple(args), env
-    )
+    return vllm_server(engine_python, str(target.path), model, work_dir / "vllm.log", tuple(args), env)
 
 
 def norm_free_last_layer(path: str) -> int:

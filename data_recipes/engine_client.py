@@ -29,6 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
+from headstart.data_recipes.settings import Generation
+
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0  # sleep 0.5, 1, 2, 4, 8, 8, ... s between attempts
 SEED_RANGE = 2**63  # the servers take a signed 64-bit seed
 QUOTE_JSON, QUOTE_TEXT = 300, 80  # characters of an answer an error quotes: JSON, anything else
@@ -68,25 +70,25 @@ def quote(answer: Any) -> str:
     return json.dumps(answer)[:QUOTE_JSON]
 
 
-def chat_request(model: str, messages: list[dict[str, str]], generation: dict[str, Any], seed: int) -> dict[str, Any]:
+def chat_request(model: str, messages: list[dict[str, str]], generation: Generation, seed: int) -> dict[str, Any]:
     """A ``/chat/completions`` body: the reply to ``messages`` (``sampling``)."""
     return {"model": model, "messages": messages, **sampling(generation, seed)}
 
 
-def completion_request(model: str, prompt: list[int], generation: dict[str, Any], seed: int) -> dict[str, Any]:
+def completion_request(model: str, prompt: list[int], generation: Generation, seed: int) -> dict[str, Any]:
     """A ``/completions`` body: the continuation of the token ids ``prompt``, fed to the target as they are (no
     BOS added, nothing re-tokenized), ``sampling`` as a chat request samples."""
     return {"model": model, "prompt": prompt, **sampling(generation, seed)}
 
 
-def sampling(generation: dict[str, Any], seed: int) -> dict[str, Any]:
+def sampling(generation: Generation, seed: int) -> dict[str, Any]:
     """A request's sampling fields: greedy at temperature 0; sampled with top_p, top_k (vLLM's and SGLang's extra
     field, sent only when set) and a per-request seed, so a retried or resumed request samples the same."""
-    body: dict[str, Any] = {"max_tokens": generation["max_new_tokens"], "temperature": generation["temperature"]}
-    if generation["temperature"] > 0:
-        body |= {"top_p": generation["top_p"], "seed": seed % SEED_RANGE}
-        if generation["top_k"]:
-            body["top_k"] = generation["top_k"]
+    body: dict[str, Any] = {"max_tokens": generation.max_new_tokens, "temperature": generation.temperature}
+    if generation.temperature > 0:
+        body |= {"top_p": generation.top_p, "seed": seed % SEED_RANGE}
+        if generation.top_k:
+            body["top_k"] = generation.top_k
     return body
 
 

@@ -24,8 +24,12 @@ from typing import Literal, get_args
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from headstart.core.schema import PromptFormat
-
+PromptFormat = Literal["auto", "chat", "raw"]
+# The --prompt-format flag of every command that decodes bench prompts; each resolves it once (resolve_prompt_format).
+PROMPT_FORMAT_HELP = (
+    "chat: the target's chat template; raw: the text as a completion API tokenizes it; "
+    "auto: chat where the tokenizer has a template, else raw"
+)
 PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
 RAW_TURN_SEPARATOR = "\n\n"
 TEXT_PROMPT_FRACTION = 0.5  # a text's prompt: its first half of tokens; the target continues the rest

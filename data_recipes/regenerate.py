@@ -55,13 +55,12 @@ from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.io import atomic_path, atomic_write_text, output_lock
 from headstart.core.models import load_target, load_tokenizer
 from headstart.core.runtime import Ranks, barrier, join_process_group, mix_seed, rank_device, sum_over_ranks
-from headstart.core.schema import RegenerateConfig, validate_config
+from headstart.core.settings import as_dict, parse
 from headstart.data_recipes.engine_client import ChatServer, EngineError, chat_request, completion_request
 from headstart.data_recipes.prompts import TEXT_PROMPT_FRACTION, text_prompt_length
 from headstart.data_recipes.recipes import check_template, read_conversations
+from headstart.data_recipes.settings import Generation, RegenerateConfig
 
-# What ``generate_replies`` uses where the config says nothing: greedy.
-SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 PARTS_SETTINGS = "settings.json"
 
 Messages = list[dict[str, str]]
@@ -76,7 +75,7 @@ MakeChunk = Callable[[int, list[Messages]], tuple[list[Messages], int]]
 
 @torch.no_grad()
 def generate_ids(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], generation: dict[str, Any]
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], generation: Generation
 ) -> tuple[list[list[int]], int]:
     """One batched ``generate`` over token-id prompts: each one's new tokens up to its eos (left out), and how
     many hit ``max_new_tokens``."""
@@ -86,15 +85,15 @@ def generate_ids(
     # Left-padded: decoder-only generation continues from the right edge.
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    generation = SAMPLING_DEFAULTS | generation
-    sampling = {"do_sample": False}
-    if generation["temperature"] > 0:
-        sampling = {"do_sample": True, **{key: generation[key] for key in SAMPLING_DEFAULTS}}
+    sampling: dict[str, Any] = {"do_sample": False}
+    if generation.temperature > 0:
+        sampling = {"do_sample": True, "temperature": generation.temperature, "top_p": generation.top_p}
+        sampling["top_k"] = generation.top_k
     # A causal LM's class mixes in GenerationMixin; PreTrainedModel, its declared type, has no generate.
     out = model.generate(  # type: ignore[operator]
         input_ids=input_ids,
         attention_mask=attention_mask,
-        max_new_tokens=generation["max_new_tokens"],
+        max_new_tokens=generation.max_new_tokens,
         eos_token_id=eos,
         pad_token_id=pad,
         **sampling,
@@ -107,7 +106,7 @@ def generate_replies(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[dict[str, str]]],
-    generation: dict[str, Any],
+    generation: Generation,
 ) -> tuple[list[str], int]:
     """One batched ``generate`` over chat prompts; returns the replies and how many hit ``max_new_tokens``."""
     # tokenize=False: the rendered text (transformers types the result as any of apply_chat_template's forms).
@@ -119,7 +118,7 @@ def generate_replies(
 
 
 def generate_continuations(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], generation: dict[str, Any]
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], generation: Generation
 ) -> tuple[list[str], int]:
     """The ``hf`` engine's ``Continue``: one batched ``generate`` over token-id prompts."""
     new, cut_off = generate_ids(model, tokenizer, prompts, generation)
@@ -183,7 +182,7 @@ def regenerate_chunk(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     records: list[Messages],
-    generation: dict[str, Any],
+    generation: Generation,
 ) -> tuple[list[Messages], int]:
     """The ``hf`` engine: the records' texts continued in one batch, or every assistant turn of the conversations
     by the target here, one batch per turn."""
@@ -215,9 +214,7 @@ def reply_token_counter(path: str) -> Callable[[str], int]:
     return count
 
 
-def served_replies(
-    server: ChatServer, generation: dict[str, Any], first: int, count_tokens: Callable[[str], int]
-) -> Reply:
+def served_replies(server: ChatServer, generation: Generation, first: int, count_tokens: Callable[[str], int]) -> Reply:
     """The ``openai`` engine's replies for the chunk from conversation ``first`` on, its requests in flight together.
 
     A request samples with its own seed, ``mix_seed(seed, conversation, turn)``: the server's batching,
@@ -229,7 +226,7 @@ def served_replies(
         requests = []
         for i, prompt in zip(asking, prompts):
             turn = sum(m["role"] == "assistant" for m in prompt)
-            seed = mix_seed(generation["seed"], first + i, turn)
+            seed = mix_seed(generation.seed, first + i, turn)
             requests.append((chat_request(server.model, prompt, generation, seed), f"conversation {first + i}"))
         replies, cut_off = served_answers(server, requests, count_tokens)
         return [text.strip() for text in replies], cut_off  # stripped as generate_replies strips
@@ -238,7 +235,7 @@ def served_replies(
 
 
 def served_continuations(
-    server: ChatServer, generation: dict[str, Any], first: int, count_tokens: Callable[[str], int]
+    server: ChatServer, generation: Generation, first: int, count_tokens: Callable[[str], int]
 ) -> Continue:
     """The ``openai`` engine's ``Continue`` for the chunk from text ``first`` on: the server's ``/completions`` of
     the token ids themselves, not of their text, which the server would tokenize again (a text cut between two
@@ -248,7 +245,7 @@ def served_continuations(
     def continue_texts(prompts: list[list[int]]) -> tuple[list[str], int]:
         requests = []
         for i, ids in enumerate(prompts):
-            seed = mix_seed(generation["seed"], first + i, 0)
+            seed = mix_seed(generation.seed, first + i, 0)
             requests.append((completion_request(server.model, ids, generation, seed), f"text {first + i}"))
         return served_answers(server, requests, count_tokens)
 
@@ -263,32 +260,33 @@ def served_answers(
     return [text for text, _ in answers], sum(reason == "length" for _, reason in answers)
 
 
-def generation_settings(cfg: dict[str, Any], conversations: list[Messages]) -> dict[str, Any]:
+def generation_settings(cfg: RegenerateConfig, conversations: list[Messages]) -> dict[str, Any]:
     """What decides the replies besides the model: the conversations and the generation settings."""
-    regen = SAMPLING_DEFAULTS | {"seed": 0, "chunk_size": 64} | cfg["regenerate"]
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "chunk_size")  # the parts' order since v1
     settings = {
         "conversations_hash": hashlib.sha256(json.dumps(conversations).encode()).hexdigest()[:16],
-        **{key: regen[key] for key in ("max_new_tokens", *SAMPLING_DEFAULTS, "seed", "chunk_size")},
+        **cfg.regenerate.model_dump(include=set(keys)),
     }
-    if cfg["data"]["format"] == "text":  # where a text is cut decides what the target continues
+    settings = {key: settings[key] for key in ("conversations_hash", *keys)}
+    if cfg.data.format == "text":  # where a text is cut decides what the target continues
         settings["text_prompt_fraction"] = TEXT_PROMPT_FRACTION
     return settings
 
 
 def parts_settings(
-    cfg: dict[str, Any], model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conversations: list
+    cfg: RegenerateConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conversations: list
 ) -> dict[str, Any]:
     """Everything that decides the ``hf`` engine's parts: a part made under other settings is another dataset."""
     return {
-        "target": str(cfg["target"]["path"]),
-        "target_weights_hash": weights_hash(cfg["target"]["path"], model.dtype),
+        "target": str(cfg.target.path),
+        "target_weights_hash": weights_hash(cfg.target.path, model.dtype),
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "compute_dtype": str(model.dtype).removeprefix("torch."),
         **generation_settings(cfg, conversations),
     }
 
 
-def served_settings(cfg: dict[str, Any], served: dict[str, Any], conversations: list) -> dict[str, Any]:
+def served_settings(cfg: RegenerateConfig, served: dict[str, Any], conversations: list) -> dict[str, Any]:
     """The ``openai`` engine's parts: the model as the server names it, not its weights, which it cannot hash.
 
     ``engine`` keeps these parts apart from the ``hf`` engine's (whose settings hold hashes these lack).
@@ -297,7 +295,7 @@ def served_settings(cfg: dict[str, Any], served: dict[str, Any], conversations: 
     """
     return {
         "engine": "openai",
-        "target": str(cfg["target"]["path"]),
+        "target": str(cfg.target.path),
         "served_model": served["id"],
         "served_root": served.get("root"),  # the folder vLLM loaded; None where a server does not say
         **generation_settings(cfg, conversations),
@@ -305,12 +303,12 @@ def served_settings(cfg: dict[str, Any], served: dict[str, Any], conversations: 
 
 
 @contextmanager
-def chunk_generator(cfg: dict[str, Any], conversations: list[Messages]) -> Iterator[tuple[dict[str, Any], MakeChunk]]:
+def chunk_generator(cfg: RegenerateConfig, conversations: list[Messages]) -> Iterator[tuple[dict[str, Any], MakeChunk]]:
     """The parts' settings, and what regenerates chunk k, for the configured engine."""
-    regen = cfg["regenerate"]
-    if regen["engine"] == "hf":
-        model, tokenizer = load_target({**cfg["target"], "device": str(rank_device(cfg["target"]["device"]))})
-        check_template(tokenizer, cfg["data"]["source"], cfg["data"]["format"])  # before a chunk, naming data.format
+    regen, target = cfg.regenerate, cfg.target
+    if regen.engine == "hf":
+        model, tokenizer = load_target(target.path, str(rank_device(target.device)), target.dtype, target.tp_size)
+        check_template(tokenizer, cfg.data.source, cfg.data.format)  # before a chunk, naming data.format
         settings = parts_settings(cfg, model, tokenizer, conversations)
 
         def hf_chunk(k: int, chunk: list[Messages]) -> tuple[list[Messages], int]:
@@ -319,11 +317,12 @@ def chunk_generator(cfg: dict[str, Any], conversations: list[Messages]) -> Itera
 
         yield settings, hf_chunk
         return
-    model_name = regen["model"] or str(cfg["target"]["path"])  # `vllm serve PATH` names the model PATH
-    limits = regen["concurrency"], regen["timeout_s"], regen["retries"]
-    count_tokens = reply_token_counter(str(cfg["target"]["path"]))
-    texts = text_tokenizer(str(cfg["target"]["path"])) if cfg["data"]["format"] == "text" else None
-    with ChatServer(regen["base_url"], model_name, *limits) as server:
+    model_name = regen.model or str(target.path)  # `vllm serve PATH` names the model PATH
+    limits = regen.concurrency, regen.timeout_s, regen.retries
+    count_tokens = reply_token_counter(str(target.path))
+    texts = text_tokenizer(str(target.path)) if cfg.data.format == "text" else None
+    assert regen.base_url is not None  # the openai engine's (Regenerate's own check)
+    with ChatServer(regen.base_url, model_name, *limits) as server:
         settings = served_settings(cfg, server.served_model(), conversations)
         if texts is not None:
             settings["tokenizer_hash"] = tokenizer_hash(texts)  # it cut the prompts the server continues
@@ -400,24 +399,23 @@ def as_record(messages: Messages) -> dict[str, Any]:
     return {"text": messages[0]["content"]} if is_text([messages]) else {"messages": messages}
 
 
-def run_regenerate(cfg: dict[str, Any]) -> Path:
-    """Write the target's own version of ``cfg['data']`` to ``cfg['regenerate']['out']``.
+def run_regenerate(given: dict[str, Any] | RegenerateConfig) -> Path:
+    """Write the target's own version of the config's ``data`` to ``regenerate.out``.
 
-    The config is checked first (``core.schema.RegenerateConfig``), before the target is loaded.
+    A loaded config is checked first (``RegenerateConfig``), before the target is loaded.
     """
-    cfg = validate_config(cfg, RegenerateConfig)
-    data, regen = cfg["data"], cfg["regenerate"]
-    text = data["format"] == "text"
-    out = Path(regen["out"])
+    cfg = given if isinstance(given, RegenerateConfig) else parse(given, RegenerateConfig)
+    data, regen = cfg.data, cfg.regenerate
+    text = data.format == "text"
+    out = Path(regen.out)
     if out.exists():
         print(f"{out} exists; reusing it (delete it to regenerate)")
         return out
     # The hf engine under torchrun: target.tp_size ranks split the target, the groups split the chunks.
-    tp_size = cfg["target"]["tp_size"] if regen["engine"] == "hf" else 1
-    ranks = join_process_group(rank_device(cfg["target"]["device"]), tp_size)
+    tp_size = cfg.target.tp_size if regen.engine == "hf" else 1
+    ranks = join_process_group(rank_device(cfg.target.device), tp_size)
     conversations = [
-        messages
-        for _, messages in read_conversations(data["source"], data["format"], data["on_error"], limit=data["limit"])
+        messages for _, messages in read_conversations(data.source, data.format, data.on_error, limit=data.limit)
     ]
     with chunk_generator(cfg, conversations) as (settings, make_chunk):
         size = settings["chunk_size"]
@@ -425,19 +423,20 @@ def run_regenerate(cfg: dict[str, Any]) -> Path:
         parts_dir = out.with_name(out.name + ".parts")
         with output_lock(parts_dir) if ranks.rank == 0 else nullcontext(parts_dir) as parts:
             if ranks.rank == 0:
-                check_parts(parts, settings, regen["discard_stale_parts"])
+                check_parts(parts, settings, regen.discard_stale_parts)
             barrier()  # the parts folder exists and holds only parts of these settings
             cut_off = sum_over_ranks(write_parts(parts, chunks, make_chunk, ranks))
             barrier()  # every part is written
             if ranks.rank != 0:
                 return out
-            save_config(cfg, out.with_name(out.name + ".config.yaml"))  # first: the output never stands without it
+            # First: the output never stands without it.
+            save_config(as_dict(cfg), out.with_name(out.name + ".config.yaml"))
             atomic_write_text(out, "".join((parts / f"part-{k:05d}.jsonl").read_text() for k in range(len(chunks))))
             shutil.rmtree(parts)
     print(
         f"regenerate: wrote {len(conversations)} {'texts' if text else 'conversations'} to {out} "
         f"(format: {'text' if text else 'messages'}); "
-        f"{cut_off} replies this run stopped at max_new_tokens={regen['max_new_tokens']}"
+        f"{cut_off} replies this run stopped at max_new_tokens={regen.max_new_tokens}"
     )
     return out
 

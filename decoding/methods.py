@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 from transformers import PreTrainedModel
 
-from headstart.core.schema import Eval
+from headstart.core.settings import Count, Section
 from headstart.decoding.proposers import (
     DFlash,
     Drafter,
@@ -38,9 +41,43 @@ METHODS = (
     "eagle", "eagle3", "peagle", "medusa", "dflash",
 )  # fmt: skip
 HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # decoding.proposers.head_method
+TREE_SHAPES = ("static", "dynamic")
 
 
-_EVAL = Eval.model_fields
+class TreeSettings(Section):
+    """The tree flags of the commands that decode (``eval.acceptance``'s section is made of these): declared
+    once, here, with their defaults."""
+
+    tree: str | None = Field(
+        None,
+        description="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model, self_spec and "
+        "EAGLE (n-gram and DFlash stay chains, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of "
+        "EAGLE and DFlash methods (DFlash: static ones), or of draft_model / self_spec (with its exit layer) when "
+        "tuned for them; null: chains for ngram/draft_model/self_spec/DFlash, EAGLE and DFlash a head folder's "
+        "tree.json, else EAGLE dynamic; suffix and lookahead draft their own trees",
+    )
+    top_k_draft: Count = Field(8, description="children per node in dynamic trees")
+    depth: Count = Field(5, description="draft length / tree depth (suffix: the most nodes it drafts)")
+    total_tokens: Count = Field(48, description="tree nodes kept (dynamic and Medusa trees)")
+    exit_layer: Count | None = Field(
+        None, description="self_spec: the target's first N layers (with its final norm and lm_head) draft; null: half"
+    )
+
+    @field_validator("tree")
+    @classmethod
+    def _a_shape_or_a_file(cls, tree: str | None) -> str | None:
+        if tree is not None and tree not in TREE_SHAPES and not Path(tree).is_file():
+            raise PydanticCustomError(
+                "value", "must be static, dynamic or a tree.json file (no file {tree})", {"tree": tree}
+            )
+        return tree
+
+    def tree_file(self) -> Path | None:
+        """The tree.json ``tree`` names, if it names one."""
+        return Path(self.tree) if self.tree is not None and self.tree not in TREE_SHAPES else None
+
+
+_TREE = TreeSettings.model_fields
 
 
 @dataclass(frozen=True)
@@ -50,11 +87,11 @@ class TreeFlags:
     Medusa its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model, self_spec and EAGLE too; DFlash stays a
     chain). suffix drafts a tree of at most ``depth`` nodes, lookahead its window and pool n-grams (own sizes)."""
 
-    # The defaults are eval.acceptance's (core.schema.Eval): declared once, there.
+    # The defaults are TreeSettings': declared once, there.
     shape: str | None = None
-    top_k: int = _EVAL["top_k_draft"].default  # children per node in dynamic trees
-    depth: int = _EVAL["depth"].default  # draft length / tree depth
-    total_tokens: int = _EVAL["total_tokens"].default  # tree nodes kept (dynamic and Medusa trees)
+    top_k: int = _TREE["top_k_draft"].default
+    depth: int = _TREE["depth"].default
+    total_tokens: int = _TREE["total_tokens"].default
     exit_layer: int | None = None  # self_spec: the target layers that draft (None: half of them)
 
 

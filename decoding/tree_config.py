@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
-from headstart.core.schema import Count, Dtype, NonNegative, Section, check_config
+from headstart.core.settings import Count, Dtype, NonNegative, Section, check
 
 if TYPE_CHECKING:  # heads load torch; tree.json readers (the model cards) do not need it
     from headstart.heads import HeadConfig, HeadFolder
@@ -38,9 +38,14 @@ if TYPE_CHECKING:  # heads load torch; tree.json readers (the model cards) do no
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
 PREDICTED_KEYS = ("predicted_tau", "predicted_tokens_per_s", "predicted_vanilla_tokens_per_s")
-EAGLE_DEFAULT = {"shape": "dynamic", "total_tokens": 60, "depth": 6, "top_k": 10}  # EAGLE-2's published default
+EAGLE_DEFAULT: dict[str, Any] = {
+    "shape": "dynamic",
+    "total_tokens": 60,
+    "depth": 6,
+    "top_k": 10,
+}  # EAGLE-2's published default
 
-# A JSON number, strictly: unlike core.schema's Float, no numeric string (JSON has no YAML 1.1 quirk to allow for).
+# A JSON number, strictly: unlike core.settings' Float, no numeric string (JSON has no YAML 1.1 quirk to allow for).
 Number = Annotated[float, Field(allow_inf_nan=False)]
 RankPath = Annotated[list[NonNegative], Field(min_length=1)]  # a node: its ancestors' candidate ranks, then its own
 
@@ -116,7 +121,7 @@ def check_tree(config: object, where: str) -> dict:
     schedule rules; ValueError naming ``where``, each key and its value. Returns ``config`` itself: its own keys."""
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object of tree keys, got {type(config).__name__}")
-    _, problems = check_config(config, TreeFile)
+    _, problems = check(config, TreeFile)
     if not problems:
         problems = _tree_rules(TreeFile.model_validate(config), config)
     if problems:

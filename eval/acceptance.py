@@ -20,30 +20,30 @@ template where its tokenizer has one, else as raw text the way a completion API 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, ClassVar
 
 import torch
 import transformers
+from pydantic import Field
 from transformers import AutoConfig
 
 from headstart.core.config import save_config
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
-from headstart.core.schema import flag_problems, flags_config
+from headstart.core.settings import CommandFlags, Count, Dtype, Float, Folder, NonNegative, NonNegativeFloat
 from headstart.core.weights import safetensors_bytes
 from headstart.data_recipes.bench import (
     BenchItem,
-    add_prompt_format_flag,
     check_positions,
     check_token_ids,
     load_bench,
     longest_context,
 )
-from headstart.data_recipes.prompts import resolve_prompt_format
-from headstart.decoding.methods import HEAD_METHODS, METHODS, TreeFlags, build_proposer
+from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
+from headstart.decoding.methods import HEAD_METHODS, METHODS, TreeFlags, TreeSettings, build_proposer
 from headstart.decoding.proposers import check_draft_vocab, head_method
 from headstart.decoding.tree_config import check_tree_vocab, head_tree_configs
 from headstart.decoding.verify import Proposer, Sampling
@@ -52,6 +52,39 @@ from headstart.eval.report import prompts_rendered, write_matrix_report, write_r
 from headstart.eval.run import MethodRun, divergences, run_methods, summarize
 from headstart.eval.timing import machine
 from headstart.heads import HeadConfig, HeadFolder, load_head, read_head_folder
+
+
+class Eval(CommandFlags, TreeSettings):
+    """``python -m eval.acceptance``'s flags, the config's ``eval:`` section: acceptance length and speedup against
+    vanilla decoding (the tree flags are ``decoding.methods.TreeSettings``)."""
+
+    section: ClassVar[str] = "eval"
+
+    target: str = Field(description="target model folder or hub id")
+    head: list[str] = Field([], description="head folders, one per head method")
+    draft: str | None = Field(None, description="draft model for method draft_model")
+    allow_other_tokenizer: bool = Field(
+        False, description="evaluate heads trained with another tokenizer than the target's (refused by default)"
+    )
+    method: Annotated[list[str], Field(min_length=1, description=f"of: {', '.join(METHODS)}")]
+    bench: str = Field(description="JSONL: Spec-Bench, GSM8K, messages, prompt/text or input_ids records")
+    prompt_format: PromptFormat = Field("auto", description=PROMPT_FORMAT_HELP)
+    limit: Count | None = Field(None, description="prompts to run, round-robin over categories; null: every prompt")
+    per_group: Count | None = Field(
+        None, description="prompts from each category group (eval.matrix.GROUPS), round-robin over its categories"
+    )
+    max_new_tokens: Count = Field(128, description="per turn")
+    temperature: NonNegativeFloat = 0.0
+    temperatures: list[NonNegativeFloat] = Field(
+        [], description="every method at each one: the matrix per category group (eval.matrix)"
+    )
+    top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
+    top_k: NonNegative = 0
+    seed: NonNegative = 0
+    device: str = Field("auto", description="auto, cpu or cuda")
+    dtype: Dtype = "fp32"
+    tp_size: Count = Field(1, description="split the target across this many torchrun processes")
+    out: Folder = Field(description="the report folder")
 
 
 def heads_by_method(head_dirs: list[str]) -> dict[str, HeadFolder]:
@@ -92,94 +125,10 @@ def training_tau(config: HeadConfig, kind: str) -> float | None:
     return (config.training or {}).get(kind)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _tree(text: str) -> str | Path:
-    if text in ("static", "dynamic"):
-        return text
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"expected static, dynamic or a tree.json file; no file {text}")
-    return Path(text)
-
-
-def _temperatures(text: str) -> list[float]:
-    values = [float(t) for t in text.split(",") if t.strip()]
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated temperatures >= 0, got {text!r}")
-    return values
-
-
-def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The parsed flags through the eval section's ranges (``core.schema.flag_problems``)."""
-    if problems := flag_problems("eval", args):
-        parser.error("; ".join(problems))
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.acceptance", description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="target model folder or hub id")
-    p.add_argument("--head", action="append", default=[], help="head folder(s); repeat or comma-separate")
-    p.add_argument("--draft", help="draft model for method draft_model")
-    p.add_argument(
-        "--allow-other-tokenizer",
-        action="store_true",
-        help="evaluate heads trained with another tokenizer than the target's (refused by default)",
-    )
-    p.add_argument("--method", required=True, help=f"comma-separated, of: {', '.join(METHODS)}")
-    p.add_argument(
-        "--bench", required=True, help="JSONL: Spec-Bench, GSM8K, messages, prompt/text or input_ids records"
-    )
-    add_prompt_format_flag(p)
-    p.add_argument("--limit", type=_positive, help="prompts to run, round-robin over categories")
-    p.add_argument(
-        "--per-group",
-        type=_positive,
-        help="prompts from each category group (eval.matrix.GROUPS), round-robin over its categories",
-    )
-    p.add_argument("--max-new-tokens", type=_positive, default=128, help="per turn")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument(
-        "--temperatures",
-        default=[],
-        type=_temperatures,
-        help="comma-separated: every method at each one, the matrix per category group (eval.matrix)",
-    )
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument(
-        "--tree",
-        type=_tree,
-        help="static: chains (Medusa: its fixed tree); dynamic: EAGLE-2 trees for draft_model, self_spec and EAGLE "
-        "(n-gram and DFlash stay chains, Medusa a fixed tree); a tree.json FILE (eval.autotune): the tree of "
-        "EAGLE and DFlash methods (DFlash: static ones), or of draft_model / self_spec (with its exit layer) "
-        "when tuned for them; default: chains for ngram/draft_model/self_spec/DFlash, "
-        "EAGLE and DFlash a head folder's tree.json, else EAGLE dynamic; suffix and lookahead draft their own trees",
-    )
-    p.add_argument("--top-k-draft", type=_positive, default=8, help="children per node in dynamic trees")
-    p.add_argument(
-        "--depth", type=_positive, default=5, help="draft length / tree depth (suffix: the most nodes it drafts)"
-    )
-    p.add_argument("--total-tokens", type=_positive, default=48, help="tree nodes kept (dynamic and Medusa trees)")
-    p.add_argument(
-        "--exit-layer",
-        type=_positive,
-        help="self_spec: the target's first N layers (with its final norm and lm_head) draft; default: half of them",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto|cpu|cuda")
-    p.add_argument("--dtype", default="fp32", help="fp32|bf16")
-    p.add_argument("--tp-size", type=_positive, default=1, help="split the target across this many torchrun processes")
-    p.add_argument("--out", required=True, type=Path)
-    args = p.parse_args(argv)
-    args.method = [m.strip() for m in args.method.split(",") if m.strip()]
-    args.head = [h.strip() for arg in args.head for h in arg.split(",") if h.strip()]
-    check_flags(p, args)  # the eval section's ranges (0 < --top-p <= 1, ...)
-    return args
+def parse_args(argv: list[str] | None = None) -> Eval:
+    """The command line as validated settings: the flags are ``Eval``'s fields."""
+    parser = Eval.parser("python -m eval.acceptance", __doc__.split("\n")[0])
+    return Eval.parse_flags(parser, argv)[0]
 
 
 def _describe(d: dict) -> str:
@@ -189,7 +138,7 @@ def _describe(d: dict) -> str:
     return f"vanilla {d['vanilla_token']} vs {d['method_token']}, target logit gap {d['logit_gap']:.4f}: {kind}"
 
 
-def check_matrix_flags(args: argparse.Namespace) -> None:
+def check_matrix_flags(args: Eval) -> None:
     """Refuse flag pairs of which one would silently lose: the prompt count, the temperature."""
     if args.per_group and args.limit:
         raise ValueError("give --limit (prompts in all) or --per-group (prompts per category group), not both")
@@ -212,13 +161,14 @@ class Loaded:
     ranks: Ranks  # a split target: every rank decodes, the first writes
 
 
-def load(args: argparse.Namespace) -> Loaded:
+def load(args: Eval) -> Loaded:
     """Check the flags, then load the prompts, the target, the draft model and heads, and build the proposers."""
     head_folders = heads_by_method(args.head)
     head_dirs = {method: head.path for method, head in head_folders.items()}
     check_methods(args.method, head_dirs, args.draft)
     check_matrix_flags(args)
-    tree_configs = head_tree_configs(head_folders, args.tree, args.method)  # every tree.json, before any model loads
+    # Every tree.json, before any model loads.
+    tree_configs = head_tree_configs(head_folders, args.tree_file() or args.tree, args.method)
     items = load_bench(args.bench, args.limit)
     if args.per_group:
         items = pick_per_group(items, args.per_group)
@@ -233,21 +183,21 @@ def load(args: argparse.Namespace) -> Loaded:
     target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
     device = target.device
     prepare_decoding(device)
-    draft = load_model(args.draft, device, dtype) if "draft_model" in args.method else None
-    if draft is not None:
+    draft = load_model(args.draft, device, dtype) if args.draft and "draft_model" in args.method else None
+    if draft is not None and args.draft:
         check_draft_vocab(draft, target, args.draft, args.target)
     heads = {m: load_head(h, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, h in head_folders.items()}
     for method, model, name in (("draft_model", draft, args.draft), ("self_spec", target, args.target)):
         if method in tree_configs and model is not None:  # a head's tree met its head's vocabulary in head_tree_configs
             check_tree_vocab(tree_configs[method], model.config.vocab_size, str(args.tree), f"the model {name}")
-    shape = args.tree if isinstance(args.tree, str) else None  # a tree.json reaches EAGLE through tree_configs
+    shape = None if args.tree_file() else args.tree  # a tree.json reaches EAGLE through tree_configs
     flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
     proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
     return Loaded(items, target, tokenizer, prompt_format, head_folders, tree_configs, proposers, device, ranks)
 
 
-def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict]:
+def measure(args: Eval, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict]:
     """Every method over the prompts at ``temperature``: the runs and their report entries."""
     sampling = Sampling(temperature=temperature, top_p=args.top_p, top_k=args.top_k)
     target, tokenizer, items, prompt_format = loaded.target, loaded.tokenizer, loaded.items, loaded.prompt_format
@@ -273,7 +223,7 @@ def measure(args: argparse.Namespace, loaded: Loaded, temperature: float) -> tup
     return runs, methods
 
 
-def settings(args: argparse.Namespace, loaded: Loaded) -> dict:
+def settings(args: Eval, loaded: Loaded) -> dict:
     """The report's header: what ran, on what, with which settings (the temperature: each run's own)."""
     return {
         "target": str(args.target),
@@ -330,14 +280,16 @@ def warn_mismatches(methods: dict) -> None:
                 print(f"  {d['prompt']} turn {d['turn']} token {d['token']}: {_describe(d)}", file=sys.stderr)
 
 
-def run_matrix(args: argparse.Namespace, loaded: Loaded, header: dict) -> dict:
+def run_matrix(args: Eval, loaded: Loaded, header: dict) -> dict:
     """Every method at each of ``--temperatures``: each temperature's report under ``T<t>/``, the matrix in
     ``--out``; returns the matrix."""
     rows = []
     for temperature in args.temperatures:
         runs, methods = measure(args, loaded, temperature)
         if loaded.ranks.rank == 0:
-            write_report(header | {"temperature": temperature, "methods": methods}, args.out / f"T{temperature:g}")
+            write_report(
+                header | {"temperature": temperature, "methods": methods}, Path(args.out) / f"T{temperature:g}"
+            )
             warn_mismatches(methods)
         rows.append(temperature_row(temperature, runs, methods))
     matrix = header | {
@@ -352,7 +304,11 @@ def run_matrix(args: argparse.Namespace, loaded: Loaded, header: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: Eval) -> dict:
+    """The evaluation ``args`` describe (from flags, or a config's ``eval:`` section): its report."""
     loaded = load(args)
     header = settings(args, loaded)
     if args.temperatures:
@@ -366,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     if loaded.ranks.rank != 0:  # the other ranks of a split target decoded in lockstep; the first writes
         return report
     note = f"prompts: {prompts_rendered(args.prompt_format, loaded.prompt_format)}"
-    save_config(flags_config("eval", args), args.out / "eval_config.yaml", note)  # `headstart eval --config`
+    save_config(args.as_config(), Path(args.out) / "eval_config.yaml", note)  # `headstart eval --config`
     if "vanilla" not in args.method:
         print("note: vanilla was not requested; it ran anyway as the speedup baseline", file=sys.stderr)
     return report

@@ -38,15 +38,16 @@ template where the tokenizer has one, else raw text); autotune.json and its repo
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import cast
+from typing import Annotated, ClassVar, cast
 
 import torch
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
@@ -54,16 +55,15 @@ from headstart.core.config import save_config
 from headstart.core.io import atomic_write_text
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
-from headstart.core.schema import flag_problems, flags_config
+from headstart.core.settings import CommandFlags, Count, Dtype, Folder, NonNegative
 from headstart.core.weights import safetensors_bytes
 from headstart.data_recipes.bench import (
-    add_prompt_format_flag,
     check_token_ids,
     load_bench,
     longest_context,
     turn_prompt,
 )
-from headstart.data_recipes.prompts import resolve_prompt_format
+from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
 from headstart.decoding.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
 from headstart.eval.report import prompts_rendered, write_autotune_report
@@ -71,6 +71,65 @@ from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, f
 from headstart.eval.timing import machine, measure_costs
 from headstart.eval.tune_runs import calibrate, validate, validate_batches, validation_checks, validation_rows
 from headstart.heads import DraftHead, load_head
+
+
+class Autotune(CommandFlags):
+    """``python -m eval.autotune``'s flags, the config's ``autotune:`` section: the draft tree with the best
+    expected tokens/s on this machine."""
+
+    section: ClassVar[str] = "autotune"
+
+    target: str = Field(description="target model folder or hub id")
+    # What to tune for: exactly one of head, draft and self_spec.
+    head: str | None = Field(
+        None, description="EAGLE-1/2, EAGLE-3, P-EAGLE or DFlash head folder (DFlash: static trees within its block)"
+    )
+    draft: str | None = Field(None, description="a draft model folder (method draft_model)")
+    self_spec: bool = Field(
+        False, description="self-speculative decoding: tune the exit layer (--exit-layers) and its tree"
+    )
+    exit_layers: list[Count] | None = Field(
+        None, description="--self-spec: the exit layers to try; null: 1 .. layers - 1"
+    )
+    allow_other_tokenizer: bool = Field(
+        False, description="tune a head trained with another tokenizer than the target's (refused by default)"
+    )
+    bench: str = Field("assets/data/gsm8k_test.jsonl", description="JSONL prompts (see data_recipes.bench)")
+    prompt_format: PromptFormat = Field("auto", description=PROMPT_FORMAT_HELP)
+    offset: NonNegative = Field(0, description="bench prompts to skip (e.g. those a later eval uses)")
+    calibration: Count = Field(8, description="prompts for the acceptance statistics")
+    heldout: Count = Field(8, description="further prompts for the validation grid")
+    max_new_tokens: Count = 128
+    max_nodes: Count = Field(48, description="largest tree the tuner considers")
+    max_depth: Count = 8
+    comb_width: Count = Field(8, description="candidates per depth in the calibration tree")
+    batch_size: Count = Field(1, description="the batch size to tune the tree for")
+    batch_sizes: Annotated[list[Count], Field(min_length=1, description="shown in the batch table")] = [1, 2, 4, 8]
+    repeats: Count = Field(7, description="timings per point (the median is kept)")
+    device: str = Field("auto", description="auto, cpu or cuda")
+    dtype: Dtype = "fp32"
+    tp_size: Count = Field(1, description="split the target across this many torchrun processes")
+    seed: NonNegative = 0
+    out: Folder = Field(description="folder for tree.json, autotune.json/.md/.png")
+    write_head: bool = Field(False, description="also write <head>/tree.json (eval.acceptance reads it)")
+
+    @model_validator(mode="after")
+    def _one_draft_source(self) -> Autotune:
+        given = [name for name in ("head", "draft", "self_spec") if getattr(self, name)]
+        if len(given) != 1:
+            raise PydanticCustomError(
+                "section_rule",
+                "give exactly one of head, draft and self_spec (got {given})",
+                {"given": given or "none"},
+            )
+        if self.write_head and not self.head:
+            raise PydanticCustomError(
+                "section_rule",
+                "write_head needs head (a draft model or self-spec tree.json goes to eval.acceptance --tree)",
+            )
+        if self.batch_size not in self.batch_sizes:  # the batch size tuned for is in the batch table
+            self.batch_sizes = sorted({*self.batch_sizes, self.batch_size})
+        return self
 
 
 @dataclass
@@ -86,65 +145,13 @@ class Tuned:
     vanilla: Choice
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def parse_args(argv: list[str] | None = None) -> Autotune:
+    """The command line as validated settings: the flags are ``Autotune``'s fields."""
+    parser = Autotune.parser("python -m eval.autotune", __doc__.split("\n")[0])
+    return Autotune.parse_flags(parser, argv)[0]
 
 
-def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The parsed flags through the autotune section's ranges (``core.schema.flag_problems``)."""
-    if problems := flag_problems("autotune", args):
-        parser.error("; ".join(problems))
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.autotune", description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="target model folder or hub id")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--head", help="EAGLE-1/2, EAGLE-3, P-EAGLE or DFlash head folder (DFlash: static trees within its block)"
-    )
-    source.add_argument("--draft", help="a draft model folder (method draft_model)")
-    source.add_argument(
-        "--self-spec",
-        action="store_true",
-        help="self-speculative decoding: tune the exit layer (--exit-layers) and its tree; the target drafts",
-    )
-    p.add_argument(
-        "--exit-layers", type=_int_list, help="--self-spec: the exit layers to try (default: 1 .. layers - 1)"
-    )
-    p.add_argument(
-        "--allow-other-tokenizer",
-        action="store_true",
-        help="tune a head trained with another tokenizer than the target's (refused by default)",
-    )
-    p.add_argument("--bench", default="assets/data/gsm8k_test.jsonl", help="JSONL prompts (see data_recipes.bench)")
-    add_prompt_format_flag(p)
-    p.add_argument("--offset", type=int, default=0, help="bench prompts to skip (e.g. those a later eval uses)")
-    p.add_argument("--calibration", type=int, default=8, help="prompts for the acceptance statistics")
-    p.add_argument("--heldout", type=int, default=8, help="further prompts for the validation grid")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-nodes", type=int, default=48, help="largest tree the tuner considers")
-    p.add_argument("--max-depth", type=int, default=8)
-    p.add_argument("--comb-width", type=int, default=8, help="candidates per depth in the calibration tree")
-    p.add_argument("--batch-size", type=int, default=1, help="the batch size to tune the tree for")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8], help="shown in the batch table")
-    p.add_argument("--repeats", type=int, default=7, help="timings per point (the median is kept)")
-    p.add_argument("--device", default="auto", help="auto|cpu|cuda")
-    p.add_argument("--dtype", default="fp32", help="fp32|bf16")
-    p.add_argument("--tp-size", type=int, default=1, help="split the target across this many torchrun processes")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, type=Path, help="folder for tree.json, autotune.json/.md/.png")
-    p.add_argument("--write-head", action="store_true", help="also write <head>/tree.json (eval.acceptance reads it)")
-    args = p.parse_args(argv)
-    check_flags(p, args)  # the autotune section's ranges (--max-depth >= 1, ...)
-    if args.write_head and not args.head:
-        p.error("--write-head needs --head (a draft model or self-spec tree.json goes to eval.acceptance --tree)")
-    if args.batch_size not in args.batch_sizes:
-        args.batch_sizes = sorted({*args.batch_sizes, args.batch_size})
-    return args
-
-
-def draft_sources(args: argparse.Namespace, target: PreTrainedModel, dtype: torch.dtype) -> dict[str, DraftSource]:
+def draft_sources(args: Autotune, target: PreTrainedModel, dtype: torch.dtype) -> dict[str, DraftSource]:
     """What to tune, by name: the head, the draft model, or the target's early exit at each exit layer."""
     if args.head:
         tokenizer = load_tokenizer(args.target)
@@ -177,7 +184,11 @@ def tree_json(choice: Choice, vanilla: Choice, batch: dict[int, dict], meta: dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: Autotune) -> dict:
+    """The tuning ``args`` describe (from flags, or a config's ``autotune:`` section): its result."""
     seed_everything(args.seed)
     dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
     wanted = args.offset + args.calibration + args.heldout
@@ -186,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"{args.bench}: fewer than --offset + --calibration + --heldout = {wanted} prompts")
     prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
     check_token_ids(tokenizer, items)
-    drafters = safetensors_bytes(args.head or args.draft) if args.head or args.draft else 0
+    drafter = args.head or args.draft
+    drafters = safetensors_bytes(drafter) if drafter else 0
     context = longest_context(tokenizer, items, args.max_new_tokens, prompt_format) + max(
         args.max_nodes, EAGLE_DEFAULT["total_tokens"]
     )
@@ -260,12 +272,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Written before the (long) validation, so an interrupted run still leaves its choice.
     config = json.dumps(tree_json(chosen, vanilla, batch, meta) | schedules, indent=2) + "\n"
     if ranks.rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out / "tree.json", config)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "tree.json", config)
         note = f"prompts: {prompts_rendered(args.prompt_format, prompt_format)}"
         # What `headstart autotune --config` reads, what auto became in a comment.
-        save_config(flags_config("autotune", args), args.out / "autotune_config.yaml", note)
-        if args.write_head:
+        save_config(args.as_config(), out / "autotune_config.yaml", note)
+        if args.write_head and args.head:
             atomic_write_text(Path(args.head) / "tree.json", config)
 
     # P-EAGLE and DFlash draft every depth in one forward: they have no dynamic trees to compare with.
@@ -309,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
         ],  # fmt: skip
     }
     if ranks.rank == 0:  # the other ranks of a split target ran the same forwards
-        print(write_autotune_report(result, args.out))
+        print(write_autotune_report(result, Path(args.out)))
     return result
 
 

@@ -15,25 +15,46 @@ load), ``layers`` (the Llama draft layer: norm, rotary, attention over the KV ca
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
-from headstart.heads.config import CONFIG_NAME, DraftArch, HeadConfig, HeadFolder, read_head_config, read_head_folder
-from headstart.heads.dflash import DFlashHead
-from headstart.heads.eagle import EagleHead
-from headstart.heads.eagle3 import Eagle3Head, build_vocab_mapping, ttt_attention_mask
+from headstart.heads.config import (
+    CONFIG_NAME,
+    DraftArch,
+    HeadConfig,
+    HeadFolder,
+    HeadOptions,
+    HeadSettings,
+    read_head_config,
+    read_head_folder,
+)
+from headstart.heads.dflash import DFlashHead, DflashOptions
+from headstart.heads.eagle import EagleHead, EagleOptions
+from headstart.heads.eagle3 import Eagle3Head, Eagle3Options, build_vocab_mapping, ttt_attention_mask
 from headstart.heads.layers import KVCache
-from headstart.heads.medusa import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
+from headstart.heads.medusa import Lora, MedusaHead, MedusaOptions, medusa2_wrap, medusa_loss, medusa_weight_at
 from headstart.heads.target import arch_from_target, check_compatible, check_tokenizer
 
 HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead, DFlashHead)}
 
+# The config's head: section: its ``type`` picks the options model, so a key is checked against that head's options.
+Head = Annotated[EagleOptions | Eagle3Options | MedusaOptions | DflashOptions, Field(discriminator="type")]
+
 __all__ = [
     "CONFIG_NAME",
     "HEADS",
+    "DflashOptions",
+    "Eagle3Options",
+    "EagleOptions",
+    "Head",
+    "HeadOptions",
+    "HeadSettings",
+    "Lora",
+    "MedusaOptions",
     "WEIGHTS_NAME",
     "DFlashHead",
     "DraftArch",
@@ -50,6 +71,7 @@ __all__ = [
     "check_compatible",
     "check_head_config",
     "check_tokenizer",
+    "head_options",
     "load_head",
     "medusa2_wrap",
     "meta_head",
@@ -62,6 +84,10 @@ __all__ = [
 ]
 
 
+def _type_of(settings: HeadSettings) -> str:
+    return settings.type if isinstance(settings, HeadOptions) else settings.get("type")  # type: ignore[return-value]
+
+
 def _head_class(head_type: str) -> type[DraftHead]:
     if head_type not in HEADS:
         raise ValueError(f"unknown head type {head_type!r}; known: {sorted(HEADS)}")
@@ -69,21 +95,27 @@ def _head_class(head_type: str) -> type[DraftHead]:
 
 
 def build_head(
-    head_cfg: dict[str, Any], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
+    settings: HeadSettings, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> DraftHead:
-    """A fresh head of ``head_cfg["type"]`` for ``target_model``; the other keys are that head's options.
+    """A fresh head for ``target_model``: ``settings`` is a config's validated ``head:`` section, or a mapping
+    whose ``type`` names the head and whose other keys are its options.
 
     ``tokenizer`` (the target's) is recorded in the head's config, for ``load_head`` to check.
     """
-    return _head_class(head_cfg["type"]).build(head_cfg, target_model, tokenizer)
+    return _head_class(_type_of(settings)).build(settings, target_model, tokenizer)
 
 
-def meta_head(head_cfg: dict[str, Any], target_config: PretrainedConfig) -> DraftHead:
+def head_options(settings: HeadSettings) -> HeadOptions:
+    """The validated options of the head type ``settings`` names (a copy: ``DraftHead.options_of``)."""
+    return _head_class(_type_of(settings)).options_of(settings)
+
+
+def meta_head(settings: HeadSettings, target_config: PretrainedConfig) -> DraftHead:
     """The head ``build_head`` would build for a target of ``target_config``, on the meta device: its parameters
     without memory, for sizing a run before anything is loaded (``core.memory``)."""
-    head_class = _head_class(head_cfg["type"])
+    head_class = _head_class(_type_of(settings))
     with torch.device("meta"):
-        return head_class(head_class.make_config(head_cfg, target_config))
+        return head_class(head_class.make_config(settings, target_config))
 
 
 def check_head_config(config: HeadConfig, target_config: PretrainedConfig, where: str | Path) -> None:

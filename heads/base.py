@@ -4,7 +4,7 @@ save and load), and a head folder's files: ``config.json`` (``heads.config``) + 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -13,8 +13,15 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
-from headstart.core.schema import HeadOptions
-from headstart.heads.config import CONFIG_NAME, HeadConfig, parse_section, read_head_config, write_head_config
+from headstart.heads.config import (
+    CONFIG_NAME,
+    HeadConfig,
+    HeadOptions,
+    HeadSettings,
+    parse_section,
+    read_head_config,
+    write_head_config,
+)
 from headstart.heads.layers import KVCache
 from headstart.heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
 
@@ -58,7 +65,7 @@ def load_head_weights(head: DraftHead, head_dir: str | Path, device: torch.devic
 class DraftHead(nn.Module):
     """What every head shares: its config, the borrowed target parts, build/save/load.
 
-    Subclasses set ``head_type`` and ``options_model`` (the head's options model in ``core.schema``, where
+    Subclasses set ``head_type`` and ``options_model`` (the head's options model, declared beside it, where
     the options' defaults and ranges live) and take the full config (``make_config``'s output) in ``__init__``.
     """
 
@@ -89,15 +96,25 @@ class DraftHead(nn.Module):
         return (self.config.arch.num_hidden_layers,)
 
     @classmethod
-    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig:
-        """The config of a fresh head: ``head_cfg``'s options (checked against ``options_model``) for this target."""
-        options = {k: v for k, v in head_cfg.items() if k != "type"}
+    def options_of(cls, settings: HeadSettings) -> HeadOptions:
+        """This head type's options, a fresh copy (``make_config`` fills in what the user left unset): ``settings``
+        is a config's validated ``head:`` section, or the options as a mapping (``{"type": "eagle3", ...}``)."""
+        if isinstance(settings, HeadOptions):
+            if not isinstance(settings, cls.options_model):
+                raise ValueError(f"{settings.type} head options given to a {cls.head_type} head")
+            return settings.model_copy(deep=True)
+        options = {k: v for k, v in settings.items() if k != "type"}
         known = sorted(set(cls.options_model.model_fields) - {"type"})
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise ValueError(f"unknown {cls.head_type} head options {unknown}; known: {known}")
+        return parse_section(cls.options_model, {**options, "type": cls.head_type}, f"{cls.head_type} head")
+
+    @classmethod
+    def make_config(cls, settings: HeadSettings, target_config: PretrainedConfig) -> HeadConfig:
+        """The config of a fresh head: ``settings``' options (``options_of``) for this target."""
         return HeadConfig(
-            options=parse_section(cls.options_model, {**options, "type": cls.head_type}, f"{cls.head_type} head"),
+            options=cls.options_of(settings),
             target=getattr(target_config, "_name_or_path", "") or None,
             target_hidden_size=target_config.hidden_size,
             vocab_size=target_config.vocab_size,
@@ -115,7 +132,7 @@ class DraftHead(nn.Module):
         """
         try:
             check_compatible(config, target_config, cls.head_type)
-            built = cls.make_config(config.options.model_dump(exclude_none=True), target_config).options
+            built = cls.make_config(config.options, target_config).options
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
         except NotImplementedError as err:  # the target's family (check_eagle_family)
@@ -136,7 +153,7 @@ class DraftHead(nn.Module):
     @classmethod
     def build(
         cls: type[Head],
-        head_cfg: dict[str, Any],
+        settings: HeadSettings,
         target_model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> Head:
@@ -145,7 +162,7 @@ class DraftHead(nn.Module):
         ``tokenizer``, the target's, is recorded as its hash in the config, so loading the head on a target
         with another tokenizer fails (``check_tokenizer``).
         """
-        config = cls.make_config(head_cfg, target_model.config)
+        config = cls.make_config(settings, target_model.config)
         if tokenizer is not None:
             config.tokenizer_hash = tokenizer_hash(tokenizer)
         head = cls(config)

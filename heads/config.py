@@ -1,5 +1,6 @@
-"""A head's config, typed: the draft layer's shape (``DraftArch``), the user's options (``core.schema``'s
-head options model) and what ties the head to its target; and its on-disk form, ``config.json``.
+"""A head's config, typed: the draft layer's shape (``DraftArch``), the user's options (``HeadOptions``, each
+head type's model declared beside the head) and what ties the head to its target; and its on-disk form,
+``config.json``.
 
 The JSON keeps the layout heads have always been saved in (the options at the top level, beside ``type``,
 ``target`` and the sizes; the layer shape under ``arch``), which the exports and imports read.
@@ -10,12 +11,33 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from headstart.core.schema import HEAD_OPTIONS, HeadOptions, Section, check_config
+from headstart.core.settings import Section, check
 
 CONFIG_NAME = "config.json"
 
+
+class HeadOptions(Section):
+    """A head type's options (the config's ``head:`` section); each head type declares its model beside the head
+    (``heads.eagle3.Eagle3Options``), and ``DraftHead.options_model`` names it."""
+
+    if TYPE_CHECKING:
+        type: str  # each head type's model declares it, as a Literal with its one value
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        # After pydantic has built the model: its ``type`` field's default is the head type it declares.
+        HEAD_OPTIONS[cls.model_fields["type"].default] = cls
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {name: field.default for name, field in cls.model_fields.items() if name != "type"}
+
+
+# What builds a head: a config's validated head: section, or the options as a mapping ({"type": "eagle3", ...}).
+HeadSettings = HeadOptions | dict[str, Any]
+HEAD_OPTIONS: dict[str, type[HeadOptions]] = {}  # every head type's options model, as each declares itself
 Options = TypeVar("Options", bound=HeadOptions)
 Parsed = TypeVar("Parsed", bound=Section)
 Value = TypeVar("Value")
@@ -29,12 +51,12 @@ def resolved(value: Value | None, option: str) -> Value:
 
 
 def parse_section(model: type[Parsed], data: dict[str, Any], where: str | Path) -> Parsed:
-    """``data`` checked by ``model`` (``core.schema``); ValueError naming ``where`` and each problem as the
-    config schema words it (``ttt_steps must be >= 1, got 0``)."""
-    _, problems = check_config(data, model)
-    if problems:
+    """``data`` checked by ``model``; ValueError naming ``where`` and each problem as the config check words it
+    (``ttt_steps must be >= 1, got 0``)."""
+    parsed, problems = check(data, model)
+    if parsed is None:
         raise ValueError(f"{where}: " + "; ".join(problems))
-    return model.model_validate(data)
+    return parsed
 
 
 @dataclass(kw_only=True)
@@ -63,7 +85,7 @@ class DraftArch:
 class HeadConfig(Generic[Options]):
     """Everything a saved head needs to be rebuilt without its target, and checked against one."""
 
-    options: Options  # the head's type and its options, checked by core.schema's model of that type
+    options: Options  # the head's type and its options, checked by that type's HeadOptions model
     target: str | None  # the target's path or hub id, as it was loaded
     target_hidden_size: int
     vocab_size: int  # the target's
@@ -111,10 +133,11 @@ class HeadConfig(Generic[Options]):
     def from_json(cls, data: dict[str, Any], where: str | Path) -> HeadConfig[HeadOptions]:
         """The config of a config.json's content; ValueError naming ``where`` and the key when it is not one."""
         head_type = data.get("type")
-        if head_type not in HEAD_OPTIONS:
-            raise ValueError(f"{where}: unknown head type {head_type!r}; known: {sorted(HEAD_OPTIONS)}")
+        known = HEAD_OPTIONS
+        if head_type not in known:
+            raise ValueError(f"{where}: unknown head type {head_type!r}; known: {sorted(known)}")
         own = {f.name for f in fields(cls)} - {"options"}
-        options = parse_section(HEAD_OPTIONS[head_type], {k: v for k, v in data.items() if k not in own}, where)
+        options = parse_section(known[head_type], {k: v for k, v in data.items() if k not in own}, where)
         try:
             arch = DraftArch(**data["arch"])
             return HeadConfig(options=options, arch=arch, **{k: data[k] for k in own - {"arch"} if k in data})

@@ -34,16 +34,17 @@ a large share of a tiny draft's time, shrinks in proportion.
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Annotated, Literal, cast
 
 import torch
+from pydantic import Field
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.models import default_aux_layers
-from headstart.core.schema import DflashOptions
+from headstart.core.settings import Count, NonNegative, Positive
 from headstart.heads.base import DraftHead
-from headstart.heads.config import DraftArch, HeadConfig, resolved
+from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, resolved
 from headstart.heads.eagle3 import build_vocab_mapping
 from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
 from headstart.heads.losses import label_mask, soft_cross_entropy
@@ -104,6 +105,27 @@ def block_attention(
     return out.view(batch, kv_heads, blocks, groups, size, dim).transpose(2, 3).reshape(batch, heads, n, dim)
 
 
+class DflashOptions(HeadOptions):
+    type: Literal["dflash"] = "dflash"
+    # Target layers fused by fc, in capture.aux_layers' convention (HF hidden_states index; vLLM's
+    # dflash_config.target_layer_ids is one less). null: the capture's layers; its auto default
+    # (2, L//2, L-3) is EAGLE-3's, so one capture feeds both heads.
+    layer_ids: list[NonNegative] | None = None
+    num_layers: Count = 1  # draft decoder layers (Qwen3-style, q/k norm)
+    block_size: Annotated[int, Field(ge=2)] = 16  # one forward: the real token + block_size - 1 mask slots
+    intermediate_size: Count | None = None  # the draft MLP's width; null: the target's
+    # The token fed in the mask slots; null: the tokenizer's mask token, else the first row past the
+    # tokenizer (an unused embedding row), else pad, else eos (heads/dflash.py, resolve_mask_token_id).
+    mask_token_id: NonNegative | None = None
+    mask_embedding: bool = False  # learn the mask slots' input vector (vLLM: mask_embedding.pt) instead of its row
+    # null: draft over the target's whole vocabulary with its lm_head. A number: the most frequent training
+    # tokens only, with the target lm_head's rows for them (frozen), shipped as lm_head + d2t (a smaller matmul).
+    draft_vocab_size: Count | None = None
+    causal: bool = False  # causal attention inside the block (the DFlash paper's blocks are bidirectional)
+    num_anchors: Count = 512  # blocks sampled per sequence and training step
+    loss_gamma: Positive = 7.0  # block position k's loss weight exp(-(k-1)/gamma): 7 for blocks of 16
+
+
 class DFlashLayer(nn.Module):
     """A pre-norm Qwen3 decoder layer whose attention also reads the context's keys and values."""
 
@@ -160,8 +182,8 @@ class DFlashHead(DraftHead):
     t2d: torch.Tensor
 
     @classmethod
-    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[DflashOptions]:
-        config = super().make_config(head_cfg, target_config)
+    def make_config(cls, settings: HeadSettings, target_config: PretrainedConfig) -> HeadConfig[DflashOptions]:
+        config = super().make_config(settings, target_config)
         options, arch = config.options, config.arch
         # vLLM builds the draft's layers as Qwen3's (q/k norm, SiLU, biases only with attention_bias,
         # which would add one to o_proj too), whatever the target family.
@@ -185,11 +207,12 @@ class DFlashHead(DraftHead):
 
     @classmethod
     def build(
-        cls, head_cfg: dict[str, Any], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
+        cls, settings: HeadSettings, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> DFlashHead:
-        if head_cfg.get("mask_token_id") is None:
-            head_cfg = {**head_cfg, "mask_token_id": resolve_mask_token_id(target_model.config, tokenizer)}
-        head = super().build(head_cfg, target_model, tokenizer)
+        options = cast(DflashOptions, cls.options_of(settings))
+        if options.mask_token_id is None:
+            options.mask_token_id = resolve_mask_token_id(target_model.config, tokenizer)
+        head = super().build(options, target_model, tokenizer)
         if head.mask_embedding is not None:  # a learned vector starts from the row it replaces
             row = head.target.embed_tokens.weight[head.mask_token_id]
             head.mask_embedding.data.copy_(row.detach().float())

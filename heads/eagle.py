@@ -14,19 +14,27 @@ pairs f_i with the embedding of input_ids[i+1], at rotary position i, and predic
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from headstart.core.schema import EagleOptions
+from headstart.core.settings import NonNegativeFloat
 from headstart.heads.base import FeatureDrafter
-from headstart.heads.config import HeadConfig
+from headstart.heads.config import HeadConfig, HeadOptions, HeadSettings
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
 from headstart.heads.target import check_eagle_family
+
+
+class EagleOptions(HeadOptions):
+    type: Literal["eagle"] = "eagle"
+    # EAGLE-1's loss weights: 1.0 * feature regression (smooth L1) + 0.1 * token cross-entropy.
+    vloss_weight: NonNegativeFloat = 1.0
+    ploss_weight: NonNegativeFloat = 0.1
+    fc_bias: bool = False  # vLLM's fc has no bias (a bias in the checkpoint would be silently skipped there)
 
 
 class EagleHead(FeatureDrafter):
@@ -36,9 +44,9 @@ class EagleHead(FeatureDrafter):
     config: HeadConfig[EagleOptions]
 
     @classmethod
-    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[EagleOptions]:
+    def make_config(cls, settings: HeadSettings, target_config: PretrainedConfig) -> HeadConfig[EagleOptions]:
         check_eagle_family(target_config, cls.head_type)
-        config = super().make_config(head_cfg, target_config)
+        config = super().make_config(settings, target_config)
         # No engine's EAGLE-1 layer has Qwen3's q/k norm: vLLM serves EagleLlamaForCausalLM only.
         config.arch.qk_norm = False
         return config

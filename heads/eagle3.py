@@ -26,24 +26,22 @@ so the steps are one causal forward over [context pairs, next token, mask x (k-1
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
+from pydantic import BeforeValidator
 from torch import nn
 from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
-from headstart.core.schema import Eagle3Options
+from headstart.core.settings import Count, Decay, NonNegative, Section
 from headstart.heads.base import FeatureDrafter
-from headstart.heads.config import DraftArch, HeadConfig, resolved
+from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, resolved
 from headstart.heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
 from headstart.heads.target import check_eagle_family
-
-DRAFT_LAYERS = typing.get_args(Eagle3Options.model_fields["draft_layer"].annotation)  # ("target", "llama")
 
 
 def default_mask_token(target_config: PretrainedConfig) -> int:
@@ -102,6 +100,33 @@ def ttt_attention_mask(seq_len: int, steps: int, device: torch.device | None = N
     return torch.cat([F.pad(r, (0, steps * seq_len - r.shape[1]), value=False) for r in rows], dim=0)
 
 
+class ParallelDrafting(Section):
+    """P-EAGLE: present -> the EAGLE-3 head drafts its ``ttt_steps`` depths in ONE forward, as vLLM's
+    ``parallel_drafting`` serves it: depth 1 reads the next token and the target's features as usual,
+    depths 2.. read the mask token and the learned ``mask_hidden`` (heads/eagle3.py)."""
+
+    mask_token_id: NonNegative | None = None  # null: the target's pad token, else its eos; recorded in the head
+
+
+def _flag_as_section(value: Any) -> Any:
+    # `parallel_drafting: true` (vLLM's spelling) is the section with its defaults; false is no section.
+    return {} if value is True else None if value is False else value
+
+
+class Eagle3Options(HeadOptions):
+    type: Literal["eagle3"] = "eagle3"
+    # null: core.models.default_aux_layers, (2, L//2, L-3); the capture must use the same.
+    layer_ids: list[NonNegative] | None = None
+    draft_vocab_size: Count = 32000
+    ttt_steps: Count = 7  # training-time-test depth
+    ttt_decay: Decay = 0.8
+    # "target": the target family's layer where vLLM has one (Qwen3: q/k norm, served as
+    # Eagle3Qwen3ForCausalLM); "llama": a plain Llama layer, which every engine serves (SGLang included).
+    draft_layer: Literal["target", "llama"] = "target"
+    # P-EAGLE (true, or {mask_token_id: ...}); absent: EAGLE-3's autoregressive drafting.
+    parallel_drafting: Annotated[ParallelDrafting | None, BeforeValidator(_flag_as_section)] = None
+
+
 class Eagle3Layer(nn.Module):
     """The ``midlayer``: attention over the normed (embedding, feature) pair, residual on the raw feature.
 
@@ -149,12 +174,10 @@ class Eagle3Head(FeatureDrafter):
     mask_hidden: nn.Parameter  # P-EAGLE only
 
     @classmethod
-    def make_config(cls, head_cfg: dict[str, Any], target_config: PretrainedConfig) -> HeadConfig[Eagle3Options]:
+    def make_config(cls, settings: HeadSettings, target_config: PretrainedConfig) -> HeadConfig[Eagle3Options]:
+        options = cls.options_of(settings)  # checked before the target's family: a wrong draft_layer says so first
         check_eagle_family(target_config, cls.head_type)
-        draft_layer = head_cfg.get("draft_layer", "target")
-        if draft_layer not in DRAFT_LAYERS:
-            raise ValueError(f"head.draft_layer must be one of {list(DRAFT_LAYERS)}, got {draft_layer!r}")
-        config = super().make_config(head_cfg, target_config)
+        config = super().make_config(options, target_config)
         options = config.options
         config.arch.qkv_bias = False  # see Eagle3Layer
         if options.draft_layer == "llama":

@@ -17,18 +17,37 @@ do not wreck the target early on.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
+from pydantic import Field
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.core.schema import Lora, MedusaOptions
+from headstart.core.settings import Count, Decay, Float, NonNegative, NonNegativeFloat, Positive, Section
 from headstart.heads.base import DraftHead
-from headstart.heads.config import HeadConfig, parse_section
+from headstart.heads.config import HeadConfig, HeadOptions, HeadSettings, parse_section
 from headstart.heads.losses import label_mask, shift_left
+
+
+class MedusaOptions(HeadOptions):
+    type: Literal["medusa"] = "medusa"
+    num_heads: Count = 4  # head k guesses the token k+2 ahead
+    num_layers: NonNegative = 1  # residual blocks per head
+    decay: Decay = 0.8  # loss weight decay**k for head k
+
+
+class Lora(Section):
+    """Medusa-2: present -> the target trains jointly through LoRA adapters."""
+
+    r: Count = 16
+    alpha: Positive = 32.0
+    dropout: Annotated[Float, Field(ge=0, lt=1)] = 0.05
+    target_modules: Annotated[list[str], Field(min_length=1)] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    head_weight: NonNegativeFloat = 0.2  # weight of the Medusa heads' loss beside the LM loss
+    head_weight_warmup: NonNegative = 0  # steps over which that weight rises from 0
 
 
 class ResBlock(nn.Module):
@@ -60,10 +79,10 @@ class MedusaHead(DraftHead):
 
     @classmethod
     def build(
-        cls, head_cfg: dict[str, Any], target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
+        cls, settings: HeadSettings, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> MedusaHead:
         """Fresh heads whose lm_heads start as copies of the target's (then trained, and saved with the head)."""
-        head = super().build(head_cfg, target_model, tokenizer)
+        head = super().build(settings, target_model, tokenizer)
         weight = head.target.lm_head.weight
         with torch.no_grad():
             for lm_head in head.lm_heads():
@@ -132,13 +151,13 @@ def medusa_weight_at(step: int, warmup_steps: int, final_weight: float = 1.0) ->
     return final_weight * min(step / warmup_steps, 1.0)
 
 
-def medusa2_wrap(target: PreTrainedModel, lora: dict[str, Any]) -> PeftModel:
+def medusa2_wrap(target: PreTrainedModel, lora: Lora | dict[str, Any]) -> PeftModel:
     """The target with LoRA adapters (peft): only the adapters train; the base weights stay frozen.
 
-    ``lora`` is a config's ``lora:`` section (``core.schema.Lora``: its keys, defaults and ranges).
-    The target is modified in place, as peft does.
+    ``lora`` is a config's ``lora:`` section (``Lora``, or a mapping of its keys). The target is modified in
+    place, as peft does.
     """
-    settings = parse_section(Lora, lora, "lora")
+    settings = lora if isinstance(lora, Lora) else parse_section(Lora, lora, "lora")
     config = LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft types it int; it only divides it by r

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from headstart.core.config import load_config
 from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
-from headstart.core.schema import CaptureConfig, validate_config
+from headstart.core.settings import parse
 from headstart.core.timing import timed
 from headstart.data_recipes.capture import (
     StateSource,
@@ -38,6 +38,7 @@ from headstart.data_recipes.capture import (
 )
 from headstart.data_recipes.engine_capture import EngineStates, engine_states_for
 from headstart.data_recipes.recipes import Sample, load_samples
+from headstart.data_recipes.settings import CaptureConfig
 from headstart.data_recipes.shards import write_shard
 
 
@@ -88,30 +89,31 @@ def main(argv: list[str] | None = None) -> None:
         "--engine-python", help="also time the capture through vLLM, served from this venv's Python (.venv-engines)"
     )
     args = parser.parse_args(argv)
-    cfg = validate_config(load_config(args.config), CaptureConfig)
-    model, tokenizer = load_target(cfg["target"])
-    data, cap = cfg["data"], cfg["capture"]
-    samples, _ = load_samples(data["source"], data["format"], tokenizer, data["max_length"], limit=args.samples)
+    cfg = parse(load_config(args.config), CaptureConfig)
+    model, tokenizer = load_target(cfg.target.path, cfg.target.device, cfg.target.dtype)
+    data, cap = cfg.data, cfg.capture
+    samples, _ = load_samples(data.source, data.format, tokenizer, data.max_length, limit=args.samples)
     samples.sort(key=lambda s: -len(s.input_ids))
-    aux_layers = resolve_aux_layers(cap.get("aux_layers", "auto"), model.config.num_hidden_layers)
-    store_dtype = resolve_dtype(cap.get("store_dtype", "bf16"))
+    aux_layers = resolve_aux_layers(cap.aux_layers, model.config.num_hidden_layers)
+    store_dtype = resolve_dtype(cap.store_dtype)
     pad_id = tokenizer.pad_token_id or 0
     tokens = sum(len(s.input_ids) for s in samples)
-    batches = length_batches([len(s.input_ids) for s in samples], cap["batch_tokens"])
+    batches = length_batches([len(s.input_ids) for s in samples], cap.batch_tokens)
 
-    here = forward_states(model, aux_layers, cap["batch_tokens"], pad_id)
-    folder = Path(cap["out_dir"]).parent if Path(cap["out_dir"]).parent.exists() else None
+    here = forward_states(model, aux_layers, cap.batch_tokens, pad_id)
+    folder = Path(cap.out_dir).parent if Path(cap.out_dir).parent.exists() else None
     with tempfile.TemporaryDirectory(dir=folder) as tmp, ExitStack() as stack:
         sides: dict[str, Callable[[], object]] = {
-            "bare": lambda: bare_forward(model, samples, cap["batch_tokens"], pad_id),
-            "capture": lambda: capture_to(Path(tmp), here, samples, len(aux_layers), store_dtype, cap["shard_samples"]),
+            "bare": lambda: bare_forward(model, samples, cap.batch_tokens, pad_id),
+            "capture": lambda: capture_to(Path(tmp), here, samples, len(aux_layers), store_dtype, cap.shard_samples),
         }
         if args.engine_python:  # the server is started (and answering) before any side is timed
-            engine_cfg = {**cfg, "capture": {**cap, "engine": "vllm", "engine_python": args.engine_python}}
-            engine = stack.enter_context(engine_states_for(engine_cfg, aux_layers, Path(tmp) / "engine"))
+            served_cap = cap.model_copy(update={"engine": "vllm", "engine_python": args.engine_python})
+            opening = engine_states_for(cfg.target, served_cap, data.max_length, aux_layers, Path(tmp) / "engine")
+            engine = stack.enter_context(opening)
             served = partial(_served_states, engine)
             sides["vllm"] = lambda: capture_to(
-                Path(tmp), served, samples, len(aux_layers), store_dtype, cap["shard_samples"]
+                Path(tmp), served, samples, len(aux_layers), store_dtype, cap.shard_samples
             )
         best = best_seconds(model.device, sides, args.repeats)
     bare_tps, capture_tps = tokens / best["bare"], tokens / best["capture"]
@@ -121,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         else (f"CPU, {torch.get_num_threads()} threads")
     )
     print(
-        f"target {cfg['target']['path']} ({model.dtype}), {len(samples)} samples, {tokens:,} tokens, "
-        f"{len(batches)} batches of <= {cap['batch_tokens']} tokens, layers {aux_layers} + last -> {store_dtype}, "
+        f"target {cfg.target.path} ({model.dtype}), {len(samples)} samples, {tokens:,} tokens, "
+        f"{len(batches)} batches of <= {cap.batch_tokens} tokens, layers {aux_layers} + last -> {store_dtype}, "
         f"{device}"
     )
     print(f"| side | tokens/s (best of {args.repeats}) |\n|---|---|")

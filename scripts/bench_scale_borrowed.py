@@ -47,7 +47,7 @@ def peak_mb():
 folder, dtype = sys.argv[1], sys.argv[2]
 imports = peak_mb()
 start = time.perf_counter()
-model, tokenizer = load_target({"path": folder, "device": "cpu", "dtype": dtype}, borrowed_only=True)
+model, tokenizer = load_target(folder, "cpu", dtype, borrowed_only=True)
 loaded, after_load = time.perf_counter(), peak_mb()
 digest = weights_hash(folder, dtype)
 hashed = time.perf_counter()

@@ -19,17 +19,18 @@ def markdown(result: dict[str, Any]) -> str:
     else:
         lines += [result["machine"]]
     if "capture" in result:
-        cap = result["capture"]
+        rates = result["capture"]
         lines += [
             "",
-            f"| capture ({cap['samples']} x {cap['tokens'] // cap['samples']} tokens, layers {cap['aux_layers']} "
-            f"+ last -> {cap['store_dtype']}) | tokens/s |",
+            f"| capture ({rates['samples']} x {rates['tokens'] // rates['samples']} tokens, "
+            f"layers {rates['aux_layers']} "
+            f"+ last -> {rates['store_dtype']}) | tokens/s |",
             "|---|---|",
-            f"| bare forward (with lm_head) | {cap['forward_tokens_per_s']:,.0f} |",
-            f"| decoder alone (no lm_head) | {cap['decoder_tokens_per_s']:,.0f} |",
-            f"| capture (decoder + hooks + store copy + shard write) | {cap['capture_tokens_per_s']:,.0f} |",
-            f"| **capture / forward** (goal >= 0.9x) | **{cap['capture_vs_forward']:.2f}x** |",
-            f"| capture / decoder | {cap['capture_vs_decoder']:.2f}x |",
+            f"| bare forward (with lm_head) | {rates['forward_tokens_per_s']:,.0f} |",
+            f"| decoder alone (no lm_head) | {rates['decoder_tokens_per_s']:,.0f} |",
+            f"| capture (decoder + hooks + store copy + shard write) | {rates['capture_tokens_per_s']:,.0f} |",
+            f"| **capture / forward** (goal >= 0.9x) | **{rates['capture_vs_forward']:.2f}x** |",
+            f"| capture / decoder | {rates['capture_vs_decoder']:.2f}x |",
         ]
     if "heads" in result:
         lines += [
@@ -37,12 +38,12 @@ def markdown(result: dict[str, Any]) -> str:
             "| head step | batch x seq | trained parameters | tokens/s | peak memory (MB) |",
             "|---|---|---|---|---|",
         ]
-        for head_type, head in result["heads"].items():
-            extra = f", TTT {head['ttt_steps']}" if "ttt_steps" in head else ""
+        for head_type, step in result["heads"].items():
+            extra = f", TTT {step['ttt_steps']}" if "ttt_steps" in step else ""
             lines.append(
-                f"| {head_type} (draft vocab {head['draft_vocab_size']:,}{extra}) | {head['batch'][0]} x "
-                f"{head['batch'][1]} | {head['trained_parameters'] / 1e6:,.1f}M | {head['tokens_per_s']:,.1f} "
-                f"| {head['peak_memory_mb']:,.0f} |"
+                f"| {head_type} (draft vocab {step['draft_vocab_size']:,}{extra}) | {step['batch'][0]} x "
+                f"{step['batch'][1]} | {step['trained_parameters'] / 1e6:,.1f}M | {step['tokens_per_s']:,.1f} "
+                f"| {step['peak_memory_mb']:,.0f} |"
             )
     if "verify" in result:
         verify = result["verify"]

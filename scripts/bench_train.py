@@ -19,20 +19,21 @@ import torch
 from headstart.core.config import load_config
 from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
-from headstart.core.schema import TrainConfig, validate_config
+from headstart.core.settings import parse
 from headstart.core.timing import timed
 from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import pad_collate
-from headstart.heads import HEADS, DraftHead, build_head
+from headstart.heads import HEADS, DraftHead, HeadOptions, build_head
+from headstart.train.config import TrainConfig
 from headstart.train.data import SampleDataset
 
 
-def head_options(cfg: dict, head_type: str, aux_layers: list[int]) -> dict:
+def head_options(cfg: TrainConfig, head_type: str, aux_layers: list[int]) -> HeadOptions:
     """The config's own head options when it trains this type, else the head's defaults."""
-    options = dict(cfg.get("head", {})) if cfg.get("head", {}).get("type") == head_type else {"type": head_type}
-    if "layer_ids" in HEADS[head_type].options_model.model_fields:  # EAGLE-3, DFlash: the captured layers
-        options["layer_ids"] = aux_layers
+    options = cfg.head if cfg.head.type == head_type else HEADS[head_type].options_of({"type": head_type})
+    if "layer_ids" in type(options).model_fields:  # EAGLE-3, DFlash: the captured layers
+        options = options.model_copy(update={"layer_ids": aux_layers})
     return options
 
 
@@ -85,18 +86,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", nargs="+", default=sorted(HEADS), choices=sorted(HEADS))
     parser.add_argument("--online", action="store_true", help="also time steps that run the target (online capture)")
     args = parser.parse_args(argv)
-    cfg = validate_config(load_config(args.config), TrainConfig)
-    target, tokenizer = load_target(cfg["target"])
-    data = cfg["data"]
+    cfg = parse(load_config(args.config), TrainConfig)
+    target, tokenizer = load_target(cfg.target.path, cfg.target.device, cfg.target.dtype)
+    data = cfg.data
     samples, _ = load_samples(
-        data["source"], data["format"], tokenizer, data["max_length"], limit=args.batch_size * min(args.steps, 8)
+        data.source, data.format, tokenizer, data.max_length, limit=args.batch_size * min(args.steps, 8)
     )
-    aux_layers = resolve_aux_layers(cfg.get("capture", {}).get("aux_layers", "auto"), target.config.num_hidden_layers)
-    store_dtype = resolve_dtype(cfg.get("capture", {}).get("store_dtype", "bf16"))
+    aux_layers = resolve_aux_layers(cfg.capture.aux_layers, target.config.num_hidden_layers)
+    store_dtype = resolve_dtype(cfg.capture.store_dtype)
     capture = OnlineCapture(target, aux_layers, store_dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     raw, batches = step_batches(samples, args.batch_size, pad_id, capture)
-    print(f"target {cfg['target']['path']} ({target.dtype}, {target.device}), batches of {args.batch_size} samples")
+    print(f"target {cfg.target.path} ({target.dtype}, {target.device}), batches of {args.batch_size} samples")
     for head_type in args.heads:
         torch.manual_seed(0)
         head = build_head(head_options(cfg, head_type, aux_layers), target)

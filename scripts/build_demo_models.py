@@ -16,9 +16,10 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, ClassVar, cast
 
 import torch
+from pydantic import Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import BatchEncoding, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -27,8 +28,68 @@ from headstart.core.config import load_config, save_config
 from headstart.core.errors import DataError
 from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
 from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, seed_everything
-from headstart.core.schema import BuildDemoModelsConfig, validate_config
+from headstart.core.settings import (
+    Count,
+    Dtype,
+    Float,
+    Fraction,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    Section,
+    as_dict,
+    parse,
+)
 from headstart.data_recipes.errors import get_field
+
+
+class ModelTraining(Section):
+    seq_len: Count
+    batch_size: Count
+    steps: Count
+    lr: Positive
+    min_lr_ratio: Fraction
+    warmup_steps: NonNegative
+    weight_decay: NonNegativeFloat
+    grad_clip: Positive
+    dtype: Dtype  # autocast dtype
+    ckpt_every: Count
+
+
+class DemoModel(Section):
+    name: str
+    hidden_size: Count
+    intermediate_size: Count
+    num_hidden_layers: Count
+    num_attention_heads: Count
+    num_key_value_heads: Count
+    tie_word_embeddings: bool
+    train: ModelTraining
+
+
+class DemoTokenizer(Section):
+    vocab_size: Count
+    min_frequency: Count
+
+
+class BuildDemoModelsConfig(Section):
+    """configs/build-demo-models.yaml, read by scripts/build_demo_models.py."""
+
+    command: ClassVar[str] = "build-demo-models"
+
+    seed: NonNegative
+    out_dir: str
+    work_dir: str
+    device: str = "auto"
+    train_file: str
+    sample_file: str
+    heldout_fraction: Annotated[Float, Field(ge=0, lt=1)]
+    system_prompt_fraction: Fraction
+    system_prompt: str
+    tokenizer: DemoTokenizer
+    target: DemoModel
+    draft: DemoModel
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -67,15 +128,15 @@ def to_messages(row: dict[str, str], system_prompt: str | None) -> list[dict[str
     return messages
 
 
-def split_rows(cfg: dict[str, Any]) -> tuple[list[list[dict]], list[list[dict]]]:
+def split_rows(cfg: BuildDemoModelsConfig) -> tuple[list[list[dict]], list[list[dict]]]:
     """Deterministic train/held-out split of the GSM8K rows, as chat conversations."""
-    rows = read_gsm8k(cfg["train_file"])
-    rng = random.Random(cfg["seed"])
+    rows = read_gsm8k(cfg.train_file)
+    rng = random.Random(cfg.seed)
     rng.shuffle(rows)
     conversations = [
-        to_messages(row, cfg["system_prompt"] if rng.random() < cfg["system_prompt_fraction"] else None) for row in rows
+        to_messages(row, cfg.system_prompt if rng.random() < cfg.system_prompt_fraction else None) for row in rows
     ]
-    n_heldout = int(len(conversations) * cfg["heldout_fraction"])
+    n_heldout = int(len(conversations) * cfg.heldout_fraction)
     return conversations[n_heldout:], conversations[:n_heldout]
 
 
@@ -122,16 +183,16 @@ def pack(encoded: list[dict[str, list[int]]], seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n_blocks * seq_len], dtype=torch.long).view(n_blocks, seq_len)
 
 
-def model_config(arch: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+def model_config(arch: DemoModel, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=arch["hidden_size"],
-        intermediate_size=arch["intermediate_size"],
-        num_hidden_layers=arch["num_hidden_layers"],
-        num_attention_heads=arch["num_attention_heads"],
-        num_key_value_heads=arch["num_key_value_heads"],
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
         max_position_embeddings=tokenizer.model_max_length,
-        tie_word_embeddings=arch["tie_word_embeddings"],
+        tie_word_embeddings=arch.tie_word_embeddings,
         rms_norm_eps=1e-5,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -140,9 +201,9 @@ def model_config(arch: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Ll
     )
 
 
-def learning_rate(step: int, hp: dict[str, Any]) -> float:
+def learning_rate(step: int, hp: ModelTraining) -> float:
     """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` (``cosine_with_warmup``)."""
-    return hp["lr"] * cosine_with_warmup(step, hp["warmup_steps"], hp["steps"], hp["min_lr_ratio"])
+    return hp.lr * cosine_with_warmup(step, hp.warmup_steps, hp.steps, hp.min_lr_ratio)
 
 
 def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
@@ -154,14 +215,14 @@ def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) 
 
 
 def train_model(
-    model: LlamaForCausalLM, blocks: torch.Tensor, hp: dict[str, Any], ckpt_path: Path, seed: int, device: torch.device
+    model: LlamaForCausalLM, blocks: torch.Tensor, hp: ModelTraining, ckpt_path: Path, seed: int, device: torch.device
 ) -> dict[str, Any]:
     """Train with AdamW under autocast; checkpoint atomically and resume from ``ckpt_path``."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": hp["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=hp["lr"],
+        [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=hp.lr,
         betas=(0.9, 0.95),
     )
     start, history = 0, []
@@ -170,13 +231,13 @@ def train_model(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["loss_history"]
-        print(f"resuming {ckpt_path} at step {start}/{hp['steps']}")
-    autocast_dtype = resolve_dtype(hp["dtype"])
+        print(f"resuming {ckpt_path} at step {start}/{hp.steps}")
+    autocast_dtype = resolve_dtype(hp.dtype)
     model.train()
-    bar = tqdm(range(start, hp["steps"]), initial=start, total=hp["steps"], desc=ckpt_path.parent.name)
+    bar = tqdm(range(start, hp.steps), initial=start, total=hp.steps, desc=ckpt_path.parent.name)
     t0, tokens = time.perf_counter(), 0
     for step in bar:
-        batch = batch_for_step(blocks, step, hp["batch_size"], seed).to(device)
+        batch = batch_for_step(blocks, step, hp.batch_size, seed).to(device)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, hp)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
@@ -184,17 +245,17 @@ def train_model(
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}; lower lr or use fp32")
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history.append(round(loss.item(), 4))
         tokens += batch.numel()
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-        if (step + 1) % hp["ckpt_every"] == 0 or step + 1 == hp["steps"]:
+        if (step + 1) % hp.ckpt_every == 0 or step + 1 == hp.steps:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
             with atomic_path(ckpt_path) as tmp:
                 torch.save({**state, "loss_history": history}, tmp)
-    return {"loss_history": history, "train_tokens": hp["steps"] * hp["batch_size"] * hp["seq_len"]}
+    return {"loss_history": history, "train_tokens": hp.steps * hp.batch_size * hp.seq_len}
 
 
 @torch.no_grad()
@@ -232,8 +293,10 @@ def sample_generations(
     return samples
 
 
-def model_card(name: str, model: LlamaForCausalLM, cfg: dict[str, Any], arch: dict, stats: dict[str, Any]) -> str:
-    hp = arch["train"]
+def model_card(
+    name: str, model: LlamaForCausalLM, cfg: BuildDemoModelsConfig, arch: DemoModel, stats: dict[str, Any]
+) -> str:
+    hp = arch.train
     params = sum(p.numel() for p in model.parameters())
     lines = [
         f"# {name}",
@@ -246,16 +309,16 @@ def model_card(name: str, model: LlamaForCausalLM, cfg: dict[str, Any], arch: di
         "| | |",
         "|---|---|",
         f"| parameters | {params:,} ({params / 1e6:.1f}M) |",
-        f"| layers / hidden / heads / kv heads | {arch['num_hidden_layers']} / {arch['hidden_size']} / "
-        f"{arch['num_attention_heads']} / {arch['num_key_value_heads']} |",
+        f"| layers / hidden / heads / kv heads | {arch.num_hidden_layers} / {arch.hidden_size} / "
+        f"{arch.num_attention_heads} / {arch.num_key_value_heads} |",
         f"| vocabulary | {model.config.vocab_size} (byte-level BPE, digits split) |",
-        f"| tied embeddings | {arch['tie_word_embeddings']} |",
-        f"| training tokens | {stats['train_tokens']:,} ({hp['steps']} steps x {hp['batch_size']} x {hp['seq_len']}) |",
+        f"| tied embeddings | {arch.tie_word_embeddings} |",
+        f"| training tokens | {stats['train_tokens']:,} ({hp.steps} steps x {hp.batch_size} x {hp.seq_len}) |",
         f"| final training loss | {stats['final_loss']:.3f} (mean of the last 20 steps) |",
         f"| held-out perplexity, all tokens | {stats['perplexity']['all_tokens']:.2f} |",
         f"| held-out perplexity, assistant tokens | {stats['perplexity']['assistant_tokens']:.2f} |",
         f"| held-out set | {stats['heldout_conversations']} GSM8K training rows never trained on "
-        f"({cfg['heldout_fraction']:.0%}, seed {cfg['seed']}) |",
+        f"({cfg.heldout_fraction:.0%}, seed {cfg.seed}) |",
         f"| training time | {stats['train_seconds'] / 60:.1f} min on {stats['machine']} |",
         "| weights | bf16 safetensors |",
         "",
@@ -273,28 +336,26 @@ def model_card(name: str, model: LlamaForCausalLM, cfg: dict[str, Any], arch: di
 
 def build_model(
     role: str,
-    cfg: dict[str, Any],
+    cfg: BuildDemoModelsConfig,
     tokenizer: PreTrainedTokenizerFast,
     train_encoded: list[dict],
     heldout_encoded: list[dict],
     device: torch.device,
 ) -> None:
-    arch = cfg[role]
-    out = Path(cfg["out_dir"]) / arch["name"]
+    arch = cfg.target if role == "target" else cfg.draft
+    out = Path(cfg.out_dir) / arch.name
     if (out / "model.safetensors").exists() and (out / "README.md").exists():
         print(f"{out} is complete; skipping (delete it to rebuild)")
         return
-    seed_everything(cfg["seed"])
+    seed_everything(cfg.seed)
     # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
     model = LlamaForCausalLM(model_config(arch, tokenizer)).to(device)  # type: ignore[arg-type]
-    blocks = pack(train_encoded, arch["train"]["seq_len"])
+    blocks = pack(train_encoded, arch.train.seq_len)
     params = sum(p.numel() for p in model.parameters())
     print(f"{role}: {params / 1e6:.1f}M parameters, {blocks.numel():,} training tokens per epoch")
     t0 = time.perf_counter()
-    stats = train_model(
-        model, blocks, arch["train"], Path(cfg["work_dir"]) / arch["name"] / "ckpt.pt", cfg["seed"], device
-    )
-    questions = [row["question"] for row in read_gsm8k(cfg["sample_file"])[:3]]
+    stats = train_model(model, blocks, arch.train, Path(cfg.work_dir) / arch.name / "ckpt.pt", cfg.seed, device)
+    questions = [row["question"] for row in read_gsm8k(cfg.sample_file)[:3]]
     stats.update(
         train_seconds=time.perf_counter() - t0,
         machine=f"{torch.get_num_threads()} CPU threads"
@@ -316,18 +377,18 @@ def build_model(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         ).save_pretrained(tmp)
-        (tmp / "README.md").write_text(model_card(arch["name"], model, cfg, arch, stats))
+        (tmp / "README.md").write_text(model_card(arch.name, model, cfg, arch, stats))
         (tmp / "training_stats.json").write_text(json.dumps({k: v for k, v in stats.items()}, indent=1))
-        save_config(cfg, tmp / "build_config.yaml")
+        save_config(as_dict(cfg), tmp / "build_config.yaml")
     print(f"wrote {out}")
 
 
-def load_or_build_tokenizer(cfg: dict[str, Any], train_conversations: list[list[dict]]) -> PreTrainedTokenizerFast:
-    path = Path(cfg["work_dir"]) / "tokenizer"
+def load_or_build_tokenizer(
+    cfg: BuildDemoModelsConfig, train_conversations: list[list[dict]]
+) -> PreTrainedTokenizerFast:
+    path = Path(cfg.work_dir) / "tokenizer"
     if not (path / "tokenizer.json").exists():
-        tokenizer = build_tokenizer(
-            train_conversations, cfg["tokenizer"]["vocab_size"], cfg["tokenizer"]["min_frequency"]
-        )
+        tokenizer = build_tokenizer(train_conversations, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency)
         with atomic_dir(path) as tmp:
             tokenizer.save_pretrained(tmp)
     return PreTrainedTokenizerFast.from_pretrained(path)
@@ -339,13 +400,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", choices=["target", "draft"], help="build one model only")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = validate_config(load_config(args.config, args.overrides), BuildDemoModelsConfig)
-    device = resolve_device(cfg["device"])
+    cfg = parse(load_config(args.config, args.overrides), BuildDemoModelsConfig)
+    device = resolve_device(cfg.device)
     train_conversations, heldout_conversations = split_rows(cfg)
     tokenizer = load_or_build_tokenizer(cfg, train_conversations)
     train_encoded = [encode(tokenizer, c) for c in tqdm(train_conversations, desc="tokenize")]
     heldout_encoded = [encode(tokenizer, c) for c in heldout_conversations]
-    atomic_write_text(Path(cfg["work_dir"]) / "resolved_config.json", json.dumps(cfg, indent=1))
+    atomic_write_text(Path(cfg.work_dir) / "resolved_config.json", json.dumps(as_dict(cfg), indent=1))
     for role in ["target", "draft"] if args.only is None else [args.only]:
         build_model(role, cfg, tokenizer, train_encoded, heldout_encoded, device)
 

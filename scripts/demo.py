@@ -22,45 +22,67 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
 
 from headstart.core.config import ConfigError, load_config
 from headstart.core.io import atomic_write_text
-from headstart.core.schema import DemoConfig, validate_config
+from headstart.core.settings import Count, Section, as_dict, parse
 from headstart.train.metrics import ACCEPTANCE_PLOT
 
 
-def stage_key(stage: dict[str, Any], settings: dict[str, Any], upstream: str) -> str:
+class DemoStage(Section):
+    name: str
+    cmd: str  # {python}, {bin} and {key} (a top-level key of the config) are filled in
+    inputs: list[str] = []  # files whose bytes key the stage
+    outputs: list[str] = []  # files that must exist for the stage to count as done
+
+
+class DemoConfig(Section):
+    """configs/demo.yaml, read by scripts/demo.py."""
+
+    command: ClassVar[str] = "demo"
+
+    out_dir: str
+    report: str
+    nproc_per_node: Count = 1
+    target: str | None = None  # a folder the stage commands name as {target}
+    heads: str | None = None  # where stages after training read the heads, as {heads}
+    stages: Annotated[list[DemoStage], Field(min_length=1)]
+
+
+def stage_key(stage: DemoStage, settings: dict[str, Any], upstream: str) -> str:
     """What decides a stage's outputs: its command, its input files' bytes and everything upstream.
 
     The interpreter's path is left out, so the same pipeline run from another venv is still complete.
     """
-    command = stage["cmd"].format(**settings, python="{python}", bin="{bin}")
+    command = stage.cmd.format(**settings, python="{python}", bin="{bin}")
     digest = hashlib.sha256((upstream + "\0" + command).encode())
     for path in stage_paths(stage, "inputs", settings):
         if not path.is_file():
-            raise FileNotFoundError(f"stage {stage['name']}: input {path} not found")
+            raise FileNotFoundError(f"stage {stage.name}: input {path} not found")
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def fill(stage: dict[str, Any], field: str, text: str, fields: dict[str, Any]) -> str:
+def fill(stage: DemoStage, field: str, text: str, fields: dict[str, Any]) -> str:
     """``text`` from the stage's ``field`` with ``{key}`` placeholders filled in; an unknown key is a config error."""
     try:
         return text.format(**fields)
     except KeyError as err:
-        raise ConfigError(f"stage {stage['name']}: {{{err.args[0]}}} in its {field} is not a config key") from None
+        raise ConfigError(f"stage {stage.name}: {{{err.args[0]}}} in its {field} is not a config key") from None
 
 
-def stage_paths(stage: dict[str, Any], field: str, settings: dict[str, Any]) -> list[Path]:
+def stage_paths(stage: DemoStage, field: Literal["inputs", "outputs"], settings: dict[str, Any]) -> list[Path]:
     """A stage's ``inputs`` or ``outputs``, with config keys filled in as in its command (``{heads}/eagle3/head``)."""
-    return [Path(fill(stage, field, name, settings)) for name in stage.get(field, [])]
+    return [Path(fill(stage, field, name, settings)) for name in getattr(stage, field)]
 
 
-def expand(stage: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+def expand(stage: DemoStage, settings: dict[str, Any]) -> list[str]:
     """The stage's command line, with ``{python}``, ``{bin}`` (this interpreter's folder) and config keys filled in."""
     fields = {"python": sys.executable, "bin": str(Path(sys.executable).parent), **settings}
-    return shlex.split(fill(stage, "cmd", stage["cmd"], fields))
+    return shlex.split(fill(stage, "cmd", stage.cmd, fields))
 
 
 def is_complete(stamp_path: Path, key: str, outputs: list[Path]) -> bool:
@@ -69,17 +91,17 @@ def is_complete(stamp_path: Path, key: str, outputs: list[Path]) -> bool:
     return all(p.exists() for p in outputs)
 
 
-def run_stages(cfg: dict[str, Any], only: set[str] | None = None) -> dict[str, Any]:
+def run_stages(cfg: DemoConfig, only: set[str] | None = None) -> dict[str, Any]:
     """Run (or skip) every stage in order; returns the timings, also written to ``<out_dir>/timings.json``."""
-    out_dir = Path(cfg["out_dir"])
+    out_dir = Path(cfg.out_dir)
     stamps = out_dir / "stages"
-    settings = {k: v for k, v in cfg.items() if k != "stages"}
-    stages = cfg["stages"]
+    settings = {k: v for k, v in as_dict(cfg).items() if k != "stages"}  # the {key}s a command may name
+    stages = cfg.stages
     timings: dict[str, Any] = {"stages": {}, "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()}
     start = time.perf_counter()
     upstream = ""
     for index, stage in enumerate(stages, 1):
-        name = stage["name"]
+        name = stage.name
         command = expand(stage, settings)
         key = stage_key(stage, settings, upstream)
         upstream = key
@@ -111,20 +133,20 @@ def run_stages(cfg: dict[str, Any], only: set[str] | None = None) -> dict[str, A
     return timings
 
 
-def summary(cfg: dict[str, Any], timings: dict[str, Any]) -> str:
+def summary(cfg: DemoConfig, timings: dict[str, Any]) -> str:
     """The stage table, then the evaluation's report and where its plots are."""
     lines = ["", "| stage | this run | wall s (when it ran) |", "|---|---|---|"]
     for name, t in timings["stages"].items():
         lines.append(f"| {name} | {t['status']} | {t['seconds_when_run']:.1f} |")
     lines.append(f"\nthis run: {timings['total_s']:.1f} s; every stage's own time summed: ")
-    lines[-1] += f"{timings['all_stages_when_run_s']:.1f} s ({Path(cfg['out_dir']) / 'timings.json'})"
-    report = Path(cfg["report"])
+    lines[-1] += f"{timings['all_stages_when_run_s']:.1f} s ({Path(cfg.out_dir) / 'timings.json'})"
+    report = Path(cfg.report)
     if report.is_file():
         lines += ["", report.read_text().rstrip(), ""]
         lines += [f"plot: {p}" for p in sorted(report.parent.glob("*.png"))]
         lines.append(f"report: {report.with_suffix('.json')}")
     # Training's predicted against measured tau (train.eval_prompts), one plot per trained head.
-    lines += [f"training acceptance: {p}" for p in sorted(Path(cfg["out_dir"]).glob(f"*/{ACCEPTANCE_PLOT}"))]
+    lines += [f"training acceptance: {p}" for p in sorted(Path(cfg.out_dir).glob(f"*/{ACCEPTANCE_PLOT}"))]
     return "\n".join(lines)
 
 
@@ -134,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", help="comma-separated stage names to run (default: all, in order)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = validate_config(load_config(args.config, args.overrides), DemoConfig)
-    names = [s["name"] for s in cfg["stages"]]
+    cfg = parse(load_config(args.config, args.overrides), DemoConfig)
+    names = [stage.name for stage in cfg.stages]
     only = set(args.stages.split(",")) if args.stages else None
     if only and only - set(names):
         raise ConfigError(f"--stages: no stage named {sorted(only - set(names))} in {args.config} (it has {names})")

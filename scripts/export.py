@@ -15,19 +15,19 @@ export_config.yaml (the ``export:`` section that ``headstart export --config`` r
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from pydantic import Field
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from headstart.core.config import save_config
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
-from headstart.core.schema import flags_config
+from headstart.core.settings import CommandFlags, Folder, command_failed, one_of
 from headstart.heads import (
     CONFIG_NAME,
     HEADS,
@@ -44,6 +44,33 @@ from headstart.scripts.formats.common import check_out
 from headstart.scripts.formats.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
+if TYPE_CHECKING:
+    ExportFormat = str
+else:
+    ExportFormat = one_of(FORMATS)
+
+
+class Export(CommandFlags):
+    """``python -m scripts.export``'s flags, the config's ``export:`` section: a trained head in a serving engine's
+    layout."""
+
+    section: ClassVar[str] = "export"
+
+    head: str = Field(description="a head folder saved by training (config.json + model.safetensors)")
+    format: ExportFormat
+    out: Folder = Field(description="the folder to write (new, empty or an earlier export)")
+    overwrite: bool = Field(False, description="replace --out whole even if it holds other files")
+    target: str | None = Field(
+        None, description="the target model (path or hub id); null: the one in the head's config"
+    )
+    parity: str | None = Field(
+        None, description="a parity.json by scripts.verify_engines: its figures for this head go in the card"
+    )
+    allow_other_tokenizer: bool = Field(
+        False, description="export for a --target whose tokenizer differs from the one the head was trained with"
+    )
+
+
 CONFIG_FILE = "export_config.yaml"  # the settings of `python -m scripts.export` (`headstart export`)
 EXPORT_FILES = frozenset(
     {"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE, dflash.MASK_EMBEDDING_FILE, CONFIG_FILE}
@@ -220,23 +247,11 @@ def export_head(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--head", required=True, help="a head folder saved by training (config.json + model.safetensors)"
-    )
-    parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--out", required=True, help="the folder to write (new, empty or an earlier export)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out whole even if it holds other files")
-    parser.add_argument("--target", help="the target model (path or hub id); default: the one in the head's config")
-    parser.add_argument(
-        "--parity", help="a parity.json by scripts.verify_engines: its figures for this head go in the card"
-    )
-    parser.add_argument(
-        "--allow-other-tokenizer",
-        action="store_true",
-        help="export for a --target whose tokenizer differs from the one the head was trained with",
-    )
-    args = parser.parse_args(argv)
+    run(Export.parse_flags(Export.parser("python -m scripts.export", __doc__.split("\n")[0]), argv)[0])
+
+
+def run(args: Export) -> None:
+    """The export ``args`` describe (from flags, or a config's ``export:`` section)."""
     try:
         out = export_head(
             args.head,
@@ -246,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
             parity=args.parity,
             overwrite=args.overwrite,
             allow_other_tokenizer=args.allow_other_tokenizer,
-            settings=flags_config("export", args),
+            settings=args.as_config(),
         )
     except (ValueError, FileNotFoundError, NotImplementedError) as err:  # NotImplementedError: the target's family
-        parser.exit(2, f"export failed: {err}\n")
+        command_failed(f"export failed: {err}")
     print(f"wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
 
 

@@ -13,15 +13,16 @@ shape, layer ids) before it is written.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from pydantic import Field
 from transformers import AutoConfig, PretrainedConfig
 
-from headstart.heads import HEADS, DraftArch, DraftHead, check_compatible, state_problems
+from headstart.core.settings import CommandFlags, Folder, command_failed, one_of
+from headstart.heads import HEADS, DraftArch, DraftHead, check_compatible, head_options, state_problems
 from headstart.scripts.formats import dflash, eagle, eagle3, medusa
 from headstart.scripts.formats.common import (
     DRAFT_ARCH_KEYS,
@@ -33,6 +34,27 @@ from headstart.scripts.formats.common import (
 )
 
 SOURCES = ("eagle", "eagle3", "medusa", "speculators", "dflash")
+
+
+if TYPE_CHECKING:
+    Source = str
+else:
+    Source = one_of(SOURCES)
+
+
+class ImportHead(CommandFlags):
+    """``python -m scripts.import_head``'s flags, the config's ``import_head:`` section: a published draft head in
+    headstart's head format."""
+
+    section: ClassVar[str] = "import_head"
+    positional: ClassVar[tuple[str, ...]] = ("src",)
+    aliases: ClassVar[dict[str, tuple[str, ...]]] = {"kind": ("--from", "--kind")}
+
+    kind: Source = Field(description="the checkpoint's layout")
+    src: str = Field(description="the checkpoint folder")
+    out: Folder = Field(description="the head folder to write (new or empty)")
+    overwrite: bool = Field(False, description="replace --out whole even if it holds files")
+    target: str = Field(description="the target model the head drafts for (path or hub id)")
 
 
 def read_source(
@@ -62,8 +84,9 @@ def build_imported(
     source: str,
 ) -> DraftHead:
     """A head of our format holding ``state``, its config from the target plus the draft's own layer shape."""
-    cls = HEADS[options["type"]]
-    config = cls.make_config(options, target_config)
+    parsed = head_options(options)
+    cls = HEADS[parsed.type]
+    config = cls.make_config(parsed, target_config)
     config.arch = replace(config.arch, **{k: getattr(arch, k) for k in DRAFT_ARCH_KEYS})
     # The published draft's attention shape, vocab and layer ids against the target's: a named mismatch.
     check_compatible(replace(config, arch=arch, target=source), target_config)
@@ -74,7 +97,7 @@ def build_imported(
     head.to(dtype)  # keep the checkpoint's precision: a bf16 head stays bf16
     problems = state_problems(head.state_dict(), state)
     if problems:
-        raise ValueError(f"the checkpoint's tensors do not fit a {options['type']} head: " + "; ".join(problems))
+        raise ValueError(f"the checkpoint's tensors do not fit a {parsed.type} head: " + "; ".join(problems))
     head.load_state_dict(state)
     return head
 
@@ -105,17 +128,15 @@ def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwr
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--from", "--kind", dest="kind", required=True, choices=SOURCES, help="the checkpoint's layout")
-    parser.add_argument("src", help="the checkpoint folder")
-    parser.add_argument("--out", required=True, help="the head folder to write (new or empty)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out whole even if it holds files")
-    parser.add_argument("--target", required=True, help="the target model the head drafts for (path or hub id)")
-    args = parser.parse_args(argv)
+    run(ImportHead.parse_flags(ImportHead.parser("python -m scripts.import_head", __doc__.split("\n")[0]), argv)[0])
+
+
+def run(args: ImportHead) -> None:
+    """The import ``args`` describe (from flags, or a config's ``import_head:`` section)."""
     try:
         out = import_head(args.kind, args.src, args.out, args.target, args.overwrite)
     except (ValueError, FileNotFoundError) as err:
-        parser.exit(2, f"import failed: {err}\n")
+        command_failed(f"import failed: {err}")
     print(f"wrote {out}")
 
 

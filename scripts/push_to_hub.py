@@ -21,7 +21,6 @@ a credential inside a URL (``http://user:token@host``, ``?api_key=...``) and a l
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -29,15 +28,41 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import yaml
 from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from pydantic import Field
 
+from headstart.core.settings import CommandFlags, command_failed
 from headstart.heads import read_head_config
-from headstart.scripts.export import FORMATS, export_head
+from headstart.scripts.export import ExportFormat, export_head
 from headstart.scripts.formats.common import file_inside
+
+
+class Push(CommandFlags):
+    """``python -m scripts.push_to_hub``'s flags, the config's ``push:`` section: a head's export, card and eval
+    report on the Hugging Face Hub."""
+
+    section: ClassVar[str] = "push"
+
+    head: str = Field(description="a head folder saved by training")
+    repo_id: str = Field(description="ORG/NAME on the hub")
+    format: ExportFormat = Field("vllm", description="export format")
+    target: str | None = Field(
+        None, description="the target to check the head against; null: the one in the head's config"
+    )
+    target_id: str | None = Field(None, description="the target as users load it, e.g. its hub id; null: --target")
+    report: str | None = Field(
+        None, description="an eval report folder (report.md, report.json, *.png) to show in the card"
+    )
+    parity: str | None = Field(
+        None, description="parity.json from `make verify-engines`: the served-acceptance figures go in the card"
+    )
+    private: bool = Field(False, description="make the hub repo private, when this creates it")
+    dry_run: bool = Field(False, description="print the staged files and card; upload nothing")
+
 
 REPORT_FILES = ("report.md", "report.json")
 HEAD_NAME = "<head-folder>"  # how the card names the head folder: its path is the uploader's own business
@@ -269,20 +294,18 @@ def upload(folder: Path, repo_id: str, private: bool) -> str:
     return commit.commit_url
 
 
+def parse_args(argv: list[str] | None = None) -> Push:
+    """The command line as validated settings: the flags are ``Push``'s fields."""
+    parser = Push.parser("python -m scripts.push_to_hub", __doc__.split("\n")[0])
+    return Push.parse_flags(parser, argv)[0]
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head", required=True, help="a head folder saved by training")
-    parser.add_argument("--repo-id", required=True, help="ORG/NAME on the hub")
-    parser.add_argument("--format", default="vllm", choices=FORMATS, help="export format (default vllm)")
-    parser.add_argument("--target", help="the target to check the head against (default: the head's config)")
-    parser.add_argument("--target-id", help="the target as users load it, e.g. its hub id (default: --target)")
-    parser.add_argument("--report", help="an eval report folder (report.md, report.json, *.png) to show in the card")
-    parser.add_argument(
-        "--parity", help="parity.json from `make verify-engines`: the served-acceptance figures go in the card"
-    )
-    parser.add_argument("--private", action="store_true")
-    parser.add_argument("--dry-run", action="store_true", help="print the staged files and card; upload nothing")
-    args = parser.parse_args(argv)
+    run(parse_args(argv))
+
+
+def run(args: Push) -> None:
+    """Stage what ``args`` describe (from flags, or a config's ``push:`` section), then upload it unless a dry run."""
     with tempfile.TemporaryDirectory(prefix="headstart-hub-") as tmp:
         try:
             folder, redacted = stage(
@@ -297,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.dry_run,
             )
         except (ValueError, FileNotFoundError) as err:
-            parser.exit(2, f"push_to_hub failed: {err}\n")
+            command_failed(f"push_to_hub failed: {err}")
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         print(f"staged for {args.repo_id}:")
         for path in files:
@@ -312,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             print(f"uploaded: {upload(folder, args.repo_id, args.private)}")
         except RuntimeError as err:
-            parser.exit(2, f"push_to_hub failed: {err}\n")
+            command_failed(f"push_to_hub failed: {err}")
 
 
 if __name__ == "__main__":

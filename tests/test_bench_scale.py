@@ -126,7 +126,7 @@ def test_the_borrowed_checkpoint_has_only_the_borrowed_tensors(tmp_path) -> None
     assert json.loads((tmp_path / "ckpt" / INDEX_NAME).read_text())["weight_map"]["model.norm.weight"]
     with pytest.raises(Exception):  # noqa: B017 - a missing file or a garbage header: whichever it meets first
         AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
-    model, _ = load_target({"path": str(tmp_path / "ckpt"), "device": "cpu", "dtype": "bf16"}, borrowed_only=True)
+    model, _ = load_target(str(tmp_path / "ckpt"), "cpu", "bf16", borrowed_only=True)
     assert model.lm_head.weight.dtype == torch.bfloat16 and 0 < model.lm_head.weight.float().std() < 0.1
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # two draws, not one table
 

@@ -5,6 +5,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from headstart.scripts.build_demo_models import (
+    DemoModel,
+    ModelTraining,
     batch_for_step,
     build_tokenizer,
     encode,
@@ -23,33 +25,35 @@ ROWS = [
     }
     for i in range(40)
 ]
-ARCH = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": False,
-}
-HP = {
-    "seq_len": 32,
-    "batch_size": 4,
-    "steps": 6,
-    "lr": 1e-2,
-    "min_lr_ratio": 0.1,
-    "warmup_steps": 2,
-    "weight_decay": 0.1,
-    "grad_clip": 1.0,
-    "dtype": "fp32",
-    "ckpt_every": 3,
-}
+HP = ModelTraining(
+    seq_len=32,
+    batch_size=4,
+    steps=6,
+    lr=1e-2,
+    min_lr_ratio=0.1,
+    warmup_steps=2,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    dtype="fp32",
+    ckpt_every=3,
+)
+ARCH = DemoModel(
+    name="tiny",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    train=HP,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny():
     conversations = [to_messages(row, "Be brief." if i % 3 == 0 else None) for i, row in enumerate(ROWS)]
     tokenizer = build_tokenizer(conversations, vocab_size=400, min_frequency=1)
-    blocks = pack([encode(tokenizer, c) for c in conversations], HP["seq_len"])
+    blocks = pack([encode(tokenizer, c) for c in conversations], HP.seq_len)
     return tokenizer, blocks
 
 
@@ -79,7 +83,7 @@ def test_pack_cuts_equal_blocks(tiny):
 
 
 def test_learning_rate_warms_up_then_decays_to_floor():
-    hp = {"lr": 1.0, "warmup_steps": 10, "steps": 110, "min_lr_ratio": 0.1}
+    hp = HP.model_copy(update={"lr": 1.0, "warmup_steps": 10, "steps": 110, "min_lr_ratio": 0.1})
     assert learning_rate(0, hp) == pytest.approx(0.1)
     assert learning_rate(9, hp) == pytest.approx(1.0)
     assert learning_rate(60, hp) == pytest.approx(0.55)
@@ -115,11 +119,18 @@ def test_killed_training_resumes_to_identical_weights(tiny, tmp_path):
     train_model(straight, blocks, HP, tmp_path / "a" / "ckpt.pt", seed=0, device=torch.device("cpu"))
 
     interrupted = fresh_model()
-    train_model(interrupted, blocks, {**HP, "steps": 3}, tmp_path / "b" / "ckpt.pt", seed=0, device=torch.device("cpu"))
+    train_model(
+        interrupted,
+        blocks,
+        HP.model_copy(update={"steps": 3}),
+        tmp_path / "b" / "ckpt.pt",
+        seed=0,
+        device=torch.device("cpu"),
+    )
     resumed = fresh_model()
     stats = train_model(resumed, blocks, HP, tmp_path / "b" / "ckpt.pt", seed=0, device=torch.device("cpu"))
 
-    assert len(stats["loss_history"]) == HP["steps"]
+    assert len(stats["loss_history"]) == HP.steps
     assert stats["loss_history"][-1] < stats["loss_history"][0]
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name

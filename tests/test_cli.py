@@ -8,27 +8,23 @@ import subprocess
 import sys
 import typing
 from importlib import import_module
+from typing import Literal
 
 import pytest
 import tomllib
 import torch
 import yaml
-from conftest import REPO, TARGET, base_config, head_weights, subprocess_env, world_of_one
+from conftest import REPO, TARGET, base_config, head_weights, resolve, subprocess_env, world_of_one
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.core.config import ConfigError, load_config
-from headstart.core.schema import (
-    COMMAND_CONFIGS,
-    COMMAND_FLAGS,
-    HEAD_OPTIONS,
-    RegenerateConfig,
-    flags_argv,
-    flags_config,
-    validate_config,
-)
+from headstart.data_recipes.settings import RegenerateConfig
 from headstart.eval import acceptance
-from headstart.heads import build_head, load_head
+from headstart.eval.acceptance import Eval
+from headstart.heads import HEADS, build_head, load_head
 from headstart.scripts import cli
+from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS
+from headstart.scripts.import_head import ImportHead
 from headstart.train.config import TRAINER_OF
 
 VERBS = ["fetch-target", "regenerate", "capture", "train", "eval", "autotune", "export", "import", "push", "demo"]
@@ -129,11 +125,12 @@ def test_each_flag_section_has_its_commands_flags_defaults_and_choices(verb, mon
         else:
             assert "--" + name.replace("_", "-") in action.option_strings, name
         assert action.required == field.is_required(), name
+        assert action.default == argparse.SUPPRESS, name  # a flag left out: the model's default, declared once
         if not field.is_required():
-            assert action.default == field.default, name
+            assert f"default: {field.default if not isinstance(field.default, list) else ''}" in action.help, name
         assert (action.nargs == 0) == (field.annotation is bool), name  # a yes/no flag
-        if action.choices is not None:
-            assert list(action.choices) == list(typing.get_args(field.annotation)), name
+        for choice in typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else ():
+            assert str(choice) in action.help, name  # the choices are in the help; the model checks them
 
 
 # Every key set, none to its default: the flags carry each one.
@@ -169,25 +166,41 @@ SELF_SPEC = {
 )
 @pytest.mark.parametrize("section", ["eval", "autotune"])
 def test_a_section_goes_through_its_commands_flags_and_back_unchanged(section, given):
-    values = validate_config({section: given[section]}, COMMAND_CONFIGS[section])[section]
+    values = resolve({section: given[section]}, COMMAND_CONFIGS[section])[section]
     if given is EVERY_KEY:
         fields = COMMAND_FLAGS[section].model_fields
         assert set(given[section]) == set(fields) - EXCLUSIVE.get(section, set())
         assert [k for k, v in given[section].items() if v == fields[k].default] == []
-    args = import_module(cli.VERBS[section].module).parse_args(flags_argv(section, values))
-    assert flags_config(section, args) == {section: values}
+    settings = import_module(cli.VERBS[section].module).parse_args(as_argv(values))
+    assert settings.as_config() == {section: values}
 
 
 def test_autotune_takes_exactly_one_draft_source():
     for section in ({"target": "t", "out": "o"}, {"target": "t", "head": "h", "self_spec": True, "out": "o"}):
         with pytest.raises(ConfigError, match="give exactly one of head, draft and self_spec"):
-            validate_config({"autotune": section}, COMMAND_CONFIGS["autotune"])
+            resolve({"autotune": section}, COMMAND_CONFIGS["autotune"])
 
 
-def test_flags_argv_puts_positional_fields_first_and_leaves_out_false_and_null():
-    values = {"kind": "eagle3", "src": "pub", "out": "o", "overwrite": False, "target": "t"}
-    assert flags_argv("import_head", values) == ["pub", "--kind", "eagle3", "--out", "o", "--target", "t"]
-    assert flags_argv("verify_engines", {"eagle3": "", "out": None, "k": 2}) == ["--eagle3", "", "--k", "2"]
+def as_argv(values: dict) -> list[str]:
+    """A section's values as flags: a list comma-joined, true the bare flag, false and null left out."""
+    argv = []
+    for name, value in values.items():
+        if value is None or value is False or value == []:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(",".join(map(str, value)) if isinstance(value, list) else str(value))
+    return argv
+
+
+def test_import_takes_its_checkpoint_as_a_positional_argument_and_from_as_its_kind():
+    parser = ImportHead.parser("import", "")
+    settings, _ = ImportHead.parse_flags(parser, ["--from", "eagle3", "pub", "--out", "o", "--target", "t"])
+    assert settings.as_config() == {"import_head": {"kind": "eagle3", "src": "pub", "out": "o", "overwrite": False,
+                                                    "target": "t"}}  # fmt: skip
+    repeated, _ = Eval.parse_flags(Eval.parser("eval", ""), ["--target", "t", "--method", "vanilla", "--bench", "b",
+                                                             "--out", "o", "--head", "a,b", "--head", "c"])  # fmt: skip
+    assert repeated.head == ["a", "b", "c"]
 
 
 def test_headstart_eval_writes_the_report_and_the_config_the_flags_write_too(tmp_path):
@@ -197,7 +210,7 @@ def test_headstart_eval_writes_the_report_and_the_config_the_flags_write_too(tmp
     )
     overrides = ["eval.limit=2", "eval.max_new_tokens=16", f"eval.out={tmp_path / 'cli'}"]
     cli.main(["eval", "--config", str(path), *overrides])
-    resolved = validate_config(load_config(path, overrides), COMMAND_CONFIGS["eval"])["eval"]
+    resolved = resolve(load_config(path, overrides), COMMAND_CONFIGS["eval"])["eval"]
     report = json.loads((tmp_path / "cli" / "report.json").read_text())
     assert (report["prompts"], report["max_new_tokens"], set(report["methods"])) == (2, 16, {"vanilla", "ngram"})
     assert report["methods"]["ngram"]["greedy_identical"] is True
@@ -217,8 +230,8 @@ def test_the_demo_eval_config_holds_the_demo_eval_stage_settings():
     stage = next(s for s in load_config(REPO / "configs" / "demo.yaml")["stages"] if s["name"] == "eval")
     command = shlex.split(stage["cmd"])
     assert command[1:3] == ["-m", "eval.acceptance"]
-    demo_eval = validate_config(load_config(REPO / "configs" / "demo-eval.yaml"), COMMAND_CONFIGS["eval"])
-    assert flags_config("eval", acceptance.parse_args(command[3:])) == {"eval": demo_eval["eval"]}
+    demo_eval = resolve(load_config(REPO / "configs" / "demo-eval.yaml"), COMMAND_CONFIGS["eval"])
+    assert acceptance.parse_args(command[3:]).as_config() == {"eval": demo_eval["eval"]}
 
 
 def test_headstart_regenerate_saves_the_resolved_config_beside_its_output(tiny_target_dir, gsm8k_file, tmp_path):
@@ -231,7 +244,7 @@ def test_headstart_regenerate_saves_the_resolved_config_beside_its_output(tiny_t
     cli.main(["regenerate", "--config", str(write_config(tmp_path / "regen.yaml", config)), "regenerate.seed=3"])
     assert len(out.read_text().splitlines()) == 2
     saved = yaml.safe_load((tmp_path / "regen.jsonl.config.yaml").read_text())
-    assert saved == validate_config(config | {"regenerate": config["regenerate"] | {"seed": 3}}, RegenerateConfig)
+    assert saved == resolve(config | {"regenerate": config["regenerate"] | {"seed": 3}}, RegenerateConfig)
     assert saved["regenerate"]["temperature"] == 0.0 and saved["target"]["dtype"] == "fp32"  # the defaults too
 
 
@@ -272,7 +285,7 @@ def test_headstart_autotune_saves_its_settings_beside_the_tree(tiny_target_dir, 
         "batch_sizes": [1], "out": str(tmp_path / "at"),
     }  # fmt: skip
     cli.main(["autotune", "--config", str(write_config(tmp_path / "at.yaml", {"autotune": settings}))])
-    resolved = validate_config({"autotune": settings}, COMMAND_CONFIGS["autotune"])
+    resolved = resolve({"autotune": settings}, COMMAND_CONFIGS["autotune"])
     assert yaml.safe_load((tmp_path / "at" / "autotune_config.yaml").read_text()) == resolved
     assert json.loads((tmp_path / "at" / "tree.json").read_text())["total_tokens"] <= 6
 
@@ -318,7 +331,7 @@ def test_headstart_train_on_two_processes_execs_torchrun_and_trains_the_same_hea
 
 
 def test_every_head_type_has_a_training_recipe():
-    assert set(TRAINER_OF) == set(HEAD_OPTIONS)
+    assert set(TRAINER_OF) == set(HEADS)
     assert all(callable(import_module(f"train.{trainer}").main) for trainer in set(TRAINER_OF.values()))
 
 

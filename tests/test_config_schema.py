@@ -1,28 +1,38 @@
-"""The one config schema (core/schema.py): every command refuses a bad config, naming each problem by its
-dotted key, before it loads a model or runs a stage."""
+"""The config: each command refuses a bad config, naming each problem by its dotted key, before it loads a model or
+runs a stage; every bundled config resolves to the values it always has; the whole file is checked by ``headstart``
+(``scripts.config.PipelineConfig``), each command's own sections by the command."""
+
+import ast
+import json
+import re
+import typing
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, resolve
 
 from headstart.core.config import ConfigError, apply_overrides, load_config
-from headstart.core.schema import (
-    COMMAND_CONFIGS,
-    HEAD_OPTIONS,
-    BuildDemoModelsConfig,
-    CaptureConfig,
-    DemoConfig,
-    Formats,
-    RegenerateConfig,
-    TrainConfig,
-    validate_config,
-)
+from headstart.core.settings import SECTIONS, parse
 from headstart.data_recipes import capture, regenerate
 from headstart.data_recipes.formats import FORMATS
+from headstart.data_recipes.settings import (
+    Capture,
+    CaptureConfig,
+    Data,
+    Generation,
+    Regenerate,
+    RegenerateConfig,
+    Target,
+)
 from headstart.data_recipes.shards import read_manifest
-from headstart.heads import HEADS
-from headstart.scripts import build_demo_models, demo
+from headstart.heads import HEADS, Head, HeadOptions, Lora
+from headstart.heads.config import HEAD_OPTIONS
+from headstart.scripts import build_demo_models, cli, demo
+from headstart.scripts.build_demo_models import BuildDemoModelsConfig, DemoModel, ModelTraining
+from headstart.scripts.config import COMMAND_CONFIGS, PipelineConfig
+from headstart.scripts.demo import DemoConfig
 from headstart.train import eagle, medusa
+from headstart.train.config import Metrics, Train, TrainConfig, Wandb
 
 # Which commands read each bundled config; the rest (the head configs) drive capture and training.
 COMMANDS_OF = {
@@ -34,47 +44,58 @@ COMMANDS_OF = {
     "real-smollm2-regenerate.yaml": [RegenerateConfig],
     "demo-eval.yaml": [COMMAND_CONFIGS["eval"]],
 }
-
-
-def assert_values_kept(given, resolved, key=""):
-    """Every value the config sets is in the resolved config, unchanged (defaults only add keys)."""
-    if isinstance(given, dict):
-        for name, value in given.items():
-            assert name in resolved, f"{key}.{name} dropped"
-            assert_values_kept(value, resolved[name], f"{key}.{name}")
-    elif isinstance(given, list):
-        assert len(resolved) == len(given), key
-        for index, (item, kept) in enumerate(zip(given, resolved)):
-            assert_values_kept(item, kept, f"{key}[{index}]")
-    else:
-        assert resolved == given, key
+# What every bundled config resolved to (defaults filled in) before the settings moved beside their commands
+# (core/schema.py, 2026-11-25): a resolved value that changes is a changed run.
+RESOLVED = json.loads((REPO / "tests" / "resolved_configs.json").read_text())
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_bundled_config_validates_for_each_command_that_reads_it(path):
-    config = load_config(path)
-    for schema in COMMANDS_OF.get(path.name, [CaptureConfig, TrainConfig]):
-        assert_values_kept(config, validate_config(config, schema))
+def test_every_bundled_config_resolves_to_the_values_it_always_had(path):
+    config, expected = load_config(path), RESOLVED[path.name]
+    commands = COMMANDS_OF.get(path.name, [CaptureConfig, TrainConfig, PipelineConfig])
+    for schema in commands:
+        resolved = resolve(config, schema)
+        assert resolved == {key: expected[key] for key in resolved}, schema.__name__
+        assert set(config) & set(schema.model_fields) <= set(resolved)  # no section the command reads is lost
+    if PipelineConfig in commands:  # the whole file: every section it has, resolved as before
+        assert set(config) <= set(resolve(config, PipelineConfig))
 
 
 def test_the_schema_knows_the_heads_and_formats_the_code_has():
     assert set(HEAD_OPTIONS) == set(HEADS)
     assert all(HEADS[name].options_model is options for name, options in HEAD_OPTIONS.items())
-    assert set(Formats.__args__) == set(FORMATS)
+    assert set(typing.get_args(typing.get_args(Head)[0])) == set(HEAD_OPTIONS.values())  # the head: section
+    assert set(typing.get_args(Data.model_fields["format"].annotation)) == set(FORMATS)
+    assert tuple(PipelineConfig.model_fields) == SECTIONS
+    assert all(issubclass(options, HeadOptions) for options in HEAD_OPTIONS.values())
 
 
 def test_one_error_lists_every_problem_by_its_dotted_key():
     config = load_config(REPO / "configs" / "demo-eagle3.yaml")
     config = apply_overrides(config, ["data.limt=2", "capture.shard_samples=-1", "train.lr=0", "head.ttt_decay=2"])
     with pytest.raises(ConfigError) as err:
-        validate_config(config, CaptureConfig)  # train: and head: belong to training, and are checked too
+        parse(config, PipelineConfig)  # the whole file, as headstart checks it before any verb
     assert str(err.value).splitlines() == [
-        "invalid capture config:",
+        "invalid pipeline config:",
         "  unknown key data.limt (known: format, limit, max_length, on_error, source)",
         "  capture.shard_samples must be >= 1, got -1",
         "  head.ttt_decay must be <= 1, got 2",
         "  train.lr must be > 0, got 0",
     ]
+    with pytest.raises(ConfigError) as err:
+        parse(config, CaptureConfig)  # the capture command: its own sections
+    assert str(err.value).splitlines() == [
+        "invalid capture config:",
+        "  unknown key data.limt (known: format, limit, max_length, on_error, source)",
+        "  capture.shard_samples must be >= 1, got -1",
+    ]
+
+
+def test_a_section_that_no_command_reads_is_refused_by_every_command():
+    config = apply_overrides(load_config(REPO / "configs" / "demo-eagle3.yaml"), ["trian.lr=1"])
+    for schema in (CaptureConfig, TrainConfig, PipelineConfig):
+        with pytest.raises(ConfigError, match=r"unknown section 'trian' \(known: autotune, capture, data, eval"):
+            parse(config, schema)
 
 
 def test_defaults_fill_in_and_yaml_exponents_read_as_floats(tmp_path):
@@ -85,7 +106,7 @@ def test_defaults_fill_in_and_yaml_exponents_read_as_floats(tmp_path):
     )
     config = load_config(path)
     assert config["train"]["lr"] == "1e-4"  # YAML 1.1
-    resolved = validate_config(config, TrainConfig)
+    resolved = resolve(config, TrainConfig)
     assert resolved["train"]["lr"] == 1e-4 and resolved["capture"]["shard_samples"] == 256
     assert resolved["head"] == {"type": "eagle3", **HEADS["eagle3"].options_model.defaults()}
     assert "lora" not in resolved and "regenerate" not in resolved
@@ -107,8 +128,7 @@ CAPTURE_PROBLEMS = [
     (["capture.batch_tokens=0"], r"capture\.batch_tokens must be >= 1, got 0"),
     (["data.max_length=0"], r"data\.max_length must be >= 1, got 0"),
     (["capture.store_dtype=int8"], r"capture\.store_dtype must be one of \['fp32', .*\], got 'int8'"),
-    (["train.lrr=1e-3"], r"unknown key train\.lrr"),  # another stage's section, in the same file
-    (["head.ttt_stepz=3"], r"unknown key head\.ttt_stepz for a eagle3 head"),
+    (["regenerate.max_new_tokens=0"], r"regenerate\.max_new_tokens must be >= 1, got 0"),  # its package's too
 ]
 
 
@@ -119,6 +139,21 @@ def test_capture_refuses_a_bad_config_before_loading_the_target(tmp_path, overri
     with pytest.raises(ConfigError, match=message):
         capture.main(["--config", str(path)])
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.lrr=1e-3"], r"unknown key train\.lrr"),  # another stage's section, in the same file
+        (["head.ttt_stepz=3"], r"unknown key head\.ttt_stepz for a eagle3 head"),
+    ],
+)
+def test_headstart_capture_checks_the_later_stages_sections_too(tmp_path, overrides, message, capsys):
+    out = tmp_path / "shards"
+    path = write_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={out}", *overrides])
+    with pytest.raises(SystemExit):
+        cli.main(["capture", "--config", str(path)])
+    assert re.search(message, capsys.readouterr().err) and not out.exists()
 
 
 def test_a_valid_capture_config_gets_as_far_as_loading_the_target(tmp_path):
@@ -214,3 +249,68 @@ def test_build_demo_models_refuses_a_typo_before_reading_its_data(tmp_path):
     overrides = ["target.train.stepz=10", f"train_file={tmp_path / 'missing.jsonl'}", f"work_dir={tmp_path}"]
     with pytest.raises(ConfigError, match=r"unknown key target\.train\.stepz \(known: batch_size, ckpt_every"):
         build_demo_models.main(["--config", str(REPO / "configs" / "build-demo-models.yaml"), *overrides])
+
+
+# The names the library gives a config and its sections, and the models whose fields they hold.
+SECTION_VARIABLES = {
+    "train": [Train],
+    "train_cfg": [Train],
+    "cap": [Capture],
+    "capture": [Capture],
+    "regen": [Regenerate],
+    "generation": [Generation],
+    "data": [Data],
+    "target": [Target],
+    "head": list(HEAD_OPTIONS.values()),
+    "head_cfg": list(HEAD_OPTIONS.values()),
+    "options": list(HEAD_OPTIONS.values()),
+    "lora": [Lora],
+    "wandb": [Wandb],
+    "metrics": [Metrics],
+    "hp": [ModelTraining],
+    "arch": [DemoModel],
+}
+SECTION_FIELDS = {
+    name: {f for model in models for f in model.model_fields} for name, models in SECTION_VARIABLES.items()
+}
+
+
+def string_key_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every ``x["key"]`` and ``x.get("key")`` that reads a config section by string key: any key of a config
+    (``cfg``/``config``), a section of one (``x["train"]["lr"]``), or a section's field (``train["lr"]``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Constant):
+            base, key = node.value, node.slice.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            if not (node.args and isinstance(node.args[0], ast.Constant)):
+                continue
+            base, key = node.func.value, node.args[0].value
+        else:
+            continue
+        name = base.id if isinstance(base, ast.Name) else None
+        nested = isinstance(base, ast.Subscript) and isinstance(base.slice, ast.Constant) and base.slice.value
+        if (
+            name in ("cfg", "config")
+            and key in SECTIONS
+            or name == "cfg"
+            or nested in SECTION_FIELDS
+            and key in SECTION_FIELDS[nested]
+            or name in SECTION_FIELDS
+            and key in SECTION_FIELDS[name]
+        ):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_library_reads_its_settings_as_attributes_that_mypy_checks():
+    reads = [
+        f"{path.relative_to(REPO)}:{line}: {code}"
+        for top in ("core", "heads", "data_recipes", "decoding", "train", "eval", "scripts")
+        for path in sorted((REPO / top).rglob("*.py"))
+        for line, code in string_key_reads(ast.parse(path.read_text()))
+    ]
+    assert not reads, "config sections read by string key (read the validated model's attributes):\n" + "\n".join(reads)
+    # The check finds what it looks for: the reads this replaced.
+    old = 'def f(cfg, train):\n  cfg["train"]["lr"]\n  train["seed"]\n  cfg.get("lora")\n  x["capture"]["out_dir"]'
+    assert sorted(line for line, _ in string_key_reads(ast.parse(old + '\n  train["x"] = 1'))) == [2, 2, 3, 4, 5]

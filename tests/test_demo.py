@@ -11,7 +11,8 @@ import yaml
 from conftest import REPO
 
 from headstart.core.config import ConfigError, load_config
-from headstart.scripts.demo import main, run_stages
+from headstart.core.settings import parse
+from headstart.scripts.demo import DemoConfig, main, run_stages
 
 # Writes its name to the file argv[2] and appends it to the log argv[3].
 WRITE = (
@@ -36,6 +37,11 @@ def pipeline(tmp_path, fail: str = "") -> dict:
     }
 
 
+def run(cfg: dict, only: set[str] | None = None) -> dict:
+    """The stages of ``cfg`` as the demo runs them, its config checked first."""
+    return run_stages(parse(cfg, DemoConfig), only)
+
+
 def ran(tmp_path) -> list[str]:
     log = tmp_path / "ran.log"
     runs = log.read_text().split() if log.exists() else []
@@ -45,34 +51,34 @@ def ran(tmp_path) -> list[str]:
 
 def test_finished_stages_are_skipped_and_changes_rerun_what_they_affect(tmp_path, capsys):
     cfg = pipeline(tmp_path)
-    timings = run_stages(cfg)
+    timings = run(cfg)
     assert ran(tmp_path) == ["first", "second"]
     assert [t["status"] for t in timings["stages"].values()] == ["ran", "ran"]
     assert json.loads((tmp_path / "run" / "timings.json").read_text())["stages"].keys() == {"first", "second"}
 
-    timings = run_stages(cfg)
+    timings = run(cfg)
     assert ran(tmp_path) == []
     assert capsys.readouterr().out.count("done, skipped (outputs complete") == 2
     assert all(t["seconds"] == 0 and t["seconds_when_run"] > 0 for t in timings["stages"].values())
 
     (tmp_path / "b.txt").unlink()  # a missing output: that stage again, not its upstream
-    run_stages(cfg)
+    run(cfg)
     assert ran(tmp_path) == ["second"]
 
     (tmp_path / "input.txt").write_text("v2")  # a changed input: its stage and everything after it
-    run_stages(cfg)
+    run(cfg)
     assert ran(tmp_path) == ["first", "second"]
 
     cfg["stages"][0]["cmd"] += " extra"  # a changed command, likewise
-    run_stages(cfg)
+    run(cfg)
     assert ran(tmp_path) == ["first", "second"]
 
 
 def test_a_subset_of_stages_keys_them_as_the_full_run_does(tmp_path):
     cfg = pipeline(tmp_path)
-    run_stages(cfg, only={"first"})
+    run(cfg, only={"first"})
     assert ran(tmp_path) == ["first"]
-    run_stages(cfg)
+    run(cfg)
     assert ran(tmp_path) == ["second"]
 
 
@@ -83,22 +89,22 @@ def test_stage_paths_take_config_keys_as_commands_do(tmp_path):
     (tmp_path / "mine").mkdir()
     cfg["stages"][1]["cmd"] = cfg["stages"][1]["cmd"].replace(str(tmp_path / "b.txt"), "{heads}/b.txt")
     cfg["stages"][1]["outputs"] = ["{heads}/b.txt"]
-    run_stages(cfg)
+    run(cfg)
     assert ran(tmp_path) == ["first", "second"] and (tmp_path / "mine" / "b.txt").read_text() == "second"
-    run_stages(cfg)
+    run(cfg)
     assert ran(tmp_path) == []
     (tmp_path / "mine" / "b.txt").unlink()
-    run_stages(cfg)
+    run(cfg)
     assert ran(tmp_path) == ["second"]
     cfg["stages"][1]["inputs"] = ["{nowhere}/x"]
     with pytest.raises(ConfigError, match=r"stage second: \{nowhere\} in its inputs is not a config key"):
-        run_stages(cfg)
+        run(cfg)
 
 
 def test_a_failed_stage_stops_the_run_and_says_how_to_resume(tmp_path):
     cfg = pipeline(tmp_path, fail="second")
     with pytest.raises(SystemExit, match=r"\[2/2\] stage second: failed \(exit code 3\).*Run the demo again to resume"):
-        run_stages(cfg)
+        run(cfg)
     assert ran(tmp_path) == ["first"]
     assert not (tmp_path / "run" / "stages" / "second.json").exists()
 

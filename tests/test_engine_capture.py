@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, TARGET, records, run_here, subprocess_env, tiny_llama, wait_for
+from conftest import REPO, TARGET, records, resolve, run_here, subprocess_env, tiny_llama, wait_for
 from safetensors.torch import load_file, save_file
 
 from headstart.core.config import ConfigError
-from headstart.core.schema import CaptureConfig, validate_config
 from headstart.data_recipes.capture import capture_hidden_states, run_capture
 from headstart.data_recipes.engine_capture import (
     CPU_CONNECTOR,
@@ -33,6 +32,7 @@ from headstart.data_recipes.engine_capture import (
     server_args,
 )
 from headstart.data_recipes.engine_client import ChatServer, EngineError
+from headstart.data_recipes.settings import CaptureConfig, Target
 from headstart.data_recipes.shards import read_manifest, shard_name
 from headstart.train import eagle
 from headstart.train.config import resolve_config
@@ -95,7 +95,7 @@ def test_a_states_file_is_read_after_its_writer_lets_go_and_its_ids_are_checked(
 
 
 def test_the_server_computes_every_state_fresh_with_our_cpu_connector(tmp_path):
-    target = {"path": "t", "device": "cpu", "dtype": "bf16", "tp_size": 8}
+    target = Target(path="t", device="cpu", dtype="bf16", tp_size=8)
     args = server_args(target, [2, 40, 77, 80], 2048, tmp_path)
     flags = dict(zip(args[::2], args[1::2]))
     assert flags["--dtype"] == "bfloat16" and flags["--tensor-parallel-size"] == "8"
@@ -110,7 +110,7 @@ def test_the_server_computes_every_state_fresh_with_our_cpu_connector(tmp_path):
 def test_engine_settings_that_cannot_work_are_refused(tmp_path):
     section = {"target": {"path": "t"}, "data": {"source": "d", "format": "gsm8k", "max_length": 64}}
     with pytest.raises(ConfigError, match="base_url is only read by engine 'vllm'"):
-        validate_config({**section, "capture": {"out_dir": "o", "base_url": "http://x/v1"}}, CaptureConfig)
+        resolve({**section, "capture": {"out_dir": "o", "base_url": "http://x/v1"}}, CaptureConfig)
     cfg = {**section, "capture": {"out_dir": "o"}, "head": {"type": "eagle3"}, "train": {"out_dir": "o"}}
     cfg["train"]["online_capture"] = "vllm"
     with pytest.raises(ConfigError, match="train.online_capture: vllm asks the server the capture section describes"):

@@ -8,11 +8,12 @@ from conftest import LAYER_IDS, make_batch, tiny_llama
 from transformers import LlamaConfig
 
 from headstart.core.models import default_aux_layers
-from headstart.core.schema import Eagle3Options, Lora
 from headstart.heads import (
     Eagle3Head,
+    Eagle3Options,
     EagleHead,
     KVCache,
+    Lora,
     arch_from_target,
     build_head,
     build_vocab_mapping,
@@ -350,7 +351,7 @@ def test_heads_read_the_final_hidden_state_unless_they_fuse_layers(target):
 
 
 def test_medusa2_takes_the_lora_section_with_the_schema_defaults():
-    # The config's whole lora: section (loss weights included), its defaults from core.schema.Lora.
+    # The config's whole lora: section (loss weights included), its defaults from heads.medusa.Lora.
     model = medusa2_wrap(tiny_llama(), {"r": 4, "head_weight": 0.5, "head_weight_warmup": 10})
     peft = model.peft_config["default"]
     defaults = Lora()

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from headstart.core.schema import TrainConfig, validate_config
+from headstart.core.settings import parse
+from headstart.train.config import TrainConfig
 from headstart.train.metrics import MetricsLog
 
 
@@ -18,7 +19,7 @@ def config(out_dir, **metrics):
         "train": {"out_dir": str(out_dir)},
         "metrics": metrics,
     }
-    return validate_config(raw, TrainConfig)
+    return parse(raw, TrainConfig)
 
 
 def train_record(step, loss):
@@ -49,7 +50,7 @@ def killed_then_resumed(cfg):
 
 def test_defaults_write_metrics_jsonl_only(tmp_path):
     cfg = config(tmp_path / "run")
-    assert cfg["metrics"] == {"tensorboard": False, "mlflow": False, "mlflow_experiment": "headstart"}
+    assert cfg.metrics.model_dump() == {"tensorboard": False, "mlflow": False, "mlflow_experiment": "headstart"}
     killed_then_resumed(cfg)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]  # no other backend
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -117,7 +118,7 @@ def test_wandb_offline_runs_in_the_out_dir(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # the tests' default (conftest) is disabled
     cfg = config(tmp_path / "run")
-    cfg["wandb"] |= {"mode": "offline", "name": "demo"}
+    cfg.wandb = cfg.wandb.model_copy(update={"mode": "offline", "name": "demo"})
     backend = Wandb(cfg, tmp_path / "run")
     backend.log({"loss": 3.0, "lr": 0.01}, step=1)
     backend.log({"loss": 2.0, "heldout/acc": 0.5}, step=2)

@@ -111,14 +111,14 @@ def test_training_refuses_shards_of_other_weights(captured, tiny_target_dir, gsm
         tuned.lm_head.weight.mul_(1.01)
     tuned.save_pretrained(tmp_path / "tuned")
     tokenizer.save_pretrained(tmp_path / "tuned")
-    cfg["target"]["path"] = str(tmp_path / "tuned")
+    cfg.target.path = str(tmp_path / "tuned")
     captured_from, here = read_manifest(captured)["target_weights_hash"], weights_hash(tmp_path / "tuned", "fp32")
     assert captured_from == weights_hash(tiny_target_dir, "fp32") != here
     assert weights_hash(tiny_target_dir, "bf16") != captured_from  # another compute dtype: other states
     with pytest.raises(ManifestMismatch, match=f"weights hash {captured_from} in the shards, {here} here"):
         load_data(cfg, tuned, tokenizer, aux=True, online_states=True)
 
-    cfg["capture"]["allow_other_weights"] = True
+    cfg.capture.allow_other_weights = True
     with pytest.warns(UserWarning, match="capture.allow_other_weights"):
         assert len(load_data(cfg, tuned, tokenizer, aux=True, online_states=True).dataset) == 16
 

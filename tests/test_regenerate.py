@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.data_recipes.recipes import load_samples
 from headstart.data_recipes.regenerate import regenerate_chunk, run_regenerate
+from headstart.data_recipes.settings import Generation
 
 CONVERSATIONS = [
     [
@@ -41,7 +42,7 @@ def regen_config(target, source, out, **regenerate):
 def test_greedy_replies_equal_the_targets_own_generation(tiny_target_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    rows, cut_off = regenerate_chunk(model, tok, CONVERSATIONS, {"max_new_tokens": 12})
+    rows, cut_off = regenerate_chunk(model, tok, CONVERSATIONS, Generation(max_new_tokens=12))
     assert [[m["role"] for m in r] for r in rows] == [[m["role"] for m in c] for c in CONVERSATIONS]
     assert rows[1][3] == CONVERSATIONS[1][3] and "old" not in json.dumps(rows)
     # Turn 2 of conversation 1 is generated after the regenerated turn 1, alone, without batching.

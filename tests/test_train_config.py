@@ -5,6 +5,7 @@ import yaml
 from conftest import REPO
 
 from headstart.core.config import ConfigError, load_config
+from headstart.heads import Eagle3Options
 from headstart.train import dflash, eagle, medusa
 from headstart.train.config import resolve_config
 from headstart.train.data import rank_micro_batches
@@ -25,9 +26,10 @@ TRAINED_CONFIGS = [
 def test_bundled_configs_match_the_schema(name):
     config = load_config(REPO / "configs" / f"{name}.yaml")
     resolved = resolve_config(config, TRAINER_OF[config["head"]["type"]])
-    assert resolved["train"]["out_dir"].startswith("runs/")
+    assert resolved.train.out_dir.startswith("runs/")
     if name.endswith("eagle3") and not name.startswith("demo"):  # the real targets: documentation
-        assert resolved["head"]["draft_vocab_size"] == 32000 and resolved["train"]["dtype"] == "bf16"
+        assert isinstance(resolved.head, Eagle3Options)
+        assert resolved.head.draft_vocab_size == 32000 and resolved.train.dtype == "bf16"
 
 
 @pytest.fixture
@@ -90,8 +92,8 @@ def test_defaults_fill_in_and_yaml_exponents_read_as_floats():
         "train": {"out_dir": "runs/x", "lr": "1e-3"},  # YAML 1.1 reads 1e-3 (no dot) as a string
     }
     resolved = resolve_config(config, "eagle")
-    assert resolved["train"]["lr"] == 1e-3 and resolved["train"]["zero_stage"] == 2
-    assert resolved["wandb"]["mode"] == "disabled" and "lora" not in resolved
+    assert resolved.train.lr == 1e-3 and resolved.train.zero_stage == 2
+    assert resolved.wandb.mode == "disabled" and resolved.lora is None
 
 
 def test_micro_batches_do_not_depend_on_the_number_of_processes():

@@ -1,4 +1,6 @@
-"""The training config: the one schema (``core.schema.TrainConfig``) plus what only a trainer knows.
+"""The training config: the ``train:``, ``wandb:`` and ``metrics:`` sections, the root ``TrainConfig`` that composes
+them with the target, data and capture sections (``data_recipes.settings``) and the head's (``heads.Head``), and
+the checks that span sections.
 
 ``resolve_config`` checks a loaded YAML config (after ``key=value`` overrides) and fills in the
 defaults, so a typo, a wrong type, a value out of range or a head the trainer does not train fails
@@ -10,85 +12,171 @@ own schema too.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BeforeValidator, Field
 
 from headstart.core.config import load_config
-from headstart.core.schema import TrainConfig, check_config, raise_problems
+from headstart.core.settings import (
+    Count,
+    Float,
+    Fraction,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    Section,
+    Stage,
+    check,
+    not_a_flag,
+    raise_problems,
+)
+from headstart.data_recipes.settings import Capture, Regenerate, Target, TokenizedData
+from headstart.heads import DflashOptions, Head, Lora
+
+
+class Train(Section):
+    out_dir: str
+    seed: NonNegative = 0
+    epochs: Count = 1
+    max_steps: Count | None = None  # null: epochs x steps per epoch
+    batch_size: Count = 16  # samples per optimizer step, over all ranks
+    micro_batch_size: Count = 4  # samples per forward, per rank
+    lr: Positive = 1e-4
+    min_lr_ratio: Fraction = 0.0  # cosine decays to lr * min_lr_ratio
+    warmup_steps: NonNegative = 0
+    weight_decay: NonNegativeFloat = 0.0
+    betas: Annotated[list[Annotated[Float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.95]
+    max_grad_norm: NonNegativeFloat = 1.0  # 0: no clipping
+    zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(not_a_flag)] = 2
+    dtype: Literal["fp32", "bf16"] = "fp32"  # the head's training precision
+    # true: the target runs inside each step, here; vllm: each batch's states are asked of a vLLM server
+    # (capture.base_url, or one started from capture.engine_python); false: the shards in capture.out_dir
+    online_capture: bool | Literal["vllm"] = False
+    heldout_samples: NonNegative = 0
+    eval_every: NonNegative = 0  # 0: held-out eval at the end only
+    # Measured acceptance at each held-out evaluation (train/measured.py): the head drafts greedy chains at its
+    # trained depth and the target verifies, on eval_prompts prompts (the held-out samples' prompts, or the first
+    # of eval_bench), eval_new_tokens new tokens each. 0: off (it loads the whole target, not only the borrowed
+    # tensors).
+    eval_prompts: NonNegative = 0
+    eval_new_tokens: Count = 64
+    eval_bench: str | None = None  # a benchmark JSONL (data_recipes.bench) instead of the held-out samples
+    # last: the exported head (<out_dir>/head) is the last step's; measured_tau: the one whose measured tau was best
+    keep_best: Literal["last", "measured_tau"] = "last"
+    save_every: NonNegative = 0  # 0: checkpoint at the end only
+    keep_checkpoints: NonNegative = 2  # 0 keeps them all
+    num_workers: NonNegative = 0
+    resume: Literal["auto"] | bool = "auto"
+
+
+class Wandb(Section):
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    project: str = "headstart"
+    name: str | None = None
+
+
+class Metrics(Section):
+    """Where training metrics go besides metrics.jsonl (always written) and wandb (its own section)."""
+
+    tensorboard: bool = False  # event files in <train.out_dir>/tensorboard
+    mlflow: bool = False  # an MLflow file store in <train.out_dir>/mlruns: no server, no network
+    mlflow_experiment: str = "headstart"  # each launch is one run in it, named after train.out_dir
+
+
+class TrainConfig(Stage):
+    """Training; ``resolve_config`` adds the checks that span sections (batch sizes, shards or online)."""
+
+    command: ClassVar[str] = "training"
+    target: Target
+    data: TokenizedData
+    capture: Capture = Capture()
+    head: Head
+    train: Train
+    lora: Lora | None = None
+    wandb: Wandb = Wandb()
+    metrics: Metrics = Metrics()
+    regenerate: Regenerate | None = None
+
 
 # train/<trainer>.py -> the head types it trains; `headstart train` picks the recipe by head.type.
 TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",), "dflash": ("dflash",)}
 TRAINER_OF = {head_type: trainer for trainer, head_types in TRAINERS.items() for head_type in head_types}
 
 
-def resolve_config(config: dict[str, Any], trainer: str) -> dict[str, Any]:
-    """``config`` with defaults filled in, or ConfigError naming every unknown key, bad type or bad value."""
-    resolved, problems = check_config(config, TrainConfig)
-    # Said beside the schema's problems: a Medusa config run by train/eagle.py has EAGLE-unknown head keys too.
-    head = config.get("head")
-    head_type = head.get("type") if isinstance(head, dict) else None
+def resolve_config(given: dict[str, Any], trainer: str) -> TrainConfig:
+    """The loaded YAML mapping ``given`` with defaults filled in, or ConfigError naming every unknown key, bad type
+    or bad value."""
+    resolved, problems = check(given, TrainConfig)
+    # Said beside the schema's problems, so read from the mapping as given: a Medusa config run by train/eagle.py
+    # has EAGLE-unknown head keys too.
+    given_head = given.get("head")
+    head_type = given_head.get("type") if isinstance(given_head, dict) else None
     other = TRAINER_OF.get(head_type, trainer) if isinstance(head_type, str) else trainer
     if other != trainer:
         problems.append(f"head.type {head_type!r} is trained by train/{other}.py, not train/{trainer}.py")
-    if not problems:
-        _check_consistency(resolved, trainer, problems)
+    if resolved is not None and not problems:
+        problems = consistency_problems(resolved, trainer)
     raise_problems(TrainConfig, problems)
+    assert resolved is not None
     return resolved
 
 
-def _check_consistency(cfg: dict[str, Any], trainer: str, problems: list[str]) -> None:
-    train = cfg["train"]
-    if train["batch_size"] % train["micro_batch_size"]:
+def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
+    """What no one section says is wrong, but the sections together are."""
+    train, problems = cfg.train, []
+    if train.batch_size % train.micro_batch_size:
         problems.append(
-            f"train.batch_size ({train['batch_size']}) must be a multiple of train.micro_batch_size "
-            f"({train['micro_batch_size']}) times the number of processes"
+            f"train.batch_size ({train.batch_size}) must be a multiple of train.micro_batch_size "
+            f"({train.micro_batch_size}) times the number of processes"
         )
-    if not train["online_capture"] and not cfg["capture"]["out_dir"]:
+    if not train.online_capture and not cfg.capture.out_dir:
         problems.append("capture.out_dir is required unless train.online_capture is true (where are the shards?)")
-    if "lora" in cfg and not train["online_capture"]:
+    if cfg.lora and not train.online_capture:
         problems.append(
             "Medusa-2 (a lora: section) trains the target itself, so its hidden states cannot come from "
             "shards: set train.online_capture: true"
         )
-    if train["online_capture"] == "vllm" and cfg["capture"]["engine"] != "vllm":
+    if train.online_capture == "vllm" and cfg.capture.engine != "vllm":
         problems.append(
             "train.online_capture: vllm asks the server the capture section describes: set capture.engine: vllm "
             "(and capture.base_url for a running server, else one starts from capture.engine_python)"
         )
-    if "lora" in cfg and train["online_capture"] == "vllm":
+    if cfg.lora and train.online_capture == "vllm":
         problems.append(
             "Medusa-2 (a lora: section) trains the target itself, so a server's states (train.online_capture: "
             "vllm) are not its states: set train.online_capture: true"
         )
-    if "lora" in cfg and cfg["target"]["tp_size"] > 1:
+    if cfg.lora and cfg.target.tp_size > 1:
         problems.append(
-            f"Medusa-2 (a lora: section) cannot train a split target (target.tp_size={cfg['target']['tp_size']}): "
+            f"Medusa-2 (a lora: section) cannot train a split target (target.tp_size={cfg.target.tp_size}): "
             "peft's LoRA adapters on transformers' tensor-parallel layers fail in the forward with the pinned "
             "peft 0.21.2 and transformers 5.23 (a shape error in the split attention), and their sharded and "
             "partial-gradient weights would need tensor-parallel-aware gradient reduction besides; train Medusa-1 "
             "(no lora:) online or from shards, or Medusa-2 on a target one device holds"
         )
-    if "lora" in cfg and trainer != "medusa":
+    if cfg.lora and trainer != "medusa":
         problems.append("a lora: section (Medusa-2) is only read by train/medusa.py")
-    head, max_length = cfg["head"], cfg["data"]["max_length"]
-    if head["type"] == "dflash" and head["block_size"] > max_length:
+    head, max_length = cfg.head, cfg.data.max_length
+    if isinstance(head, DflashOptions) and head.block_size > max_length:
         # Every step holds num_anchors blocks of block_size slots per sequence (5000 slots: 120 GB, after the
         # target has loaded); slots past a sample's max_length tokens are never scored anyway.
         problems.append(
-            f"head.block_size ({head['block_size']}) must not exceed data.max_length ({max_length}): "
+            f"head.block_size ({head.block_size}) must not exceed data.max_length ({max_length}): "
             "a block's slots past the end of a sample have no token to learn"
         )
-    if train["eval_every"] and not train["heldout_samples"]:
+    if train.eval_every and not train.heldout_samples:
         problems.append("train.eval_every needs train.heldout_samples > 0 (nothing held out to evaluate)")
-    if train["eval_prompts"] and not train["eval_bench"] and train["eval_prompts"] > train["heldout_samples"]:
+    if train.eval_prompts and not train.eval_bench and train.eval_prompts > train.heldout_samples:
         problems.append(
-            f"train.eval_prompts ({train['eval_prompts']}) exceeds train.heldout_samples ({train['heldout_samples']}): "
+            f"train.eval_prompts ({train.eval_prompts}) exceeds train.heldout_samples ({train.heldout_samples}): "
             "measured acceptance decodes held-out prompts (or set train.eval_bench to a benchmark file)"
         )
-    if train["keep_best"] == "measured_tau" and not train["eval_prompts"]:
+    if train.keep_best == "measured_tau" and not train.eval_prompts:
         problems.append("train.keep_best: measured_tau needs train.eval_prompts > 0 (nothing is measured)")
+    return problems
 
 
-def parse_args(trainer: str, argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(trainer: str, argv: list[str] | None = None) -> TrainConfig:
     """The recipe's command line: ``--config FILE [--resume] [key=value ...]`` -> the resolved config."""
     parser = argparse.ArgumentParser(description=f"Train a draft head with train/{trainer}.py (DeepSpeed).")
     parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -21,6 +20,7 @@ from headstart.core.runtime import mix_seed, resolve_dtype
 from headstart.data_recipes.capture import EngineCapture, OnlineCapture, resolve_aux_layers, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
+from headstart.train.config import Train, TrainConfig
 
 
 class SampleDataset(Dataset):
@@ -52,46 +52,48 @@ class TrainData:
 
 
 def load_data(
-    cfg: dict[str, Any], target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, aux: bool, online_states: bool
+    cfg: TrainConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, aux: bool, online_states: bool
 ) -> TrainData:
     """The samples to train on, split into train and held-out ids; shards are checked against the target first.
 
     ``aux``: the head reads fused target layers (EAGLE-3). ``online_states``: compute hidden states in the
     step with ``OnlineCapture`` (Medusa-2 runs the target itself and passes False).
     """
-    data, cap, train = cfg["data"], cfg["capture"], cfg["train"]
+    data, cap, train = cfg.data, cfg.capture, cfg.train
     num_layers = target.config.num_hidden_layers
-    aux_layers = resolve_aux_layers(cap["aux_layers"], num_layers) if aux else []
+    aux_layers = resolve_aux_layers(cap.aux_layers, num_layers) if aux else []
     capture: OnlineCapture | None = None
-    if train["online_capture"]:
+    if train.online_capture:
         samples, report = load_samples(
-            data["source"], data["format"], tokenizer, data["max_length"], data["on_error"], limit=data["limit"]
+            data.source, data.format, tokenizer, data.max_length, data.on_error, limit=data.limit
         )
-        require_samples(samples, report, data["source"], data["max_length"])
+        require_samples(samples, report, data.source, data.max_length)
         dataset: SampleDataset | ShardDataset = SampleDataset(samples)
-        store_dtype = resolve_dtype(cap["store_dtype"])
-        if online_states and train["online_capture"] == "vllm":  # a server's states; the target is not here
-            capture = EngineCapture(cfg, aux_layers, store_dtype, Path(train["out_dir"]) / "engine")
+        store_dtype = resolve_dtype(cap.store_dtype)
+        if online_states and train.online_capture == "vllm":  # a server's states; the target is not here
+            work_dir = Path(train.out_dir) / "engine"
+            capture = EngineCapture(cfg.target, cap, data.max_length, aux_layers, store_dtype, work_dir)
         elif online_states:
             capture = OnlineCapture(target, aux_layers, store_dtype)
     else:
-        dataset = ShardDataset(cap["out_dir"], vocab_size=target.config.vocab_size)
+        assert cap.out_dir is not None  # consistency_problems: shards need capture.out_dir
+        dataset = ShardDataset(cap.out_dir, vocab_size=target.config.vocab_size)
         check_manifest(
             dataset.manifest,
             hidden_size=target.config.hidden_size,
             num_hidden_layers=num_layers,
             tokenizer_hash=tokenizer_hash(tokenizer),
-            weights_hash=weights_hash(cfg["target"]["path"], cfg["target"]["dtype"]),  # borrowed tensors + inventory
+            weights_hash=weights_hash(cfg.target.path, cfg.target.dtype),  # borrowed tensors + inventory
             aux_layers=aux_layers if aux else None,
-            allow_other_weights=cap["allow_other_weights"],
+            allow_other_weights=cap.allow_other_weights,
         )
         if not aux:  # EAGLE-1/2 and Medusa read only the last layer: skip reading the fused ones
             dataset.keys = [key for key in dataset.keys if key != "aux_hidden"]
-    train_ids, heldout_ids = split_heldout(len(dataset), train["heldout_samples"], train["seed"])
-    if len(train_ids) < train["batch_size"]:
+    train_ids, heldout_ids = split_heldout(len(dataset), train.heldout_samples, train.seed)
+    if len(train_ids) < train.batch_size:
         raise ValueError(
             f"{len(train_ids)} training samples ({len(dataset)} minus {len(heldout_ids)} held out) "
-            f"do not fill one batch of train.batch_size={train['batch_size']}"
+            f"do not fill one batch of train.batch_size={train.batch_size}"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TrainData(dataset, train_ids, heldout_ids, aux_layers, capture, pad_id)
@@ -133,19 +135,19 @@ def rank_micro_batches(
 
 
 def step_batches(
-    data: TrainData, train: dict[str, Any], start: int, total: int, rank: int, world: int
+    data: TrainData, train: Train, start: int, total: int, rank: int, world: int
 ) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
     """Yield (step, this rank's collated micro-batches) for global steps start..total-1 over the epochs."""
-    per_epoch = len(data.train_ids) // train["batch_size"]  # the last partial batch of an epoch is dropped
+    per_epoch = len(data.train_ids) // train.batch_size  # the last partial batch of an epoch is dropped
     step = start
     while step < total:
         epoch, first = divmod(step, per_epoch)
-        order = epoch_order(data.train_ids, train["seed"], epoch)
+        order = epoch_order(data.train_ids, train.seed, epoch)
         steps = range(first, min(per_epoch, first + total - step))
-        size, micro = train["batch_size"], train["micro_batch_size"]
+        size, micro = train.batch_size, train.micro_batch_size
         plan = [mb for s in steps for mb in rank_micro_batches(order, s, size, micro, rank, world)]
         accum = size // (micro * world)
-        batches = iter(_loader(data, plan, train["num_workers"]))
+        batches = iter(_loader(data, plan, train.num_workers))
         for _ in steps:
             yield step, [next(batches) for _ in range(accum)]
             step += 1

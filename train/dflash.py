@@ -13,7 +13,6 @@ writes: ``<train.out_dir>/head``, DeepSpeed checkpoints, ``metrics.jsonl`` and t
 
 from __future__ import annotations
 
-from headstart.core.models import load_target
 from headstart.core.runtime import seed_everything
 from headstart.heads import DFlashHead
 from headstart.train.config import parse_args
@@ -22,10 +21,9 @@ from headstart.train.eagle import head_settings, save_head
 from headstart.train.loop import (
     HeadLoss,
     build_engine,
+    load_run_target,
     measurement,
-    runs_target,
     start_processes,
-    target_settings,
     total_steps,
     train,
 )
@@ -34,15 +32,15 @@ from headstart.train.loop import (
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("dflash", argv)  # unknown keys, wrong types, another head's config: fail here, before any work
     proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
-    target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
+    target, tokenizer = load_run_target(cfg, proc)
     data = load_data(cfg, target, tokenizer, aux=True, online_states=True)  # shards checked vs target
 
-    seed_everything(cfg["train"]["seed"])
-    head = DFlashHead.build(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
+    seed_everything(cfg.train.seed)
+    head = DFlashHead.build(head_settings(cfg.head, data.aux_layers), target, tokenizer)  # records its hash
     if head.lm_head is not None:  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
-    engine = build_engine(HeadLoss(head, data.capture), cfg["train"], proc, total_steps(cfg["train"], data))
+    engine = build_engine(HeadLoss(head, data.capture), cfg.train, proc, total_steps(cfg.train, data))
     train(
         engine,
         head,

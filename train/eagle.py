@@ -11,34 +11,31 @@ Writes ``<train.out_dir>/head`` (load with ``heads.load_head``), DeepSpeed check
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from headstart.core.models import load_target
 from headstart.core.runtime import seed_everything
-from headstart.heads import DraftHead, Eagle3Head, build_head
+from headstart.heads import DflashOptions, DraftHead, Eagle3Head, Eagle3Options, HeadOptions, build_head
 from headstart.train.config import parse_args
 from headstart.train.data import load_data, loss_token_counts
 from headstart.train.loop import (
     HeadLoss,
     build_engine,
+    load_run_target,
     measurement,
-    runs_target,
     start_processes,
-    target_settings,
     total_steps,
     train,
 )
 
 
-def head_settings(head_cfg: dict[str, Any], aux_layers: list[int]) -> dict[str, Any]:
+def head_settings(options: HeadOptions, aux_layers: list[int]) -> HeadOptions:
     """The head's options; a head that fuses target layers (a ``layer_ids`` option: EAGLE-3, DFlash) fuses
     exactly the layers the capture recorded."""
-    if "layer_ids" not in head_cfg:
-        return head_cfg
-    given = head_cfg.get("layer_ids")
+    if not isinstance(options, (Eagle3Options, DflashOptions)):
+        return options
+    given = options.layer_ids
     if given is not None and sorted(set(given)) != aux_layers:
         raise ValueError(f"head.layer_ids {given} differ from the captured layers {aux_layers} (capture.aux_layers)")
-    return {**head_cfg, "layer_ids": aux_layers}
+    return options.model_copy(update={"layer_ids": aux_layers})
 
 
 def save_head(head: DraftHead, out_dir: Path) -> None:
@@ -48,17 +45,17 @@ def save_head(head: DraftHead, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("eagle", argv)  # unknown keys, wrong types, a Medusa config: fail here, before any work
     proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
-    target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
-    eagle3 = cfg["head"]["type"] == "eagle3"
+    target, tokenizer = load_run_target(cfg, proc)
+    eagle3 = cfg.head.type == "eagle3"
     data = load_data(cfg, target, tokenizer, aux=eagle3, online_states=True)  # shards checked vs target
 
-    seed_everything(cfg["train"]["seed"])
-    head = build_head(head_settings(cfg["head"], data.aux_layers), target, tokenizer)  # records its hash
+    seed_everything(cfg.train.seed)
+    head = build_head(head_settings(cfg.head, data.aux_layers), target, tokenizer)  # records its hash
     if isinstance(head, Eagle3Head):  # the draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
     module = HeadLoss(head, data.capture)
-    engine = build_engine(module, cfg["train"], proc, total_steps(cfg["train"], data))
+    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
     train(
         engine,
         head,

@@ -38,6 +38,7 @@ from headstart.core.memory import (
     head_training_parts,
     kv_cache_bytes,
 )
+from headstart.core.models import load_target
 from headstart.core.runtime import (
     Ranks,
     cosine_with_warmup,
@@ -46,9 +47,18 @@ from headstart.core.runtime import (
     resolve_dtype,
     slow_dtype_warning,
 )
+from headstart.core.settings import as_dict
 from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
 from headstart.data_recipes.prompts import data_prompt_format
-from headstart.heads import CONFIG_NAME, DraftHead, check_tokenizer, meta_head, read_head_config
+from headstart.heads import (
+    CONFIG_NAME,
+    DflashOptions,
+    DraftHead,
+    Eagle3Options,
+    check_tokenizer,
+    meta_head,
+    read_head_config,
+)
 from headstart.train.checkpoint import (
     agreed_newest_verified,
     all_finite,
@@ -61,6 +71,7 @@ from headstart.train.checkpoint import (
     save_head_files,
     tag_for,
 )
+from headstart.train.config import Train, TrainConfig
 from headstart.train.data import TrainData, data_fingerprint, heldout_batches, step_batches
 from headstart.train.measured import MeasuredAcceptance, export_best, forget_best_after, is_better, write_best
 from headstart.train.metrics import (
@@ -132,28 +143,30 @@ def _shutdown() -> None:
         dist.destroy_process_group()
 
 
-def target_settings(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The target section with this rank's own device (``cuda`` alone would put every rank on GPU 0)."""
-    return {**cfg["target"], "device": str(device)}
+def load_run_target(cfg: TrainConfig, proc: Process) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target as this run needs it (whole, or its borrowed tensors: ``runs_target``), on this rank's own
+    device (``cuda`` alone would put every rank on GPU 0)."""
+    target = cfg.target
+    return load_target(target.path, str(proc.device), target.dtype, target.tp_size, borrowed_only=not runs_target(cfg))
 
 
-def forward_in_step(cfg: dict[str, Any]) -> bool:
+def forward_in_step(cfg: TrainConfig) -> bool:
     """Whether each training step runs the target's forward (online capture, Medusa-2's LoRA)."""
-    return cfg["train"]["online_capture"] is True or bool(cfg.get("lora"))
+    return cfg.train.online_capture is True or cfg.lora is not None
 
 
-def runs_target(cfg: dict[str, Any]) -> bool:
+def runs_target(cfg: TrainConfig) -> bool:
     """Whether training holds the whole target: its forward in the step, or the verification of measured acceptance
     (``train.eval_prompts``). From shards, or from a server's states (``online_capture: vllm``), without measured
     acceptance, it only borrows the embedding, final norm and lm_head (``core.models.load_target(borrowed_only=True)``).
     """
-    return forward_in_step(cfg) or cfg["train"]["eval_prompts"] > 0
+    return forward_in_step(cfg) or cfg.train.eval_prompts > 0
 
 
-def start_processes(cfg: dict[str, Any]) -> Process:
+def start_processes(cfg: TrainConfig) -> Process:
     """This rank's process, once the run is known to fit its device (``training_memory``); the target splits
     across ``target.tp_size`` ranks only where training runs it."""
-    proc = init_distributed(cfg["target"]["device"], cfg["target"]["tp_size"] if runs_target(cfg) else 1)
+    proc = init_distributed(cfg.target.device, cfg.target.tp_size if runs_target(cfg) else 1)
     line = check_memory(training_memory(cfg, proc), proc.device, MEMORY_REMEDY)
     if proc.rank == 0:
         print(line)
@@ -166,41 +179,41 @@ MEMORY_REMEDY = (
 )
 
 
-def training_memory(cfg: dict[str, Any], proc: Process) -> MemoryNeed:
+def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     """What one rank of this run holds: the target's share (when it runs) or the borrowed tensors, the head with
     its gradients and optimizer state, and one micro-batch's activations (``core.memory``), before loading."""
-    config = AutoConfig.from_pretrained(cfg["target"]["path"])
-    sizes, dtype = TargetSizes.of(config), resolve_dtype(cfg["target"]["dtype"])
-    train, layers = cfg["train"], config.get_text_config().num_hidden_layers
-    head_cfg = cfg["head"]
-    aux = resolve_aux_layers(cfg["capture"]["aux_layers"], layers) if "layer_ids" in head_cfg else []
-    head = meta_head({**head_cfg, "layer_ids": aux} if aux else head_cfg, config)
+    config = AutoConfig.from_pretrained(cfg.target.path)
+    sizes, dtype = TargetSizes.of(config), resolve_dtype(cfg.target.dtype)
+    train, layers = cfg.train, config.get_text_config().num_hidden_layers
+    fuses_layers = isinstance(cfg.head, (Eagle3Options, DflashOptions))
+    aux = resolve_aux_layers(cfg.capture.aux_layers, layers) if fuses_layers else []
+    head = meta_head(cfg.head.model_copy(update={"layer_ids": aux}) if aux else cfg.head, config)
     need = MemoryNeed("training")
     need.parts["target share" if runs_target(cfg) else "borrowed tensors"] = (
         sizes.target_share(dtype, proc.tp_size) if runs_target(cfg) else sizes.borrowed_bytes(dtype)
     )
-    need.parts |= head_training_parts(head, train["zero_stage"], proc.world, train["dtype"] == "bf16")
-    tokens = train["micro_batch_size"] * cfg["data"]["max_length"]
+    need.parts |= head_training_parts(head, train.zero_stage, proc.world, train.dtype == "bf16")
+    tokens = train.micro_batch_size * cfg.data.max_length
     options = head.config.options
     depth = next((d for d in (getattr(options, k, None) for k in ("ttt_steps", "num_heads", "block_size")) if d), 1)
     draft_vocab = getattr(options, "draft_vocab_size", None)
     need.parts["activations"] = head_activations(config, tokens, len(aux), depth, draft_vocab, dtype)
     if forward_in_step(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
-        forward = capture_activations(config, tokens, cfg["data"]["max_length"], len(aux), dtype, proc.tp_size)
-        need.parts["target activations"] = forward * (3 if cfg.get("lora") else 1)
-    if train["eval_prompts"]:  # measured acceptance: one sequence's KV cache, its prompt (at most max_length) and reply
-        context = cfg["data"]["max_length"] + train["eval_new_tokens"]
+        forward = capture_activations(config, tokens, cfg.data.max_length, len(aux), dtype, proc.tp_size)
+        need.parts["target activations"] = forward * (3 if cfg.lora else 1)
+    if train.eval_prompts:  # measured acceptance: one sequence's KV cache, its prompt (at most max_length) and reply
+        context = cfg.data.max_length + train.eval_new_tokens
         need.parts["measured acceptance KV cache"] = kv_cache_bytes(config, context, dtype, proc.tp_size)
     return need
 
 
 def measurement(
-    cfg: dict[str, Any], target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: TrainData, proc: Process
+    cfg: TrainConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: TrainData, proc: Process
 ) -> MeasuredAcceptance | None:
     """The run's measured acceptance (``train.eval_prompts`` > 0), its prompts rendered as its data was."""
-    if not cfg["train"]["eval_prompts"]:
+    if not cfg.train.eval_prompts:
         return None
-    prompt_format = data_prompt_format(cfg["data"]["format"])
+    prompt_format = data_prompt_format(cfg.data.format)
     return MeasuredAcceptance(cfg, target, tokenizer, data, prompt_format, proc.rank, proc.tp_size)
 
 
@@ -224,33 +237,31 @@ class HeadLoss(nn.Module):
         return self.head.loss(batch)
 
 
-def total_steps(train: dict[str, Any], data: TrainData) -> int:
-    per_epoch = len(data.train_ids) // train["batch_size"]
-    return train["max_steps"] if train["max_steps"] is not None else train["epochs"] * per_epoch
+def total_steps(train: Train, data: TrainData) -> int:
+    per_epoch = len(data.train_ids) // train.batch_size
+    return train.max_steps if train.max_steps is not None else train.epochs * per_epoch
 
 
-def deepspeed_config(
-    train: dict[str, Any], world: int, load_universal: bool = False, tp_size: int = 1
-) -> dict[str, Any]:
+def deepspeed_config(train: Train, world: int, load_universal: bool = False, tp_size: int = 1) -> dict[str, Any]:
     """The engine's config. ``batch_size`` is the global batch, fixed for the run: the process count only
     changes how many micro-batches each rank accumulates (so a run may resume on another count).
 
     With a split target the ``tp_size`` ranks of a group see the same micro-batches and so compute the same
     gradients: DeepSpeed's mean over all ranks is the mean over the groups, and it counts each sample once per
     rank of its group (``train_batch_size``)."""
-    micro, groups = train["micro_batch_size"], world // tp_size
-    if train["batch_size"] % (micro * groups):
+    micro, groups = train.micro_batch_size, world // tp_size
+    if train.batch_size % (micro * groups):
         raise ValueError(
-            f"train.batch_size={train['batch_size']} is not a multiple of micro_batch_size x data-parallel "
+            f"train.batch_size={train.batch_size} is not a multiple of micro_batch_size x data-parallel "
             f"groups = {micro} x {groups}: pick a process count (or micro_batch_size) that divides it"
         )
     return {
-        "train_batch_size": train["batch_size"] * tp_size,
+        "train_batch_size": train.batch_size * tp_size,
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": train["batch_size"] // (micro * groups),
-        "gradient_clipping": train["max_grad_norm"],
-        "zero_optimization": {"stage": train["zero_stage"]},
-        "bf16": {"enabled": train["dtype"] == "bf16"},
+        "gradient_accumulation_steps": train.batch_size // (micro * groups),
+        "gradient_clipping": train.max_grad_norm,
+        "zero_optimization": {"stage": train.zero_stage},
+        "bf16": {"enabled": train.dtype == "bf16"},
         # The optimizer is torch's AdamW, which ZeRO handles fine but does not list as tested.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
@@ -258,26 +269,26 @@ def deepspeed_config(
     }
 
 
-def build_engine(module: nn.Module, train: dict[str, Any], proc: Process, total: int) -> deepspeed.DeepSpeedEngine:
+def build_engine(module: nn.Module, train: Train, proc: Process, total: int) -> deepspeed.DeepSpeedEngine:
     """DeepSpeed over ``module``'s trainable parameters: AdamW, cosine schedule with warm-up, clipping, ZeRO."""
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        params, lr=train["lr"], betas=tuple(train["betas"]), weight_decay=train["weight_decay"]
+        params, lr=train.lr, betas=(train.betas[0], train.betas[1]), weight_decay=train.weight_decay
     )
-    multiplier = partial(cosine_with_warmup, warmup=train["warmup_steps"], total=total, min_ratio=train["min_lr_ratio"])
+    multiplier = partial(cosine_with_warmup, warmup=train.warmup_steps, total=total, min_ratio=train.min_lr_ratio)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
     # A checkpoint from another process count is read in DeepSpeed's universal layout (train/checkpoint.py).
-    universal = loads_universal(newest_marker(Path(train["out_dir"])), proc.world, train["zero_stage"])
+    universal = loads_universal(newest_marker(Path(train.out_dir)), proc.world, train.zero_stage)
     config = deepspeed_config(train, proc.world, universal, proc.tp_size)
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=schedule, config=config)
     return engine
 
 
-def data_order(train: dict[str, Any], data: TrainData) -> dict[str, int | str]:
+def data_order(train: Train, data: TrainData) -> dict[str, int | str]:
     """What fixes the samples of every step (``step_batches``): checked on resume."""
     return {
-        "seed": train["seed"],
-        "batch_size": train["batch_size"],
+        "seed": train.seed,
+        "batch_size": train.batch_size,
         "train_samples": len(data.train_ids),
         "data": data_fingerprint(data),
     }
@@ -331,14 +342,12 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(
-    engine: deepspeed.DeepSpeedEngine, data: TrainData, train: dict[str, Any], step: int, proc: Process
-) -> dict:
+def evaluate(engine: deepspeed.DeepSpeedEngine, data: TrainData, train: Train, step: int, proc: Process) -> dict:
     """Loss and per-position accuracy on the held-out samples (each rank scores its share), averaged per batch."""
     engine.eval()
     sums: dict[str, float] = {}
     count = 0
-    for batch in heldout_batches(data, train["micro_batch_size"], proc.dp_rank, proc.dp_world):
+    for batch in heldout_batches(data, train.micro_batch_size, proc.dp_rank, proc.dp_world):
         loss, metrics = engine(_to(batch, proc.device), step)
         for key, value in {"loss": loss, **metrics}.items():
             sums[key] = sums.get(key, 0.0) + float(value)
@@ -357,7 +366,7 @@ def train(
     engine: deepspeed.DeepSpeedEngine,
     head: DraftHead,
     data: TrainData,
-    cfg: dict[str, Any],
+    cfg: TrainConfig,
     proc: Process,
     save_artifacts: Callable[[Path], None],
     measured: MeasuredAcceptance | None = None,
@@ -368,39 +377,39 @@ def train(
     decoding (``train.measured``), go into ``head.config.training``, so the head saved next (``save_artifacts``)
     carries them in its config.json and README.md.
     """
-    train_cfg = cfg["train"]
-    out_dir = Path(train_cfg["out_dir"])
+    train_cfg = cfg.train
+    out_dir = Path(train_cfg.out_dir)
     total = total_steps(train_cfg, data)
     order = data_order(train_cfg, data)
-    head.config.prompt_format = data_prompt_format(cfg["data"]["format"])
+    head.config.prompt_format = data_prompt_format(cfg.data.format)
     save_artifacts = partial(_save_with_readme, save_artifacts, head, measured)
-    start = resume(engine, out_dir, train_cfg["resume"], order)
-    best = forget_best_after(out_dir, start) if train_cfg["keep_best"] == "measured_tau" else None
+    start = resume(engine, out_dir, train_cfg.resume, order)
+    best = forget_best_after(out_dir, start) if train_cfg.keep_best == "measured_tau" else None
     if start and (out_dir / "head" / CONFIG_NAME).is_file():
         # The steps still to come must see the tokens the resumed ones saw.
         saved = out_dir / "head"
         remedy = "train into a new train.out_dir"
         check_tokenizer(read_head_config(saved), head.config.tokenizer_hash, saved, remedy=remedy)
     if proc.rank == 0:
-        save_config(cfg, out_dir / "config.yaml")
-        if why := slow_dtype_warning(proc.device, resolve_dtype(train_cfg["dtype"])):
+        save_config(as_dict(cfg), out_dir / "config.yaml")
+        if why := slow_dtype_warning(proc.device, resolve_dtype(train_cfg.dtype)):
             warnings.warn(f"train.dtype: {why}", stacklevel=2)
         if start:
             print(f"{out_dir}: resumed from step {start} of {total}")
     log = MetricsLog(cfg, proc.rank, start, total)
     save = partial(
-        save_checkpoint, engine, out_dir, save_artifacts=save_artifacts, keep=train_cfg["keep_checkpoints"], order=order
+        save_checkpoint, engine, out_dir, save_artifacts=save_artifacts, keep=train_cfg.keep_checkpoints, order=order
     )
     done = start
     # Online states from a server: it runs (or is reached) while the steps run.
     with data.capture or contextlib.nullcontext():
         try:
             for step, batches in step_batches(data, train_cfg, start, total, proc.dp_rank, proc.dp_world):
-                log.log(train_step(engine, batches, step, train_cfg["seed"], proc))
+                log.log(train_step(engine, batches, step, train_cfg.seed, proc))
                 done = step + 1
-                if _due(done, train_cfg["eval_every"], total):
+                if _due(done, train_cfg.eval_every, total):
                     best = _evaluate_all(engine, head, data, cfg, proc, done, log, measured, best, save_artifacts)
-                if _due(done, train_cfg["save_every"], total):
+                if _due(done, train_cfg.save_every, total):
                     if not all_finite(engine):
                         raise NonFiniteLoss(f"the weights became non-finite at step {done}")
                     save(step=done)
@@ -416,7 +425,7 @@ def _evaluate_all(
     engine: deepspeed.DeepSpeedEngine,
     head: DraftHead,
     data: TrainData,
-    cfg: dict[str, Any],
+    cfg: TrainConfig,
     proc: Process,
     done: int,
     log: MetricsLog,
@@ -428,7 +437,7 @@ def _evaluate_all(
     config; with ``keep_best: measured_tau`` a better head is kept in ``<out_dir>/best``. Returns the best record."""
     summary: dict[str, Any] = {}
     if data.heldout_ids:
-        heldout = evaluate(engine, data, cfg["train"], done, proc)
+        heldout = evaluate(engine, data, cfg.train, done, proc)
         log.log(heldout)
         summary = training_summary(heldout)
     decoded = None
@@ -440,8 +449,8 @@ def _evaluate_all(
             plot_acceptance(log.path, log.path.with_name(ACCEPTANCE_PLOT))
     if summary:
         head.config.training = summary
-    out_dir = Path(cfg["train"]["out_dir"])
-    if decoded is not None and cfg["train"]["keep_best"] == "measured_tau" and is_better(decoded, best):
+    out_dir = Path(cfg.train.out_dir)
+    if decoded is not None and cfg.train.keep_best == "measured_tau" and is_better(decoded, best):
         save_head_files(engine, out_dir / "best", save_artifacts)
         best = {"step": done, "measured_tau": decoded["tau"]}
         if proc.rank == 0:

@@ -37,6 +37,7 @@ from headstart.decoding.methods import TreeFlags, build_proposer
 from headstart.decoding.proposers import DepthRecorder, head_method
 from headstart.decoding.verify import Sampling, generate
 from headstart.heads import DraftHead
+from headstart.train.config import TrainConfig
 from headstart.train.data import TrainData, token_rows
 
 PROMPTS_FILE = "eval_prompts.jsonl"
@@ -125,7 +126,7 @@ class MeasuredAcceptance:
 
     def __init__(
         self,
-        cfg: dict[str, Any],
+        cfg: TrainConfig,
         target: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         data: TrainData,
@@ -133,17 +134,17 @@ class MeasuredAcceptance:
         rank: int,
         tp_size: int,
     ) -> None:
-        train = cfg["train"]
-        self.target, self.new_tokens, self.eos = target, train["eval_new_tokens"], tokenizer.eos_token_id
-        count = train["eval_prompts"]
-        if train["eval_bench"]:
-            self.prompts = bench_prompts(train["eval_bench"], count, tokenizer, prompt_format)
+        train = cfg.train
+        self.target, self.new_tokens, self.eos = target, train.eval_new_tokens, tokenizer.eos_token_id
+        count = train.eval_prompts
+        if train.eval_bench:
+            self.prompts = bench_prompts(train.eval_bench, count, tokenizer, prompt_format)
             self.category = "bench"
         else:
             self.prompts = heldout_prompts(data, count)
             self.category = "heldout"
-        self.out_dir = Path(train["out_dir"])
-        self.target_path = cfg["target"]["path"]
+        self.out_dir = Path(train.out_dir)
+        self.target_path = cfg.target.path
         self.first_of_group = rank % tp_size == 0
         if rank == 0:
             lines = [json.dumps({"input_ids": p, "category": self.category}) for p in self.prompts]

@@ -12,25 +12,22 @@ Writes ``<train.out_dir>/head`` (and ``lora/``, the adapters, for Medusa-2), Dee
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import PeftModel
 from torch import nn
 
 from headstart.core.io import atomic_dir
-from headstart.core.models import load_target
 from headstart.core.runtime import seed_everything
-from headstart.heads import MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
+from headstart.heads import Lora, MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
 from headstart.train.config import parse_args
 from headstart.train.data import load_data
 from headstart.train.loop import (
     HeadLoss,
     build_engine,
+    load_run_target,
     measurement,
-    runs_target,
     start_processes,
-    target_settings,
     total_steps,
     train,
 )
@@ -39,10 +36,10 @@ from headstart.train.loop import (
 class Medusa2Loss(nn.Module):
     """The engine's module for Medusa-2: the LoRA-wrapped target and the heads train together."""
 
-    def __init__(self, head: MedusaHead, model: PeftModel, lora: dict[str, Any]):
+    def __init__(self, head: MedusaHead, model: PeftModel, lora: Lora):
         super().__init__()
         self.head, self.model = head, model
-        self.head_weight, self.warmup = lora["head_weight"], lora["head_weight_warmup"]
+        self.head_weight, self.warmup = lora.head_weight, lora.head_weight_warmup
 
     def forward(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = self.model(
@@ -65,13 +62,13 @@ def save_medusa(head: MedusaHead, model: PeftModel | None, out_dir: Path) -> Non
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args("medusa", argv)  # unknown keys, wrong types, an EAGLE config: fail here, before any work
     proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
-    target, tokenizer = load_target(target_settings(cfg, proc.device), borrowed_only=not runs_target(cfg))
-    lora = cfg.get("lora")
+    target, tokenizer = load_run_target(cfg, proc)
+    lora = cfg.lora
     # Medusa-2 runs the (changing) target itself; Medusa-1 reads shards or captures in the step.
     data = load_data(cfg, target, tokenizer, aux=False, online_states=lora is None)
 
-    seed_everything(cfg["train"]["seed"])
-    head = MedusaHead.build(cfg["head"], target, tokenizer)  # its lm_heads start as copies of the target's
+    seed_everything(cfg.train.seed)
+    head = MedusaHead.build(cfg.head, target, tokenizer)  # its lm_heads start as copies of the target's
     model = None
     if lora is None:
         module: nn.Module = HeadLoss(head, data.capture)
@@ -79,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         model = medusa2_wrap(target, lora)
         module = Medusa2Loss(head, model, lora)
 
-    engine = build_engine(module, cfg["train"], proc, total_steps(cfg["train"], data))
+    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
     train(
         engine,
         head,

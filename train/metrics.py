@@ -17,7 +17,9 @@ from tqdm import tqdm
 
 from headstart.core.acceptance import chain_tau as predicted_tau  # the chain model on held-out top-1 accuracies
 from headstart.core.io import atomic_path, atomic_write_text, read_jsonl
+from headstart.core.settings import as_dict
 from headstart.heads import HeadConfig
+from headstart.train.config import TrainConfig
 
 
 def heldout_top1(record: dict[str, Any]) -> list[float]:
@@ -128,11 +130,11 @@ class MetricsLog:
     """One JSON line per training step and per held-out evaluation, and the same numbers to each backend
     the config turns on (rank 0 only; other ranks log nothing)."""
 
-    def __init__(self, cfg: dict[str, Any], rank: int, start: int, total: int):
+    def __init__(self, cfg: TrainConfig, rank: int, start: int, total: int):
         self.active = rank == 0
         self.file = None
         self.backends: list[Backend] = []
-        out_dir = Path(cfg["train"]["out_dir"])
+        out_dir = Path(cfg.train.out_dir)
         self.path = out_dir / "metrics.jsonl"
         if self.active:
             _drop_after(self.path, start)
@@ -186,14 +188,14 @@ def _drop_after(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))  # a kill here keeps the kept
 
 
-def open_backends(cfg: dict[str, Any], out_dir: Path, start: int) -> list[Backend]:
+def open_backends(cfg: TrainConfig, out_dir: Path, start: int) -> list[Backend]:
     """The backends the config turns on, each writing under ``out_dir`` (wandb: its ``wandb/`` folder)."""
     backends: list[Backend] = []
-    if cfg["metrics"]["tensorboard"]:
+    if cfg.metrics.tensorboard:
         backends.append(TensorBoard(out_dir / "tensorboard", start))
-    if cfg["metrics"]["mlflow"]:
-        backends.append(MLflow(out_dir, cfg["metrics"]["mlflow_experiment"], start))
-    if cfg["wandb"]["mode"] != "disabled":
+    if cfg.metrics.mlflow:
+        backends.append(MLflow(out_dir, cfg.metrics.mlflow_experiment, start))
+    if cfg.wandb.mode != "disabled":
         backends.append(Wandb(cfg, out_dir))
     return backends
 
@@ -250,12 +252,12 @@ class Wandb:
     """A wandb run in ``<out_dir>/wandb``; ``wandb.mode: offline`` never talks to the server, so it never asks
     for a login."""
 
-    def __init__(self, cfg: dict[str, Any], out_dir: Path):
+    def __init__(self, cfg: TrainConfig, out_dir: Path):
         import wandb  # only when asked for: it is slow to import
 
-        settings = cfg["wandb"]
+        settings = cfg.wandb
         self.run = wandb.init(
-            project=settings["project"], name=settings["name"], mode=settings["mode"], dir=str(out_dir), config=cfg
+            project=settings.project, name=settings.name, mode=settings.mode, dir=str(out_dir), config=as_dict(cfg)
         )
 
     def log(self, values: dict[str, float], step: int) -> None:

@@ -1,0 +1,145 @@
+"""The data stage's settings: the target, the dataset, the hidden-state capture and the regeneration of a
+dataset's replies (``core.settings``: every key's type, range and default), and the roots of the two commands
+that read them, ``CaptureConfig`` (``python -m data_recipes.capture``) and ``RegenerateConfig``
+(``python -m data_recipes.regenerate``). Training reads ``Target``, ``Data`` and ``Capture`` too.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from headstart.core.settings import (
+    Count,
+    Dtype,
+    Float,
+    NonNegative,
+    NonNegativeFloat,
+    Positive,
+    Section,
+    Stage,
+    StoreDtype,
+    one_of,
+)
+from headstart.data_recipes.formats import FORMATS
+
+if TYPE_CHECKING:
+    FormatName = str
+else:
+    FormatName = one_of(FORMATS)
+
+
+class Target(Section):
+    path: str  # a local folder or a hub id
+    device: str = "auto"  # cuda when present, else cpu
+    dtype: Dtype = "fp32"  # the frozen target's compute dtype
+    tp_size: Count = 1  # processes one copy of the target is split across (torchrun; docs/TRAINING.md)
+
+
+class Data(Section):
+    source: str  # a .jsonl/.json/.parquet file or a hub dataset id
+    format: FormatName
+    max_length: Count | None = None  # tokens per sample; required where samples are tokenized
+    on_error: Literal["raise", "skip"] = "raise"
+    limit: Count | None = None  # null: every record
+
+
+class TokenizedData(Data):
+    max_length: Count
+
+
+class Capture(Section):
+    out_dir: str | None = None  # the shards; training may compute the states online instead
+    aux_layers: Literal["auto"] | list[NonNegative] = "auto"  # auto: core.models.default_aux_layers; [] none
+    store_dtype: StoreDtype = "bf16"  # fp8_e4m3: a float32 scale per token and layer (docs/DATA.md)
+    shard_samples: Count = 256
+    batch_tokens: Count = 8192  # padded tokens per forward
+    # Train on shards whose manifest names other target weights (a fine-tune of the same shape): only
+    # for users who know the states still fit; the run warns.
+    allow_other_weights: bool = False
+    # Who runs the target: hf, transformers in this process (torchrun ranks, target.tp_size); vllm, a vLLM
+    # server with extract_hidden_states (docs/DATA.md, "Capture through vLLM"): the one at base_url, or one
+    # started here from engine_python with target.tp_size as its tensor_parallel_size.
+    engine: Literal["hf", "vllm"] = "hf"
+    engine_python: str = ".venv-engines/bin/python"  # the venv with vllm (make verify-engines builds it)
+    base_url: str | None = None  # a running server's API root; null: start one (engine vllm)
+    model: str | None = None  # the served model name; null: target.path
+    concurrency: Count = 8  # requests in flight (the server batches them)
+    timeout_s: Positive = 600.0  # per request: no answer within it is a failed attempt
+    retries: NonNegative = 3  # per request, after connection errors, timeouts and 5xx/429 answers
+
+    @model_validator(mode="after")
+    def _a_server_only_for_the_vllm_engine(self) -> Capture:
+        if self.engine == "hf" and self.base_url:
+            raise PydanticCustomError(
+                "section_rule", "base_url is only read by engine 'vllm' (set engine: vllm to capture through it)"
+            )
+        return self
+
+
+class CaptureToDisk(Capture):
+    out_dir: str
+
+
+class Generation(Section):
+    """How the target generates a reply or a continuation, here or on a server."""
+
+    max_new_tokens: Count
+    temperature: NonNegativeFloat = 0.0  # 0: greedy
+    top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
+    top_k: NonNegative = 0  # 0: no top-k cut
+    seed: NonNegative = 0
+
+
+class Regenerate(Generation):
+    out: str  # the regenerated dataset: OpenAI-messages JSONL, or {"text": ...} JSONL for data.format text
+    chunk_size: Count = 64  # conversations per resumable part
+    discard_stale_parts: bool = False  # parts made with other settings: delete them (else refuse)
+    # Who generates: hf, the target in this process (transformers); openai, an OpenAI-compatible server
+    # (vLLM, SGLang) at base_url, serving the target as ``model``.
+    engine: Literal["hf", "openai"] = "hf"
+    base_url: str | None = None  # the server's API root, e.g. http://localhost:8000/v1
+    model: str | None = None  # the served model name; null: target.path (what `vllm serve PATH` names it)
+    concurrency: Count = 16  # requests in flight (the server batches them)
+    timeout_s: Positive = 600.0  # per request: no answer within it is a failed attempt
+    retries: NonNegative = 3  # per request, after connection errors, timeouts and 5xx/429 answers
+
+    @field_validator("base_url")
+    @classmethod
+    def _an_http_url(cls, url: str | None) -> str | None:
+        # Only http(s) with a host: a file:// URL would have a client read a local file (and quote it in errors).
+        parts = urllib.parse.urlsplit(url or "")
+        if url and (parts.scheme not in ("http", "https") or not parts.hostname):
+            raise PydanticCustomError("url", "must be an http(s) URL, the server's API root (http://localhost:8000/v1)")
+        return url
+
+    @model_validator(mode="after")
+    def _a_server_for_the_openai_engine(self) -> Regenerate:
+        if self.engine == "openai" and not self.base_url:
+            raise PydanticCustomError(
+                "section_rule", "base_url is required when engine is 'openai' (e.g. http://localhost:8000/v1)"
+            )
+        if self.engine == "hf" and self.base_url:
+            raise PydanticCustomError(
+                "section_rule", "base_url is only read by engine 'openai' (set engine: openai to use the server)"
+            )
+        return self
+
+
+class CaptureConfig(Stage):
+    command: ClassVar[str] = "capture"
+    target: Target
+    data: TokenizedData
+    capture: CaptureToDisk
+    regenerate: Regenerate | None = None
+
+
+class RegenerateConfig(Stage):
+    command: ClassVar[str] = "regenerate"
+    target: Target
+    data: Data
+    regenerate: Regenerate
+    capture: Capture | None = None
