@@ -18,7 +18,6 @@ from transformers import PreTrainedModel
 from headstart.core.settings import Count, Section
 from headstart.decoding.proposers import (
     DFlash,
-    Drafter,
     DraftModel,
     DraftSource,
     Eagle,
@@ -122,7 +121,7 @@ def build_proposer(
             raise ValueError(f"the {method} method needs a {'draft' if method == 'draft_model' else 'target'} model")
         if tree_config is not None:  # tuned by eval.autotune --draft / --self-spec (which names the exit layer)
             source = drafter if method == "draft_model" else early_exit(drafter, int(tree_config["exit_layer"]))
-            return proposer_for_tree(source, tree_config)
+            return proposer_for(source, TreeSpec.from_config(tree_config))
         model = (
             partial(DraftModel, drafter) if method == "draft_model" else partial(SelfSpec, drafter, flags.exit_layer)
         )
@@ -138,9 +137,13 @@ def build_proposer(
         choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens]
         return Medusa(head, choices)
     if method == "peagle":  # one forward drafts every depth: chains, or a tuned static shape
-        return proposer_for_tree(head, tree_config) if tree_config is not None else PEagle(head, flags.depth)
+        return (
+            proposer_for(head, TreeSpec.from_config(tree_config))
+            if tree_config is not None
+            else PEagle(head, flags.depth)
+        )
     if tree_config is not None:
-        return proposer_for_tree(head, tree_config)
+        return proposer_for(head, TreeSpec.from_config(tree_config))
     if method == "dflash":  # one forward drafts every depth at once: a chain of them
         return DFlash(head, choices=chain_choices(min(flags.depth, head.config.options.block_size - 1)))
     if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
@@ -148,36 +151,28 @@ def build_proposer(
     return Eagle(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
 
 
-def proposer_for_tree(head: DraftSource, config: dict) -> Drafter:
-    """The head's (or draft model's) proposer drafting the tree of a tree.json config
-    (``decoding.tree_config.TREE_KEYS``).
-
-    P-EAGLE and DFlash draft every depth in one forward, so they fill static shapes only.
-    """
-    if not isinstance(head, DraftHead):
-        tree = TreeSpec.from_config(config)
-        if tree.shape == "static":
-            return DraftModel(head, choices=tree.choices, min_confidence=tree.min_confidence)
-        return DraftModel(head, tree.depth, tree.top_k, tree.total_tokens, min_confidence=tree.min_confidence)
-    method = head_method(head.config)
-    if method in ("peagle", "dflash"):
-        if config["shape"] != "static":
+def proposer_for(source: DraftSource, tree: TreeSpec) -> Proposer:
+    """The one rule for how a head (or a draft model: ``DraftModel``, the target's early exit) drafts ``tree``;
+    vanilla for the empty tree. P-EAGLE and DFlash draft every depth in one forward, so they fill static
+    shapes only, at a fixed depth."""
+    if not tree.total_tokens:
+        return Vanilla()
+    if isinstance(source, DraftHead) and (method := head_method(source.config)) in ("peagle", "dflash"):
+        if tree.shape != "static":
             title = "P-EAGLE" if method == "peagle" else "DFlash"
             raise ValueError(
-                f"{title} drafts static shapes only (every depth from one forward), not a {config['shape']} tree"
+                f"{title} drafts static shapes only (every depth from one forward), not a {tree.shape} tree"
             )
-        if config.get("min_confidence", 0.0) > 0:
+        if tree.min_confidence > 0:
             raise ValueError(
                 "adaptive depth (min_confidence) needs a drafter that drafts level by level; "
                 f"{method} drafts every depth in one forward"
             )
-        return (PEagle if method == "peagle" else DFlash)(head, choices=config["choices"])
-    tree = TreeSpec.from_config(config)
+        return (PEagle if method == "peagle" else DFlash)(source, choices=tree.choices)
+    if isinstance(source, DraftHead):
+        if tree.shape == "static":
+            return Eagle(source, choices=tree.choices, min_confidence=tree.min_confidence)
+        return Eagle(source, tree.top_k, tree.depth, tree.total_tokens, min_confidence=tree.min_confidence)
     if tree.shape == "static":
-        return Eagle(head, choices=tree.choices, min_confidence=tree.min_confidence)
-    return Eagle(head, tree.top_k, tree.depth, tree.total_tokens, min_confidence=tree.min_confidence)
-
-
-def proposer_for(head: DraftSource, tree: TreeSpec) -> Proposer:
-    """The head (or draft model) drafting ``tree``; vanilla for the empty tree."""
-    return proposer_for_tree(head, tree.config()) if tree.total_tokens else Vanilla()
+        return DraftModel(source, choices=tree.choices, min_confidence=tree.min_confidence)
+    return DraftModel(source, tree.depth, tree.top_k, tree.total_tokens, min_confidence=tree.min_confidence)

@@ -11,7 +11,7 @@ from headstart.core.acceptance import chain_tau, expected_tau
 from headstart.core.timing import timed
 from headstart.decoding.methods import TreeFlags, build_proposer
 from headstart.decoding.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
-from headstart.decoding.tree_config import chain_choices
+from headstart.decoding.tree_config import TreeSpec, chain_choices
 from headstart.eval.speedup import predicted_speedup
 from headstart.heads import build_head
 from headstart.train.metrics import predicted_tau
@@ -103,7 +103,7 @@ def test_build_proposer_takes_typed_settings():
     assert isinstance(peagle, PEagle) and peagle.choices == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
     assert build_proposer("peagle", TreeFlags(), heads=heads, tree_config=tuned).choices == tuned["choices"]
     with pytest.raises(ValueError, match="P-EAGLE drafts static shapes only"):
-        build_proposer("peagle", TreeFlags(), heads=heads, tree_config={"shape": "dynamic", "depth": 3})
+        build_proposer("peagle", TreeFlags(), heads=heads, tree_config=TreeSpec("dynamic", 3, 2, 5).config())
 
 
 def test_methods_take_turns_and_each_output_is_independent_of_the_others(target, one_thread):
