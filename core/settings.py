@@ -24,7 +24,6 @@ from collections.abc import Iterable, Iterator
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, TypeVar, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from headstart.core.config import ConfigError
@@ -118,17 +117,18 @@ def check(config: dict[str, Any], schema: type[Settings]) -> tuple[Settings | No
     try:
         resolved = schema.model_validate(config)
     except ValidationError as err:
-        for problem in _problems(schema, config, err.errors()):
+        for problem in _problems(schema, err.errors()):
             if problem not in problems:  # several members of a union may refuse a value alike
                 problems.append(problem)
         return None, problems
     return (None, problems) if problems else (resolved, [])
 
 
-def parse(config: dict[str, Any], schema: type[Settings]) -> Settings:
-    """``config`` as a ``schema``, or one ConfigError listing every problem."""
+def parse(config: dict[str, Any], schema: type[Settings], source: str | None = None) -> Settings:
+    """``config`` (read from the file ``source``) as a ``schema``, or one ConfigError naming the file and listing
+    every problem by its dotted key."""
     resolved, problems = check(config, schema)
-    raise_problems(schema, problems)
+    raise_problems(schema, problems, source)
     assert resolved is not None
     return resolved
 
@@ -138,9 +138,10 @@ def as_dict(settings: BaseModel) -> dict[str, Any]:
     return {key: value for key, value in settings.model_dump(mode="json").items() if value is not None}
 
 
-def raise_problems(schema: type[Section], problems: list[str]) -> None:
+def raise_problems(schema: type[Section], problems: list[str], source: str | None = None) -> None:
     if problems:
-        raise ConfigError(f"invalid {schema.command} config:\n  " + "\n  ".join(problems))
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}invalid {schema.command} config:\n  " + "\n  ".join(problems))
 
 
 # ---- the flag-driven commands: a section each, a field per flag
@@ -272,103 +273,108 @@ def _as_flag(flags: type[CommandFlags], problem: str) -> str:
 
 # ---- pydantic's errors, told as "<dotted key> must be ..., got ..."
 
-_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<=")}
-_BOUNDS |= {"less_than": ("lt", "<")}
+# What a value must be, by pydantic's error type, in the words of the error's context.
+_MUST = {
+    "greater_than_equal": "be >= {ge}",
+    "greater_than": "be > {gt}",
+    "less_than_equal": "be <= {le}",
+    "less_than": "be < {lt}",
+    "too_short": "have at least {min_length} item(s)",
+    "too_long": "have at most {max_length} item(s)",
+    "finite_number": "be a finite number",
+    "literal_error": "be one of {expected}",
+}
+# The type a value must have, by pydantic's error type (``int_type``, ``float_parsing``, ...).
+_TYPES = {"int": "int", "bool": "bool", "float": "float", "string": "str", "list": "list", "model": "a mapping"}
 
 
 class _Where(NamedTuple):
-    key: str  # dotted, e.g. "capture.aux_layers" or "stages[0].cmd"
-    model: type[Section]  # the model holding the field (or refusing an extra key)
-    field: FieldInfo | None  # None: the error is about a key of ``model`` that is not a field
-    annotation: Any  # the field's type, or the union member the value was checked against
-    rest: list  # what is left of pydantic's loc: list indices, union member names, an extra key
-    tagged: tuple[str, str] | None  # (key, tag) when the path went through a tagged union (head.type)
+    key: str  # dotted: "capture.aux_layers[1]", "stages[0].cmd", "head.ttt_steps"
+    model: Any  # the section holding the last key (a tagged union: the tag's model), else None
+    tagged: tuple[str, str] | None  # (key, tag) of a tagged union on the way: ("head", "eagle3")
+    union: str | None  # the key of a union on the way, whose member pydantic names (capture.aux_layers)
+    shape: bool  # the loc ends at that member: it refused the value's shape
 
 
-def _problems(schema: type[Section], config: dict[str, Any], errors: list[ErrorDetails]) -> Iterator[str]:
-    located = [(error, _locate(schema, error["loc"])) for error in errors]
-    # A value of a union (capture.aux_layers: "auto" or a list) that has one member's shape (a list) is
-    # refused by the others for its shape alone: report why the member it looks like refused it.
-    shaped = {where.key for _, where in located if len(where.rest) > 1 and isinstance(where.rest[0], str)}
-    for error, where in located:
-        if where.key in shaped and where.rest and isinstance(where.rest[0], str):
-            if len(where.rest) == 1:
-                continue
-            member = next(a for a in _union_args(where.annotation) if typing.get_origin(a) is list)
-            where = where._replace(rest=where.rest[1:], annotation=member)
-        yield _problem(schema, config, error, where)
+def _walk(schema: type[Section], loc: tuple) -> _Where:
+    """Follow an error's ``loc`` through the models."""
+    key, model, tagged, union, shape = "", schema, None, None, False
+    for item in loc:
+        shape = False
+        if isinstance(item, int):
+            key += f"[{item}]"
+        elif isinstance(model, dict) and item in model:  # a tagged union: pydantic names the tag
+            model, tagged = model[item], (key, item)
+        elif isinstance(model, type) and item in model.model_fields:
+            key = f"{key}.{item}" if key else item
+            model = _sections(model.model_fields[item].annotation)
+        else:  # a union's member, by pydantic's name for it ("literal['auto']", "list[...]")
+            union, shape = union or key, True
+    return _Where(key, model, tagged, union, shape)
 
 
-def _problem(schema: type[Section], config: dict[str, Any], error: ErrorDetails, where: _Where) -> str:
-    key, model, field, annotation, rest, tagged = where
-    kind, got = error["type"], f"got {error.get('input')!r}"
+def _sections(annotation: Any) -> Any:
+    """The section a field holds (one, or a list of them), {tag: section} for a tagged union, else None."""
+    found: list[type[Section]] = []
+    for arg in typing.get_args(annotation) or (annotation,):
+        if isinstance(arg, type) and issubclass(arg, Section):
+            found.append(arg)
+        elif typing.get_args(arg) and (inner := _sections(arg)):
+            found += list(inner.values()) if isinstance(inner, dict) else [inner]
+    if len(found) > 1:
+        return {section.model_fields["type"].default: section for section in found}
+    return found[0] if found else None
+
+
+def _problems(schema: type[Section], errors: list[ErrorDetails]) -> Iterator[str]:
+    # An unknown key's loc ends with that key, not with a field.
+    found = [(e, _walk(schema, e["loc"][:-1] if e["type"] == "extra_forbidden" else e["loc"])) for e in errors]
+    # A union's members each refuse a value that is not their shape. A value of one member's shape
+    # (capture.aux_layers: a list) is told by that member's reasons; a value of no member's shape
+    # (train.online_capture: 3) once, naming every member (bool or 'vllm').
+    deeper = {where.union for _, where in found if where.union and not where.shape}
+    told: set[str | None] = set()
+    for error, where in found:
+        if not where.shape:
+            yield _problem(schema, error, where)
+        elif where.union not in deeper and where.union not in told:
+            told.add(where.union)
+            kinds = " or ".join(dict.fromkeys(_kind(e) for e, w in found if w.union == where.union and w.shape))
+            value = error["input"]
+            yield f"{where.union} must be {kinds}, got {value!r} ({type(value).__name__})"
+
+
+def _problem(schema: type[Section], error: ErrorDetails, where: _Where) -> str:
+    key, kind, ctx, value = where.key, error["type"], error.get("ctx", {}), error.get("input")
     if kind == "extra_forbidden":
-        known = ", ".join(sorted(model.model_fields))
+        name, known = error["loc"][-1], ", ".join(sorted(where.model.model_fields))
         if not key:
-            return f"unknown {schema.top_level} {rest[0]!r} (known: {known})"
-        what = f" for a {tagged[1]} {tagged[0]}" if tagged else ""
-        return f"unknown key {key}.{rest[0]}{what} (known: {known})"
+            return f"unknown {schema.top_level} {name!r} (known: {known})"
+        what = f" for a {where.tagged[1]} {where.tagged[0]}" if where.tagged else ""
+        return f"unknown key {key}.{name}{what} (known: {known})"
     if kind == "missing":
-        return f"{key} is required" + (f" (a `{key}:` section)" if _model_members(field) else "")
+        return f"{key} is required" + (f" (a `{key}:` section)" if where.model else "")
     if kind == "value":  # a field's own rule, said by its field validator ("must be ...")
         return f"{key} {error['msg']}"
     if kind == "section_rule":  # a rule across a section's keys, said by its model validator
         return f"{key}.{error['msg']}"
-    if kind == "union_tag_not_found":
-        return f"{key}.{_discriminator(field)} is required (one of {', '.join(map(str, _model_members(field)))})"
-    if kind == "union_tag_invalid":
-        tag, tags = error["ctx"]["tag"], ", ".join(map(str, _model_members(field)))
-        return f"{key}.{_discriminator(field)} {tag!r} is not a {key} type (known: {tags})"
-    if any(isinstance(item, str) for item in rest):
-        # Every member of a union refused the value for its shape: say once what it may be.
-        value = _lookup(config, error["loc"][: len(error["loc"]) - len(rest)])
-        return f"{key} must be {_describe(annotation)}, got {value!r} ({type(value).__name__})"
-    for index in rest:  # an item of a list
-        key, annotation = f"{key}[{index}]", typing.get_args(_strip(annotation))[0]
+    if kind.startswith("union_tag_"):  # a tagged union's tag (head.type): missing, or none of the tags
+        tag, tags = ctx["discriminator"].strip("'"), ", ".join(where.model)
+        if kind == "union_tag_not_found":
+            return f"{key}.{tag} is required (one of {tags})"
+        return f"{key}.{tag} {ctx['tag']!r} is not a {key} type (known: {tags})"
+    if kind in _MUST:
+        return f"{key} must {_MUST[kind].format(**ctx)}, got {value!r}"
     if kind.endswith(("_type", "_parsing")):
-        value = error.get("input")
-        return f"{key} must be {_describe(annotation)}, got {value!r} ({type(value).__name__})"
-    if kind == "literal_error":
-        return f"{key} must be one of {list(typing.get_args(_strip(annotation)))}, {got}"
-    if kind in _BOUNDS:
-        bound, sign = _BOUNDS[kind]
-        return f"{key} must be {sign} {error['ctx'][bound]}, {got}"
-    if kind == "too_short":
-        return f"{key} must have at least {error['ctx']['min_length']} item(s), {got}"
-    if kind == "too_long":
-        return f"{key} must have at most {error['ctx']['max_length']} item(s), {got}"
-    if kind == "finite_number":
-        return f"{key} must be a finite number, {got}"
-    return f"{key}: {error['msg']}, {got}"
+        return f"{key} must be {_kind(error)}, got {value!r} ({type(value).__name__})"
+    return f"{key}: {error['msg']}, got {value!r}"
 
 
-def _locate(schema: type[Section], loc: tuple) -> _Where:
-    """Follow an error's ``loc`` through the models, as far as it names fields."""
-    key, model, field, rest, tagged = "", schema, None, list(loc), None
-    while rest and isinstance(rest[0], str) and rest[0] in model.model_fields:
-        name = rest.pop(0)
-        key = f"{key}.{name}" if key else name
-        field = model.model_fields[name]
-        members = _model_members(field)
-        if not members or not rest:
-            break
-        if len(members) > 1:  # a tagged union: pydantic names the member
-            if rest[0] not in members:
-                break
-            tagged = (key, rest[0])
-            model = members[rest.pop(0)]
-        else:
-            model = members[None]
-            if typing.get_origin(_strip(field.annotation)) is list:  # a list of sections
-                key += f"[{rest.pop(0)}]"
-        field = None
-    return _Where(key, model, field, field.annotation if field else None, rest, tagged)
-
-
-def _lookup(config: Any, loc: tuple) -> Any:
-    for item in loc:
-        config = config[item]
-    return config
+def _kind(error: ErrorDetails) -> str:
+    """What a value must be, in a word, by the error a field (or a union's member) raised."""
+    if error["type"] == "literal_error":
+        return error["ctx"]["expected"]
+    return _TYPES.get(error["type"].removesuffix("_type").removesuffix("_parsing"), error["type"])
 
 
 def _strip(annotation: Any) -> Any:
@@ -387,34 +393,6 @@ def _union_args(annotation: Any) -> list[Any]:
     if typing.get_origin(annotation) in (Union, types.UnionType):
         return [_strip(a) for a in typing.get_args(annotation)]
     return [annotation]
-
-
-def _model_members(field: FieldInfo | None) -> dict[str | None, type[Section]]:
-    """The sections a field holds: {None: model} for one (or a list of them), {tag: model} for a tagged union."""
-    if field is None:
-        return {}
-    args = _union_args(field.annotation)
-    if len(args) == 1 and typing.get_origin(args[0]) is list:
-        args = [_strip(typing.get_args(args[0])[0])]
-    models = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
-    if not models or len(models) != len(args):
-        return {}
-    if len(models) == 1:
-        return {None: models[0]}
-    return {m.model_fields[_discriminator(field)].default: m for m in models}
-
-
-def _discriminator(field: FieldInfo | None) -> str:
-    """The tag's key of a tagged union, kept on the field (``head: Head``) or in its annotation (``Head | None``)."""
-    if field is None:
-        raise TypeError("no field: not a tagged union")
-    if isinstance(field.discriminator, str):
-        return field.discriminator
-    for arg in typing.get_args(field.annotation):
-        for meta in getattr(arg, "__metadata__", ()):
-            if isinstance(getattr(meta, "discriminator", None), str):
-                return meta.discriminator
-    raise TypeError(f"{field} is not a tagged union")
 
 
 def _describe(annotation: Any) -> str:

@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
     overrides = args.overrides + ([f"data.on_error={args.on_error}"] if args.on_error else [])
-    run_capture(load_config(args.config, overrides))
+    run_capture(parse(load_config(args.config, overrides), CaptureConfig, args.config))
 
 
 if __name__ == "__main__":

@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    run_regenerate(load_config(args.config, args.overrides))
+    run_regenerate(parse(load_config(args.config, args.overrides), RegenerateConfig, args.config))
 
 
 if __name__ == "__main__":

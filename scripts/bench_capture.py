@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         "--engine-python", help="also time the capture through vLLM, served from this venv's Python (.venv-engines)"
     )
     args = parser.parse_args(argv)
-    cfg = parse(load_config(args.config), CaptureConfig)
+    cfg = parse(load_config(args.config), CaptureConfig, args.config)
     model, tokenizer = load_target(cfg.target.path, cfg.target.device, cfg.target.dtype)
     data, cap = cfg.data, cfg.capture
     samples, _ = load_samples(data.source, data.format, tokenizer, data.max_length, limit=args.samples)

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", nargs="+", default=sorted(HEADS), choices=sorted(HEADS))
     parser.add_argument("--online", action="store_true", help="also time steps that run the target (online capture)")
     args = parser.parse_args(argv)
-    cfg = parse(load_config(args.config), TrainConfig)
+    cfg = parse(load_config(args.config), TrainConfig, args.config)
     target, tokenizer = load_target(cfg.target.path, cfg.target.device, cfg.target.dtype)
     data = cfg.data
     samples, _ = load_samples(

@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", choices=["target", "draft"], help="build one model only")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = parse(load_config(args.config, args.overrides), BuildDemoModelsConfig)
+    cfg = parse(load_config(args.config, args.overrides), BuildDemoModelsConfig, args.config)
     device = resolve_device(cfg.device)
     train_conversations, heldout_conversations = split_rows(cfg)
     tokenizer = load_or_build_tokenizer(cfg, train_conversations)

@@ -109,7 +109,7 @@ def run_flags(verb: Verb, section: str, argv: list[str], prog: str) -> None:
     parser.add_argument("overrides", nargs="*", help=f"dotted {section}.KEY=VALUE overrides")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
-    settings = getattr(parse(config, COMMAND_CONFIGS[section]), section)
+    settings = getattr(parse(config, COMMAND_CONFIGS[section], args.config), section)
     with _usage_name(prog):
         import_module(f"headstart.{verb.module}").run(settings)  # the command's own run, on the validated settings
 
@@ -123,7 +123,7 @@ def check_whole_file(argv: list[str]) -> None:
     if known.config is None:
         return
     overrides = [item for item in rest if "=" in item and not item.startswith("-")]
-    parse(load_config(known.config, overrides), PipelineConfig)
+    parse(load_config(known.config, overrides), PipelineConfig, known.config)
 
 
 def run_train(argv: list[str], prog: str) -> None:
@@ -139,8 +139,8 @@ def run_train(argv: list[str], prog: str) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    parse(config, PipelineConfig)  # the whole file, the other stages' sections too
-    head_type = parse(config, TrainConfig).head.type
+    parse(config, PipelineConfig, args.config)  # the whole file, the other stages' sections too
+    head_type = parse(config, TrainConfig, args.config).head.type
     recipe, recipe_argv = f"train.{TRAINER_OF[head_type]}", ["--config", args.config, *args.overrides]
     launcher = [f"--{name}={value}" for name in TORCHRUN_OPTIONS if (value := getattr(args, name)) is not None]
     if args.nproc_per_node == 1 and not launcher:

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", help="comma-separated stage names to run (default: all, in order)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = parse(load_config(args.config, args.overrides), DemoConfig)
+    cfg = parse(load_config(args.config, args.overrides), DemoConfig, args.config)
     names = [stage.name for stage in cfg.stages]
     only = set(args.stages.split(",")) if args.stages else None
     if only and only - set(names):

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="a regenerate config with regenerate.engine: openai")
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
-    cfg = parse(load_config(args.config, args.overrides), RegenerateConfig)  # before vLLM starts
+    cfg = parse(load_config(args.config, args.overrides), RegenerateConfig, args.config)  # before vLLM starts
     if cfg.regenerate.engine != "openai":
         raise SystemExit(f"{args.config}: regenerate.engine is {cfg.regenerate.engine!r}; this serves 'openai'")
     out = Path(cfg.regenerate.out)

@@ -78,7 +78,7 @@ def test_each_verb_has_its_own_help(verb, capsys):
         ("regenerate", "regenerate.top_p=0", "regenerate.top_p must be > 0, got 0"),
         ("train", "train.lrr=1e-3", "unknown key train.lrr (known: batch_size, betas,"),
         ("eval", "eval.limit=0", "eval.limit must be >= 1, got 0"),
-        ("export", "export.format=vlm", "export.format must be one of ['vllm', 'sglang', 'speculators', 'medusa']"),
+        ("export", "export.format=vlm", "export.format must be one of 'vllm', 'sglang', 'speculators' or 'medusa'"),
     ],
 )
 def test_a_config_error_stops_the_verb_before_any_model_loads(verb, override, message, gsm8k_file, tmp_path, capsys):
@@ -93,7 +93,7 @@ def test_a_config_error_stops_the_verb_before_any_model_loads(verb, override, me
     with pytest.raises(SystemExit) as exit_info:
         cli.main([verb, "--config", str(path), override])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.startswith(f"headstart {verb}: invalid ") and message in err, err
+    assert exit_info.value.code == 2 and err.startswith(f"headstart {verb}: {path}: invalid ") and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["all.yaml"]  # nothing written
 
 

@@ -127,7 +127,7 @@ CAPTURE_PROBLEMS = [
     (["data.limit=-1"], r"data\.limit must be >= 1, got -1"),
     (["capture.batch_tokens=0"], r"capture\.batch_tokens must be >= 1, got 0"),
     (["data.max_length=0"], r"data\.max_length must be >= 1, got 0"),
-    (["capture.store_dtype=int8"], r"capture\.store_dtype must be one of \['fp32', .*\], got 'int8'"),
+    (["capture.store_dtype=int8"], r"capture\.store_dtype must be one of 'fp32', .* or 'fp8_e4m3', got 'int8'"),
     (["regenerate.max_new_tokens=0"], r"regenerate\.max_new_tokens must be >= 1, got 0"),  # its package's too
 ]
 
@@ -187,7 +187,7 @@ def test_capture_without_shard_settings_uses_the_defaults(tiny_target_dir, gsm8k
         (["regenerate.chunk_size=0"], r"regenerate\.chunk_size must be >= 1, got 0"),
         (["regenerate.engine=openai"], r"regenerate\.base_url is required when engine is 'openai'"),
         (["regenerate.base_url=http://localhost:8000/v1"], r"regenerate\.base_url is only read by engine 'openai'"),
-        (["regenerate.engine=vllm"], r"regenerate\.engine must be one of \['hf', 'openai'\], got 'vllm'"),
+        (["regenerate.engine=vllm"], r"regenerate\.engine must be one of 'hf' or 'openai', got 'vllm'"),
         (["data.limit=0"], r"data\.limit must be >= 1, got 0"),
     ],
 )

@@ -51,7 +51,7 @@ def demo_config(tmp_path):
         (eagle, ["train.batch_size=many"], r"train\.batch_size must be int, got 'many' \(str\)"),
         (eagle, ["train.lr=fast"], r"train\.lr must be float, got 'fast'"),
         (eagle, ["train.online_capture=3"], r"train\.online_capture must be bool or 'vllm', got 3"),
-        (eagle, ["train.zero_stage=4"], r"train\.zero_stage must be one of \[0, 1, 2, 3\], got 4"),
+        (eagle, ["train.zero_stage=4"], r"train\.zero_stage must be one of 0, 1, 2 or 3, got 4"),
         (eagle, ["head.type=medusa"], r"head\.type 'medusa' is trained by train/medusa\.py, not train/eagle\.py"),
         (medusa, [], r"head\.type 'eagle3' is trained by train/eagle\.py, not train/medusa\.py"),
         (eagle, ["head.type=hydra"], r"head\.type 'hydra' is not a head type"),

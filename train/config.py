@@ -103,9 +103,9 @@ TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",), "dflash": ("dfl
 TRAINER_OF = {head_type: trainer for trainer, head_types in TRAINERS.items() for head_type in head_types}
 
 
-def resolve_config(given: dict[str, Any], trainer: str) -> TrainConfig:
-    """The loaded YAML mapping ``given`` with defaults filled in, or ConfigError naming every unknown key, bad type
-    or bad value."""
+def resolve_config(given: dict[str, Any], trainer: str, source: str | None = None) -> TrainConfig:
+    """The loaded YAML mapping ``given`` (from the file ``source``) with defaults filled in, or ConfigError naming
+    the file and every unknown key, bad type or bad value."""
     resolved, problems = check(given, TrainConfig)
     # Said beside the schema's problems, so read from the mapping as given: a Medusa config run by train/eagle.py
     # has EAGLE-unknown head keys too.
@@ -116,7 +116,7 @@ def resolve_config(given: dict[str, Any], trainer: str) -> TrainConfig:
         problems.append(f"head.type {head_type!r} is trained by train/{other}.py, not train/{trainer}.py")
     if resolved is not None and not problems:
         problems = consistency_problems(resolved, trainer)
-    raise_problems(TrainConfig, problems)
+    raise_problems(TrainConfig, problems, source)
     assert resolved is not None
     return resolved
 
@@ -186,4 +186,4 @@ def parse_args(trainer: str, argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     args = parser.parse_args(argv)
     overrides = args.overrides + (["train.resume=true"] if args.resume else [])
-    return resolve_config(load_config(args.config, overrides), trainer)
+    return resolve_config(load_config(args.config, overrides), trainer, args.config)
