@@ -18,15 +18,7 @@ from headstart.heads import DFlashHead
 from headstart.train.config import parse_args
 from headstart.train.data import load_data, loss_token_counts
 from headstart.train.eagle import head_settings, save_head
-from headstart.train.loop import (
-    HeadLoss,
-    build_engine,
-    load_run_target,
-    measurement,
-    start_processes,
-    total_steps,
-    train,
-)
+from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,16 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     if head.lm_head is not None:  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
-    engine = build_engine(HeadLoss(head, data.capture), cfg.train, proc, total_steps(cfg.train, data))
-    train(
-        engine,
-        head,
-        data,
-        cfg,
-        proc,
-        save_artifacts=lambda out_dir: save_head(head, out_dir),
-        measured=measurement(cfg, target, tokenizer, data, proc),
-    )
+    fit(HeadLoss(head, data.capture), head, data, cfg, proc, target, tokenizer, lambda out: save_head(head, out))
 
 
 if __name__ == "__main__":

@@ -16,15 +16,7 @@ from headstart.core.runtime import seed_everything
 from headstart.heads import DflashOptions, DraftHead, Eagle3Head, Eagle3Options, HeadOptions, build_head
 from headstart.train.config import parse_args
 from headstart.train.data import load_data, loss_token_counts
-from headstart.train.loop import (
-    HeadLoss,
-    build_engine,
-    load_run_target,
-    measurement,
-    start_processes,
-    total_steps,
-    train,
-)
+from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
 
 
 def head_settings(options: HeadOptions, aux_layers: list[int]) -> HeadOptions:
@@ -54,17 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(head, Eagle3Head):  # the draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
-    module = HeadLoss(head, data.capture)
-    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
-    train(
-        engine,
-        head,
-        data,
-        cfg,
-        proc,
-        save_artifacts=lambda out_dir: save_head(head, out_dir),
-        measured=measurement(cfg, target, tokenizer, data, proc),
-    )
+    fit(HeadLoss(head, data.capture), head, data, cfg, proc, target, tokenizer, lambda out: save_head(head, out))
 
 
 if __name__ == "__main__":

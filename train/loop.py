@@ -362,6 +362,22 @@ def evaluate(engine: deepspeed.DeepSpeedEngine, data: TrainData, train: Train, s
     return record | {"predicted_tau": predicted_tau(heldout_top1(record))}
 
 
+def fit(
+    module: nn.Module,
+    head: DraftHead,
+    data: TrainData,
+    cfg: TrainConfig,
+    proc: Process,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    save_artifacts: Callable[[Path], None],
+) -> None:
+    """A recipe's last step: DeepSpeed over ``module`` (``build_engine``), then ``train`` to the end, measuring the
+    acceptance where the config asks for it (``measurement``)."""
+    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
+    train(engine, head, data, cfg, proc, save_artifacts, measurement(cfg, target, tokenizer, data, proc))
+
+
 def train(
     engine: deepspeed.DeepSpeedEngine,
     head: DraftHead,

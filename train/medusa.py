@@ -22,15 +22,7 @@ from headstart.core.runtime import seed_everything
 from headstart.heads import Lora, MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
 from headstart.train.config import parse_args
 from headstart.train.data import load_data
-from headstart.train.loop import (
-    HeadLoss,
-    build_engine,
-    load_run_target,
-    measurement,
-    start_processes,
-    total_steps,
-    train,
-)
+from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
 
 
 class Medusa2Loss(nn.Module):
@@ -76,16 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         model = medusa2_wrap(target, lora)
         module = Medusa2Loss(head, model, lora)
 
-    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
-    train(
-        engine,
-        head,
-        data,
-        cfg,
-        proc,
-        save_artifacts=lambda out_dir: save_medusa(head, model, out_dir),
-        measured=measurement(cfg, target, tokenizer, data, proc),
-    )
+    fit(module, head, data, cfg, proc, target, tokenizer, lambda out: save_medusa(head, model, out))
 
 
 if __name__ == "__main__":
