@@ -7,6 +7,7 @@ from conftest import make_head
 from transformers import LlamaForCausalLM
 
 from headstart.heads import read_head_config
+from headstart.scripts import cli
 from headstart.scripts.push_to_hub import local_target_problem, main, stage
 
 REPO = "acme/demo-eagle3"
@@ -57,6 +58,9 @@ def test_dry_run_prints_files_and_card_and_uploads_nothing(target, tmp_path, cap
     printed = capsys.readouterr().out
     assert f"staged for {REPO}:" in printed and "model.safetensors" in printed and "training_config.yaml" in printed
     assert f"vllm serve {REPO}" in printed  # the card: the speculators folder names its verifier
+    # The same settings as a config's push: section: headstart runs the same command on them.
+    cli.main(["push", f"push.head={head_dir}", f"push.repo_id={REPO}", "push.format=speculators", "push.dry_run=true"])
+    assert capsys.readouterr().out == printed
 
 
 def test_a_report_folder_without_a_report_is_refused(target, tmp_path, capsys):
