@@ -3,6 +3,7 @@ per-sequence adaptive depth (``decoding.tree.confident``, fitted by ``eval.speed
 runs of both are checked for losslessness in test_eval_sampling.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from headstart.decoding.tree_config import (
     scheduled_depth,
 )
 from headstart.decoding.verify import Sampling, generate_batch
-from headstart.eval.speedup import Costs, best_cap
+from headstart.eval.speedup import ConfidenceStep, Costs, adaptive_rate, best_cap, fit_confidence
+from headstart.eval.tune_runs import chain_logq
 from headstart.heads import build_head
 
 CHAIN4 = TreeSpec.static(chain_choices(4))
@@ -150,3 +152,63 @@ def test_a_head_skips_its_reading_while_nobody_drafts_and_catches_up_after(targe
     assert reads[0] == [] and reads[1][0] == prompts[1].shape[1] - 1 + together
     # From then on the survivor reads every step (the root and the accepted rows) and drafts again.
     assert sum(reads[1]) == len(expected[1][0]) - 1 - (stats[1].accepted_lengths[-1])
+
+
+def test_adaptive_depth_stops_drafting_below_an_unlikely_level(target):
+    model, tokenizer = target
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, model).eval()
+    tokens = tokenizer("Weng earns $12 an hour for babysitting", return_tensors="pt").input_ids[0]
+    with torch.no_grad():
+        states = model(tokens[None, :-1], output_hidden_states=True).hidden_states
+
+    def draft(min_confidence: float, choices=None) -> tuple[Tree, int]:
+        proposer = Eagle(head, choices=choices or chain_choices(4), min_confidence=min_confidence)
+        proposer.reset(Sampling())
+        proposer.update(tokens, torch.cat([states[i][0] for i in proposer.hidden_layers], -1))
+        calls, expand = [], proposer._expand
+        proposer._expand = lambda *args: calls.append(1) or expand(*args)
+        with torch.no_grad():
+            tree = proposer.propose(tokens)
+        return tree, len(calls)
+
+    full, full_calls = draft(0.0)
+    confidences = [math.exp(v) for v in chain_logq(full)]
+    assert len(full) == 4 and full_calls == 3
+    # Drafting below depth d needs depth d's confidence: between depth 2's and depth 3's, depth 3 is drafted
+    # (one call per level below the first) and depth 4 is not.
+    threshold = math.sqrt(confidences[1] * confidences[2])
+    cut, cut_calls = draft(threshold)
+    assert cut.tokens.tolist() == full.tokens[:3].tolist() and cut_calls == 2
+    single, single_calls = draft(confidences[0] * 1.01)
+    assert len(single) == 1 and single_calls == 0
+    # A tree: the likeliest node of the level decides, so a confident sibling keeps the level going.
+    wide = [[0], [1], [0, 0], [1, 0]]
+    tree, _ = draft(0.0, wide)
+    level1 = tree.draft_logprobs[:2].exp().tolist()
+    kept, calls = draft(min(level1) * 1.01, wide)
+    assert len(kept) == 4 and calls == 1
+    dropped, calls = draft(max(level1) * 1.01, wide)
+    assert len(dropped) == 2 and calls == 0
+
+
+def test_fit_confidence_replays_the_recorded_steps():
+    # Verify 10 ms + 5 per node; drafting 1 ms + 4 per level below the first.
+    costs = Costs([0, 8], {1: [10.0, 50.0]}, [1, 8], [4.0, 4.0], base_ms=1.0)
+    tree = TreeSpec.static(chain_choices(3))
+    sure = ConfidenceStep([math.log(0.9), math.log(0.8), math.log(0.7)], [0, 0, 0])
+    unsure = ConfidenceStep([math.log(0.2), math.log(0.05), math.log(0.01)], [])
+    steps = [sure, unsure]
+    # Fixed depth: 4 + 1 tokens over two steps of 25 + 9 ms.
+    assert adaptive_rate(costs, tree, steps, 0.0) == pytest.approx(1e3 * 5 / 68)
+    threshold, rate, fixed = fit_confidence(costs, tree, steps)
+    # Thresholds tried: geometric means of 0.05, 0.2, 0.8, 0.9. At 0.4 the unsure step drafts depth 1 only
+    # (15 + 1 ms) and the sure one everything: 5 tokens in 50 ms. At 0.85 the sure step loses depth 3.
+    assert threshold == pytest.approx(0.4) and rate == pytest.approx(100.0) and fixed == pytest.approx(1e3 * 5 / 68)
+    assert adaptive_rate(costs, tree, steps, 0.85) == pytest.approx(1e3 * 4 / (25 + 16))
+    # Every step accepts the whole chain and a node costs 1 ms: 4 tokens in 22 ms beat 3 in 17, fixed depth stays.
+    cheap_nodes = Costs([0, 8], {1: [10.0, 18.0]}, [1, 8], [4.0, 4.0], base_ms=1.0)
+    assert fit_confidence(cheap_nodes, tree, [sure, sure]) == (
+        0.0,
+        pytest.approx(1e3 * 4 / 22),
+        pytest.approx(1e3 * 4 / 22),
+    )
