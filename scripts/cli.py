@@ -6,7 +6,9 @@
     headstart VERB --help
 
 Three kinds of verb. ``fetch-target``, ``regenerate``, ``capture`` and ``demo`` hand their arguments
-unchanged to the module's own ``main`` (it reads ``--config`` and ``key=value`` overrides itself).
+unchanged to the module's own ``main`` (it reads ``--config`` and ``key=value`` overrides itself); for
+``regenerate`` and ``capture`` the whole config file is checked first (``scripts.config.PipelineConfig``),
+every stage's section, which the module alone cannot see. So is ``train``'s.
 ``train`` runs the recipe that the config's ``head.type`` belongs to (``train.config.TRAINERS``): in
 this process for one process (a world of one, as ``torchrun --nproc_per_node 1`` runs it), else by
 exec'ing torchrun. The flag-driven commands (eval, autotune, export, import, push, verify-engines)
