@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from pydantic import Field, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field
 from transformers import PreTrainedModel
 
 from headstart.core.settings import Count, Section
@@ -61,15 +60,6 @@ class TreeSettings(Section):
     exit_layer: Count | None = Field(
         None, description="self_spec: the target's first N layers (with its final norm and lm_head) draft; null: half"
     )
-
-    @field_validator("tree")
-    @classmethod
-    def _a_shape_or_a_file(cls, tree: str | None) -> str | None:
-        if tree is not None and tree not in TREE_SHAPES and not Path(tree).is_file():
-            raise PydanticCustomError(
-                "value", "must be static, dynamic or a tree.json file (no file {tree})", {"tree": tree}
-            )
-        return tree
 
     def tree_file(self) -> Path | None:
         """The tree.json ``tree`` names, if it names one."""

@@ -144,6 +144,11 @@ def check_matrix_flags(args: Eval) -> None:
         raise ValueError("give --limit (prompts in all) or --per-group (prompts per category group), not both")
     if args.temperatures and args.temperature:
         raise ValueError("give --temperature (one report) or --temperatures (the matrix), not both")
+    # Checked here, when the run starts, not in the settings: a pipeline's file may name a tree autotune writes later.
+    if (tree := args.tree_file()) and not tree.is_file():
+        raise FileNotFoundError(
+            f"--tree {tree}: expected static, dynamic or a tree.json file, and there is no such file"
+        )
 
 
 @dataclass

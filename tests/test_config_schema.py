@@ -6,6 +6,7 @@ import ast
 import json
 import re
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,6 +26,7 @@ from headstart.data_recipes.settings import (
     Target,
 )
 from headstart.data_recipes.shards import read_manifest
+from headstart.eval import acceptance
 from headstart.heads import HEADS, Head, HeadOptions, Lora
 from headstart.heads.config import HEAD_OPTIONS
 from headstart.scripts import build_demo_models, cli, demo
@@ -314,3 +316,11 @@ def test_the_library_reads_its_settings_as_attributes_that_mypy_checks():
     # The check finds what it looks for: the reads this replaced.
     old = 'def f(cfg, train):\n  cfg["train"]["lr"]\n  train["seed"]\n  cfg.get("lora")\n  x["capture"]["out_dir"]'
     assert sorted(line for line, _ in string_key_reads(ast.parse(old + '\n  train["x"] = 1'))) == [2, 2, 3, 4, 5]
+
+
+def test_a_tree_file_is_looked_for_when_eval_runs_not_when_the_pipeline_file_is_checked(tmp_path):
+    later = str(tmp_path / "autotune" / "tree.json")  # autotune writes it after training
+    settings = {"target": "t", "method": ["eagle3"], "head": ["h"], "bench": "b", "out": "o", "tree": later}
+    assert parse({"eval": settings}, PipelineConfig).eval.tree_file() == Path(later)
+    with pytest.raises(FileNotFoundError, match=f"--tree {later}: expected static, dynamic or a tree.json file"):
+        acceptance.run(parse({"eval": settings | {"method": ["vanilla"], "head": []}}, PipelineConfig).eval)
