@@ -204,6 +204,11 @@ class CommandFlags(Section):
             parser.error(str(err))
 
     @classmethod
+    def from_argv(cls: type[Flags], argv: list[str] | None, prog: str, description: str) -> Flags:
+        """A command line of exactly these flags as validated settings (``parser``, then ``parse_flags``)."""
+        return cls.parse_flags(cls.parser(prog, description), argv)[0]
+
+    @classmethod
     def from_args(cls: type[Flags], args: argparse.Namespace) -> Flags:
         """The parsed flags as validated settings; ConfigError naming each problem by its flag (``--top-p must
         be <= 1, got 2.0``): ``python -m eval.acceptance`` refuses what ``headstart eval`` does."""

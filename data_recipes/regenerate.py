@@ -265,9 +265,8 @@ def generation_settings(cfg: RegenerateConfig, conversations: list[Messages]) ->
     keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "chunk_size")  # the parts' order since v1
     settings = {
         "conversations_hash": hashlib.sha256(json.dumps(conversations).encode()).hexdigest()[:16],
-        **cfg.regenerate.model_dump(include=set(keys)),
+        **{key: getattr(cfg.regenerate, key) for key in keys},
     }
-    settings = {key: settings[key] for key in ("conversations_hash", *keys)}
     if cfg.data.format == "text":  # where a text is cut decides what the target continues
         settings["text_prompt_fraction"] = TEXT_PROMPT_FRACTION
     return settings

@@ -127,8 +127,7 @@ def training_tau(config: HeadConfig, kind: str) -> float | None:
 
 def parse_args(argv: list[str] | None = None) -> Eval:
     """The command line as validated settings: the flags are ``Eval``'s fields."""
-    parser = Eval.parser("python -m eval.acceptance", __doc__.split("\n")[0])
-    return Eval.parse_flags(parser, argv)[0]
+    return Eval.from_argv(argv, "python -m eval.acceptance", __doc__.split("\n")[0])
 
 
 def _describe(d: dict) -> str:

@@ -147,8 +147,7 @@ class Tuned:
 
 def parse_args(argv: list[str] | None = None) -> Autotune:
     """The command line as validated settings: the flags are ``Autotune``'s fields."""
-    parser = Autotune.parser("python -m eval.autotune", __doc__.split("\n")[0])
-    return Autotune.parse_flags(parser, argv)[0]
+    return Autotune.from_argv(argv, "python -m eval.autotune", __doc__.split("\n")[0])
 
 
 def draft_sources(args: Autotune, target: PreTrainedModel, dtype: torch.dtype) -> dict[str, DraftSource]:

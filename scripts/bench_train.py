@@ -26,13 +26,13 @@ from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import pad_collate
 from headstart.heads import HEADS, DraftHead, HeadOptions, build_head
 from headstart.train.config import TrainConfig
-from headstart.train.data import SampleDataset
+from headstart.train.data import SampleDataset, fuses_layers
 
 
 def head_options(cfg: TrainConfig, head_type: str, aux_layers: list[int]) -> HeadOptions:
     """The config's own head options when it trains this type, else the head's defaults."""
     options = cfg.head if cfg.head.type == head_type else HEADS[head_type].options_of({"type": head_type})
-    if "layer_ids" in type(options).model_fields:  # EAGLE-3, DFlash: the captured layers
+    if fuses_layers(options):  # the captured layers
         options = options.model_copy(update={"layer_ids": aux_layers})
     return options
 

@@ -247,7 +247,7 @@ def export_head(
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(Export.parse_flags(Export.parser("python -m scripts.export", __doc__.split("\n")[0]), argv)[0])
+    run(Export.from_argv(argv, "python -m scripts.export", __doc__.split("\n")[0]))
 
 
 def run(args: Export) -> None:

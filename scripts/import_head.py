@@ -128,7 +128,7 @@ def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwr
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(ImportHead.parse_flags(ImportHead.parser("python -m scripts.import_head", __doc__.split("\n")[0]), argv)[0])
+    run(ImportHead.from_argv(argv, "python -m scripts.import_head", __doc__.split("\n")[0]))
 
 
 def run(args: ImportHead) -> None:

@@ -296,8 +296,7 @@ def upload(folder: Path, repo_id: str, private: bool) -> str:
 
 def parse_args(argv: list[str] | None = None) -> Push:
     """The command line as validated settings: the flags are ``Push``'s fields."""
-    parser = Push.parser("python -m scripts.push_to_hub", __doc__.split("\n")[0])
-    return Push.parse_flags(parser, argv)[0]
+    return Push.from_argv(argv, "python -m scripts.push_to_hub", __doc__.split("\n")[0])
 
 
 def main(argv: list[str] | None = None) -> None:

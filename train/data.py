@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -20,6 +21,7 @@ from headstart.core.runtime import mix_seed, resolve_dtype
 from headstart.data_recipes.capture import EngineCapture, OnlineCapture, resolve_aux_layers, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
+from headstart.heads import DflashOptions, Eagle3Options, HeadOptions
 from headstart.train.config import Train, TrainConfig
 
 
@@ -49,6 +51,23 @@ class TrainData:
     aux_layers: list[int]  # the target layers the head fuses (EAGLE-3), [] otherwise
     capture: OnlineCapture | None  # set when the states are computed in the step
     pad_id: int
+
+
+def fuses_layers(options: HeadOptions) -> TypeGuard[Eagle3Options | DflashOptions]:
+    """Whether the head reads fused target layers (a ``layer_ids`` option: EAGLE-3, DFlash)."""
+    return isinstance(options, (Eagle3Options, DflashOptions))
+
+
+def head_settings(options: HeadOptions, aux_layers: list[int]) -> HeadOptions:
+    """The head's options; a head that fuses target layers fuses exactly the layers the capture recorded."""
+    if fuses_layers(options):
+        given = options.layer_ids
+        if given is not None and sorted(set(given)) != aux_layers:
+            raise ValueError(
+                f"head.layer_ids {given} differ from the captured layers {aux_layers} (capture.aux_layers)"
+            )
+        return options.model_copy(update={"layer_ids": aux_layers})
+    return options
 
 
 def load_data(

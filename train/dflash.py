@@ -16,8 +16,8 @@ from __future__ import annotations
 from headstart.core.runtime import seed_everything
 from headstart.heads import DFlashHead
 from headstart.train.config import parse_args
-from headstart.train.data import load_data, loss_token_counts
-from headstart.train.eagle import head_settings, save_head
+from headstart.train.data import head_settings, load_data, loss_token_counts
+from headstart.train.eagle import save_head
 from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
 
 

@@ -13,21 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from headstart.core.runtime import seed_everything
-from headstart.heads import DflashOptions, DraftHead, Eagle3Head, Eagle3Options, HeadOptions, build_head
+from headstart.heads import DraftHead, Eagle3Head, build_head
 from headstart.train.config import parse_args
-from headstart.train.data import load_data, loss_token_counts
+from headstart.train.data import head_settings, load_data, loss_token_counts
 from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
-
-
-def head_settings(options: HeadOptions, aux_layers: list[int]) -> HeadOptions:
-    """The head's options; a head that fuses target layers (a ``layer_ids`` option: EAGLE-3, DFlash) fuses
-    exactly the layers the capture recorded."""
-    if not isinstance(options, (Eagle3Options, DflashOptions)):
-        return options
-    given = options.layer_ids
-    if given is not None and sorted(set(given)) != aux_layers:
-        raise ValueError(f"head.layer_ids {given} differ from the captured layers {aux_layers} (capture.aux_layers)")
-    return options.model_copy(update={"layer_ids": aux_layers})
 
 
 def save_head(head: DraftHead, out_dir: Path) -> None:

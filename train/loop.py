@@ -52,9 +52,7 @@ from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
 from headstart.data_recipes.prompts import data_prompt_format
 from headstart.heads import (
     CONFIG_NAME,
-    DflashOptions,
     DraftHead,
-    Eagle3Options,
     check_tokenizer,
     meta_head,
     read_head_config,
@@ -72,7 +70,7 @@ from headstart.train.checkpoint import (
     tag_for,
 )
 from headstart.train.config import Train, TrainConfig
-from headstart.train.data import TrainData, data_fingerprint, heldout_batches, step_batches
+from headstart.train.data import TrainData, data_fingerprint, fuses_layers, head_settings, heldout_batches, step_batches
 from headstart.train.measured import MeasuredAcceptance, export_best, forget_best_after, is_better, write_best
 from headstart.train.metrics import (
     ACCEPTANCE_PLOT,
@@ -185,9 +183,8 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     config = AutoConfig.from_pretrained(cfg.target.path)
     sizes, dtype = TargetSizes.of(config), resolve_dtype(cfg.target.dtype)
     train, layers = cfg.train, config.get_text_config().num_hidden_layers
-    fuses_layers = isinstance(cfg.head, (Eagle3Options, DflashOptions))
-    aux = resolve_aux_layers(cfg.capture.aux_layers, layers) if fuses_layers else []
-    head = meta_head(cfg.head.model_copy(update={"layer_ids": aux}) if aux else cfg.head, config)
+    aux = resolve_aux_layers(cfg.capture.aux_layers, layers) if fuses_layers(cfg.head) else []
+    head = meta_head(head_settings(cfg.head, aux), config)
     need = MemoryNeed("training")
     need.parts["target share" if runs_target(cfg) else "borrowed tensors"] = (
         sizes.target_share(dtype, proc.tp_size) if runs_target(cfg) else sizes.borrowed_bytes(dtype)
@@ -205,16 +202,6 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
         context = cfg.data.max_length + train.eval_new_tokens
         need.parts["measured acceptance KV cache"] = kv_cache_bytes(config, context, dtype, proc.tp_size)
     return need
-
-
-def measurement(
-    cfg: TrainConfig, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: TrainData, proc: Process
-) -> MeasuredAcceptance | None:
-    """The run's measured acceptance (``train.eval_prompts`` > 0), its prompts rendered as its data was."""
-    if not cfg.train.eval_prompts:
-        return None
-    prompt_format = data_prompt_format(cfg.data.format)
-    return MeasuredAcceptance(cfg, target, tokenizer, data, prompt_format, proc.rank, proc.tp_size)
 
 
 class HeadLoss(nn.Module):
@@ -373,9 +360,13 @@ def fit(
     save_artifacts: Callable[[Path], None],
 ) -> None:
     """A recipe's last step: DeepSpeed over ``module`` (``build_engine``), then ``train`` to the end, measuring the
-    acceptance where the config asks for it (``measurement``)."""
+    acceptance where the config asks for it (``train.eval_prompts``), its prompts rendered as the run's data was."""
+    measured = None
+    if cfg.train.eval_prompts:
+        prompts = data_prompt_format(cfg.data.format)
+        measured = MeasuredAcceptance(cfg, target, tokenizer, data, prompts, proc.rank, proc.tp_size)
     engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
-    train(engine, head, data, cfg, proc, save_artifacts, measurement(cfg, target, tokenizer, data, proc))
+    train(engine, head, data, cfg, proc, save_artifacts, measured)
 
 
 def train(
