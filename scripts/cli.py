@@ -54,13 +54,13 @@ VERBS = {
     "autotune": Verb("pick the draft tree with the best expected tokens/s on this machine", "eval.autotune",
                      "autotune"),
     "export": Verb("write a trained head in a serving engine's layout", "scripts.export", "export"),
-    "import": Verb("convert a published draft head into headstart's head format", "scripts.import_head",
+    "import": Verb("convert a published draft head into headstart's head format", "scripts.export.import_head",
                    "import_head"),
     "push": Verb("publish a head's export, model card and eval report on the Hugging Face Hub",
-                 "scripts.push_to_hub", "push"),
+                 "scripts.export.push_to_hub", "push"),
     "demo": Verb("run the whole pipeline on the bundled target (make demo)", "scripts.demo"),
     "verify-engines": Verb("served-acceptance parity of the EAGLE exports in vLLM and speculators",
-                           "scripts.verify_engines", "verify_engines"),
+                           "scripts.export.verify_engines", "verify_engines"),
 }  # fmt: skip
 
 # torchrun's options for several machines, passed on as given (--nnodes 2 -> torchrun --nnodes=2).

@@ -18,10 +18,10 @@ from headstart.data_recipes.settings import Capture, Data, Regenerate, Target
 from headstart.eval.acceptance import Eval
 from headstart.eval.autotune import Autotune
 from headstart.heads import Head, Lora
-from headstart.scripts.export import Export
-from headstart.scripts.import_head import ImportHead
-from headstart.scripts.push_to_hub import Push
-from headstart.scripts.verify_engines import VerifyEngines
+from headstart.scripts.export.command import Export
+from headstart.scripts.export.import_head import ImportHead
+from headstart.scripts.export.push_to_hub import Push
+from headstart.scripts.export.verify_engines import VerifyEngines
 from headstart.train.config import Metrics, Train, Wandb
 
 # The flag-driven commands' sections, by section name.

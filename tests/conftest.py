@@ -72,7 +72,7 @@ def tiny_target_dir(tmp_path_factory):
     """A tiny random Llama with the bundled tokenizer's design, saved like a real HF model folder."""
     from transformers import LlamaForCausalLM
 
-    from headstart.scripts.build_demo_models import DemoModel, build_tokenizer, model_config, to_messages
+    from headstart.scripts.dev.build_demo_models import DemoModel, build_tokenizer, model_config, to_messages
 
     out = tmp_path_factory.mktemp("tiny-target")
     tokenizer = build_tokenizer([to_messages(r, None) for r in GSM8K_ROWS], vocab_size=400, min_frequency=1)

@@ -14,7 +14,7 @@ from headstart.data_recipes.prompts import raw_ids
 from headstart.decoding.tree_config import load_tree_config
 from headstart.eval import acceptance, autotune
 from headstart.heads import read_head_config
-from headstart.scripts.export import export_head
+from headstart.scripts.export.command import export_head
 from headstart.train import eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")

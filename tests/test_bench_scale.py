@@ -1,4 +1,4 @@
-"""scripts/bench_scale.py: the real shapes it builds, one whole run at a tiny shape (seconds, seeded), and the
+"""scripts/bench/scale.py: the real shapes it builds, one whole run at a tiny shape (seconds, seeded), and the
 borrowed-tensor load from a checkpoint whose decoder cannot be read."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from headstart.core.models import load_target
 from headstart.core.weights import INDEX_NAME
-from headstart.scripts import bench_scale, bench_scale_borrowed, bench_scale_capture_tp, bench_scale_shapes
+from headstart.scripts.bench import scale as bench_scale
+from headstart.scripts.bench import scale_borrowed as bench_scale_borrowed
+from headstart.scripts.bench import scale_capture_tp as bench_scale_capture_tp
+from headstart.scripts.bench import scale_shapes as bench_scale_shapes
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,10 @@
-"""scripts/bench_verify_rows.py: one whole run on the bundled target (seconds), its table and the queries it reports."""
+"""scripts/bench/verify_rows.py: one whole run on the bundled target (seconds), its table and the queries it reports."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from headstart.scripts import bench_verify_rows
+from headstart.scripts.bench import verify_rows as bench_verify_rows
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "assets" / "demo-target"
 

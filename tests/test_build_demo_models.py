@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from headstart.scripts.build_demo_models import (
+from headstart.scripts.dev.build_demo_models import (
     DemoModel,
     ModelTraining,
     batch_for_step,

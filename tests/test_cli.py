@@ -24,7 +24,7 @@ from headstart.eval.acceptance import Eval
 from headstart.heads import HEADS, build_head, load_head
 from headstart.scripts import cli
 from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS
-from headstart.scripts.import_head import ImportHead
+from headstart.scripts.export.import_head import ImportHead
 from headstart.train.config import TRAINER_OF
 
 VERBS = ["fetch-target", "regenerate", "capture", "train", "eval", "autotune", "export", "import", "push", "demo"]

@@ -29,10 +29,11 @@ from headstart.data_recipes.shards import read_manifest
 from headstart.eval import acceptance
 from headstart.heads import HEADS, Head, HeadOptions, Lora
 from headstart.heads.config import HEAD_OPTIONS
-from headstart.scripts import build_demo_models, cli, demo
-from headstart.scripts.build_demo_models import BuildDemoModelsConfig, DemoModel, ModelTraining
+from headstart.scripts import cli, demo
 from headstart.scripts.config import COMMAND_CONFIGS, PipelineConfig
 from headstart.scripts.demo import DemoConfig
+from headstart.scripts.dev import build_demo_models
+from headstart.scripts.dev.build_demo_models import BuildDemoModelsConfig, DemoModel, ModelTraining
 from headstart.train import eagle, medusa
 from headstart.train.config import Metrics, Train, TrainConfig, Wandb
 

@@ -105,8 +105,8 @@ def test_every_jsonl_reader_raises_the_one_bad_record_error(tmp_path, monkeypatc
     """Training data, benchmark prompts, the demo models' GSM8K rows and engine verification's prompts."""
     from headstart.data_recipes.bench import load_bench
     from headstart.data_recipes.sources import read_records
-    from headstart.scripts import verify_engines
-    from headstart.scripts.build_demo_models import read_gsm8k
+    from headstart.scripts.dev.build_demo_models import read_gsm8k
+    from headstart.scripts.export import verify_engines
 
     path = tmp_path / "gsm.jsonl"
     path.write_text('{"question": "What is 2+2?", "answer": "4"}\n{"question": "q", "answer"\n')

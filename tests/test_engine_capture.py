@@ -213,7 +213,7 @@ def test_online_training_from_the_server_takes_the_steps_of_online_training_here
 def test_compare_captures_names_what_differs(tiny_target_dir, gsm8k_file, tmp_path):
     from conftest import base_config
 
-    from headstart.scripts.compare_captures import compare
+    from headstart.scripts.dev.compare_captures import compare
 
     run_capture(base_config(tiny_target_dir, gsm8k_file, tmp_path / "a", tmp_path, "eagle3"))
     copy = tmp_path / "b"

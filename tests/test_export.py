@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from headstart.data_recipes.shards import write_shard
-from headstart.scripts import export as export_mod
-from headstart.scripts.export import export_head, main
+from headstart.scripts.export import command as export_mod
+from headstart.scripts.export.command import export_head, main
 
 V, H, INNER, LAYERS, HEADS, KV, HEAD_DIM = 300, 32, 64, 6, 4, 2, 8  # tiny_llama()
 

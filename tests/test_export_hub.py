@@ -8,7 +8,7 @@ from transformers import LlamaForCausalLM
 
 from headstart.heads import read_head_config
 from headstart.scripts import cli
-from headstart.scripts.push_to_hub import local_target_problem, main, stage
+from headstart.scripts.export.push_to_hub import local_target_problem, main, stage
 
 REPO = "acme/demo-eagle3"
 
@@ -48,7 +48,7 @@ def test_stage_holds_export_report_and_training_config(target, tmp_path):
     assert f"--speculative-draft-model-path {REPO}" in card
     assert "| eagle3 | 2.41 |" in card and "![acceptance](eval/acceptance.png)" in card
     assert "[`report.json`](eval/report.json)" in card and "(training_config.yaml)" in card
-    assert f"python -m scripts.push_to_hub --head <head-folder> --repo-id {REPO} --format vllm" in card
+    assert f"python -m scripts.export.push_to_hub --head <head-folder> --repo-id {REPO} --format vllm" in card
     assert str(tmp_path) not in card and str(head_dir) not in card  # no local path is published
 
 

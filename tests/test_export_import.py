@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from headstart.heads import KVCache, load_head
-from headstart.scripts.export import export_head
-from headstart.scripts.import_head import import_head, main
+from headstart.scripts.export.command import export_head
+from headstart.scripts.export.import_head import import_head, main
 
 V = TINY_LLAMA["vocab_size"]
 

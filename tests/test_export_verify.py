@@ -10,12 +10,12 @@ from conftest import TARGET
 
 from headstart.decoding.proposers import head_method
 from headstart.heads import build_head, load_head, read_head_config
-from headstart.scripts import verify_engines
-from headstart.scripts.export import export_head
-from headstart.scripts.formats.parity import acceptance, card_section, report_markdown, weights_digest
-from headstart.scripts.verify_engines import our_acceptance, prompt_ids, prompts
-from headstart.scripts.verify_engines_judge import judge_schedule, overall, served
-from headstart.scripts.verify_engines_side import METHODS, read_counters, spawn
+from headstart.scripts.export import verify_engines
+from headstart.scripts.export.command import export_head
+from headstart.scripts.export.parity import acceptance, card_section, report_markdown, weights_digest
+from headstart.scripts.export.verify_engines import our_acceptance, prompt_ids, prompts
+from headstart.scripts.export.verify_engines_judge import judge_schedule, overall, served
+from headstart.scripts.export.verify_engines_side import METHODS, read_counters, spawn
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": 68,

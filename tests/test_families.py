@@ -30,8 +30,8 @@ from headstart.decoding.proposers import Eagle, Medusa
 from headstart.decoding.verify import generate
 from headstart.heads import WEIGHTS_NAME, arch_from_target, build_head, load_head, read_head_config
 from headstart.heads.layers import DecoderLayer, RotaryEmbedding
-from headstart.scripts.export import SUPPORTED, engine_files, export_head
-from headstart.scripts.import_head import import_head
+from headstart.scripts.export.command import SUPPORTED, engine_files, export_head
+from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle, medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")

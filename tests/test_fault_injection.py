@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from headstart.core.config import load_config
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.shards import read_manifest, shard_name
-from headstart.scripts.export import main as export_main
+from headstart.scripts.export.command import main as export_main
 from headstart.train import eagle
 
 SEED = 2026

@@ -15,7 +15,7 @@ from headstart.decoding.proposers import Eagle
 from headstart.decoding.verify import generate
 from headstart.heads import WEIGHTS_NAME, build_head, load_head, read_head_config
 from headstart.heads.target import check_eagle_family
-from headstart.scripts.export import engine_files
+from headstart.scripts.export.command import engine_files
 from headstart.train import eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py: it refuses clearly without CUDA, its checks and report say which step failed and why,
+"""scripts/dev/gpu_check.py: it refuses clearly without CUDA, its checks and report say which step failed and why,
 and with --allow-cpu one step runs for real (the whole CPU run takes ~100 s on 2 cores: too long for the suite)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 
 from conftest import REPO
 
-from headstart.scripts import gpu_check
+from headstart.scripts.dev import gpu_check
 
 
 def test_without_cuda_it_refuses_and_says_what_it_needs(tmp_path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU even on a GPU machine
-    cmd = [sys.executable, "-m", "scripts.gpu_check", "--out", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "scripts.dev.gpu_check", "--out", str(tmp_path / "out")]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "needs a CUDA GPU" in done.stderr and "torch.cuda.is_available() is False" in done.stderr

@@ -21,8 +21,9 @@ from headstart.decoding.tree_config import (
 )
 from headstart.eval import acceptance, autotune
 from headstart.heads import read_head_folder
-from headstart.scripts import cli, push_to_hub
-from headstart.scripts.formats.card import served_schedule, tree_card_section
+from headstart.scripts import cli
+from headstart.scripts.export import push_to_hub
+from headstart.scripts.export.card import served_schedule, tree_card_section
 
 DYNAMIC = {"shape": "dynamic", "choices": None, "depth": 3, "top_k": 4, "total_tokens": 8}
 STATIC = {"shape": "static", "choices": [[0], [1], [0, 0]], "depth": 2, "top_k": 2, "total_tokens": 3}

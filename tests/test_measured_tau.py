@@ -9,7 +9,7 @@ from conftest import head_weights, records, run_here
 
 from headstart.eval import acceptance
 from headstart.heads import read_head_config
-from headstart.scripts.export import export_head
+from headstart.scripts.export.command import export_head
 from headstart.train import dflash, eagle
 from headstart.train.measured import forget_best_after, sample_prompt, write_best
 

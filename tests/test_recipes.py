@@ -12,7 +12,7 @@ from headstart.data_recipes.errors import DataError
 from headstart.data_recipes.formats import FORMATS, check_messages, get_format
 from headstart.data_recipes.recipes import RecipeReport, load_samples, read_conversations, tokenize_messages
 from headstart.data_recipes.sources import read_records
-from headstart.scripts.build_demo_models import CHAT_TEMPLATE, build_tokenizer
+from headstart.scripts.dev.build_demo_models import CHAT_TEMPLATE, build_tokenizer
 
 
 def system(content):

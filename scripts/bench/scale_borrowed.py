@@ -1,4 +1,4 @@
-"""``scripts.bench_scale``'s stage 5, what training from shards loads: a checkpoint whose index names every tensor
+"""``scripts.bench.scale``'s stage 5, what training from shards loads: a checkpoint whose index names every tensor
 but whose decoder files are missing or garbage, loaded borrowed-only in a fresh process for its own peak RSS.
 """
 
@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 from headstart.core.memory import TargetSizes
 from headstart.core.weights import INDEX_NAME, borrowed_names, meta_model
 from headstart.eval.timing import machine
-from headstart.scripts.bench_scale_shapes import shape_config
+from headstart.scripts.bench.scale_shapes import shape_config
 
 BORROWED_CHILD = """
 import json, resource, sys, time

@@ -1,6 +1,6 @@
 """Capture throughput as a ratio to a bare target forward over the same batches (goal: >= 0.9x).
 
-    python -m scripts.bench_capture --config configs/demo-eagle3.yaml [--samples 256] [--repeats 3]
+    python -m scripts.bench.capture --config configs/demo-eagle3.yaml [--samples 256] [--repeats 3]
         [--engine-python .venv-engines/bin/python]
 
 Both sides run on the same length-sorted, padded batches in one process, alternating, best of
@@ -8,7 +8,7 @@ Both sides run on the same length-sorted, padded batches in one process, alterna
 capture side is what ``data_recipes.capture`` does per shard: the decoder forward with layer hooks,
 the copy into the store dtype and the atomic shard write. With ``--engine-python`` a third side is the
 capture through vLLM (``capture.engine: vllm``): a server started first, then the same shards from its
-states files. ``scripts.bench_scale`` times the same sides
+states files. ``scripts.bench.scale`` times the same sides
 at real model shapes.
 """
 

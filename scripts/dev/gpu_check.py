@@ -1,6 +1,6 @@
 """What CI cannot run, checked on a CUDA machine in one command: ``make gpu-check``.
 
-    python -m scripts.gpu_check --out runs/gpu-check [--head runs/demo/eagle3/head] [--steps eval-fp32,...]
+    python -m scripts.dev.gpu_check --out runs/gpu-check [--head runs/demo/eagle3/head] [--steps eval-fp32,...]
         [--allow-cpu]
 
 Every step is a subprocess of the bundled target (``assets/demo-target``), its command, wall time and
@@ -17,7 +17,7 @@ killed run keeps what finished):
    (the hidden states' largest difference is reported);
 4. ``eval-tp2``: ``eval.acceptance --tp-size 2`` under torchrun in fp32; passes when every method's tau,
    target forwards, new tokens and greedy_identical equal ``eval-fp32``'s (report.json holds no token ids);
-5. ``bench-scale``: ``scripts.bench_scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
+5. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
    (its GPU column: capture vs forward, head steps, verify curve); passes when it writes its report.
 
 The tensor-parallel steps need 2 visible GPUs; with one they are recorded as ``skipped: 1 GPU visible``. On a
@@ -53,7 +53,7 @@ CAPTURE_CONFIG = "configs/demo-eagle3.yaml"
 MAX_TP = 2  # the bundled target's key/value heads: each rank holds whole heads
 STEPS = ("eval-fp32", "eval-bf16", "capture-tp1", "capture-tp2", "eval-tp2", "bench-scale")
 NO_GPU = (
-    "scripts.gpu_check runs what CI cannot (the CUDA evaluation path, tensor parallelism over GPUs, the GPU bench) "
+    "scripts.dev.gpu_check runs what CI cannot (the CUDA evaluation path, tensor parallelism over GPUs, the GPU bench) "
     "and needs a CUDA GPU: torch.cuda.is_available() is False here (torch {torch}). Run it on a GPU machine, or "
     "pass --allow-cpu to run the same steps on the CPU with tiny settings."
 )
@@ -141,7 +141,7 @@ def check_capture(out: Path) -> tuple[bool, dict[str, Any]]:
 
 
 def check_capture_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
-    from headstart.scripts.bench_scale_capture_tp import compare_captures
+    from headstart.scripts.bench.scale_capture_tp import compare_captures
 
     if not (reference / "manifest.json").exists():
         return False, {"why": f"no one-process capture in {reference} to compare with (capture-tp1 did not run)"}
@@ -226,7 +226,7 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
                 d["eval-tp2"],
             ),
         ]
-    bench = [sys.executable, "-m", "scripts.bench_scale", *s.bench, "--device", s.device]
+    bench = [sys.executable, "-m", "scripts.bench.scale", *s.bench, "--device", s.device]
     steps.append(
         Step(
             "bench-scale",
@@ -349,7 +349,7 @@ def _steps(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.dev.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json, gpu_check.md and each step's")
     p.add_argument("--head", action="append", default=[], help="head folder(s) to evaluate too (e.g. an EAGLE-3 head)")
     p.add_argument("--steps", type=_steps, default=list(STEPS), help=f"comma-separated, of: {', '.join(STEPS)}")
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "command": "python -m scripts.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m scripts.dev.gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv),
         "device": device,
         "gpus": gpus,
         "machine": machine(torch.device(device)),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from headstart.decoding.tree_config import Schedule, load_tree_config
 from headstart.heads import HeadConfig
-from headstart.scripts.formats.medusa import NOT_SERVED
+from headstart.scripts.export.medusa import NOT_SERVED
 
 TITLES = {
     "eagle": "EAGLE-1/2",

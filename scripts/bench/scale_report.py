@@ -1,4 +1,4 @@
-"""``scripts.bench_scale``'s Markdown report (bench_scale.md): a table per stage that ran, as docs/BENCHMARKS.md
+"""``scripts.bench.scale``'s Markdown report (bench_scale.md): a table per stage that ran, as docs/BENCHMARKS.md
 holds them.
 """
 

@@ -1,4 +1,4 @@
-"""The verdicts of ``scripts.verify_engines``: the served acceptance of an engine against ours (same greedy
+"""The verdicts of ``scripts.export.verify_engines``: the served acceptance of an engine against ours (same greedy
 tokens, acceptance length at most MAX_SHORTFALL below), the speculation-by-load schedule vLLM followed, and
 the overall status. Pure: the engines' results and ours go in, PASS or FAIL with the reason comes out.
 """

@@ -1,6 +1,6 @@
 """The target's forward by number of queries, beside the verify step the engine runs for the same chain.
 
-    python -m scripts.bench_verify_rows --target runs/real-smollm2/target [--context 300] [--repeats 15]
+    python -m scripts.bench.verify_rows --target runs/real-smollm2/target [--context 300] [--repeats 15]
 
 On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 on a slower kernel, so a forward
 over 3 new tokens can cost more than one over 4; ``decoding.verify`` rounds a verify's queries up to a multiple of

@@ -1,4 +1,4 @@
-"""``scripts.bench_scale``'s stage 6, capture throughput of a split target: ``data_recipes.capture`` on the bundled
+"""``scripts.bench.scale``'s stage 6, capture throughput of a split target: ``data_recipes.capture`` on the bundled
 target in one process (tp 1) against torchrun tp N, and whether every tp size wrote the same tokens.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from headstart.data_recipes.shards import read_manifest
-from headstart.scripts.compare_captures import differences
+from headstart.scripts.dev.compare_captures import differences
 
 REPO = Path(__file__).resolve().parents[1]  # capture runs here: --capture-config names repository paths
 CAPTURE_RATE = re.compile(r"capture: wrote .* \(([\d,.]+) tokens/s")
@@ -33,7 +33,7 @@ def capture_command(config: str, tp_size: int, out_dir: Path, samples: int, devi
 
 def compare_captures(reference: Path, other: Path) -> dict[str, Any]:
     """Whether two captures of the same samples hold the same token ids, loss masks and sample ids shard by
-    shard, and how far apart their hidden states are (``scripts.compare_captures``: a split target sums its
+    shard, and how far apart their hidden states are (``scripts.dev.compare_captures``: a split target sums its
     partial products in another order, so the states may differ in the last bits)."""
     if [s["file"] for s in read_manifest(reference)["shards"]] != [s["file"] for s in read_manifest(other)["shards"]]:
         return {"token_ids_equal": False, "why": "the captures wrote different shards"}

@@ -1,7 +1,7 @@
 """Two captures of the same conversations side by side: are they the same data? (an engine capture against the
 transformers one, a tensor-parallel capture against one process, two store dtypes, ...)
 
-    python -m scripts.compare_captures runs/capture-engine/capture-hf runs/capture-engine/capture
+    python -m scripts.dev.compare_captures runs/capture-engine/capture-hf runs/capture-engine/capture
 
 Token ids, loss masks, offsets and sample ids must be identical shard by shard (else it stops, naming the
 shard and tensor). For each stored layer it prints how far the hidden states are apart in bf16 steps (one

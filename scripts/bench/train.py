@@ -1,6 +1,6 @@
 """Head-training throughput (tokens/s) of each head type on a config's target.
 
-    python -m scripts.bench_train [--config configs/demo-eagle3.yaml] [--steps 10] [--batch-size 4] [--online]
+    python -m scripts.bench.train [--config configs/demo-eagle3.yaml] [--steps 10] [--batch-size 4] [--online]
 
 Times what one training step costs the head alone: forward, loss (EAGLE-3's includes the target
 lm_head over last_hidden), backward and an AdamW step, on real samples of the config's data. The

@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from headstart.heads import DraftArch, HeadConfig, arch_from_target
-from headstart.scripts.formats.common import dtype_name, rename_prefixes
+from headstart.scripts.export.common import dtype_name, rename_prefixes
 
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 NOT_SERVED = (

@@ -1,4 +1,4 @@
-"""The model shapes ``scripts.bench_scale`` measures at (the published configs, and a tiny one for the tests), and
+"""The model shapes ``scripts.bench.scale`` measures at (the published configs, and a tiny one for the tests), and
 the random-weight targets and configs built from them.
 """
 

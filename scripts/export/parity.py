@@ -1,4 +1,4 @@
-"""Served-acceptance parity figures (the ``parity.json`` that ``scripts.verify_engines`` writes): acceptance
+"""Served-acceptance parity figures (the ``parity.json`` that ``scripts.export.verify_engines`` writes): acceptance
 from per-position counts, which weights the figures belong to, and their Markdown for the report and for
 the model cards. Standard library only: the engines' side venv imports it too.
 """
@@ -111,7 +111,7 @@ def card_section(report: dict[str, Any], digest: str) -> str | None:
     entry = entries[0]
     return (
         "## Measured acceptance in the engines\n\n"
-        f"Measured on these weights with `python -m scripts.verify_engines` ({report['date']}). "
+        f"Measured on these weights with `python -m scripts.export.verify_engines` ({report['date']}). "
         f"{settings_line(report)}\n\n{SERVED_HEADER}{served_rows(entry, report['settings']['k'])}\n"
         f"speculators: {entry['speculators']['detail']} ({entry['speculators']['status']}).\n"
     )

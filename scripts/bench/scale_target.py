@@ -1,4 +1,4 @@
-"""``scripts.bench_scale``'s stages 1-4, on the target built at ``--shape``: capture against the bare forward, the
+"""``scripts.bench.scale``'s stages 1-4, on the target built at ``--shape``: capture against the bare forward, the
 heads' training step, the verification curve over tree sizes, and vanilla decoding against HF ``generate``.
 """
 
@@ -22,8 +22,8 @@ from headstart.decoding.proposers import Vanilla
 from headstart.decoding.verify import generate
 from headstart.eval.timing import VERIFY_NODES, measure_verify, peak_memory_mb
 from headstart.heads import build_head
-from headstart.scripts.bench_capture import bare_forward, best_seconds, capture_to
-from headstart.scripts.bench_train import bench, step_batches
+from headstart.scripts.bench.capture import bare_forward, best_seconds, capture_to
+from headstart.scripts.bench.train import bench, step_batches
 
 HEAD_TYPES = ("eagle3", "dflash")
 PAD_ID = 0  # random tokens need no real pad: every sample is full length

@@ -38,10 +38,10 @@ from headstart.heads import (
     read_head_config,
     state_problems,
 )
-from headstart.scripts.formats import dflash, eagle, eagle3, medusa
-from headstart.scripts.formats.card import model_card, tree_card_section
-from headstart.scripts.formats.common import check_out
-from headstart.scripts.formats.parity import card_section, weights_digest
+from headstart.scripts.export import dflash, eagle, eagle3, medusa
+from headstart.scripts.export.card import model_card, tree_card_section
+from headstart.scripts.export.common import check_out
+from headstart.scripts.export.parity import card_section, weights_digest
 
 FORMATS = ("vllm", "sglang", "speculators", "medusa")
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Export(CommandFlags):
         None, description="the target model (path or hub id); null: the one in the head's config"
     )
     parity: str | None = Field(
-        None, description="a parity.json by scripts.verify_engines: its figures for this head go in the card"
+        None, description="a parity.json by scripts.export.verify_engines: its figures for this head go in the card"
     )
     allow_other_tokenizer: bool = Field(
         False, description="export for a --target whose tokenizer differs from the one the head was trained with"
@@ -199,7 +199,7 @@ def export_head(
     speculators verifier and the Medusa base model name it. The card's serve commands name the folder
     ``draft_name`` (default: ``out``); it says it was ``made_by`` (default: this export's command) and ends
     with ``card_sections`` (markdown), then the served-acceptance figures that ``parity`` (a parity.json by
-    ``scripts.verify_engines``) holds for these very weights; its re-export commands name the head folder
+    ``scripts.export.verify_engines``) holds for these very weights; its re-export commands name the head folder
     ``head_name`` (default: ``head_dir``). An existing ``out`` is replaced only if it holds an earlier
     export, or with ``overwrite``. A ``target`` given must have the tokenizer the head was trained with,
     unless ``allow_other_tokenizer``. ``settings`` (the command's config) go in as export_config.yaml; the

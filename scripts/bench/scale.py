@@ -1,6 +1,6 @@
 """Headstart's data and decoding paths at real model shapes, with random weights built in memory (issue #19).
 
-    python -m scripts.bench_scale --shape llama-3.1-8b --out runs/bench-scale [--device auto] [--dtype bf16]
+    python -m scripts.bench.scale --shape llama-3.1-8b --out runs/bench-scale [--device auto] [--dtype bf16]
         [--layers N] [--seq-len 2048] [--kv-length 2048] [--compare-generate 64]
         [--borrowed-shapes llama-3.1-8b,llama-3.3-70b] [--capture-tp 1,2] [--stages borrowed,capture-tp]
 
@@ -9,9 +9,9 @@ Nothing is downloaded: the target is built from its published shape (transformer
 One run measures, side by side:
 
 1. capture: ``data_recipes.capture``'s own path (``capture_shard`` and the atomic shard write, run by
-   ``scripts.bench_capture``) against the bare forward of the same batches (goal >= 0.9x), and against the
+   ``scripts.bench.capture``) against the bare forward of the same batches (goal >= 0.9x), and against the
    decoder alone (the forward without ``lm_head``, which capture skips);
-2. head training: ``scripts.bench_train``'s step (forward, loss, backward, AdamW) for EAGLE-3 and DFlash at
+2. head training: ``scripts.bench.train``'s step (forward, loss, backward, AdamW) for EAGLE-3 and DFlash at
    the real head shape (the target's hidden size, a 32k draft vocabulary, TTT 7, sequences of 2048), with
    peak memory;
 3. verification: ``eval.timing.measure_verify``'s step over trees of 0..64 nodes at a KV length, relative
@@ -57,11 +57,11 @@ from headstart.core.io import atomic_write_text
 from headstart.core.runtime import prepare_decoding, resolve_device, resolve_dtype
 from headstart.core.timing import timed
 from headstart.eval.timing import machine
-from headstart.scripts.bench_scale_borrowed import measure_borrowed
-from headstart.scripts.bench_scale_capture_tp import measure_capture_tp
-from headstart.scripts.bench_scale_report import markdown
-from headstart.scripts.bench_scale_shapes import CPU_LAYERS, SHAPES, build_target, fused_layers
-from headstart.scripts.bench_scale_target import (
+from headstart.scripts.bench.scale_borrowed import measure_borrowed
+from headstart.scripts.bench.scale_capture_tp import measure_capture_tp
+from headstart.scripts.bench.scale_report import markdown
+from headstart.scripts.bench.scale_shapes import CPU_LAYERS, SHAPES, build_target, fused_layers
+from headstart.scripts.bench.scale_target import (
     compare_generate,
     measure_capture,
     measure_heads,
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },
-        "command": "python -m scripts.bench_scale " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m scripts.bench.scale " + " ".join(sys.argv[1:] if argv is None else argv),
         "peak_memory": "CUDA: per stage, from what was allocated at its start (the target included); "
         "CPU: the process's peak resident set so far; borrowed: each load's own process",
     }

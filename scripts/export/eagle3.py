@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
 from headstart.heads import DraftArch, HeadConfig, arch_from_target
-from headstart.scripts.formats.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
+from headstart.scripts.export.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
 
 REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
 # A layer with Qwen3's q/k norm: vLLM's qwen3_eagle3.py (registry.py; the speculators reader maps a qwen3

@@ -27,7 +27,7 @@ import torch
 from transformers import PretrainedConfig
 
 from headstart.heads import DraftArch, HeadConfig
-from headstart.scripts.formats.common import (
+from headstart.scripts.export.common import (
     arch_from_decoder,
     decoder_config,
     dtype_name,

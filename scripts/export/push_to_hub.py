@@ -1,6 +1,6 @@
 """Publish a head on the Hugging Face Hub: its export, with a model card, eval report and training config.
 
-    python -m scripts.push_to_hub --head runs/demo/eagle3/head --repo-id ORG/NAME [--format vllm] [--target PATH]
+    python -m scripts.export.push_to_hub --head runs/demo/eagle3/head --repo-id ORG/NAME [--format vllm] [--target PATH]
                                   [--target-id HUB_ID] [--report DIR] [--private] [--dry-run]
 
 Stages what ``scripts.export`` writes (config.json, weights, README.md whose serve commands name the
@@ -37,12 +37,12 @@ from pydantic import Field
 
 from headstart.core.settings import CommandFlags, command_failed
 from headstart.heads import read_head_config
-from headstart.scripts.export import ExportFormat, export_head
-from headstart.scripts.formats.common import file_inside
+from headstart.scripts.export.command import ExportFormat, export_head
+from headstart.scripts.export.common import file_inside
 
 
 class Push(CommandFlags):
-    """``python -m scripts.push_to_hub``'s flags, the config's ``push:`` section: a head's export, card and eval
+    """``python -m scripts.export.push_to_hub``'s flags, the config's ``push:`` section: a head's export, card and eval
     report on the Hugging Face Hub."""
 
     section: ClassVar[str] = "push"
@@ -254,7 +254,7 @@ def stage(
         sections.append(
             "## Training\n\nThe resolved training config is [`training_config.yaml`](training_config.yaml).\n"
         )
-    made_by = f"python -m scripts.push_to_hub --head {HEAD_NAME} --repo-id {repo_id} --format {fmt}"
+    made_by = f"python -m scripts.export.push_to_hub --head {HEAD_NAME} --repo-id {repo_id} --format {fmt}"
     export_head(
         head_dir,
         fmt,
@@ -296,7 +296,7 @@ def upload(folder: Path, repo_id: str, private: bool) -> str:
 
 def parse_args(argv: list[str] | None = None) -> Push:
     """The command line as validated settings: the flags are ``Push``'s fields."""
-    return Push.from_argv(argv, "python -m scripts.push_to_hub", __doc__.split("\n")[0])
+    return Push.from_argv(argv, "python -m scripts.export.push_to_hub", __doc__.split("\n")[0])
 
 
 def main(argv: list[str] | None = None) -> None:

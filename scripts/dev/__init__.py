@@ -1,0 +1,1 @@
+"""Developer tools: building the bundled demo models, comparing captures and regenerations, the GPU check."""

@@ -1,0 +1,3 @@
+from headstart.scripts.export.command import main
+
+main()
