@@ -20,11 +20,20 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, TypeVar, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError
 
 from headstart.core.config import ConfigError
 
@@ -66,12 +75,43 @@ Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
 StoreDtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8_e4m3"]  # shards only
 
 
+_SECTIONS: list[type[Section]] = []  # every section model, in the order they were declared
+
+
 class Section(BaseModel):
     """A mapping with exactly these keys (an unknown key is a typo), values checked strictly."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     command: ClassVar[str] = "config"  # as a root model: who reads it ("invalid capture config: ...")
     top_level: ClassVar[str] = "key"  # as a root model: what its keys are called in errors
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        _SECTIONS.append(cls)
+
+
+class TaggedUnion:
+    """A field whose ``tag`` key picks its model among ``members()`` (the config's ``head:`` section: ``type``
+    picks the head type's options model). The members are read when a schema is built, so a model registered
+    later (a head type from outside the package) joins every schema at ``rebuild_schemas``.
+
+        Head = Annotated[HeadOptions, TaggedUnion(lambda: HEAD_OPTIONS)]
+    """
+
+    def __init__(self, members: Callable[[], Mapping[str, type[Section]]], tag: str = "type") -> None:
+        self.members, self.tag = members, tag
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        members = tuple(self.members().values())
+        union = Union.__getitem__(members) if len(members) > 1 else members[0]
+        return handler.generate_schema(Annotated[union, Field(discriminator=self.tag)])
+
+
+def rebuild_schemas() -> None:
+    """Rebuild every section's schema, in declaration order (a section's fields before the sections holding it),
+    so that a ``TaggedUnion``'s new members are taken everywhere it is used."""
+    for section in _SECTIONS:
+        section.model_rebuild(force=True)
 
 
 def one_of(names: Iterable[str]) -> Any:
@@ -312,7 +352,10 @@ def _walk(schema: type[Section], loc: tuple) -> _Where:
             model, tagged = model[item], (key, item)
         elif isinstance(model, type) and item in model.model_fields:
             key = f"{key}.{item}" if key else item
-            model = _sections(model.model_fields[item].annotation)
+            field = model.model_fields[item]
+            # pydantic keeps a field's own Annotated[...] extras apart from its annotation (a TaggedUnion there).
+            annotated = (field.annotation, *field.metadata)
+            model = _sections(Annotated[annotated] if field.metadata else field.annotation)
         else:  # a union's member, by pydantic's name for it ("literal['auto']", "list[...]")
             union, shape = union or key, True
     return _Where(key, model, tagged, union, shape)
@@ -321,6 +364,9 @@ def _walk(schema: type[Section], loc: tuple) -> _Where:
 def _sections(annotation: Any) -> Any:
     """The section a field holds (one, or a list of them), {tag: section} for a tagged union, else None."""
     found: list[type[Section]] = []
+    tagged = next((arg for arg in typing.get_args(annotation) if isinstance(arg, TaggedUnion)), None)
+    if tagged is not None:
+        return dict(tagged.members())
     for arg in typing.get_args(annotation) or (annotation,):
         if isinstance(arg, type) and issubclass(arg, Section):
             found.append(arg)

@@ -32,13 +32,14 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.config import load_config, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
@@ -296,15 +297,33 @@ def capture_memory(cfg: CaptureConfig) -> MemoryNeed:
     return MemoryNeed("capture", {"target share": share, "activations": activations})
 
 
-def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
-    """Capture every sample of the config's ``data`` from its ``target`` into ``capture.out_dir``.
+@dataclass
+class CaptureJob:
+    """What one capture is: its settings (fingerprinted: what determines the shards' contents), the samples, the
+    shards (the sample indices of each, longest first) and this process's ranks."""
 
-    A loaded config is checked first (``CaptureConfig``): a typo or a value out of range fails here, before
-    the target is loaded. Under torchrun each rank captures its share of the shards.
-    """
-    cfg = given if isinstance(given, CaptureConfig) else parse(given, CaptureConfig)
-    target, data, cap = cfg.target, cfg.data, cfg.capture
-    engine = cap.engine == "vllm"
+    cfg: CaptureConfig
+    ranks: Ranks
+    samples: list[Sample]
+    settings: dict[str, Any]  # the manifest's settings
+    fingerprint: str
+    plan: list[list[int]]
+    aux_layers: list[int]
+    hidden_size: int
+    store_dtype: torch.dtype
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.capture.out_dir)
+
+    def estimate(self, tokens: int) -> int:
+        return storage_estimate(tokens, self.hidden_size, len(self.aux_layers), self.store_dtype)
+
+
+def capture_ranks(cfg: CaptureConfig) -> tuple[Ranks, torch.device]:
+    """This process's ranks and device: one process beside a vLLM server, else torchrun's, with the memory check
+    done before any weight is read."""
+    target, engine = cfg.target, cfg.capture.engine == "vllm"
     device = rank_device(target.device)
     if engine and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
@@ -312,21 +331,20 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
             "start it without torchrun"
         )
     ranks = Ranks() if engine else join_process_group(device, target.tp_size)
-    rank, world = ranks.rank, ranks.world
     if not engine:  # a server holds its own target, in its own memory
         memory = check_memory(capture_memory(cfg), device, CAPTURE_MEMORY_REMEDY)  # before any weight is read
-        if rank == 0:
+        if ranks.rank == 0:
             print(memory)
-    config, tokenizer = AutoConfig.from_pretrained(target.path), load_tokenizer(target.path)
-    model = None if engine else load_model(target.path, device, target.dtype, target.tp_size)
-    out_dir = Path(cap.out_dir)
+    return ranks, device
+
+
+def plan_capture(
+    cfg: CaptureConfig, ranks: Ranks, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> CaptureJob:
+    """Load the samples and fix the job: its fingerprinted settings and its shards."""
+    target, data, cap = cfg.target, cfg.data, cfg.capture
     samples, report = load_samples(
-        data.source,
-        data.format,
-        tokenizer,
-        data.max_length,
-        data.on_error,
-        limit=data.limit,
+        data.source, data.format, tokenizer, data.max_length, data.on_error, limit=data.limit
     )
     require_samples(samples, report, data.source, data.max_length)
     num_layers, hidden = config.get_text_config().num_hidden_layers, config.get_text_config().hidden_size
@@ -347,75 +365,114 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
         "shard_samples": cap.shard_samples,
         "batch_tokens": cap.batch_tokens,
     }
+    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
+    plan = [order[i : i + cap.shard_samples] for i in range(0, len(order), cap.shard_samples)]
     fingerprint = settings_fingerprint(settings)
-    if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == fingerprint:
+    return CaptureJob(cfg, ranks, samples, settings, fingerprint, plan, aux_layers, hidden, store_dtype)
+
+
+def announce(job: CaptureJob, done: set[int]) -> None:
+    """Rank 0, before any shard is written: what the capture will write and where; refused when the disk is short.
+    The config is saved beside the shards."""
+    ranks, out_dir, samples = job.ranks, job.out_dir, job.samples
+    total_tokens = sum(len(s.input_ids) for s in samples)
+    todo_tokens = sum(len(samples[i].input_ids) for k, shard in enumerate(job.plan) if k not in done for i in shard)
+    print(
+        f"capture: {len(samples)} samples, {total_tokens:,} tokens, layers {job.aux_layers} + last, {job.store_dtype} "
+        f"-> {job.estimate(total_tokens) / 1e9:.2f} GB in {len(job.plan)} shards under {out_dir}"
+        + (f" ({len(done)} already complete, resuming)" if done else "")
+        + (f", {ranks.world} processes" if ranks.world > 1 else "")
+        + (f" ({ranks.dp_world} groups of {ranks.tp_size} splitting the target)" if ranks.tp_size > 1 else "")
+    )
+    check_free_disk(out_dir, job.estimate(todo_tokens))
+    save_config(as_dict(job.cfg), out_dir / "capture_config.yaml")
+
+
+def capture_mine(
+    job: CaptureJob, mine: list[int], model: PreTrainedModel | None, pad_id: int, hasher: ThreadPoolExecutor
+) -> tuple[dict[int, Future], int, float]:
+    """Capture and write this rank's shards ``mine``, each one's sha256 read back by ``hasher`` while the next is
+    captured: (the digests by shard, the tokens captured, the seconds it took once the states' source was up)."""
+    samples, plan, ranks, out_dir = job.samples, job.plan, job.ranks, job.out_dir
+    my_tokens = sum(len(samples[i].input_ids) for k in mine for i in plan[k])
+    desc = f"capture rank {ranks.rank}" if ranks.world > 1 else "capture"
+    bar = tqdm(total=my_tokens, unit="tok", unit_scale=True, desc=desc)
+    digests: dict[int, Future] = {}
+    with state_source(job.cfg, model, job.aux_layers, pad_id, out_dir, started=bool(mine)) as states:
+        start = time.perf_counter()  # after a server's start: the rate is the capture's own
+        for k in mine:
+            tensors = capture_shard(
+                states, [samples[i] for i in plan[k]], plan[k], len(job.aux_layers), job.store_dtype
+            )
+            if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
+                write_shard(out_dir / shard_name(k), tensors, job.fingerprint)
+                digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
+            bar.update(len(tensors["input_ids"]))
+    bar.close()
+    return digests, my_tokens, time.perf_counter() - start
+
+
+def finish(job: CaptureJob, digests: dict[int, Future], hasher: ThreadPoolExecutor) -> None:
+    """Rank 0, once every shard exists: the manifest, each shard's sha256 included (read here where another rank
+    wrote it)."""
+    out_dir, plan, samples, data = job.out_dir, job.plan, job.samples, job.cfg.data
+    for k in range(len(plan)):
+        if k not in digests:
+            digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
+    shards = [_shard_entry(out_dir, k, plan[k], samples, digests[k]) for k in range(len(plan))]
+    write_manifest(
+        out_dir,
+        {
+            **job.settings,
+            "fingerprint": job.fingerprint,
+            "source": str(data.source),
+            "format": data.format,
+            "max_length": data.max_length,
+            "samples": len(samples),
+            "tokens": sum(len(s.input_ids) for s in samples),
+            "loss_tokens": sum(sum(s.loss_mask) for s in samples),
+            "bytes": sum(entry["bytes"] for entry in shards),
+            "shards": shards,
+        },
+    )
+
+
+def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
+    """Capture every sample of the config's ``data`` from its ``target`` into ``capture.out_dir``.
+
+    A loaded config is checked first (``CaptureConfig``): a typo or a value out of range fails here, before
+    the target is loaded. Under torchrun each rank captures its share of the shards.
+    """
+    cfg = given if isinstance(given, CaptureConfig) else parse(given, CaptureConfig)
+    target = cfg.target
+    ranks, device = capture_ranks(cfg)
+    config, tokenizer = AutoConfig.from_pretrained(target.path), load_tokenizer(target.path)
+    model = None if cfg.capture.engine == "vllm" else load_model(target.path, device, target.dtype, target.tp_size)
+    job = plan_capture(cfg, ranks, config, tokenizer)
+    out_dir, rank = job.out_dir, ranks.rank
+    if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == job.fingerprint:
         if rank == 0:
             verify_capture(out_dir)  # a shard replaced or damaged since must not pass for complete
             print(f"{out_dir}: capture complete with these settings, every shard as recorded; nothing to do")
         return out_dir
 
-    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
-    plan = [order[i : i + cap.shard_samples] for i in range(0, len(order), cap.shard_samples)]
     # One run per folder: rank 0 holds the lock for the job. Each shard's sha256 is read back while the
     # next shard is captured.
     lock = output_lock(out_dir) if rank == 0 else contextlib.nullcontext(out_dir)
     with lock, ThreadPoolExecutor(max_workers=1) as hasher:
-        done = _finished_shards(out_dir, plan, fingerprint, samples)
+        done = _finished_shards(out_dir, job.plan, job.fingerprint, job.samples)
         # Data parallelism across tensor-parallel groups: group g captures the shards k with k % groups == g.
-        mine = [k for k in range(len(plan)) if k % ranks.dp_world == ranks.dp_rank and k not in done]
-        total_tokens = sum(len(s.input_ids) for s in samples)
-        todo_tokens = sum(len(samples[i].input_ids) for k, shard in enumerate(plan) if k not in done for i in shard)
+        mine = [k for k in range(len(job.plan)) if k % ranks.dp_world == ranks.dp_rank and k not in done]
         if rank == 0:
-            estimate = storage_estimate(total_tokens, hidden, len(aux_layers), store_dtype)
-            print(
-                f"capture: {len(samples)} samples, {total_tokens:,} tokens, layers {aux_layers} + last, {store_dtype} "
-                f"-> {estimate / 1e9:.2f} GB in {len(plan)} shards under {out_dir}"
-                + (f" ({len(done)} already complete, resuming)" if done else "")
-                + (f", {world} processes" if world > 1 else "")
-                + (f" ({ranks.dp_world} groups of {ranks.tp_size} splitting the target)" if ranks.tp_size > 1 else "")
-            )
-            check_free_disk(out_dir, storage_estimate(todo_tokens, hidden, len(aux_layers), store_dtype))
-            save_config(as_dict(cfg), out_dir / "capture_config.yaml")
+            announce(job, done)
         barrier()  # every rank has read what was done before any writes
-
-        my_tokens = sum(len(samples[i].input_ids) for k in mine for i in plan[k])
-        desc = f"capture rank {rank}" if world > 1 else "capture"
-        bar = tqdm(total=my_tokens, unit="tok", unit_scale=True, desc=desc)
-        digests: dict[int, Future] = {}
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        with state_source(cfg, model, aux_layers, pad_id, out_dir, started=bool(mine)) as states:
-            start = time.perf_counter()  # after a server's start: the rate is the capture's own
-            for k in mine:
-                tensors = capture_shard(states, [samples[i] for i in plan[k]], plan[k], len(aux_layers), store_dtype)
-                if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
-                    write_shard(out_dir / shard_name(k), tensors, fingerprint)
-                    digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
-                bar.update(len(tensors["input_ids"]))
-        bar.close()
-        seconds = time.perf_counter() - start
+        digests, my_tokens, seconds = capture_mine(job, mine, model, pad_id, hasher)
         barrier()  # every shard exists
         if rank != 0:
             return out_dir
-        for k in range(len(plan)):
-            if k not in digests:
-                digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
-        shards = [_shard_entry(out_dir, k, plan[k], samples, digests[k]) for k in range(len(plan))]
-        write_manifest(
-            out_dir,
-            {
-                **settings,
-                "fingerprint": fingerprint,
-                "source": str(data.source),
-                "format": data.format,
-                "max_length": data.max_length,
-                "samples": len(samples),
-                "tokens": total_tokens,
-                "loss_tokens": sum(sum(s.loss_mask) for s in samples),
-                "bytes": sum(entry["bytes"] for entry in shards),
-                "shards": shards,
-            },
-        )
-    rate = f"{my_tokens / max(seconds, 1e-9):,.0f} tokens/s" + (" on rank 0" if world > 1 else "")
+        finish(job, digests, hasher)
+    rate = f"{my_tokens / max(seconds, 1e-9):,.0f} tokens/s" + (" on rank 0" if ranks.world > 1 else "")
     print(f"capture: wrote {out_dir / MANIFEST} ({rate} this run)")
     return out_dir
 

@@ -7,6 +7,7 @@ acceptance (``train.measured``): every consumer decodes a method the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -15,30 +16,26 @@ from pydantic import Field
 from transformers import PreTrainedModel
 
 from headstart.core.settings import Count, Section
-from headstart.decoding.proposers import (
-    DFlash,
-    DraftModel,
-    DraftSource,
-    Eagle,
-    Medusa,
-    NGram,
-    PEagle,
-    SelfSpec,
-    Vanilla,
-    early_exit,
-    head_method,
-)
+from headstart.decoding.proposers import DraftModel, DraftSource, NGram, SelfSpec, Vanilla, early_exit
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
-from headstart.decoding.tree import MC_SIM_7B_63
-from headstart.decoding.tree_config import TreeSpec, chain_choices
+from headstart.decoding.tree_config import TreeSpec, check_tree_vocab, load_tree_config
 from headstart.decoding.verify import Proposer
-from headstart.heads import DraftHead
+from headstart.heads import DraftHead, HeadConfig, HeadFolder, drafting_of, draftings
 
-METHODS = (
-    "vanilla", "ngram", "suffix", "lookahead", "draft_model", "self_spec",
-    "eagle", "eagle3", "peagle", "medusa", "dflash",
-)  # fmt: skip
-HEAD_METHODS = ("eagle", "eagle3", "peagle", "medusa", "dflash")  # decoding.proposers.head_method
+# The methods that draft without a trained head; each registered head type adds its own (``head_methods``).
+MODEL_METHODS = ("vanilla", "ngram", "suffix", "lookahead", "draft_model", "self_spec")
+
+
+def head_methods() -> tuple[str, ...]:
+    """The methods that draft with a trained head: every registered head type's (``heads.draftings``)."""
+    return tuple(draftings())
+
+
+def all_methods() -> tuple[str, ...]:
+    """Every decoding method, those without a head first."""
+    return MODEL_METHODS + head_methods()
+
+
 TREE_SHAPES = ("static", "dynamic")
 
 
@@ -92,11 +89,11 @@ def build_proposer(
     tree_config: dict | None = None,
     target: PreTrainedModel | None = None,
 ) -> Proposer:
-    """The proposer of ``method`` (``METHODS``): ``draft`` for draft_model, ``target`` for self_spec,
+    """The proposer of ``method`` (``all_methods()``): ``draft`` for draft_model, ``target`` for self_spec,
     ``heads[method]`` for the head methods; an EAGLE, DFlash, draft_model or self_spec method drafts ``tree_config``
     (a tree.json; self_spec's names its exit layer) when given, else the tree ``flags``."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known: {list(METHODS)}")
+    if method not in all_methods():
+        raise ValueError(f"unknown method {method!r}; known: {list(all_methods())}")
     if method == "vanilla":
         return Vanilla()
     if method == "ngram":
@@ -121,24 +118,10 @@ def build_proposer(
     if heads is None or method not in heads:
         raise ValueError(f"the {method} method needs its head")
     head = heads[method]
-    if method == "medusa":
-        depth = min(flags.depth, head.config.options.num_heads)
-        # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
-        choices = [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens]
-        return Medusa(head, choices)
-    if method == "peagle":  # one forward drafts every depth: chains, or a tuned static shape
-        return (
-            proposer_for(head, TreeSpec.from_config(tree_config))
-            if tree_config is not None
-            else PEagle(head, flags.depth)
-        )
-    if tree_config is not None:
+    proposer = draftings()[method].proposer_class()
+    if tree_config is not None and proposer.tunable:  # a tuned tree.json (Medusa drafts its own fixed tree)
         return proposer_for(head, TreeSpec.from_config(tree_config))
-    if method == "dflash":  # one forward drafts every depth at once: a chain of them
-        return DFlash(head, choices=chain_choices(min(flags.depth, head.config.options.block_size - 1)))
-    if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
-        return Eagle(head, top_k=1, depth=flags.depth, total_tokens=flags.depth)
-    return Eagle(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
+    return proposer.for_flags(head, flags)
 
 
 def proposer_for(source: DraftSource, tree: TreeSpec) -> Proposer:
@@ -147,22 +130,39 @@ def proposer_for(source: DraftSource, tree: TreeSpec) -> Proposer:
     shapes only, at a fixed depth."""
     if not tree.total_tokens:
         return Vanilla()
-    if isinstance(source, DraftHead) and (method := head_method(source.config)) in ("peagle", "dflash"):
-        if tree.shape != "static":
-            title = "P-EAGLE" if method == "peagle" else "DFlash"
-            raise ValueError(
-                f"{title} drafts static shapes only (every depth from one forward), not a {tree.shape} tree"
-            )
-        if tree.min_confidence > 0:
-            raise ValueError(
-                "adaptive depth (min_confidence) needs a drafter that drafts level by level; "
-                f"{method} drafts every depth in one forward"
-            )
-        return (PEagle if method == "peagle" else DFlash)(source, choices=tree.choices)
     if isinstance(source, DraftHead):
-        if tree.shape == "static":
-            return Eagle(source, choices=tree.choices, min_confidence=tree.min_confidence)
-        return Eagle(source, tree.top_k, tree.depth, tree.total_tokens, min_confidence=tree.min_confidence)
+        return drafting_of(source.config).proposer_class().for_tree(source, tree)
     if tree.shape == "static":
         return DraftModel(source, choices=tree.choices, min_confidence=tree.min_confidence)
     return DraftModel(source, tree.depth, tree.top_k, tree.total_tokens, min_confidence=tree.min_confidence)
+
+
+def draft_vocab_size(config: HeadConfig) -> int:
+    """The tokens a head drafts from: its reduced draft vocabulary, else the target's; from its config alone."""
+    return min(config.options.draft_vocab() or config.vocab_size, config.vocab_size)
+
+
+def head_tree_configs(
+    heads: dict[str, HeadFolder], tree: str | Path | None, wanted: Sequence[str] = ()
+) -> dict[str, dict]:
+    """Head method that drafts tuned trees -> the tree.json it decodes with: ``tree`` when it is a file, else its
+    head folder's tree.json (as ``eval.autotune --write-head`` leaves it); "static" or "dynamic" (the tree flags)
+    and methods without one get none. A tree.json tuned for a draft model or self-speculation (its ``method``)
+    goes to that one of the ``wanted`` methods."""
+    found = {}
+    if isinstance(tree, Path):
+        config = load_tree_config(tree)
+        if config.get("method") in ("draft_model", "self_spec") and config["method"] in wanted:
+            if config["method"] == "self_spec" and not isinstance(config.get("exit_layer"), int):
+                raise ValueError(
+                    f"{tree}: a self_spec tree needs its 'exit_layer' (eval.autotune --self-spec writes it)"
+                )
+            found[config["method"]] = config
+    for method, head in heads.items():
+        path = tree if isinstance(tree, Path) else Path(head.path) / "tree.json"
+        tunable = draftings()[method].proposer_class().tunable
+        if tunable and tree not in ("static", "dynamic") and path.is_file():
+            found[method] = load_tree_config(path)
+            # From the head's config: a head folder's own tree.json fails here, before any model loads.
+            check_tree_vocab(found[method], draft_vocab_size(head.config), str(path), f"the head {head.path}")
+    return found

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.decoding.tree import (
+    MC_SIM_7B_63,
     SMALL_CHOICES,
     Tree,
     additive_mask,
@@ -41,9 +43,13 @@ from headstart.decoding.tree import (
     shaped_tree,
     static_tree,
 )
-from headstart.decoding.tree_config import chain_choices
+from headstart.decoding.tree_config import TreeSpec, chain_choices
 from headstart.decoding.verify import Proposer, Sampling, new_cache, probabilities
-from headstart.heads import DFlashHead, DraftHead, Eagle3Head, EagleHead, HeadConfig, KVCache, MedusaHead
+from headstart.heads import HEAD_TYPES, DFlashHead, DraftHead, Eagle3Head, KVCache, MedusaHead, drafting_of
+from headstart.heads.base import FeatureDrafter
+
+if TYPE_CHECKING:
+    from headstart.decoding.methods import TreeFlags
 
 
 def draft_logq(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -193,7 +199,78 @@ class SelfSpec(DraftModel):
         super().__init__(early_exit(target, self.exit_layer), k, top_k, total_tokens, choices, min_confidence)
 
 
-class Eagle:
+class HeadProposer:
+    """A proposer that drafts with a trained head: what a head type's ``Drafting`` names. Built in its default
+    shape (``cls(head)``), from the tree flags (``for_flags``) or from a tuned tree (``for_tree``)."""
+
+    title: ClassVar[str]  # "EAGLE drafting needs ..."
+    level_by_level: ClassVar[bool] = False  # each tree level costs a draft forward (then stopping early pays)
+    tunable: ClassVar[bool] = True  # drafts the shape a tree.json gives (eval.autotune tunes it)
+
+    hidden_layers: tuple[int, ...]
+    choices: Any  # the static shape it drafts (Eagle: None for its dynamic tree)
+
+    def __init__(self, head: DraftHead) -> None:
+        raise NotImplementedError
+
+    def reset(self, sampling: Sampling) -> None:
+        raise NotImplementedError
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        raise NotImplementedError
+
+    def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def served_chain(cls, head: DraftHead, k: int) -> Proposer:
+        """What an engine serving the head with ``num_speculative_tokens: k`` drafts (served parity)."""
+        raise NotImplementedError(f"no engine serves {cls.title} drafting")
+
+    @classmethod
+    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+        raise NotImplementedError
+
+    @classmethod
+    def max_depth(cls, head: DraftHead) -> int | None:
+        """The deepest tree it can draft (None: no bound of its own)."""
+        return None
+
+    @classmethod
+    def for_tree(cls, head: DraftHead, tree: TreeSpec) -> Proposer:
+        """Every depth from one forward (the default): static shapes only, at a fixed depth."""
+        if not cls.tunable:
+            raise ValueError(f"{cls.title} drafts its own fixed tree, not a tuned one")
+        if tree.shape != "static":
+            title = drafting_of(head.config).title
+            raise ValueError(
+                f"{title} drafts static shapes only (every depth from one forward), not a {tree.shape} tree"
+            )
+        if tree.min_confidence > 0:
+            raise ValueError(
+                "adaptive depth (min_confidence) needs a drafter that drafts level by level; "
+                f"{drafting_of(head.config).method} drafts every depth in one forward"
+            )
+        return cls.shaped(head, tree.choices or [])
+
+    @classmethod
+    def shaped(cls, head: DraftHead, choices: list[list[int]]) -> Proposer:
+        """This proposer drafting the static shape ``choices``."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_head(cls, head: DraftHead) -> None:
+        """ValueError unless ``head``'s type drafts with this proposer (in any of its draftings)."""
+        if any(d.proposer_class() is cls for d in HEAD_TYPES[head.config.type].draftings()):
+            return
+        kinds = [e.name for e in HEAD_TYPES.values() if any(d.proposer_class() is cls for d in e.draftings())]
+        article = "an" if kinds and kinds[0][0] in "aeiou" else "a"
+        raise ValueError(
+            f"{cls.title} drafting needs {article} {' or '.join(kinds)} head, not a {head.config.type} head"
+        )
+
+
+class Eagle(HeadProposer):
     """EAGLE-1/2 or EAGLE-3 head drafting a dynamic EAGLE-2 tree, or a fixed shape when ``choices`` is given
     (Medusa-style paths, e.g. a tuned tree from ``eval.autotune``).
 
@@ -205,6 +282,9 @@ class Eagle:
     (``decoding.tree.confident``; ``eval.autotune`` fits it).
     """
 
+    title = "EAGLE"
+    level_by_level = True
+
     def __init__(
         self,
         head: DraftHead,
@@ -214,9 +294,8 @@ class Eagle:
         choices: Sequence[Sequence[int]] | None = None,
         min_confidence: float = 0.0,
     ) -> None:
-        if not isinstance(head, (EagleHead, Eagle3Head)):
-            raise ValueError(f"EAGLE drafting needs an eagle or eagle3 head, not a {head.config.type} head")
-        self.head, self.top_k, self.depth, self.total_tokens = head, top_k, depth, total_tokens
+        self.check_head(head)
+        self.head, self.top_k, self.depth, self.total_tokens = cast(FeatureDrafter, head), top_k, depth, total_tokens
         self.min_confidence = min_confidence
         self.choices = [list(c) for c in choices] if choices is not None else None
         self.hidden_layers = head.hidden_layers
@@ -264,6 +343,22 @@ class Eagle:
         # The head already gives log-probs: greedy drafting ranks them as they are.
         return logp if self.sampling.greedy else draft_logq(logp, self.sampling)
 
+    @classmethod
+    def served_chain(cls, head: DraftHead, k: int) -> Proposer:
+        return cls(head, top_k=1, depth=k, total_tokens=k)
+
+    @classmethod
+    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+        if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
+            return cls.served_chain(head, flags.depth)
+        return cls(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
+
+    @classmethod
+    def for_tree(cls, head: DraftHead, tree: TreeSpec) -> Proposer:
+        if tree.shape == "static":
+            return cls(head, choices=tree.choices, min_confidence=tree.min_confidence)
+        return cls(head, tree.top_k, tree.depth, tree.total_tokens, min_confidence=tree.min_confidence)
+
 
 def per_depth_tree(logp: torch.Tensor, choices: list[list[int]], sampling: Sampling) -> Tree:
     """The static tree ``choices`` from draft log-probs per depth [D, V] that do not depend on the tokens
@@ -278,7 +373,7 @@ def per_depth_tree(logp: torch.Tensor, choices: list[list[int]], sampling: Sampl
     return static_tree(choices, candidates, q)
 
 
-class PEagle:
+class PEagle(HeadProposer):
     """P-EAGLE: an EAGLE-3 head trained with ``parallel_drafting`` drafts all its depths in ONE forward, as
     vLLM's parallel drafting does (heads/eagle3.py): the pairs the last verification committed (the last
     one holding the pending root, whose output drafts depth 1), then depth - 1 mask slots at the following
@@ -288,13 +383,15 @@ class PEagle:
     tree.json). Depths past the head's ``ttt_steps`` were never trained.
     """
 
+    title = "P-EAGLE"
+
     def __init__(self, head: DraftHead, depth: int = 3, choices: Sequence[Sequence[int]] | None = None) -> None:
-        if not isinstance(head, Eagle3Head) or head.config.options.parallel_drafting is None:
+        if drafting_of(head.config).proposer_class() is not PEagle:
             raise ValueError(
                 f"P-EAGLE drafting needs an EAGLE-3 head trained with parallel_drafting; this is a {head.config.type} "
                 "head without it (draft it with the eagle3/eagle method)"
             )
-        self.head = head
+        self.head = cast(Eagle3Head, head)
         self.choices = [list(c) for c in choices] if choices is not None else chain_choices(depth)
         self.hidden_layers = head.hidden_layers
 
@@ -320,15 +417,20 @@ class PEagle:
             return empty_tree(tokens.device)
         return per_depth_tree(self.logp, self.choices, self.sampling)
 
+    @classmethod
+    def served_chain(cls, head: DraftHead, k: int) -> Proposer:
+        return cls(head, depth=k)  # vLLM's parallel drafting: k depths from one forward
 
-def head_method(config: HeadConfig) -> str:
-    """The method that drafts with a head: its type, ``peagle`` for an EAGLE-3 head with ``parallel_drafting``."""
-    if config.type == "eagle3" and config.options.parallel_drafting is not None:
-        return "peagle"
-    return config.type
+    @classmethod
+    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+        return cls.served_chain(head, flags.depth)
+
+    @classmethod
+    def shaped(cls, head: DraftHead, choices: list[list[int]]) -> Proposer:
+        return cls(head, choices=choices)
 
 
-class Medusa:
+class Medusa(HeadProposer):
     """Medusa heads on the target's last hidden state, filling a static tree (``choices``).
 
     The newest cached row is the token before the pending root, so head j's guess is the token at depth
@@ -336,12 +438,14 @@ class Medusa:
     sampling draws them without replacement from each head's q.
     """
 
+    title = "Medusa"
+    tunable = False  # its heads' fixed tree (MC_SIM_7B_63), cut to the flags' depth and size
+
     def __init__(self, head: DraftHead, choices: Sequence[Sequence[int]] = SMALL_CHOICES) -> None:
-        if not isinstance(head, MedusaHead):
-            raise ValueError(f"Medusa drafting needs a medusa head, not a {head.config.type} head")
-        self.head, self.choices = head, [list(c) for c in choices]
+        self.check_head(head)
+        self.head, self.choices = cast(MedusaHead, head), [list(c) for c in choices]
         self.depth = max(len(c) for c in self.choices)
-        heads = head.config.options.num_heads
+        heads = head.config.trained_depth
         if self.depth > heads:
             raise ValueError(f"tree depth {self.depth} needs more than the head's {heads} heads")
         self.hidden_layers = head.hidden_layers
@@ -359,8 +463,14 @@ class Medusa:
             return empty_tree(tokens.device)
         return per_depth_tree(self.head.draft(self.last_hidden)[0, : self.depth], self.choices, self.sampling)
 
+    @classmethod
+    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+        depth = min(flags.depth, head.config.trained_depth)
+        # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
+        return cls(head, [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens])
 
-class DFlash:
+
+class DFlash(HeadProposer):
     """A DFlash head: one forward of the block [root, mask x ``masks``] over the target's features of every
     committed token gives a distribution per depth d = 1..masks, all at once (the block is not causal, so
     no depth waits for another). They fill a static tree, as Medusa's heads do: node [.., j] at depth d
@@ -372,13 +482,14 @@ class DFlash:
     in ``Medusa``).
     """
 
+    title = "DFlash"
+
     def __init__(
         self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, masks: int | None = None
     ) -> None:
-        if not isinstance(head, DFlashHead):
-            raise ValueError(f"DFlash drafting needs a dflash head, not a {head.config.type} head")
-        self.head = head
-        self.masks = masks or head.config.options.block_size - 1
+        self.check_head(head)
+        self.head = cast(DFlashHead, head)
+        self.masks = masks or head.config.trained_depth  # the block's mask slots
         chain = [[0] * d for d in range(1, self.masks + 1)]
         self.choices = [list(c) for c in choices] if choices is not None else chain
         self.hidden_layers = head.hidden_layers
@@ -420,8 +531,25 @@ class DFlash:
         candidates, _ = pick_children(torch.zeros(depth, device=logq.device), logq, width, True)
         return static_tree(self.choices, candidates, logq.exp())
 
+    @classmethod
+    def max_depth(cls, head: DraftHead) -> int | None:
+        return head.config.trained_depth  # the block's mask slots
 
-Drafter = Eagle | PEagle | DFlash | DraftModel  # a proposer that takes a tree shape (``choices``)
+    @classmethod
+    def served_chain(cls, head: DraftHead, k: int) -> Proposer:
+        return cls(head, masks=k)  # vLLM's block: the newest token and k masks
+
+    @classmethod
+    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+        """One forward drafts every depth at once: a chain of them."""
+        return cls(head, choices=chain_choices(min(flags.depth, head.config.trained_depth)))
+
+    @classmethod
+    def shaped(cls, head: DraftHead, choices: list[list[int]]) -> Proposer:
+        return cls(head, choices=choices)
+
+
+Drafter = HeadProposer | DraftModel  # a proposer that takes a tree shape (``choices``)
 # What ``eval.autotune`` tunes a tree for: a head, or a draft model (a small LM, or the target's early exit).
 DraftSource = DraftHead | PreTrainedModel
 
@@ -431,16 +559,27 @@ def head_drafter(source: DraftSource) -> Drafter:
     ``choices``."""
     if not isinstance(source, DraftHead):
         return DraftModel(source, choices=[[0]])
-    method = head_method(source.config)
-    if method == "dflash":
-        return DFlash(source)
-    return PEagle(source) if method == "peagle" else Eagle(source)
+    proposer = drafting_of(source.config).proposer_class()
+    if not proposer.tunable:
+        raise ValueError(
+            f"{proposer.title} drafts its own fixed tree: there is no tree to tune for a {source.config.type} head"
+        )
+    return proposer(source)
+
+
+def tree_depth_bound(source: DraftSource, max_depth: int) -> int:
+    """The deepest tree to tune for ``source``: ``max_depth``, or less where its proposer drafts no deeper (DFlash:
+    its block's mask slots)."""
+    if isinstance(source, DraftHead):
+        bound = drafting_of(source.config).proposer_class().max_depth(source)
+        return max_depth if bound is None else min(max_depth, bound)
+    return max_depth
 
 
 def drafts_level_by_level(source: DraftSource) -> bool:
     """Whether each tree level costs a draft forward (EAGLE heads, draft models): then stopping early saves
     drafting, and dynamic trees can be drafted. P-EAGLE, DFlash and Medusa draft every depth at once."""
-    return not isinstance(source, DraftHead) or head_method(source.config) in ("eagle", "eagle3")
+    return not isinstance(source, DraftHead) or drafting_of(source.config).proposer_class().level_by_level
 
 
 class ProposerWrapper:

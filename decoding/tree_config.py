@@ -26,14 +26,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
 from headstart.core.settings import Count, Dtype, NonNegative, Section, check
-
-if TYPE_CHECKING:  # heads load torch; tree.json readers (the model cards) do not need it
-    from headstart.heads import HeadConfig, HeadFolder
 
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
@@ -48,6 +46,17 @@ EAGLE_DEFAULT: dict[str, Any] = {
 # A JSON number, strictly: unlike core.settings' Float, no numeric string (JSON has no YAML 1.1 quirk to allow for).
 Number = Annotated[float, Field(allow_inf_nan=False)]
 RankPath = Annotated[list[NonNegative], Field(min_length=1)]  # a node: its ancestors' candidate ranks, then its own
+
+
+def _a_drafting_method(method: str) -> str:
+    # The methods of the head types registered when the file is read (heads load torch: imported only here).
+    from headstart.heads import draftings
+
+    known = (*draftings(), "draft_model", "self_spec")
+    if method not in known:
+        expected = ", ".join(repr(m) for m in known[:-1]) + f" or {known[-1]!r}"
+        raise PydanticCustomError("literal_error", "not one of the choices", {"expected": expected})
+    return method
 
 
 class TreeFile(Section):
@@ -75,9 +84,10 @@ class TreeFile(Section):
     torch_threads: Count = 1
     target: str = ""
     head: str = ""
-    # The drafter it was tuned for (decoding.proposers.head_method, or the two drafters without a head); eval.acceptance
-    # gives a draft_model or self_spec tree to that method, and self_spec drafts with the target's first exit_layer.
-    method: Literal["eagle", "eagle3", "peagle", "dflash", "medusa", "draft_model", "self_spec"] | None = None
+    # The drafter it was tuned for (a head's drafting method, heads.drafting_of, or the two drafters without a head);
+    # eval.acceptance gives a draft_model or self_spec tree to that method, and self_spec drafts with the target's
+    # first exit_layer.
+    method: Annotated[str, AfterValidator(_a_drafting_method)] | None = None
     exit_layer: Count | None = None
     bench: str = ""
     prompt_format: Literal["chat", "raw"] | None = None  # how the tuning prompts were rendered (data_recipes.prompts)
@@ -270,33 +280,3 @@ def load_tree_config(path: str | Path) -> dict:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
     return check_tree(config, str(path))
-
-
-def draft_vocab_size(config: HeadConfig) -> int:
-    """The tokens a head drafts from: its reduced draft vocabulary, else the target's; from its config alone."""
-    return min(getattr(config.options, "draft_vocab_size", None) or config.vocab_size, config.vocab_size)
-
-
-def head_tree_configs(
-    heads: dict[str, HeadFolder], tree: str | Path | None, methods: Sequence[str] = ()
-) -> dict[str, dict]:
-    """EAGLE or DFlash method -> the tree.json it decodes with: ``tree`` when it is a file, else its head folder's
-    tree.json (as ``eval.autotune --write-head`` leaves it); "static" or "dynamic" (the tree flags) and
-    methods without one get none. A tree.json tuned for a draft model or self-speculation (its ``method``)
-    goes to that one of ``methods``."""
-    found = {}
-    if isinstance(tree, Path):
-        config = load_tree_config(tree)
-        if config.get("method") in ("draft_model", "self_spec") and config["method"] in methods:
-            if config["method"] == "self_spec" and not isinstance(config.get("exit_layer"), int):
-                raise ValueError(
-                    f"{tree}: a self_spec tree needs its 'exit_layer' (eval.autotune --self-spec writes it)"
-                )
-            found[config["method"]] = config
-    for method, head in heads.items():
-        path = tree if isinstance(tree, Path) else Path(head.path) / "tree.json"
-        if method in ("eagle", "eagle3", "peagle", "dflash") and tree not in ("static", "dynamic") and path.is_file():
-            found[method] = load_tree_config(path)
-            # From the head's config: a head folder's own tree.json fails here, before any model loads.
-            check_tree_vocab(found[method], draft_vocab_size(head.config), str(path), f"the head {head.path}")
-    return found

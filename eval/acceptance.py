@@ -21,7 +21,7 @@ template where its tokenizer has one, else as raw text the way a completion API 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, ClassVar
 
@@ -43,15 +43,23 @@ from headstart.data_recipes.bench import (
     longest_context,
 )
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
-from headstart.decoding.methods import HEAD_METHODS, METHODS, TreeFlags, TreeSettings, build_proposer
-from headstart.decoding.proposers import check_draft_vocab, head_method
-from headstart.decoding.tree_config import check_tree_vocab, head_tree_configs
+from headstart.decoding.methods import (
+    TreeFlags,
+    TreeSettings,
+    all_methods,
+    build_proposer,
+    head_methods,
+    head_tree_configs,
+)
+from headstart.decoding.proposers import check_draft_vocab
+from headstart.decoding.tree_config import check_tree_vocab
 from headstart.decoding.verify import Proposer, Sampling
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
-from headstart.eval.report import prompts_rendered, write_matrix_report, write_report
+from headstart.eval.report import prompts_rendered, report_json, write_matrix_report, write_report
+from headstart.eval.results import MethodResult
 from headstart.eval.run import MethodRun, divergences, run_methods, summarize
 from headstart.eval.timing import machine
-from headstart.heads import HeadConfig, HeadFolder, load_head, read_head_folder
+from headstart.heads import HeadConfig, HeadFolder, drafting_of, load_head, method_needs, read_head_folder
 
 
 class Eval(CommandFlags, TreeSettings):
@@ -66,7 +74,7 @@ class Eval(CommandFlags, TreeSettings):
     allow_other_tokenizer: bool = Field(
         False, description="evaluate heads trained with another tokenizer than the target's (refused by default)"
     )
-    method: Annotated[list[str], Field(min_length=1, description=f"of: {', '.join(METHODS)}")]
+    method: Annotated[list[str], Field(min_length=1, description=f"of: {', '.join(all_methods())}")]
     bench: str = Field(description="JSONL: Spec-Bench, GSM8K, messages, prompt/text or input_ids records")
     prompt_format: PromptFormat = Field("auto", description=PROMPT_FORMAT_HELP)
     limit: Count | None = Field(None, description="prompts to run, round-robin over categories; null: every prompt")
@@ -88,14 +96,12 @@ class Eval(CommandFlags, TreeSettings):
 
 
 def heads_by_method(head_dirs: list[str]) -> dict[str, HeadFolder]:
-    """Method name (``decoding.proposers.head_method``: the type, or peagle) -> head folder, its config.json read
-    here once for the whole run."""
+    """Method name (``heads.drafting_of``: the type, or peagle) -> head folder, its config.json read here once for
+    the whole run (an unknown head type is refused there)."""
     found: dict[str, HeadFolder] = {}
     for head_dir in head_dirs:
         head = read_head_folder(head_dir)
-        head_type = head_method(head.config)
-        if head_type not in HEAD_METHODS:
-            raise ValueError(f"--head {head_dir}: unknown head type {head_type!r}; known: {list(HEAD_METHODS)}")
+        head_type = drafting_of(head.config).method
         if head_type in found:
             raise ValueError(f"--head {head_dir} and {found[head_type].path} are both {head_type} heads; give one")
         found[head_type] = head
@@ -104,13 +110,14 @@ def heads_by_method(head_dirs: list[str]) -> dict[str, HeadFolder]:
 
 def check_methods(methods: list[str], heads: dict[str, str], draft: str | None) -> None:
     """Fail before loading anything when a method lacks what it needs (or a head would go unused)."""
-    unknown = [m for m in methods if m not in METHODS]
+    known = all_methods()
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+        raise ValueError(f"unknown method(s) {unknown}; known: {list(known)}")
     for method in methods:
-        if method in HEAD_METHODS and method not in heads:
+        if method in head_methods() and method not in heads:
             given = f" (given: {', '.join(f'{d} is {t}' for t, d in heads.items())})" if heads else ""
-            kind = "'eagle3' with parallel_drafting" if method == "peagle" else repr(method)
+            kind = method_needs(method)
             raise ValueError(f"method {method!r} needs a --head whose config type is {kind}{given}")
     if "draft_model" in methods and not draft:
         raise ValueError("method 'draft_model' needs --draft PATH (a small LM with the target's tokenizer)")
@@ -201,8 +208,8 @@ def load(args: Eval) -> Loaded:
     return Loaded(items, target, tokenizer, prompt_format, head_folders, tree_configs, proposers, device, ranks)
 
 
-def measure(args: Eval, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict]:
-    """Every method over the prompts at ``temperature``: the runs and their report entries."""
+def measure(args: Eval, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict[str, MethodResult]]:
+    """Every method over the prompts at ``temperature``: the runs and their results."""
     sampling = Sampling(temperature=temperature, top_p=args.top_p, top_k=args.top_k)
     target, tokenizer, items, prompt_format = loaded.target, loaded.tokenizer, loaded.items, loaded.prompt_format
     runs = run_methods(
@@ -210,21 +217,24 @@ def measure(args: Eval, loaded: Loaded, temperature: float) -> tuple[dict[str, M
     )
     heads = loaded.heads
     methods = {
-        m: summarize(run, runs["vanilla"], sampling.greedy)
-        | {
-            "requested": m in args.method,
-            "predicted_tau": training_tau(heads[m].config, "predicted_tau") if m in heads else None,
-            "training_measured_tau": training_tau(heads[m].config, "measured_tau") if m in heads else None,
-            "tree_config": loaded.tree_configs.get(m),
-        }
+        m: replace(
+            summarize(run, runs["vanilla"], sampling.greedy),
+            requested=m in args.method,
+            predicted_tau=training_tau(heads[m].config, "predicted_tau") if m in heads else None,
+            training_measured_tau=training_tau(heads[m].config, "measured_tau") if m in heads else None,
+            tree_config=loaded.tree_configs.get(m),
+        )
         for m, run in runs.items()
     }
-    for method, entry in methods.items():
-        mismatched = entry["mismatched_prompts"]
-        entry["divergences"] = divergences(
-            target, tokenizer, items, runs["vanilla"], runs[method], mismatched, prompt_format
+    return runs, {
+        method: replace(
+            result,
+            divergences=divergences(
+                target, tokenizer, items, runs["vanilla"], runs[method], result.mismatched_prompts, prompt_format
+            ),
         )
-    return runs, methods
+        for method, result in methods.items()
+    }
 
 
 def settings(args: Eval, loaded: Loaded) -> dict:
@@ -272,15 +282,15 @@ def warn_prompt_formats(heads: dict[str, HeadFolder], prompt_format: str) -> Non
             )
 
 
-def warn_mismatches(methods: dict) -> None:
-    for method, entry in methods.items():
-        if entry["greedy_identical"] is False:
+def warn_mismatches(methods: dict[str, MethodResult]) -> None:
+    for method, result in methods.items():
+        if result.greedy_identical is False:
             print(
                 f"WARNING: {method} is NOT identical to vanilla greedy decoding on "
-                f"{len(entry['mismatched_prompts'])} prompt(s): {entry['mismatched_prompts']}",
+                f"{len(result.mismatched_prompts)} prompt(s): {result.mismatched_prompts}",
                 file=sys.stderr,
             )
-            for d in entry["divergences"]:
+            for d in result.divergences:
                 print(f"  {d['prompt']} turn {d['turn']} token {d['token']}: {_describe(d)}", file=sys.stderr)
 
 
@@ -319,10 +329,11 @@ def run(args: Eval) -> dict:
         report = run_matrix(args, loaded, header)
     else:
         _, methods = measure(args, loaded, args.temperature)
-        report = header | {"temperature": args.temperature, "methods": methods}
+        results = header | {"temperature": args.temperature, "methods": methods}
         if loaded.ranks.rank == 0:
-            print(write_report(report, args.out))
+            print(write_report(results, args.out))
             warn_mismatches(methods)
+        report = report_json(results)  # what report.json holds
     if loaded.ranks.rank != 0:  # the other ranks of a split target decoded in lockstep; the first writes
         return report
     note = f"prompts: {prompts_rendered(args.prompt_format, loaded.prompt_format)}"

@@ -64,13 +64,19 @@ from headstart.data_recipes.bench import (
     turn_prompt,
 )
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
-from headstart.decoding.proposers import DraftSource, check_draft_vocab, drafts_level_by_level, early_exit, head_method
+from headstart.decoding.proposers import (
+    DraftSource,
+    check_draft_vocab,
+    drafts_level_by_level,
+    early_exit,
+    tree_depth_bound,
+)
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
 from headstart.eval.report import prompts_rendered, write_autotune_report
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
 from headstart.eval.tune_runs import calibrate, validate, validate_batches, validation_checks, validation_rows
-from headstart.heads import DraftHead, load_head
+from headstart.heads import DraftHead, drafting_of, load_head
 
 
 class Autotune(CommandFlags):
@@ -216,9 +222,7 @@ def run(args: Autotune) -> dict:
     # several (self-speculation's exit layers): the fastest predicted one goes on to validation.
     tuned: dict[str, Tuned] = {}
     for name, source in tqdm(sources.items(), desc="draft sources", disable=len(sources) == 1):
-        # A DFlash head drafts static trees no deeper than its block.
-        dflash = isinstance(source, DraftHead) and source.config.type == "dflash"
-        max_depth = min(args.max_depth, source.config.options.block_size - 1) if dflash else args.max_depth
+        max_depth = tree_depth_bound(source, args.max_depth)
         rank_probs, decoded, steps = calibrate(
             target, source, calib, max_depth, args.comb_width, args.max_new_tokens, eos
         )
@@ -256,7 +260,7 @@ def run(args: Autotune) -> dict:
         "torch_threads": torch.get_num_threads(),
         "target": str(args.target),
         "head": name,
-        "method": head_method(source.config)
+        "method": drafting_of(source.config).method
         if isinstance(source, DraftHead)
         else "self_spec"
         if args.self_spec

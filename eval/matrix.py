@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from headstart.data_recipes.bench import BenchItem, round_robin
+from headstart.eval.results import MethodResult
 from headstart.eval.run import MethodRun, Tally
 
 # Spec-Bench's categories grouped into the tasks the claims name: the one mapping. MT-bench's eight
@@ -85,18 +86,18 @@ def _cell(tally: Tally, baseline: Tally) -> dict:
     }
 
 
-def temperature_row(temperature: float, runs: dict[str, MethodRun], methods: dict[str, dict]) -> dict:
+def temperature_row(temperature: float, runs: dict[str, MethodRun], methods: dict[str, MethodResult]) -> dict:
     """One temperature of the matrix: per method its overall tau, tokens/s, speedup and greedy check (from
-    ``methods``, ``eval.run.summarize``'s entries) and per group the same against vanilla's on that group."""
+    ``methods``, the runs' results) and per group the same against vanilla's on that group."""
     baseline = group_tallies(runs["vanilla"])
     row: dict = {"temperature": temperature, "methods": {}}
     for method, run in runs.items():
-        entry = methods[method]
+        result = methods[method]
         row["methods"][method] = {
-            "tau": entry["tau"],
-            "tokens_per_s": entry["tokens_per_s"],
-            "speedup": entry["speedup_vs_vanilla"],
-            "greedy_identical": entry["greedy_identical"],
+            "tau": result.tau,
+            "tokens_per_s": result.tokens_per_s,
+            "speedup": result.speedup_vs_vanilla,
+            "greedy_identical": result.greedy_identical,
             "groups": {g: _cell(t, baseline[g]) for g, t in group_tallies(run).items()},
         }
     return row

@@ -7,7 +7,8 @@ report.json, as ``eval.acceptance`` builds it:
     target, draft, heads, bench, limit, per_group, prompts, max_new_tokens, temperature, top_p, top_k, tree, seed,
     device, dtype, machine, torch, transformers,
     prompt_format (as asked: auto, chat or raw), prompt_format_resolved (what rendered the prompts: chat or raw),
-    methods.<name>: requested, tau, acceptance_by_depth [rate of depth d given d - 1; null: never tried],
+    methods.<name> (``eval.results.MethodResult``; report.json keeps its fields' order):
+        requested, tau, acceptance_by_depth [rate of depth d given d - 1; null: never tried],
         alpha, mean_accepted, target_forwards, new_tokens, wall_s, tokens_per_s, speedup_vs_vanilla, predicted_speedup,
         draft_depth (k), draft_cost_ratio (c), target_forward_ms,
         peak_memory_mb (CUDA: max allocated during the method; CPU: the process's peak RSS so far),
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -38,14 +40,20 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from headstart.core.io import atomic_path, atomic_write_text  # noqa: E402
+from headstart.eval.results import CategoryResult, MethodResult, methods_json  # noqa: E402
 
 PLOTS = ("tau_per_category.png", "acceptance_by_depth.png")
 
 
-def _identical(entry: dict) -> str:
-    if entry["greedy_identical"] is None:
+def _identical(greedy_identical: bool | None) -> str:
+    if greedy_identical is None:
         return "n/a (sampling)"
-    return "yes" if entry["greedy_identical"] else "**NO**"
+    return "yes" if greedy_identical else "**NO**"
+
+
+def report_json(report: dict[str, Any]) -> dict[str, Any]:
+    """What report.json holds of ``report`` (the settings, and its ``methods`` as ``eval.results.MethodResult``s)."""
+    return report | {"methods": methods_json(report["methods"])}
 
 
 def prompts_rendered(requested: str, resolved: str) -> str:
@@ -59,11 +67,11 @@ def prompts_rendered(requested: str, resolved: str) -> str:
     return f"{how} ({why})"
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: settings, the per-method table, per-category tau, warnings first."""
-    methods = report["methods"]
+    methods: dict[str, MethodResult] = report["methods"]
     lines = [f"# Acceptance report: {report['target']}", ""]
-    broken = [m for m, e in methods.items() if e["greedy_identical"] is False]
+    broken = [m for m, e in methods.items() if e.greedy_identical is False]
     if broken:
         lines += [
             f"> **WARNING: {', '.join(broken)} did NOT reproduce vanilla greedy decoding token for token** "
@@ -71,14 +79,14 @@ def markdown(report: dict) -> str:
             "",
         ]
         for m in broken:
-            for d in methods[m].get("divergences", []):
+            for d in methods[m].divergences:
                 gap = "a stop" if d["logit_gap"] is None else f"target logit gap {d['logit_gap']:.4f}"
                 verdict = "near-tie: reduced-precision rounding" if d["near_tie"] else "**not a near-tie**"
                 lines.append(
                     f"> - {m}: {d['prompt']} turn {d['turn']} first differs at token {d['token']} ({gap}; {verdict})"
                 )
         lines.append("")
-    if not methods["vanilla"]["requested"]:
+    if not methods["vanilla"].requested:
         lines += ["Vanilla was not requested; it ran anyway as the speedup baseline.", ""]
     tree = report["tree"]
     lines += [
@@ -96,20 +104,20 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in methods.items():
-        predicted, measured = (_tau(e.get(key)) for key in ("predicted_tau", "training_measured_tau"))
+        predicted, measured = _tau(e.predicted_tau), _tau(e.training_measured_tau)
         lines.append(
-            f"| {name} | {e['tau']:.3f} | {predicted} | {measured} | {e['alpha']:.3f} | {e['mean_accepted']:.3f} "
-            f"| {e['target_forwards']} "
-            f"| {e['tokens_per_s']:.1f} | {e['speedup_vs_vanilla']:.3f} | {e['predicted_speedup']:.3f} "
-            f"({e['draft_depth']}, {e['draft_cost_ratio']:.3f}) | {e['peak_memory_mb']:.0f} | {_identical(e)} |"
+            f"| {name} | {e.tau:.3f} | {predicted} | {measured} | {e.alpha:.3f} | {e.mean_accepted:.3f} "
+            f"| {e.target_forwards} "
+            f"| {e.tokens_per_s:.1f} | {e.speedup_vs_vanilla:.3f} | {e.predicted_speedup:.3f} "
+            f"({e.draft_depth}, {e.draft_cost_ratio:.3f}) | {e.peak_memory_mb:.0f} | {_identical(e.greedy_identical)} |"
         )
-    categories = sorted({c for e in methods.values() for c in e["per_category"]})
+    categories = sorted({c for e in methods.values() for c in e.per_category})
     lines += ["", "## tau (speedup vs vanilla) per category", "", "| method | " + " | ".join(categories) + " |"]
     lines.append("|---" * (len(categories) + 1) + "|")
     for name, e in methods.items():
-        cells = [_category_cell(e["per_category"].get(c)) for c in categories]
+        cells = [_category_cell(e.per_category.get(c)) for c in categories]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    tuned = [(name, e["tree_config"]) for name, e in methods.items() if e.get("tree_config")]
+    tuned = [(name, e.tree_config) for name, e in methods.items() if e.tree_config]
     for name, tree in tuned:
         where = f", tuned on {tree['machine']}" if "machine" in tree else ""
         lines += [
@@ -119,8 +127,8 @@ def markdown(report: dict) -> str:
         ]
     lines += ["", "## acceptance rate by draft depth (depth d accepted, given d - 1 was)", ""]
     for name, e in methods.items():
-        if e["acceptance_by_depth"]:
-            rates = ["-" if r is None else f"{r:.3f}" for r in e["acceptance_by_depth"]]
+        if e.acceptance_by_depth:
+            rates = ["-" if r is None else f"{r:.3f}" for r in e.acceptance_by_depth]
             lines.append(f"- {name}: " + ", ".join(rates) + (" (- never tried)" if "-" in rates else ""))
     lines += [
         "",
@@ -142,21 +150,21 @@ def save_figure(fig: Figure, path: Path) -> None:
     plt.close(fig)
 
 
-def _category_cell(entry: dict | None) -> str:
+def _category_cell(entry: CategoryResult | None) -> str:
     if entry is None:
         return ""
-    speedup = entry.get("speedup_vs_vanilla")  # reports written before it was recorded have tau only
-    return f"{entry['tau']:.3f}" + (f" ({speedup:.2f}x)" if speedup else "")
+    speedup = entry.speedup_vs_vanilla  # 0.0: no baseline (reports written before it was recorded: tau only)
+    return f"{entry.tau:.3f}" + (f" ({speedup:.2f}x)" if speedup else "")
 
 
-def plot_tau_per_category(report: dict, path: Path) -> None:
+def plot_tau_per_category(report: dict[str, Any], path: Path) -> None:
     """Bars of tau per benchmark category, one per method."""
-    methods = report["methods"]
-    categories = sorted({c for e in methods.values() for c in e["per_category"]})
+    methods: dict[str, MethodResult] = report["methods"]
+    categories = sorted({c for e in methods.values() for c in e.per_category})
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) + 2), 4))
     width = 0.8 / len(methods)
     for i, (name, e) in enumerate(methods.items()):
-        taus = [e["per_category"].get(c, {"tau": 0.0})["tau"] for c in categories]
+        taus = [e.per_category[c].tau if c in e.per_category else 0.0 for c in categories]
         ax.bar([x + i * width for x in range(len(categories))], taus, width, label=name)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=30, ha="right")
     ax.set_ylabel("tau (tokens per target forward)")
@@ -166,11 +174,12 @@ def plot_tau_per_category(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def plot_acceptance_by_depth(report: dict, path: Path) -> None:
+def plot_acceptance_by_depth(report: dict[str, Any], path: Path) -> None:
     """Each method's acceptance rate of depth d given d - 1, against d."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, e in report["methods"].items():
-        rates = [float("nan") if r is None else r for r in e["acceptance_by_depth"]]  # never tried: a gap
+    methods: dict[str, MethodResult] = report["methods"]
+    for name, e in methods.items():
+        rates = [float("nan") if r is None else r for r in e.acceptance_by_depth]  # never tried: a gap
         if rates:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
     ax.set_xlabel("draft depth d")
@@ -184,11 +193,14 @@ def plot_acceptance_by_depth(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def write_report(report: dict, out_dir: str | Path) -> str:
-    """Write report.json, report.md and the PNG plots into ``out_dir``; returns the Markdown."""
-    return _write(
-        out_dir, "report", report, markdown, {PLOTS[0]: plot_tau_per_category, PLOTS[1]: plot_acceptance_by_depth}
-    )
+def write_report(report: dict[str, Any], out_dir: str | Path) -> str:
+    """Write report.json (``report_json``), report.md and the PNG plots of ``report`` (the settings, and its
+    ``methods`` as ``eval.results.MethodResult``s) into ``out_dir``; returns the Markdown."""
+    plots: dict[str, Callable[[dict, Path], None]] = {
+        PLOTS[0]: plot_tau_per_category,
+        PLOTS[1]: plot_acceptance_by_depth,
+    }
+    return _write(out_dir, "report", report, markdown, plots, report_json)
 
 
 def _write(
@@ -197,11 +209,14 @@ def _write(
     result: dict,
     to_markdown: Callable[[dict], str],
     plots: dict[str, Callable[[dict, Path], None]],
+    to_json: Callable[[dict], dict] | None = None,
 ) -> str:
-    """<stem>.json, <stem>.md and each plot (file name -> plotter) of ``result`` in ``out_dir``; the Markdown."""
+    """<stem>.json (``to_json`` of ``result``; without one: ``result``), <stem>.md and each plot (file name ->
+    plotter) of ``result`` in ``out_dir``; the Markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / f"{stem}.json", json.dumps(result, indent=2) + "\n")
+    on_disk = result if to_json is None else to_json(result)
+    atomic_write_text(out / f"{stem}.json", json.dumps(on_disk, indent=2) + "\n")
     md = to_markdown(result)
     atomic_write_text(out / f"{stem}.md", md)
     for name, plot in plots.items():
@@ -247,7 +262,7 @@ def matrix_markdown(matrix: dict) -> str:
         for name, e in row["methods"].items():
             cells = [f"{c['speedup']:.2f}x ({c['tau']:.2f})" for c in (e["groups"][g] for g in groups)]
             overall = f"{e['speedup']:.2f}x ({e['tau']:.2f})"
-            lines.append(f"| {name} | {overall} | " + " | ".join(cells) + f" | {_identical(e)} |")
+            lines.append(f"| {name} | {overall} | " + " | ".join(cells) + f" | {_identical(e['greedy_identical'])} |")
     lines += ["", "## The claims", "", "| claim | measured | verdict |", "|---|---|---|"]
     for claim in matrix["claims"]:
         lines.append(f"| {claim['claim']} | {_claim_numbers(claim)} | {claim['verdict']} |")
@@ -366,6 +381,15 @@ def autotune_markdown(result: dict) -> str:
         "",
         *adaptive_lines(result),
         "",
+        *batch_lines(result),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def batch_lines(result: dict) -> list[str]:
+    """The tuner's batch-size section: the model's best tree per batch size, the schedules, and the schedule
+    measured on held-out prompts decoded together."""
+    lines = [
         "## Batch size (model; drafting runs per sequence)",
         "",
         "depth: the chosen tree's deepest level worth verifying at that batch size (headstart's engine, "
@@ -397,7 +421,7 @@ def autotune_markdown(result: dict) -> str:
             f"| {row['fixed_tokens_per_s']:.1f} | {row['scheduled_tokens_per_s']:.1f} "
             f"| {'yes' if row['greedy_identical'] else 'NO'} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def adaptive_lines(result: dict) -> list[str]:

@@ -20,6 +20,7 @@ from headstart.core.acceptance import chain_acceptance
 from headstart.core.runtime import seed_everything
 from headstart.data_recipes.bench import BenchItem, turn_prompt
 from headstart.decoding.verify import Proposer, Sampling, Stats, generate
+from headstart.eval.results import CategoryResult, MethodResult
 from headstart.eval.speedup import predicted_speedup
 from headstart.eval.timing import TimedProposer, peak_memory_mb
 
@@ -175,19 +176,20 @@ def run_methods(
     return runs
 
 
-def category_entry(tally: Tally, baseline: Tally | None) -> dict:
-    """One benchmark category of a method's report entry: tau, target forwards, tokens/s and the speedup over
+def category_entry(tally: Tally, baseline: Tally | None) -> CategoryResult:
+    """One benchmark category of a method's result: tau, target forwards, tokens/s and the speedup over
     the baseline's tokens/s on the same category's prompts (0.0 without one)."""
-    return {
-        "tau": tally.tau,
-        "target_forwards": tally.forwards,
-        "tokens_per_s": tally.tokens_per_s,
-        "speedup_vs_vanilla": tally.speedup_over(baseline),
-    }
+    return CategoryResult(
+        tau=tally.tau,
+        target_forwards=tally.forwards,
+        tokens_per_s=tally.tokens_per_s,
+        speedup_vs_vanilla=tally.speedup_over(baseline),
+    )
 
 
-def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
-    """The report entry of one method (stable keys; see ``eval.report``)."""
+def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> MethodResult:
+    """The result of one method (report.json's entry, ``eval.results``); ``eval.acceptance`` adds what the run
+    does not know (requested, the head's training taus, the tree.json, the divergences)."""
     timer = run.timer
     by_depth, alpha = chain_acceptance(timer.depths, run.accepted)
     k = max(timer.depths, default=0)
@@ -195,27 +197,27 @@ def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> dict:
     # c: one draft call's cost in target forwards, with k draft calls per step.
     c = timer.draft_s / max(len(timer.depths), 1) / (k * forward_s) if k and forward_s else 0.0
     mismatched = [i for i, out, ref in zip(run.ids, run.outputs, baseline.outputs) if out != ref] if greedy else []
-    return {
-        "tau": sum(run.accepted) / max(len(run.accepted), 1) + 1,
-        "acceptance_by_depth": by_depth,
-        "alpha": alpha,
-        "mean_accepted": sum(run.accepted) / max(len(run.accepted), 1),
-        "target_forwards": len(run.accepted),
-        "new_tokens": run.new_tokens,
-        "wall_s": run.wall_s,
-        "tokens_per_s": run.tokens_per_s,
-        "speedup_vs_vanilla": run.speedup_over(baseline),
-        "draft_depth": k,
-        "draft_cost_ratio": c,
-        "target_forward_ms": forward_s * 1e3,
-        "predicted_speedup": predicted_speedup(alpha, c, k),
-        "peak_memory_mb": run.peak_memory_mb,
-        "greedy_identical": not mismatched if greedy else None,
-        "mismatched_prompts": mismatched,
-        "per_category": {
+    return MethodResult(
+        tau=sum(run.accepted) / max(len(run.accepted), 1) + 1,
+        acceptance_by_depth=by_depth,
+        alpha=alpha,
+        mean_accepted=sum(run.accepted) / max(len(run.accepted), 1),
+        target_forwards=len(run.accepted),
+        new_tokens=run.new_tokens,
+        wall_s=run.wall_s,
+        tokens_per_s=run.tokens_per_s,
+        speedup_vs_vanilla=run.speedup_over(baseline),
+        draft_depth=k,
+        draft_cost_ratio=c,
+        target_forward_ms=forward_s * 1e3,
+        predicted_speedup=predicted_speedup(alpha, c, k),
+        peak_memory_mb=run.peak_memory_mb,
+        greedy_identical=not mismatched if greedy else None,
+        mismatched_prompts=mismatched,
+        per_category={
             cat: category_entry(tally, baseline.by_category.get(cat)) for cat, tally in run.by_category.items()
         },
-    }
+    )
 
 
 # A greedy mismatch is a near-tie when the target's two candidate logits differ by less than this many

@@ -6,21 +6,23 @@ head.save_pretrained("runs/x/head")
 head = load_head("runs/x/head", target_model, tokenizer)   # checks the head fits this target and tokenizer
 check_head_config(read_head_config("runs/x/head"), target_config, "runs/x/head/config.json")  # the same, no weights
 
-One file per job: ``config`` (the typed head config and its config.json), ``target`` (the target's layer
-shape, the families served, compatibility and tokenizer checks), ``base`` (``DraftHead``: build, save,
-load), ``layers`` (the Llama draft layer: norm, rotary, attention over the KV cache, MLP), ``losses``
-(label alignment, soft cross-entropy), and one file per head: ``eagle``, ``eagle3``, ``medusa``, ``dflash``.
+One file per job: ``registry`` (the head types: one ``HeadType`` entry each), ``config`` (the typed head config
+and its config.json), ``target`` (the target's layer shape, the families served, compatibility and tokenizer
+checks), ``base`` (``DraftHead``: build, save, load), ``layers`` (the Llama draft layer: norm, rotary, attention
+over the KV cache, MLP), ``losses`` (label alignment, soft cross-entropy), and one file per head type, which
+declares its options, module and ``HEAD_TYPE`` entry: ``eagle``, ``eagle3``, ``medusa``, ``dflash``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import torch
-from pydantic import Field
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from headstart.core.settings import TaggedUnion
+from headstart.heads import dflash, eagle, eagle3, medusa
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
 from headstart.heads.config import (
     CONFIG_NAME,
@@ -37,16 +39,48 @@ from headstart.heads.eagle import EagleHead, EagleOptions
 from headstart.heads.eagle3 import Eagle3Head, Eagle3Options, build_vocab_mapping, ttt_attention_mask
 from headstart.heads.layers import KVCache
 from headstart.heads.medusa import Lora, MedusaHead, MedusaOptions, medusa2_wrap, medusa_loss, medusa_weight_at
+from headstart.heads.registry import (
+    HEAD_TYPES,
+    Drafting,
+    HeadType,
+    drafting_of,
+    drafting_owner,
+    draftings,
+    head_options_models,
+    head_type,
+    method_needs,
+    register,
+    registered,
+    trainers,
+)
 from headstart.heads.target import arch_from_target, check_compatible, check_tokenizer
 
-HEADS: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHead, DFlashHead)}
+# The head types of this package, one line each (a head type from elsewhere: heads.register(its HEAD_TYPE)).
+register(eagle.HEAD_TYPE)
+register(eagle3.HEAD_TYPE)
+register(medusa.HEAD_TYPE)
+register(dflash.HEAD_TYPE)
 
-# The config's head: section: its ``type`` picks the options model, so a key is checked against that head's options.
-Head = Annotated[EagleOptions | Eagle3Options | MedusaOptions | DflashOptions, Field(discriminator="type")]
+# The config's head: section: its ``type`` picks the registered options model, so a key is checked against that
+# head's options.
+if TYPE_CHECKING:
+    Head = HeadOptions
+else:
+    Head = Annotated[HeadOptions, TaggedUnion(head_options_models)]
 
 __all__ = [
     "CONFIG_NAME",
-    "HEADS",
+    "HEAD_TYPES",
+    "Drafting",
+    "HeadType",
+    "drafting_of",
+    "drafting_owner",
+    "draftings",
+    "head_type",
+    "method_needs",
+    "register",
+    "registered",
+    "trainers",
     "DflashOptions",
     "Eagle3Options",
     "EagleOptions",
@@ -88,10 +122,8 @@ def _type_of(settings: HeadSettings) -> str:
     return settings.type if isinstance(settings, HeadOptions) else settings.get("type")  # type: ignore[return-value]
 
 
-def _head_class(head_type: str) -> type[DraftHead]:
-    if head_type not in HEADS:
-        raise ValueError(f"unknown head type {head_type!r}; known: {sorted(HEADS)}")
-    return HEADS[head_type]
+def _head_class(name: str) -> type[DraftHead]:
+    return head_type(name).head
 
 
 def build_head(

@@ -169,6 +169,15 @@ class DraftHead(nn.Module):
         head.attach(target_model)
         return head.to(head.target.embed_tokens.weight.device)
 
+    def picks_draft_vocab(self) -> bool:
+        """Whether training picks this head's reduced draft vocabulary from the training samples' loss tokens
+        (``set_vocab_mapping``); a head drafting over the target's whole vocabulary does not."""
+        return False
+
+    def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
+        """Draft over the most frequent target ids of ``token_counts`` [V] (a head with ``picks_draft_vocab``)."""
+        raise NotImplementedError(f"a {self.head_type} head drafts over the target's whole vocabulary")
+
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The training loss on ``batch`` (capture's keys) and its detached metrics; each head type has its own."""
         raise NotImplementedError(f"{type(self).__name__} defines no loss")
@@ -208,6 +217,10 @@ class DraftHead(nn.Module):
 class FeatureDrafter(DraftHead):
     """A head that drafts by predicting the target's next feature (EAGLE-1/2, EAGLE-3): the drafting step
     they share. Its ``forward(input_ids, features, position_ids, mask, cache)`` gives (logits, features)."""
+
+    def first_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The features of drafting's first step from the target's hidden states the head reads [.., H]."""
+        raise NotImplementedError
 
     def to_target_vocab(self, draft_scores: torch.Tensor) -> torch.Tensor:
         """[..., draft vocab] -> [..., V]; a head that drafts over the target's whole vocabulary maps nothing."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from headstart.core.settings import Section, check
+from headstart.heads.registry import head_options_models
 
 CONFIG_NAME = "config.json"
 
@@ -26,18 +27,25 @@ class HeadOptions(Section):
         type: str  # each head type's model declares it, as a Literal with its one value
 
     @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        # After pydantic has built the model: its ``type`` field's default is the head type it declares.
-        HEAD_OPTIONS[cls.model_fields["type"].default] = cls
-
-    @classmethod
     def defaults(cls) -> dict[str, Any]:
         return {name: field.default for name, field in cls.model_fields.items() if name != "type"}
+
+    def trained_depth(self) -> int:
+        """How many draft positions training scores (the predicted tau's chain; the memory estimate's depth):
+        one, unless the head type says more."""
+        return 1
+
+    def draft_vocab(self) -> int | None:
+        """The reduced draft vocabulary's size, when the head drafts over one (else the target's whole one)."""
+        return None
+
+    def length_problems(self, max_length: int) -> list[str]:
+        """What is wrong with these options for samples of at most ``max_length`` tokens (data.max_length)."""
+        return []
 
 
 # What builds a head: a config's validated head: section, or the options as a mapping ({"type": "eagle3", ...}).
 HeadSettings = HeadOptions | dict[str, Any]
-HEAD_OPTIONS: dict[str, type[HeadOptions]] = {}  # every head type's options model, as each declares itself
 Options = TypeVar("Options", bound=HeadOptions)
 Parsed = TypeVar("Parsed", bound=Section)
 Value = TypeVar("Value")
@@ -102,13 +110,8 @@ class HeadConfig(Generic[Options]):
 
     @property
     def trained_depth(self) -> int:
-        """How many draft positions training scored (the predicted tau's chain): EAGLE-3's and P-EAGLE's
-        ``ttt_steps``, Medusa's ``num_heads``, DFlash's ``block_size - 1`` mask slots, EAGLE-1/2's one."""
-        options = self.options
-        for name, offset in (("ttt_steps", 0), ("num_heads", 0), ("block_size", 1)):
-            if (value := getattr(options, name, None)) is not None:
-                return int(value) - offset
-        return 1
+        """How many draft positions training scored (``HeadOptions.trained_depth``, each head type's own)."""
+        return self.options.trained_depth()
 
     def to_json(self) -> dict[str, Any]:
         """The config.json form: the keys in the order heads have always been saved with."""
@@ -133,7 +136,7 @@ class HeadConfig(Generic[Options]):
     def from_json(cls, data: dict[str, Any], where: str | Path) -> HeadConfig[HeadOptions]:
         """The config of a config.json's content; ValueError naming ``where`` and the key when it is not one."""
         head_type = data.get("type")
-        known = HEAD_OPTIONS
+        known = head_options_models()
         if head_type not in known:
             raise ValueError(f"{where}: unknown head type {head_type!r}; known: {sorted(known)}")
         own = {f.name for f in fields(cls)} - {"options"}

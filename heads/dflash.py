@@ -48,6 +48,7 @@ from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSetti
 from headstart.heads.eagle3 import build_vocab_mapping
 from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
 from headstart.heads.losses import label_mask, soft_cross_entropy
+from headstart.heads.registry import Drafting, HeadType
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
 
@@ -124,6 +125,22 @@ class DflashOptions(HeadOptions):
     causal: bool = False  # causal attention inside the block (the DFlash paper's blocks are bidirectional)
     num_anchors: Count = 512  # blocks sampled per sequence and training step
     loss_gamma: Positive = 7.0  # block position k's loss weight exp(-(k-1)/gamma): 7 for blocks of 16
+
+    def trained_depth(self) -> int:
+        return self.block_size - 1  # the mask slots: the newest token's slot drafts nothing
+
+    def draft_vocab(self) -> int | None:
+        return self.draft_vocab_size
+
+    def length_problems(self, max_length: int) -> list[str]:
+        if self.block_size <= max_length:
+            return []
+        # Every step holds num_anchors blocks of block_size slots per sequence (5000 slots: 120 GB, after the
+        # target has loaded); slots past a sample's max_length tokens are never scored anyway.
+        return [
+            f"head.block_size ({self.block_size}) must not exceed data.max_length ({max_length}): "
+            "a block's slots past the end of a sample have no token to learn"
+        ]
 
 
 class DFlashLayer(nn.Module):
@@ -279,6 +296,9 @@ class DFlashHead(DraftHead):
             x = layer(x, cos, sin, kv, context_visible, self.config.options.causal)
         return self.norm(x)
 
+    def picks_draft_vocab(self) -> bool:
+        return self.lm_head is not None
+
     def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
         """Draft over the ``draft_vocab_size`` most frequent target ids of ``token_counts`` [V] (training
         tokens): ``d2t``/``t2d`` as EAGLE-3 keeps them, and ``lm_head`` the target lm_head's rows for them."""
@@ -395,3 +415,13 @@ class DFlashHead(DraftHead):
             metrics[f"loss_{j}"] = slot_loss[j].detach()
             metrics[f"acc_{j}"] = chain[j]
         return total, metrics
+
+
+HEAD_TYPE = HeadType(
+    name="dflash",
+    head=DFlashHead,
+    trainer="dflash",
+    fuses_layers=True,
+    drafting=Drafting("dflash", "DFlash", "headstart.decoding.proposers:DFlash"),
+    export="headstart.scripts.export.dflash",
+)

@@ -26,6 +26,7 @@ from headstart.heads.base import FeatureDrafter
 from headstart.heads.config import HeadConfig, HeadOptions, HeadSettings
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
+from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.target import check_eagle_family
 
 
@@ -112,3 +113,13 @@ class EagleHead(FeatureDrafter):
         agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(mask.dtype)
         metrics = {"vloss": vloss.detach(), "ploss": ploss.detach(), "acc": (agree * mask).sum() / count}
         return loss, metrics
+
+
+HEAD_TYPE = HeadType(
+    name="eagle",
+    head=EagleHead,
+    trainer="eagle",
+    fuses_layers=False,
+    drafting=Drafting("eagle", "EAGLE-1/2", "headstart.decoding.proposers:Eagle"),
+    export="headstart.scripts.export.eagle",
+)

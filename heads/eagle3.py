@@ -41,6 +41,7 @@ from headstart.heads.base import FeatureDrafter
 from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, resolved
 from headstart.heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
+from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.target import check_eagle_family
 
 
@@ -125,6 +126,12 @@ class Eagle3Options(HeadOptions):
     draft_layer: Literal["target", "llama"] = "target"
     # P-EAGLE (true, or {mask_token_id: ...}); absent: EAGLE-3's autoregressive drafting.
     parallel_drafting: Annotated[ParallelDrafting | None, BeforeValidator(_flag_as_section)] = None
+
+    def trained_depth(self) -> int:
+        return self.ttt_steps
+
+    def draft_vocab(self) -> int | None:
+        return self.draft_vocab_size
 
 
 class Eagle3Layer(nn.Module):
@@ -222,6 +229,9 @@ class Eagle3Head(FeatureDrafter):
     def hidden_layers(self) -> tuple[int, ...]:
         """The fused target layers (``hidden_states`` indices, ascending)."""
         return tuple(resolved(self.config.options.layer_ids, "layer_ids"))
+
+    def picks_draft_vocab(self) -> bool:
+        return True
 
     def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
         """Pick the draft vocabulary from target-token frequencies in the training data ([V] counts)."""
@@ -340,3 +350,28 @@ class Eagle3Head(FeatureDrafter):
             metrics[f"loss_{j}"] = step_loss.detach()
             metrics[f"acc_{j}"] = ((agree * counted).sum() / count).detach()
         return cast(torch.Tensor, total), metrics  # a tensor from step 0's loss on (ttt_steps >= 1)
+
+
+def drafts_in_parallel(options: HeadOptions) -> bool:
+    """P-EAGLE: an EAGLE-3 head trained with ``parallel_drafting`` drafts every depth in one forward."""
+    return isinstance(options, Eagle3Options) and options.parallel_drafting is not None
+
+
+HEAD_TYPE = HeadType(
+    name="eagle3",
+    head=Eagle3Head,
+    trainer="eagle",
+    fuses_layers=True,
+    drafting=Drafting("eagle3", "EAGLE-3", "headstart.decoding.proposers:Eagle"),
+    variant=(
+        drafts_in_parallel,
+        Drafting(
+            "peagle",
+            "P-EAGLE",
+            "headstart.decoding.proposers:PEagle",
+            card_title="P-EAGLE (EAGLE-3, parallel drafting)",
+            requires="with parallel_drafting",
+        ),
+    ),
+    export="headstart.scripts.export.eagle3",
+)

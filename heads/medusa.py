@@ -30,6 +30,7 @@ from headstart.core.settings import Count, Decay, Float, NonNegative, NonNegativ
 from headstart.heads.base import DraftHead
 from headstart.heads.config import HeadConfig, HeadOptions, HeadSettings, parse_section
 from headstart.heads.losses import label_mask, shift_left
+from headstart.heads.registry import Drafting, HeadType
 
 
 class MedusaOptions(HeadOptions):
@@ -37,6 +38,9 @@ class MedusaOptions(HeadOptions):
     num_heads: Count = 4  # head k guesses the token k+2 ahead
     num_layers: NonNegative = 1  # residual blocks per head
     decay: Decay = 0.8  # loss weight decay**k for head k
+
+    def trained_depth(self) -> int:
+        return self.num_heads
 
 
 class Lora(Section):
@@ -166,3 +170,13 @@ def medusa2_wrap(target: PreTrainedModel, lora: Lora | dict[str, Any]) -> PeftMo
         task_type="CAUSAL_LM",
     )
     return get_peft_model(target, config)
+
+
+HEAD_TYPE = HeadType(
+    name="medusa",
+    head=MedusaHead,
+    trainer="medusa",
+    fuses_layers=False,
+    drafting=Drafting("medusa", "Medusa", "headstart.decoding.proposers:Medusa"),
+    export="headstart.scripts.export.medusa",
+)

@@ -9,7 +9,7 @@ Three kinds of verb. ``fetch-target``, ``regenerate``, ``capture`` and ``demo`` 
 unchanged to the module's own ``main`` (it reads ``--config`` and ``key=value`` overrides itself); for
 ``regenerate`` and ``capture`` the whole config file is checked first (``scripts.config.PipelineConfig``),
 every stage's section, which the module alone cannot see. So is ``train``'s.
-``train`` runs the recipe that the config's ``head.type`` belongs to (``train.config.TRAINERS``): in
+``train`` runs the recipe of the config's ``head.type`` (its registry entry's ``trainer``, ``heads.trainers``): in
 this process for one process (a world of one, as ``torchrun --nproc_per_node 1`` runs it), else by
 exec'ing torchrun. The flag-driven commands (eval, autotune, export, import, push, verify-engines)
 read their settings from the config's section for them (``scripts.config.COMMAND_FLAGS``), the model
@@ -28,8 +28,9 @@ from importlib import import_module
 
 from headstart.core.config import ConfigError, apply_overrides, load_config
 from headstart.core.settings import parse
+from headstart.heads import trainers
 from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS, PipelineConfig
-from headstart.train.config import TRAINER_OF, TrainConfig
+from headstart.train.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def check_whole_file(argv: list[str]) -> None:
 
 def run_train(argv: list[str], prog: str) -> None:
     """The recipe that trains the config's head type: here for one process, else under torchrun."""
-    recipes = ", ".join(f"{head_type}: train/{trainer}.py" for head_type, trainer in TRAINER_OF.items())
+    recipes = ", ".join(f"{head_type}: train/{trainer}.py" for head_type, trainer in trainers().items())
     parser = argparse.ArgumentParser(prog=prog, description=f"{VERBS['train'].summary} ({recipes}).")
     parser.add_argument("--config", required=True, help="YAML config with target, data, head and train sections")
     parser.add_argument(
@@ -143,7 +144,7 @@ def run_train(argv: list[str], prog: str) -> None:
     config = load_config(args.config, args.overrides)
     parse(config, PipelineConfig, args.config)  # the whole file, the other stages' sections too
     head_type = parse(config, TrainConfig, args.config).head.type
-    recipe, recipe_argv = f"train.{TRAINER_OF[head_type]}", ["--config", args.config, *args.overrides]
+    recipe, recipe_argv = f"train.{trainers()[head_type]}", ["--config", args.config, *args.overrides]
     launcher = [f"--{name}={value}" for name in TORCHRUN_OPTIONS if (value := getattr(args, name)) is not None]
     if args.nproc_per_node == 1 and not launcher:
         run_module(recipe, recipe_argv, prog)  # a world of one, as torchrun --nproc_per_node 1 runs it

@@ -31,7 +31,7 @@ from headstart.core.settings import (
     raise_problems,
 )
 from headstart.data_recipes.settings import Capture, Regenerate, Target, TokenizedData
-from headstart.heads import DflashOptions, Head, Lora
+from headstart.heads import Head, Lora, trainers
 
 
 class Train(Section):
@@ -83,6 +83,9 @@ class Metrics(Section):
     mlflow_experiment: str = "headstart"  # each launch is one run in it, named after train.out_dir
 
 
+LORA_TRAINER = "medusa"  # the recipe that reads a lora: section (Medusa-2 trains the target with its heads)
+
+
 class TrainConfig(Stage):
     """Training; ``resolve_config`` adds the checks that span sections (batch sizes, shards or online)."""
 
@@ -98,11 +101,6 @@ class TrainConfig(Stage):
     regenerate: Regenerate | None = None
 
 
-# train/<trainer>.py -> the head types it trains; `headstart train` picks the recipe by head.type.
-TRAINERS = {"eagle": ("eagle", "eagle3"), "medusa": ("medusa",), "dflash": ("dflash",)}
-TRAINER_OF = {head_type: trainer for trainer, head_types in TRAINERS.items() for head_type in head_types}
-
-
 def resolve_config(given: dict[str, Any], trainer: str, source: str | None = None) -> TrainConfig:
     """The loaded YAML mapping ``given`` (from the file ``source``) with defaults filled in, or ConfigError naming
     the file and every unknown key, bad type or bad value."""
@@ -111,7 +109,7 @@ def resolve_config(given: dict[str, Any], trainer: str, source: str | None = Non
     # has EAGLE-unknown head keys too.
     given_head = given.get("head")
     head_type = given_head.get("type") if isinstance(given_head, dict) else None
-    other = TRAINER_OF.get(head_type, trainer) if isinstance(head_type, str) else trainer
+    other = trainers().get(head_type, trainer) if isinstance(head_type, str) else trainer
     if other != trainer:
         problems.append(f"head.type {head_type!r} is trained by train/{other}.py, not train/{trainer}.py")
     if resolved is not None and not problems:
@@ -154,16 +152,9 @@ def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
             "partial-gradient weights would need tensor-parallel-aware gradient reduction besides; train Medusa-1 "
             "(no lora:) online or from shards, or Medusa-2 on a target one device holds"
         )
-    if cfg.lora and trainer != "medusa":
+    if cfg.lora and trainer != LORA_TRAINER:
         problems.append("a lora: section (Medusa-2) is only read by train/medusa.py")
-    head, max_length = cfg.head, cfg.data.max_length
-    if isinstance(head, DflashOptions) and head.block_size > max_length:
-        # Every step holds num_anchors blocks of block_size slots per sequence (5000 slots: 120 GB, after the
-        # target has loaded); slots past a sample's max_length tokens are never scored anyway.
-        problems.append(
-            f"head.block_size ({head.block_size}) must not exceed data.max_length ({max_length}): "
-            "a block's slots past the end of a sample have no token to learn"
-        )
+    problems += cfg.head.length_problems(cfg.data.max_length)
     if train.eval_every and not train.heldout_samples:
         problems.append("train.eval_every needs train.heldout_samples > 0 (nothing held out to evaluate)")
     if train.eval_prompts and not train.eval_bench and train.eval_prompts > train.heldout_samples:

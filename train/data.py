@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -21,7 +20,7 @@ from headstart.core.runtime import mix_seed, resolve_dtype
 from headstart.data_recipes.capture import EngineCapture, OnlineCapture, resolve_aux_layers, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
-from headstart.heads import DflashOptions, Eagle3Options, HeadOptions
+from headstart.heads import HeadOptions, head_type
 from headstart.train.config import Train, TrainConfig
 
 
@@ -53,15 +52,15 @@ class TrainData:
     pad_id: int
 
 
-def fuses_layers(options: HeadOptions) -> TypeGuard[Eagle3Options | DflashOptions]:
-    """Whether the head reads fused target layers (a ``layer_ids`` option: EAGLE-3, DFlash)."""
-    return isinstance(options, (Eagle3Options, DflashOptions))
+def fuses_layers(options: HeadOptions) -> bool:
+    """Whether the head trains on fused target layers (its head type's entry says; EAGLE-3, DFlash)."""
+    return head_type(options.type).fuses_layers
 
 
 def head_settings(options: HeadOptions, aux_layers: list[int]) -> HeadOptions:
     """The head's options; a head that fuses target layers fuses exactly the layers the capture recorded."""
     if fuses_layers(options):
-        given = options.layer_ids
+        given = options.model_dump()["layer_ids"]  # every fusing head type has it (heads.register checks)
         if given is not None and sorted(set(given)) != aux_layers:
             raise ValueError(
                 f"head.layer_ids {given} differ from the captured layers {aux_layers} (capture.aux_layers)"

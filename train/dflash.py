@@ -13,26 +13,11 @@ writes: ``<train.out_dir>/head``, DeepSpeed checkpoints, ``metrics.jsonl`` and t
 
 from __future__ import annotations
 
-from headstart.core.runtime import seed_everything
-from headstart.heads import DFlashHead
-from headstart.train.config import parse_args
-from headstart.train.data import head_settings, load_data, loss_token_counts
-from headstart.train.eagle import save_head
-from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
+from headstart.train.eagle import train_head
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args("dflash", argv)  # unknown keys, wrong types, another head's config: fail here, before any work
-    proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
-    target, tokenizer = load_run_target(cfg, proc)
-    data = load_data(cfg, target, tokenizer, aux=True, online_states=True)  # shards checked vs target
-
-    seed_everything(cfg.train.seed)
-    head = DFlashHead.build(head_settings(cfg.head, data.aux_layers), target, tokenizer)  # records its hash
-    if head.lm_head is not None:  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
-        head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
-
-    fit(HeadLoss(head, data.capture), head, data, cfg, proc, target, tokenizer, lambda out: save_head(head, out))
+    train_head("dflash", argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from headstart.core.runtime import seed_everything
-from headstart.heads import DraftHead, Eagle3Head, build_head
+from headstart.heads import DraftHead, build_head, head_type
 from headstart.train.config import parse_args
 from headstart.train.data import head_settings, load_data, loss_token_counts
 from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
@@ -23,19 +23,25 @@ def save_head(head: DraftHead, out_dir: Path) -> None:
     head.save_pretrained(out_dir / "head")
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args("eagle", argv)  # unknown keys, wrong types, a Medusa config: fail here, before any work
+def train_head(trainer: str, argv: list[str] | None = None) -> None:
+    """The recipe of a head trained on the target's states alone (its loss over capture's batch): train/<trainer>.py
+    (EAGLE-1/2, EAGLE-3, DFlash; a registered head type whose trainer is one of these)."""
+    cfg = parse_args(trainer, argv)  # unknown keys, wrong types, another recipe's head: fail here, before any work
     proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
     target, tokenizer = load_run_target(cfg, proc)
-    eagle3 = cfg.head.type == "eagle3"
-    data = load_data(cfg, target, tokenizer, aux=eagle3, online_states=True)  # shards checked vs target
+    fused = head_type(cfg.head.type).fuses_layers
+    data = load_data(cfg, target, tokenizer, aux=fused, online_states=True)  # shards checked vs target
 
     seed_everything(cfg.train.seed)
     head = build_head(head_settings(cfg.head, data.aux_layers), target, tokenizer)  # records its hash
-    if isinstance(head, Eagle3Head):  # the draft vocabulary: the most frequent loss tokens of the training samples
+    if head.picks_draft_vocab():  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
         head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
 
     fit(HeadLoss(head, data.capture), head, data, cfg, proc, target, tokenizer, lambda out: save_head(head, out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    train_head("eagle", argv)
 
 
 if __name__ == "__main__":

@@ -192,9 +192,9 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     need.parts |= head_training_parts(head, train.zero_stage, proc.world, train.dtype == "bf16")
     tokens = train.micro_batch_size * cfg.data.max_length
     options = head.config.options
-    depth = next((d for d in (getattr(options, k, None) for k in ("ttt_steps", "num_heads", "block_size")) if d), 1)
-    draft_vocab = getattr(options, "draft_vocab_size", None)
-    need.parts["activations"] = head_activations(config, tokens, len(aux), depth, draft_vocab, dtype)
+    need.parts["activations"] = head_activations(
+        config, tokens, len(aux), options.trained_depth(), options.draft_vocab(), dtype
+    )
     if forward_in_step(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
         forward = capture_activations(config, tokens, cfg.data.max_length, len(aux), dtype, proc.tp_size)
         need.parts["target activations"] = forward * (3 if cfg.lora else 1)

@@ -34,9 +34,9 @@ from headstart.core.io import atomic_dir, atomic_write_text
 from headstart.data_recipes.bench import load_bench, turn_prompt
 from headstart.data_recipes.prompts import text_prompt_length
 from headstart.decoding.methods import TreeFlags, build_proposer
-from headstart.decoding.proposers import DepthRecorder, head_method
+from headstart.decoding.proposers import DepthRecorder
 from headstart.decoding.verify import Sampling, generate
-from headstart.heads import DraftHead
+from headstart.heads import DraftHead, drafting_of
 from headstart.train.config import TrainConfig
 from headstart.train.data import TrainData, token_rows
 
@@ -89,7 +89,7 @@ def decode_prompts(
     target: PreTrainedModel, head: DraftHead, prompts: list[list[int]], new_tokens: int, eos_token_id: int | None
 ) -> Decoded:
     """Greedy speculative decoding of each prompt with ``head`` drafting, through the one verification core."""
-    method = head_method(head.config)
+    method = drafting_of(head.config).method
     proposer = DepthRecorder(build_proposer(method, head_flags(head), heads={method: head}))
     decoded = Decoded()
     for prompt in prompts:
@@ -173,7 +173,7 @@ class MeasuredAcceptance:
         """The ``eval.acceptance`` command that measures ``<out_dir>/head`` on the same prompts the same way."""
         return (
             f"python -m eval.acceptance --target {self.target_path} --head {self.out_dir / 'head'} "
-            f"--method {head_method(head.config)} --bench {self.out_dir / PROMPTS_FILE} "
+            f"--method {drafting_of(head.config).method} --bench {self.out_dir / PROMPTS_FILE} "
             f"--max-new-tokens {self.new_tokens} --tree static --depth {head.config.trained_depth} "
             f"--out {self.out_dir / 'measured-eval'}"
         )

@@ -22,6 +22,7 @@ from headstart.decoding.proposers import Vanilla
 from headstart.decoding.verify import generate
 from headstart.eval.timing import VERIFY_NODES, measure_verify, peak_memory_mb
 from headstart.heads import build_head
+from headstart.heads import head_type as registered_type
 from headstart.scripts.bench.capture import bare_forward, best_seconds, capture_to
 from headstart.scripts.bench.train import bench, step_batches
 
@@ -88,7 +89,7 @@ def scale_head_options(head_type: str, layers: list[int], draft_vocab: int, ttt_
     """The head at the real training shape: a ``draft_vocab`` vocabulary; EAGLE-3 with ``ttt_steps`` TTT steps,
     DFlash with its defaults (one layer, blocks of 16, 512 anchors per sequence)."""
     options: dict[str, Any] = {"type": head_type, "layer_ids": layers, "draft_vocab_size": draft_vocab}
-    if head_type == "eagle3":
+    if "ttt_steps" in registered_type(head_type).options.model_fields:  # training-time-test steps, where it has them
         options["ttt_steps"] = ttt_steps
     return options
 

@@ -24,14 +24,14 @@ from headstart.core.timing import timed
 from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import pad_collate
-from headstart.heads import HEADS, DraftHead, HeadOptions, build_head
+from headstart.heads import HEAD_TYPES, DraftHead, HeadOptions, build_head
 from headstart.train.config import TrainConfig
 from headstart.train.data import SampleDataset, fuses_layers
 
 
 def head_options(cfg: TrainConfig, head_type: str, aux_layers: list[int]) -> HeadOptions:
     """The config's own head options when it trains this type, else the head's defaults."""
-    options = cfg.head if cfg.head.type == head_type else HEADS[head_type].options_of({"type": head_type})
+    options = cfg.head if cfg.head.type == head_type else HEAD_TYPES[head_type].head.options_of({"type": head_type})
     if fuses_layers(options):  # the captured layers
         options = options.model_copy(update={"layer_ids": aux_layers})
     return options
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="configs/demo-eagle3.yaml")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--heads", nargs="+", default=sorted(HEADS), choices=sorted(HEADS))
+    parser.add_argument("--heads", nargs="+", default=sorted(HEAD_TYPES), choices=sorted(HEAD_TYPES))
     parser.add_argument("--online", action="store_true", help="also time steps that run the target (online capture)")
     args = parser.parse_args(argv)
     cfg = parse(load_config(args.config), TrainConfig, args.config)

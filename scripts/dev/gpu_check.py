@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from headstart.core.io import atomic_write_text
+from headstart.eval.results import MethodResult, read_methods
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # scripts/dev/gpu_check.py: the repository root
 TARGET = "assets/demo-target"
 BENCH = "assets/data/gsm8k_test.jsonl"
 CAPTURE_CONFIG = "configs/demo-eagle3.yaml"
@@ -110,25 +111,25 @@ def capture_command(s: Settings, out: Path, tp: int) -> list[str]:
     return cmd + ([f"target.tp_size={tp}"] if tp > 1 else [])
 
 
-def read_report(out: Path) -> dict[str, Any]:
-    return dict(json.loads((out / "report.json").read_text()))
+def read_report(out: Path) -> dict[str, MethodResult]:
+    """The methods' results of the report.json in ``out``."""
+    return read_methods(json.loads((out / "report.json").read_text()))
 
 
 def check_fp32(out: Path) -> tuple[bool, dict[str, Any]]:
     """Every method's greedy output is vanilla's, token for token."""
-    methods = read_report(out)["methods"]
-    identical = {m: entry["greedy_identical"] for m, entry in methods.items()}
+    identical = {m: result.greedy_identical for m, result in read_report(out).items()}
     return all(v is True for v in identical.values()), {"greedy_identical": identical}
 
 
 def check_bf16(out: Path) -> tuple[bool, dict[str, Any]]:
     """Mismatches are allowed in bf16 where they are near-ties (reduced-precision rounding), never otherwise."""
     found: dict[str, Any] = {}
-    for method, entry in read_report(out)["methods"].items():
-        divergences = entry.get("divergences") or []
+    for method, result in read_report(out).items():
+        divergences = result.divergences
         found[method] = {
-            "greedy_identical": entry["greedy_identical"],
-            "mismatched_prompts": len(entry["mismatched_prompts"]),
+            "greedy_identical": result.greedy_identical,
+            "mismatched_prompts": len(result.mismatched_prompts),
             "near_ties": sum(bool(d["near_tie"]) for d in divergences),
             "not_near_ties": [d for d in divergences if not d["near_tie"]],
         }
@@ -149,22 +150,29 @@ def check_capture_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
     return bool(same["token_ids_equal"] and same.get("loss_masks_equal")), same
 
 
-COMPARED = ("tau", "target_forwards", "new_tokens", "greedy_identical")
+def compared(result: MethodResult) -> dict[str, Any]:
+    """What a split target must reproduce of a method's result (report.json holds no token ids)."""
+    return {
+        "tau": result.tau,
+        "target_forwards": result.target_forwards,
+        "new_tokens": result.new_tokens,
+        "greedy_identical": result.greedy_identical,
+    }
 
 
 def check_eval_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
     """The split target decodes what the whole one does: per method, the same tau, forwards and tokens."""
     if not (reference / "report.json").exists():
         return False, {"why": f"no tp 1 report in {reference} to compare with (eval-fp32 did not run)"}
-    whole, split = read_report(reference)["methods"], read_report(out)["methods"]
-    differ = {
-        m: {key: [whole[m][key], split[m][key]] for key in COMPARED if whole[m][key] != split[m][key]}
-        for m in whole.keys() & split.keys()
-    }
+    whole, split = read_report(reference), read_report(out)
+    differ = {}
+    for m in whole.keys() & split.keys():
+        one, two = compared(whole[m]), compared(split[m])
+        differ[m] = {key: [one[key], two[key]] for key in one if one[key] != two[key]}
     differ = {m: row for m, row in differ.items() if row}
-    identical = {m: entry["greedy_identical"] for m, entry in split.items()}
+    identical = {m: result.greedy_identical for m, result in split.items()}
     passed = not differ and split.keys() == whole.keys() and all(v is True for v in identical.values())
-    details: dict[str, Any] = {"tau": {m: entry["tau"] for m, entry in split.items()}, "greedy_identical": identical}
+    details: dict[str, Any] = {"tau": {m: result.tau for m, result in split.items()}, "greedy_identical": identical}
     if split.keys() != whole.keys():
         details["methods [tp1, tp2]"] = [sorted(whole), sorted(split)]
     return passed, details | ({"differ [tp1, tp2]": differ} if differ else {})

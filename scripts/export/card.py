@@ -7,22 +7,9 @@ import json
 from pathlib import Path
 
 from headstart.decoding.tree_config import Schedule, load_tree_config
-from headstart.heads import HeadConfig
-from headstart.scripts.export.medusa import NOT_SERVED
+from headstart.heads import HeadConfig, drafting_of
+from headstart.scripts.export.formats import format_of
 
-TITLES = {
-    "eagle": "EAGLE-1/2",
-    "eagle3": "EAGLE-3",
-    "medusa": "Medusa",
-    "peagle": "P-EAGLE (EAGLE-3, parallel drafting)",
-    "dflash": "DFlash",
-}
-LAYOUTS = {
-    "vllm": "the EAGLE repo's layout, as vLLM loads it",
-    "sglang": "the EAGLE repo's layout, as SGLang loads it",
-    "speculators": "the speculators format (speculators 0.9.0, read by vLLM)",
-    "medusa": "the Medusa repo's layout",
-}
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this
 
@@ -48,13 +35,6 @@ def served_schedule(head_dir: str | Path) -> Schedule | None:
     return schedule if schedule and max(k for _, _, k in schedule) > 0 else None
 
 
-def parallel_depths(config: HeadConfig) -> int | None:
-    """A P-EAGLE head's trained depths, all drafted in one forward; None for any other head."""
-    if config.type == "eagle3" and config.options.parallel_drafting is not None:
-        return config.options.ttt_steps
-    return None
-
-
 def sglang_command(target: str, draft: str, algorithm: str) -> str:
     return (
         f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
@@ -63,65 +43,17 @@ def sglang_command(target: str, draft: str, algorithm: str) -> str:
     )
 
 
-def _block(command: str) -> str:
+def code_block(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
-def serve_section(head_config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
-    """The exact commands that serve this folder, and what to do where an engine cannot read it."""
-    head_type, depths = head_config.type, parallel_depths(head_config)
-    schedule = served_schedule(head_dir)
-    # An autoregressive draft drafts the schedule's longest chain at most; one-forward drafts keep their block.
-    steps = max(k for _, _, k in schedule) if schedule else STEPS
-    reexport = f"python -m scripts.export --head {head_dir} --format {{fmt}} --out {{out}}"
-    if head_type == "medusa":
-        return (
-            f"{NOT_SERVED}.\n\nWith the Medusa repo (it loads the target from `base_model_name_or_path`):\n\n"
-            + _block(f"python -m medusa.inference.cli --model {draft}")
-        )
-    if head_type == "dflash":
-        # The block the head was trained on: the newest token and block_size - 1 mask slots.
-        return (
-            "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
-            "config):\n\n"
-            + _block(vllm_command(target, draft, "dflash", head_config.options.block_size - 1, schedule=schedule))
-            + "\n\nSGLang 0.5.23 has no DFlash draft."
-        )
-    no_sglang = (
-        "SGLang 0.5.23 cannot serve it: it has no parallel drafting (sgl-project/sglang#23171)."
-        if depths
-        else "SGLang 0.5.23 does not read the speculators format; export its layout with\n\n"
-        + _block(reexport.format(fmt="sglang", out=draft + "-sglang"))
-    )
-    if fmt == "speculators":
-        return (
-            "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
-            + _block(f"vllm serve {draft}")
-            + "\n\nor names it itself:\n\n"
-            + _block(vllm_command(target, draft, "eagle3", depths or steps, bool(depths), schedule))
-            + f"\n\n{no_sglang}"
-        )
-    if depths:  # P-EAGLE: vLLM's eagle3 method with parallel drafting, one forward for all depths
-        command = vllm_command(target, draft, "eagle3", depths, parallel=True, schedule=schedule)
-        return "vLLM:\n\n" + _block(command) + f"\n\n{no_sglang}"
-    if head_type == "eagle3":  # one folder serves both engines (layer ids written in each one's convention)
-        return (
-            "vLLM:\n\n"
-            + _block(vllm_command(target, draft, "eagle3", steps, schedule=schedule))
-            + "\n\nSGLang:\n\n"
-            + _block(sglang_command(target, draft, "EAGLE3"))
-        )
-    other = "sglang" if fmt == "vllm" else "vllm"
-    command = (
-        vllm_command(target, draft, "eagle", steps, schedule=schedule)
-        if fmt == "vllm"
-        else sglang_command(target, draft, "EAGLE")
-    )
-    return (
-        f"{ENGINES[fmt]}:\n\n{_block(command)}\n\n{ENGINES[other]} needs its own folder (the `architectures` "
-        "name and the `fc.bias` differ between the engines):\n\n"
-        + _block(reexport.format(fmt=other, out=f"{draft}-{other}"))
-    )
+def served_steps(schedule: Schedule | None) -> int:
+    """Draft tokens per step of an autoregressive draft: the schedule's longest chain at most, else ``STEPS``."""
+    return max(k for _, _, k in schedule) if schedule else STEPS
+
+
+def reexport_command(head_dir: str, fmt: str, out: str) -> str:
+    return code_block(f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}")
 
 
 def raw_prompt_section(target: str) -> str:
@@ -131,41 +63,11 @@ def raw_prompt_section(target: str) -> str:
     return (
         "The head was trained on raw text (`data.format: text`): the target is prompted as raw text, with no chat "
         "template, so ask it through the completion API:\n\n"
-        + _block(f"curl http://localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+        + code_block(f"curl http://localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{body}'")
         + "\n\n(`model` is the path `vllm serve` was given.) `/v1/chat/completions` needs a chat template, which "
         "the target lacks (a base model), and would prompt it otherwise than the head was trained on. SGLang: its "
         "`/v1/completions` the same way (on its port, 30000 by default)."
     )
-
-
-def describe(config: HeadConfig) -> list[tuple[str, str]]:
-    """Rows of the card's table for the head's own settings."""
-    options = config.options
-    if config.type == "eagle3":
-        rows = [
-            ("target layers fused", f"{options.layer_ids} (HF `hidden_states` indices = vLLM aux layer ids)"),
-            ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
-        ]
-        if options.parallel_drafting is not None:
-            rows += [
-                ("parallel depths", f"{options.ttt_steps}, drafted in one forward (`num_speculative_tokens` <= this)"),
-                ("mask token", f"{options.parallel_drafting.mask_token_id} (the target's embedding of it)"),
-            ]
-        return rows
-    if config.type == "dflash":
-        attention = "causal" if options.causal else "bidirectional"
-        return [
-            ("target layers fused", f"{options.layer_ids} (vLLM `dflash_config.target_layer_ids`: each minus 1)"),
-            ("draft layers", str(options.num_layers)),
-            ("block", f"{options.block_size} slots, the newest token + {options.block_size - 1} masks: {attention}"),
-            ("mask token", f"id {options.mask_token_id}" + (", learned vector" if options.mask_embedding else "")),
-        ]
-    if config.type == "medusa":
-        return [
-            ("heads", f"{options.num_heads} (head k guesses the token k+2 ahead)"),
-            ("blocks per head", str(options.num_layers)),
-        ]
-    return [("feature", "the target's last hidden state (after its final norm)")]
 
 
 def training_rows(config: HeadConfig) -> list[tuple[str, str]]:
@@ -194,20 +96,21 @@ def model_card(
 ) -> str:
     """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
     (a path or a hub id) and ``made_by`` the command that wrote it."""
-    title = TITLES["peagle" if parallel_depths(config) else config.type]
-    layout = "vLLM's DFlash layout (`DFlashDraftModel`)" if config.type == "dflash" else LAYOUTS[fmt]
-    rows = [("head", title), ("target", f"`{target}`"), ("format", layout), *describe(config), *training_rows(config)]
+    drafting, layouts = drafting_of(config), format_of(config.type)
+    title = drafting.card_title or drafting.title
+    rows = [("head", title), ("target", f"`{target}`"), ("format", layouts.layout(fmt)), *layouts.describe(config)]
+    rows += training_rows(config)
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     acceptance = (
         "\n## Is it working?\n\nA wrongly exported head still runs but accepts almost nothing. Build vLLM's "
         "`LLM(..., disable_log_stats=False)` and read `llm.get_metrics()`: acceptance length = 1 + "
         "sum(`vllm:spec_decode_num_accepted_tokens_per_pos`) / `vllm:spec_decode_num_drafts`.\n"
-        if config.type != "medusa"
+        if layouts.SERVED
         else ""
     )
     sections = "".join(f"\n{s.rstrip()}\n" for s in extra_sections or [])
-    serve = serve_section(config, fmt, target, draft, head_dir)
-    if config.prompt_format == "raw" and config.type != "medusa":  # no engine serves Medusa: nothing to ask
+    serve = layouts.serve(config, fmt, target, draft, head_dir)
+    if config.prompt_format == "raw" and layouts.SERVED:  # no engine serves it: nothing to ask
         serve += "\n\n" + raw_prompt_section(target)
     return (
         f"---\ntags:\n- speculative-decoding\n- {config.type}\n- headstart\n---\n\n"

@@ -30,20 +30,20 @@ from headstart.core.io import atomic_dir
 from headstart.core.settings import CommandFlags, Folder, command_failed, one_of
 from headstart.heads import (
     CONFIG_NAME,
-    HEADS,
     WEIGHTS_NAME,
     HeadConfig,
     check_head_config,
     check_tokenizer,
+    head_type,
     read_head_config,
     state_problems,
 )
-from headstart.scripts.export import dflash, eagle, eagle3, medusa
 from headstart.scripts.export.card import model_card, tree_card_section
 from headstart.scripts.export.common import check_out
+from headstart.scripts.export.formats import EngineFiles, export_files_names, format_of, layouts
 from headstart.scripts.export.parity import card_section, weights_digest
 
-FORMATS = ("vllm", "sglang", "speculators", "medusa")
+FORMATS = layouts()  # the --format choices: the layouts of the head types registered with the package
 if TYPE_CHECKING:
     ExportFormat = str
 else:
@@ -72,26 +72,6 @@ class Export(CommandFlags):
 
 
 CONFIG_FILE = "export_config.yaml"  # the settings of `python -m scripts.export` (`headstart export`)
-EXPORT_FILES = frozenset(
-    {"config.json", "README.md", WEIGHTS_NAME, medusa.WEIGHTS_FILE, dflash.MASK_EMBEDDING_FILE, CONFIG_FILE}
-)
-SUPPORTED = {
-    "eagle": ("vllm", "sglang"),
-    "eagle3": ("vllm", "sglang", "speculators"),
-    "medusa": ("medusa",),
-    "dflash": ("vllm",),
-}
-
-
-# Target families vLLM cannot serve a draft for that reads the target's aux hidden states (EAGLE-3, DFlash), with
-# the reason (docs/EXPORT.md, "Gemma-3"). Refused for the formats only vLLM serves: vllm, speculators.
-VLLM_UNSERVED_FAMILIES = {
-    "gemma3_text": (
-        "vLLM 0.32's Gemma3ForCausalLM (vllm/model_executor/models/gemma3.py) does not implement SupportsEagle3, "
-        "so vLLM cannot capture the target's aux hidden states for the draft (gpu_model_runner.py: 'Model does "
-        "not support EAGLE3 interface'); vLLM's Gemma-3 EAGLE-3 is still an open PR (vllm-project/vllm#49560)"
-    )
-}
 
 
 def load_target_config(target: str | None, head_config: HeadConfig) -> tuple[str, PretrainedConfig]:
@@ -125,7 +105,7 @@ def load_head_state(head_dir: Path, config: HeadConfig) -> dict[str, torch.Tenso
         raise FileNotFoundError(f"missing {WEIGHTS_NAME} in {head_dir}")
     state = load_file(str(path))
     with torch.device("meta"):  # the expected names and shapes, without allocating a head
-        expected = HEADS[config.type](config).state_dict()
+        expected = head_type(config.type).head(config).state_dict()
     problems = state_problems(expected, state)
     if problems:
         raise ValueError(f"{path} does not match its config.json: " + "; ".join(problems))
@@ -134,36 +114,17 @@ def load_head_state(head_dir: Path, config: HeadConfig) -> dict[str, torch.Tenso
 
 def engine_files(
     config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
-) -> tuple[dict[str, Any], dict[str, torch.Tensor], str]:
+) -> EngineFiles:
     """(config.json, tensors, weights file name) of the head in ``fmt``; ValueError where ``fmt`` cannot hold it."""
-    head_type = config.type
-    if fmt not in SUPPORTED[head_type]:
-        if head_type == "medusa":
-            raise ValueError(f"cannot export a Medusa head as {fmt!r}: {medusa.NOT_SERVED}")
-        why = {
-            "speculators": "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)",
-            "sglang": "SGLang 0.5.23 has no DFlash draft",
-            "medusa": "the 'medusa' format holds Medusa heads only",
-        }[fmt]
-        if head_type == "dflash" and fmt == "speculators":  # docs/EXPORT.md, "DFlash"
-            why = "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout"
-        raise ValueError(f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {SUPPORTED[head_type]}")
-    family = config.arch.family
-    if head_type in ("eagle3", "dflash") and fmt in ("vllm", "speculators") and family in VLLM_UNSERVED_FAMILIES:
-        instead = "export it with --format sglang" if head_type == "eagle3" else "no engine serves it"
-        raise ValueError(
-            f"cannot export a {head_type} head for a {family} target as {fmt!r}: "
-            f"{VLLM_UNSERVED_FAMILIES[family]}; {instead}"
-        )
-    if head_type == "medusa":
-        return (*medusa.export_files(config, state, target), medusa.WEIGHTS_FILE)
-    if head_type == "eagle":
-        return (*eagle.export_files(config, state, fmt), WEIGHTS_NAME)
-    if head_type == "dflash":
-        return (*dflash.export_files(config, state), WEIGHTS_NAME)
-    if fmt == "speculators":
-        return (*eagle3.speculators_layout(config, state, target, target_config), WEIGHTS_NAME)
-    return (*eagle3.repo_layout(config, state, fmt), WEIGHTS_NAME)
+    layouts = format_of(config.type)
+    if fmt not in layouts.FORMATS:
+        raise ValueError(layouts.refusal(fmt))
+    return layouts.export_files(config, state, fmt, target, target_config)
+
+
+def formats_for(head_type: str) -> tuple[str, ...]:
+    """The layouts a head of ``head_type`` exports to."""
+    return format_of(head_type).FORMATS
 
 
 def parity_card_section(parity: Path, head_dir: Path) -> str:
@@ -206,13 +167,14 @@ def export_head(
     hub push leaves them out, as they name local folders.
     """
     head_dir, out = Path(head_dir), Path(out)
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    if fmt not in layouts():  # a head type registered since the flags were made brings its own
+        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(layouts())}")
     if not (head_dir / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"missing {CONFIG_NAME} in {head_dir}: not a headstart head folder")
     config = read_head_config(head_dir)
     # An earlier export: its card and nothing else an export does not write (a head folder has no card).
-    earlier = EXPORT_FILES if (out / "README.md").is_file() else frozenset()
+    written = export_files_names() | {"config.json", "README.md", CONFIG_FILE}
+    earlier = written if (out / "README.md").is_file() else frozenset()
     check_out(out, head_dir, "head folder", overwrite, earlier)
     target_given = target is not None
     target, target_config = load_target_config(target, config)
@@ -226,6 +188,7 @@ def export_head(
         sections.append(parity_card_section(Path(parity), head_dir))
     public_target = target_name or target
     engine_config, tensors, weights_file = engine_files(config, state, fmt, public_target, target_config)
+    extra = format_of(config.type).extra_files(config, state)
     command = f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}"
     if target != config.target:
         command += f" --target {target}"
@@ -237,9 +200,8 @@ def export_head(
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})
-        mask_embedding = dflash.mask_embedding_file(config, state) if config.type == "dflash" else None
-        if mask_embedding is not None:
-            (tmp / dflash.MASK_EMBEDDING_FILE).write_bytes(mask_embedding)
+        for name, data in extra.items():
+            (tmp / name).write_bytes(data)
         (tmp / "README.md").write_text(card)
         if settings is not None:
             save_config(settings, tmp / CONFIG_FILE)

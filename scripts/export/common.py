@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 
-from headstart.heads import DraftArch, arch_from_target
+from headstart.heads import DraftArch, HeadConfig, arch_from_target
 
 # The draft's own layer shape: taken from a published checkpoint's config on import (an EAGLE head
 # may use another MLP width than its target); the attention shape must equal the target's.
@@ -24,6 +24,28 @@ DRAFT_ARCH_KEYS = (
     "qkv_bias",
     "qk_norm",
 )
+
+
+# Target families vLLM cannot serve a draft for that reads the target's aux hidden states (EAGLE-3, DFlash), with
+# the reason (docs/EXPORT.md, "Gemma-3"). Refused for the formats only vLLM serves: vllm, speculators.
+VLLM_UNSERVED_FAMILIES = {
+    "gemma3_text": (
+        "vLLM 0.32's Gemma3ForCausalLM (vllm/model_executor/models/gemma3.py) does not implement SupportsEagle3, "
+        "so vLLM cannot capture the target's aux hidden states for the draft (gpu_model_runner.py: 'Model does "
+        "not support EAGLE3 interface'); vLLM's Gemma-3 EAGLE-3 is still an open PR (vllm-project/vllm#49560)"
+    )
+}
+
+
+def check_vllm_serves_family(config: HeadConfig, fmt: str, instead: str) -> None:
+    """Refuse a vLLM-read layout (vllm, speculators) of an aux-state head for a target family vLLM cannot
+    capture aux states of; ``instead`` says what to do."""
+    family = config.arch.family
+    if fmt in ("vllm", "speculators") and family in VLLM_UNSERVED_FAMILIES:
+        raise ValueError(
+            f"cannot export a {config.type} head for a {family} target as {fmt!r}: "
+            f"{VLLM_UNSERVED_FAMILIES[family]}; {instead}"
+        )
 
 
 def dtype_name(state: dict[str, torch.Tensor]) -> str:

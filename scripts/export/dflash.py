@@ -26,17 +26,28 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import DraftArch, HeadConfig
+from headstart.heads import WEIGHTS_NAME, HeadConfig
+from headstart.scripts.export.card import code_block, served_schedule, vllm_command
 from headstart.scripts.export.common import (
     arch_from_decoder,
+    check_vllm_serves_family,
+    checkpoint_roots,
     decoder_config,
     dtype_name,
+    file_inside,
     load_pickled_tensors,
+    read_checkpoint,
+    read_json,
     rename_prefixes,
 )
+from headstart.scripts.export.formats import EngineFiles, Imported, not_written
 
+FORMATS = ("vllm",)
+SOURCES = ("dflash",)
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
+FILES = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)
+SERVED = True
 # Settings of published DFlash drafts that the head does not implement, and why each one matters.
 UNSUPPORTED = {
     "use_swa": "sliding-window attention",
@@ -46,8 +57,21 @@ UNSUPPORTED = {
 }
 
 
-def export_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
+def refusal(fmt: str) -> str:
+    why = {
+        # docs/EXPORT.md, "DFlash"
+        "speculators": "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout",
+        "sglang": "SGLang 0.5.23 has no DFlash draft",
+        "medusa": "the 'medusa' format holds Medusa heads only",
+    }[fmt]
+    return not_written("dflash", fmt, why, FORMATS)
+
+
+def export_files(
+    config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+) -> EngineFiles:
     """config.json + tensors of vLLM's DFlash layout (the mask embedding, if learned, goes in its own file)."""
+    check_vllm_serves_family(config, fmt, "no engine serves it")
     options = config.options
     engine_config = {
         "architectures": [ARCHITECTURE],
@@ -68,16 +92,16 @@ def export_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> tuple[di
     }
     if options.draft_vocab_size is not None:
         engine_config["draft_vocab_size"] = options.draft_vocab_size
-    return engine_config, {k: v for k, v in state.items() if k not in ("mask_embedding", "t2d")}
+    return EngineFiles(engine_config, {k: v for k, v in state.items() if k not in ("mask_embedding", "t2d")})
 
 
-def mask_embedding_file(config: HeadConfig, state: dict[str, torch.Tensor]) -> bytes | None:
-    """The bytes of ``mask_embedding.pt`` for a head that learned its mask vector, else None."""
+def extra_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """``mask_embedding.pt`` for a head that learned its mask vector."""
     if "mask_embedding" not in state:
-        return None
+        return {}
     buffer = io.BytesIO()
     torch.save({"embedding": state["mask_embedding"].clone(), "mask_token_id": config.options.mask_token_id}, buffer)
-    return buffer.getvalue()
+    return {MASK_EMBEDDING_FILE: buffer.getvalue()}
 
 
 def read_mask_embedding(data: bytes, mask_token_id: int, where: str | Path = MASK_EMBEDDING_FILE) -> torch.Tensor:
@@ -134,15 +158,14 @@ def _layer_ids(engine_config: dict[str, Any], dflash: dict[str, Any]) -> list[in
     return sorted({i + 1 for i in dflash["target_layer_ids"]})
 
 
-def import_files(
-    engine_config: dict[str, Any],
-    state: dict[str, torch.Tensor],
-    target_config: PretrainedConfig,
-    mask_embedding: bytes | None = None,
-    mask_embedding_file: str | Path = MASK_EMBEDDING_FILE,
-) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
-    """(head options, draft arch, our tensors) of a checkpoint in vLLM's DFlash layout; ``mask_embedding`` holds
-    the bytes of its ``mask_embedding_file`` (named in errors), if it has one."""
+def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
+    """(head options, draft arch, our tensors) of a checkpoint in vLLM's DFlash layout, with its
+    ``mask_embedding.pt`` when it has one (read only inside the checkpoint's folder)."""
+    engine_config, state = read_json(src / "config.json"), read_checkpoint(src)
+    mask_embedding_file = src / MASK_EMBEDDING_FILE
+    mask_embedding = (
+        file_inside(mask_embedding_file, checkpoint_roots(src)).read_bytes() if mask_embedding_file.exists() else None
+    )
     architectures = engine_config.get("architectures") or []
     if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
         raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
@@ -190,4 +213,28 @@ def import_files(
     decoder = {k: v for k, v in engine_config.items() if k not in ("layer_types", "dflash_config", "eagle_config")}
     arch = arch_from_decoder(decoder, target_config)
     arch.qk_norm, arch.qkv_bias = True, False  # the DFlash layer is Qwen3's (checked above: no biases)
-    return options, arch, state
+    return Imported(options, arch, state)
+
+
+def layout(fmt: str, short: bool = False) -> str:
+    return "DFlash layout" if short else f"vLLM's DFlash layout (`{ARCHITECTURE}`)"
+
+
+def describe(config: HeadConfig) -> list[tuple[str, str]]:
+    options = config.options
+    attention = "causal" if options.causal else "bidirectional"
+    return [
+        ("target layers fused", f"{options.layer_ids} (vLLM `dflash_config.target_layer_ids`: each minus 1)"),
+        ("draft layers", str(options.num_layers)),
+        ("block", f"{options.block_size} slots, the newest token + {options.block_size - 1} masks: {attention}"),
+        ("mask token", f"id {options.mask_token_id}" + (", learned vector" if options.mask_embedding else "")),
+    ]
+
+
+def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
+    """The block the head was trained on: the newest token and block_size - 1 mask slots, one forward."""
+    command = vllm_command(target, draft, "dflash", config.trained_depth, schedule=served_schedule(head_dir))
+    return (
+        "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
+        "config):\n\n" + code_block(command) + "\n\nSGLang 0.5.23 has no DFlash draft."
+    )

@@ -14,21 +14,45 @@ checkpoint has none; SGLang always, ``eagle_worker_v2.py``). The engines differ 
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import DraftArch, HeadConfig
-from headstart.scripts.export.common import arch_from_decoder, decoder_config, dtype_name
+from headstart.heads import WEIGHTS_NAME, HeadConfig
+from headstart.scripts.export.card import (
+    ENGINES,
+    code_block,
+    reexport_command,
+    served_schedule,
+    served_steps,
+    sglang_command,
+    vllm_command,
+)
+from headstart.scripts.export.common import arch_from_decoder, decoder_config, dtype_name, read_checkpoint, read_json
+from headstart.scripts.export.formats import EngineFiles, Imported, layout_name, not_written
 
+FORMATS = ("vllm", "sglang")
+SOURCES = ("eagle",)
+FILES = (WEIGHTS_NAME,)
+SERVED = True
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # A head with q/k/v biases (Qwen2 targets): vLLM's Llama layer reads ``qkv_bias``; SGLang gets its
 # Qwen2 EAGLE class (qwen2_eagle.py: Qwen2DecoderLayer, q/k/v biases, no o_proj bias), the same layer.
 SGLANG_QKV_BIAS = {"architectures": ["Qwen2ForCausalLMEagle"], "model_type": "qwen2"}
 
 
-def export_files(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
+def refusal(fmt: str) -> str:
+    why = {
+        "speculators": "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)",
+        "medusa": "the 'medusa' format holds Medusa heads only",
+    }[fmt]
+    return not_written("eagle", fmt, why, FORMATS)
+
+
+def export_files(
+    config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+) -> EngineFiles:
     """config.json + tensors of an EAGLE-1/2 head for ``fmt`` ("vllm" or "sglang")."""
     tensors = dict(state)
     if fmt == "vllm" and "fc.bias" in tensors:
@@ -42,13 +66,16 @@ def export_files(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) -
     engine_config = {"architectures": [ARCHITECTURES[fmt]], **decoder_config(config.arch, dtype_name(state))}
     if fmt == "sglang" and config.arch.qkv_bias:
         engine_config |= SGLANG_QKV_BIAS
-    return engine_config, tensors
+    return EngineFiles(engine_config, tensors)
 
 
-def import_files(
-    engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig
-) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
+def extra_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {}
+
+
+def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
     """(head options, draft arch, our tensors) of an EAGLE-1/2 checkpoint in the EAGLE repo's layout."""
+    engine_config, state = read_json(src / "config.json"), read_checkpoint(src)
     extra_layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.") and not k.startswith("layers.0.")})
     if extra_layers:
         raise ValueError(f"the draft has decoder layers {['0', *extra_layers]}; headstart's EAGLE head has one")
@@ -65,4 +92,28 @@ def import_files(
     arch = arch_from_decoder(engine_config, target_config)
     # The weights say it, whatever the config spells (EAGLE repo Qwen2 heads, our SGLang Qwen2 export).
     arch.qkv_bias = "layers.0.self_attn.q_proj.bias" in state
-    return options, arch, state
+    return Imported(options, arch, state)
+
+
+def layout(fmt: str, short: bool = False) -> str:
+    return layout_name(fmt, short)
+
+
+def describe(config: HeadConfig) -> list[tuple[str, str]]:
+    return [("feature", "the target's last hidden state (after its final norm)")]
+
+
+def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
+    """One engine per folder: the other one's needs its own export."""
+    schedule = served_schedule(head_dir)
+    other = "sglang" if fmt == "vllm" else "vllm"
+    command = (
+        vllm_command(target, draft, "eagle", served_steps(schedule), schedule=schedule)
+        if fmt == "vllm"
+        else sglang_command(target, draft, "EAGLE")
+    )
+    return (
+        f"{ENGINES[fmt]}:\n\n{code_block(command)}\n\n{ENGINES[other]} needs its own folder (the `architectures` "
+        "name and the `fc.bias` differ between the engines):\n\n"
+        + reexport_command(head_dir, other, f"{draft}-{other}")
+    )

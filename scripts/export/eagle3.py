@@ -23,15 +23,37 @@ Matched against vllm 0.33.0, sglang 0.5.23 and speculators 0.9.0 (docs/EXPORT.md
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
-from headstart.heads import DraftArch, HeadConfig, arch_from_target
-from headstart.scripts.export.common import arch_from_decoder, decoder_config, dtype_name, rename_prefixes
+from headstart.heads import WEIGHTS_NAME, HeadConfig, arch_from_target
+from headstart.scripts.export.card import (
+    code_block,
+    reexport_command,
+    served_schedule,
+    served_steps,
+    sglang_command,
+    vllm_command,
+)
+from headstart.scripts.export.common import (
+    arch_from_decoder,
+    check_vllm_serves_family,
+    decoder_config,
+    dtype_name,
+    read_checkpoint,
+    read_json,
+    rename_prefixes,
+)
+from headstart.scripts.export.formats import EngineFiles, Imported, layout_name, not_written
 
+FORMATS = ("vllm", "sglang", "speculators")
+SOURCES = ("eagle3", "speculators")
+FILES = (WEIGHTS_NAME,)
+SERVED = True
 REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
 # A layer with Qwen3's q/k norm: vLLM's qwen3_eagle3.py (registry.py; the speculators reader maps a qwen3
 # transformer_layer_config to it, algos.py). SGLang has no such class: its EAGLE-3 drafts are Llama layers.
@@ -64,6 +86,24 @@ def _vocab_tensors(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[s
     if state["d2t"].any():
         raise ValueError("d2t has non-zero offsets although the draft vocab is the whole target vocab")
     return {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+
+
+def refusal(fmt: str) -> str:
+    return not_written("eagle3", fmt, "the 'medusa' format holds Medusa heads only", FORMATS)
+
+
+def export_files(
+    config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+) -> EngineFiles:
+    """The EAGLE repo's layout (vllm, sglang) or the speculators format."""
+    check_vllm_serves_family(config, fmt, "export it with --format sglang")
+    if fmt == "speculators":
+        return EngineFiles(*speculators_layout(config, state, target, target_config))
+    return EngineFiles(*repo_layout(config, state, fmt))
+
+
+def extra_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {}
 
 
 def repo_layout(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) -> tuple[dict[str, Any], dict]:
@@ -167,10 +207,10 @@ def _check_norm_flags(engine_config: dict[str, Any], speculators: bool) -> None:
         )
 
 
-def import_files(
-    engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig, speculators: bool
-) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
-    """(head options, draft arch, our tensors) of an EAGLE-repo-layout or speculators EAGLE-3 checkpoint."""
+def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
+    """(head options, draft arch, our tensors) of an EAGLE-repo-layout (``eagle3``) or ``speculators`` EAGLE-3
+    checkpoint."""
+    engine_config, state, speculators = read_json(src / "config.json"), read_checkpoint(src), kind == "speculators"
     if speculators and engine_config.get("speculators_model_type") not in SPECULATOR_ARCHITECTURES:
         raise ValueError(
             f"speculators_model_type is {engine_config.get('speculators_model_type')!r}; only 'eagle3' and "
@@ -207,4 +247,57 @@ def import_files(
     target_hidden = engine_config.get("target_hidden_size") or target_config.hidden_size
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
-    return options, arch, state
+    return Imported(options, arch, state)
+
+
+def parallel_depths(config: HeadConfig) -> int | None:
+    """A P-EAGLE head's trained depths, all drafted in one forward; None for an autoregressive EAGLE-3 head."""
+    return config.options.ttt_steps if config.options.parallel_drafting is not None else None
+
+
+def layout(fmt: str, short: bool = False) -> str:
+    return layout_name(fmt, short)
+
+
+def describe(config: HeadConfig) -> list[tuple[str, str]]:
+    options = config.options
+    rows = [
+        ("target layers fused", f"{options.layer_ids} (HF `hidden_states` indices = vLLM aux layer ids)"),
+        ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
+    ]
+    if options.parallel_drafting is not None:
+        rows += [
+            ("parallel depths", f"{options.ttt_steps}, drafted in one forward (`num_speculative_tokens` <= this)"),
+            ("mask token", f"{options.parallel_drafting.mask_token_id} (the target's embedding of it)"),
+        ]
+    return rows
+
+
+def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
+    """The EAGLE repo's layout serves both engines (layer ids written in each one's convention); P-EAGLE and
+    the speculators format vLLM only."""
+    depths, schedule = parallel_depths(config), served_schedule(head_dir)
+    steps = served_steps(schedule)
+    no_sglang = (
+        "SGLang 0.5.23 cannot serve it: it has no parallel drafting (sgl-project/sglang#23171)."
+        if depths
+        else "SGLang 0.5.23 does not read the speculators format; export its layout with\n\n"
+        + reexport_command(head_dir, "sglang", draft + "-sglang")
+    )
+    if fmt == "speculators":
+        return (
+            "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
+            + code_block(f"vllm serve {draft}")
+            + "\n\nor names it itself:\n\n"
+            + code_block(vllm_command(target, draft, "eagle3", depths or steps, bool(depths), schedule))
+            + f"\n\n{no_sglang}"
+        )
+    if depths:  # P-EAGLE: vLLM's eagle3 method with parallel drafting, one forward for all depths
+        command = vllm_command(target, draft, "eagle3", depths, parallel=True, schedule=schedule)
+        return "vLLM:\n\n" + code_block(command) + f"\n\n{no_sglang}"
+    return (
+        "vLLM:\n\n"
+        + code_block(vllm_command(target, draft, "eagle3", steps, schedule=schedule))
+        + "\n\nSGLang:\n\n"
+        + code_block(sglang_command(target, draft, "EAGLE3"))
+    )

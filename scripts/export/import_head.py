@@ -22,18 +22,11 @@ from pydantic import Field
 from transformers import AutoConfig, PretrainedConfig
 
 from headstart.core.settings import CommandFlags, Folder, command_failed, one_of
-from headstart.heads import HEADS, DraftArch, DraftHead, check_compatible, head_options, state_problems
-from headstart.scripts.export import dflash, eagle, eagle3, medusa
-from headstart.scripts.export.common import (
-    DRAFT_ARCH_KEYS,
-    check_out,
-    checkpoint_roots,
-    file_inside,
-    read_checkpoint,
-    read_json,
-)
+from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
+from headstart.scripts.export.common import DRAFT_ARCH_KEYS, check_out
+from headstart.scripts.export.formats import Imported, format_of, sources
 
-SOURCES = ("eagle", "eagle3", "medusa", "speculators", "dflash")
+SOURCES = tuple(sources())  # of the head types registered with the package
 
 
 if TYPE_CHECKING:
@@ -57,22 +50,10 @@ class ImportHead(CommandFlags):
     target: str = Field(description="the target model the head drafts for (path or hub id)")
 
 
-def read_source(
-    kind: str, src: Path, target_config: PretrainedConfig
-) -> tuple[dict, DraftArch, dict[str, torch.Tensor]]:
-    """(head options, draft arch, our tensors) of the checkpoint in ``src``."""
-    engine_config = read_json(src / "config.json")
-    if kind == "medusa":
-        names = (medusa.WEIGHTS_FILE, "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
-        return medusa.import_files(engine_config, read_checkpoint(src, names), target_config)
-    state = read_checkpoint(src)
-    if kind == "eagle":
-        return eagle.import_files(engine_config, state, target_config)
-    if kind == "dflash":
-        mask = src / dflash.MASK_EMBEDDING_FILE
-        data = file_inside(mask, checkpoint_roots(src)).read_bytes() if mask.exists() else None
-        return dflash.import_files(engine_config, state, target_config, data, mask)
-    return eagle3.import_files(engine_config, state, target_config, speculators=kind == "speculators")
+def read_source(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
+    """(head options, draft arch, our tensors) of the checkpoint in ``src``, read by the head type that reads
+    ``kind``."""
+    return format_of(sources()[kind]).import_files(kind, src, target_config)
 
 
 def build_imported(
@@ -85,7 +66,7 @@ def build_imported(
 ) -> DraftHead:
     """A head of our format holding ``state``, its config from the target plus the draft's own layer shape."""
     parsed = head_options(options)
-    cls = HEADS[parsed.type]
+    cls = head_type(parsed.type).head
     config = cls.make_config(parsed, target_config)
     config.arch = replace(config.arch, **{k: getattr(arch, k) for k in DRAFT_ARCH_KEYS})
     # The published draft's attention shape, vocab and layer ids against the target's: a named mismatch.
@@ -108,8 +89,8 @@ def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwr
     An existing ``out`` must be empty unless ``overwrite``: a head folder looks the same whether an earlier
     import or hours of training wrote it.
     """
-    if kind not in SOURCES:
-        raise ValueError(f"unknown source {kind!r}; known: {', '.join(SOURCES)}")
+    if kind not in sources():
+        raise ValueError(f"unknown source {kind!r}; known: {', '.join(sources())}")
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise FileNotFoundError(f"{src} is not a folder")

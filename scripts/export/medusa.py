@@ -13,15 +13,21 @@ vLLM 0.33 and SGLang 0.5.23 no longer serve Medusa (no ``medusa`` speculative me
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import DraftArch, HeadConfig, arch_from_target
-from headstart.scripts.export.common import dtype_name, rename_prefixes
+from headstart.heads import HeadConfig, arch_from_target
+from headstart.scripts.export.card import code_block
+from headstart.scripts.export.common import dtype_name, read_checkpoint, read_json, rename_prefixes
+from headstart.scripts.export.formats import EngineFiles, Imported, layout_name
 
+FORMATS = ("medusa",)
+SOURCES = ("medusa",)
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
+FILES = (WEIGHTS_FILE,)
+SERVED = False  # NOT_SERVED
 NOT_SERVED = (
     "vLLM (0.33) and SGLang (0.5.23) no longer serve Medusa heads: vLLM has no 'medusa' speculative method and "
     "SGLang no MEDUSA algorithm. Export this head with --format medusa (the Medusa repo's layout, also read by "
@@ -29,7 +35,13 @@ NOT_SERVED = (
 )
 
 
-def export_files(config: HeadConfig, state: dict[str, torch.Tensor], target: str) -> tuple[dict[str, Any], dict]:
+def refusal(fmt: str) -> str:
+    return f"cannot export a Medusa head as {fmt!r}: {NOT_SERVED}"
+
+
+def export_files(
+    config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+) -> EngineFiles:
     """config.json + tensors in the Medusa repo's layout."""
     layers = config.options.num_layers
     for k in range(config.options.num_heads):
@@ -48,17 +60,41 @@ def export_files(config: HeadConfig, state: dict[str, torch.Tensor], target: str
         "vocab_size": config.vocab_size,
         "torch_dtype": dtype_name(state),
     }
-    return engine_config, rename_prefixes(state, {"medusa_head.": ""})
+    return EngineFiles(engine_config, rename_prefixes(state, {"medusa_head.": ""}), WEIGHTS_FILE)
 
 
-def import_files(
-    engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig
-) -> tuple[dict[str, Any], DraftArch, dict[str, torch.Tensor]]:
+def extra_files(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {}
+
+
+def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
     """(head options, arch, our tensors) of a Medusa-repo checkpoint."""
+    engine_config = read_json(src / "config.json")
+    names = (WEIGHTS_FILE, "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin")
+    state = read_checkpoint(src, names)
     heads, layers = engine_config["medusa_num_heads"], engine_config.get("medusa_num_layers", 1)
     state = {k if k.startswith("medusa_head.") else f"medusa_head.{k}": v for k, v in state.items()}
     # Some Medusa checkpoints carry more heads than the config asks for; the repo loads non-strictly.
     state = {k: v for k, v in state.items() if int(k.split(".")[1]) < heads}
     vocab, hidden = state[f"medusa_head.0.{layers}.weight"].shape
     arch = replace(arch_from_target(target_config), hidden_size=hidden, vocab_size=vocab)
-    return {"type": "medusa", "num_heads": heads, "num_layers": layers}, arch, state
+    return Imported({"type": "medusa", "num_heads": heads, "num_layers": layers}, arch, state)
+
+
+def layout(fmt: str, short: bool = False) -> str:
+    return layout_name(fmt, short)
+
+
+def describe(config: HeadConfig) -> list[tuple[str, str]]:
+    options = config.options
+    return [
+        ("heads", f"{options.num_heads} (head k guesses the token k+2 ahead)"),
+        ("blocks per head", str(options.num_layers)),
+    ]
+
+
+def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
+    return (
+        f"{NOT_SERVED}.\n\nWith the Medusa repo (it loads the target from `base_model_name_or_path`):\n\n"
+        + code_block(f"python -m medusa.inference.cli --model {draft}")
+    )

@@ -1,6 +1,6 @@
-"""Served-acceptance parity figures (the ``parity.json`` that ``scripts.export.verify_engines`` writes): acceptance
-from per-position counts, which weights the figures belong to, and their Markdown for the report and for
-the model cards. Standard library only: the engines' side venv imports it too.
+"""Served-acceptance parity figures (the ``parity.json`` that ``scripts.export.verify_engines`` writes): which
+weights the figures belong to, and their Markdown for the report and for the model cards, each head named by its
+drafting's title and each engine folder by its head type's layout name (``formats.Format.layout``).
 """
 
 from __future__ import annotations
@@ -9,28 +9,13 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-TITLES = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}
-LAYOUT_NAMES = {"vllm": "EAGLE-repo layout", "speculators": "speculators layout"}
+from headstart.heads import drafting_owner, draftings
+from headstart.scripts.export.formats import format_of
+
 SERVED_HEADER = (
     "| head | measured by | drafts | acceptance length | accepted per position (share of drafts) | greedy tokens "
     "| check |\n|---|---|---|---|---|---|---|\n"
 )
-
-
-def acceptance(drafts: int, accepted_per_pos: list[int]) -> dict[str, Any]:
-    """Acceptance of chains of k drafts as vLLM counts it: ``accepted_per_pos[i]`` drafts had their first
-    i + 1 tokens accepted; acceptance length = 1 + accepted tokens per draft (the verifier's own token
-    included). None where nothing was drafted: there is no rate to give."""
-    if any(b > a for a, b in zip(accepted_per_pos, accepted_per_pos[1:])):
-        raise ValueError(f"accepted per position {accepted_per_pos} grows with depth: not counts of accepted prefixes")
-    if drafts < max(accepted_per_pos, default=0):
-        raise ValueError(f"{drafts} drafts cannot accept {accepted_per_pos} tokens at a position")
-    return {
-        "drafts": drafts,
-        "accepted_per_pos": accepted_per_pos,
-        "per_pos_rate": [a / drafts for a in accepted_per_pos] if drafts else None,
-        "acceptance_length": 1 + sum(accepted_per_pos) / drafts if drafts else None,
-    }
 
 
 def weights_digest(head_dir: str | Path) -> str:
@@ -51,11 +36,12 @@ def _length(measured: dict[str, Any], relative: float | None = None) -> str:
 
 def served_rows(entry: dict[str, Any], k: int) -> str:
     """Table rows of one head: our evaluator's chain of k, then each engine run that came back with figures."""
-    title = TITLES[entry["type"]] + (" (untrained)" if entry["random_init"] else "")
+    title = draftings()[entry["type"]].title + (" (untrained)" if entry["random_init"] else "")
+    layouts = format_of(drafting_owner(entry["type"]).name)
     ours = entry["ours"]
     rows = [f"| {title} | headstart `eval`, chain of {k} | {ours['drafts']} | {_length(ours)} | {_rates(ours)} | - | |"]
     for run in entry["served"]:
-        layout = "DFlash layout" if entry["type"] == "dflash" else LAYOUT_NAMES[run["layout"]]
+        layout = layouts.layout(run["layout"], short=True)
         where = f"{run['engine']}, {layout}"
         if "engine_acceptance" not in run:
             rows.append(f"| {title} | {where} | - | - | - | - | {run['status']}: {run['detail']} |")
@@ -70,7 +56,7 @@ def served_rows(entry: dict[str, Any], k: int) -> str:
 
 def speculators_row(entry: dict[str, Any]) -> str:
     check = entry["speculators"]
-    return f"| {TITLES[entry['type']]} | {check['detail']} | {check['status']} |\n"
+    return f"| {draftings()[entry['type']].title} | {check['detail']} | {check['status']} |\n"
 
 
 # How the prompts reached the target, per the report's prompt_format (reports from before it was recorded: chat).

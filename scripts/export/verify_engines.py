@@ -55,8 +55,8 @@ from headstart.core.io import read_jsonl
 from headstart.core.settings import CommandFlags, Count, command_failed
 from headstart.data_recipes.errors import get_field
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat
-from headstart.scripts.export.parity import acceptance, report_markdown, weights_digest
-from headstart.scripts.export.verify_engines_judge import MAX_SHORTFALL, judge_schedule, overall, served
+from headstart.scripts.export.parity import report_markdown, weights_digest
+from headstart.scripts.export.verify_engines_judge import MAX_SHORTFALL, acceptance, judge_schedule, overall, served
 from headstart.scripts.export.verify_engines_side import STAGES, engine_stage, spawn
 
 if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
@@ -127,13 +127,12 @@ def prompts(n: int) -> list[list[dict[str, str]]]:
 
 def resolve_head(kind: str, path: str, model: PreTrainedModel, work: Path) -> tuple[Path, bool]:
     """(head folder, random_init): ``path``, checked to hold a ``kind`` head, else a seeded random one."""
-    from headstart.decoding.proposers import head_method
-    from headstart.heads import build_head, read_head_config
+    from headstart.heads import build_head, drafting_of, read_head_config
 
     if Path(path, "config.json").is_file():
-        found = head_method(read_head_config(path))
+        found = drafting_of(read_head_config(path)).method
         if found != kind:
-            raise ValueError(f"--{kind} {path}: it is a {found} head (decoding.proposers.head_method)")
+            raise ValueError(f"--{kind} {path}: it is a {found} head (heads.drafting_of)")
         return Path(path), False
     torch.manual_seed(0)
     # draft_vocab_size: 2048 of the bundled target's 8k tokens; the other kinds take their defaults.
@@ -193,18 +192,11 @@ def our_acceptance(
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
     drafts vLLM's block: the newest token and k masks."""
-    from headstart.decoding.proposers import DFlash, Drafter, Eagle, PEagle, head_method
     from headstart.decoding.verify import generate
+    from headstart.heads import drafting_of
 
     k = settings["k"]
-    method = head_method(head.config)
-    proposer: Drafter
-    if method == "peagle":
-        proposer = PEagle(head, depth=k)
-    elif method == "dflash":
-        proposer = DFlash(head, masks=k)
-    else:
-        proposer = Eagle(head, top_k=1, depth=k, total_tokens=k)
+    proposer = drafting_of(head.config).proposer_class().served_chain(head, k)
     forwards, accepted, tokens = 0, [0] * k, []
     for prompt in prompts_ids:
         ids = torch.tensor([prompt])

@@ -1,6 +1,7 @@
 """The verdicts of ``scripts.export.verify_engines``: the served acceptance of an engine against ours (same greedy
 tokens, acceptance length at most MAX_SHORTFALL below), the speculation-by-load schedule vLLM followed, and
-the overall status. Pure: the engines' results and ours go in, PASS or FAIL with the reason comes out.
+the overall status, and the acceptance both sides count. Pure and standard library only (the engines' side venv
+imports it too): the engines' results and ours go in, PASS or FAIL with the reason comes out.
 """
 
 from __future__ import annotations
@@ -80,3 +81,19 @@ def overall(heads: list[dict[str, Any]]) -> str:
     statuses += [e["schedule"]["status"] for e in heads if "schedule" in e]
     statuses = [s for s in statuses if s != "N/A"]
     return "PASS" if statuses and all(s == "PASS" for s in statuses) else "FAIL"
+
+
+def acceptance(drafts: int, accepted_per_pos: list[int]) -> dict[str, Any]:
+    """Acceptance of chains of k drafts as vLLM counts it: ``accepted_per_pos[i]`` drafts had their first
+    i + 1 tokens accepted; acceptance length = 1 + accepted tokens per draft (the verifier's own token
+    included). None where nothing was drafted: there is no rate to give."""
+    if any(b > a for a, b in zip(accepted_per_pos, accepted_per_pos[1:])):
+        raise ValueError(f"accepted per position {accepted_per_pos} grows with depth: not counts of accepted prefixes")
+    if drafts < max(accepted_per_pos, default=0):
+        raise ValueError(f"{drafts} drafts cannot accept {accepted_per_pos} tokens at a position")
+    return {
+        "drafts": drafts,
+        "accepted_per_pos": accepted_per_pos,
+        "per_pos_rate": [a / drafts for a in accepted_per_pos] if drafts else None,
+        "acceptance_length": 1 + sum(accepted_per_pos) / drafts if drafts else None,
+    }

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from headstart.scripts.export.parity import acceptance
+from headstart.scripts.export.verify_engines_judge import acceptance
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes

@@ -1,0 +1,124 @@
+"""The protocol of a head type's engine layouts: one module per head type implements it (``eagle``, ``eagle3``,
+``medusa``, ``dflash``), and the head type's registry entry names that module (``heads.HeadType.export``).
+
+    fmt = head_type("eagle3").format()
+    fmt.FORMATS                                       # ("vllm", "sglang", "speculators"): what --format takes
+    files = fmt.export_files(config, state, "vllm", target, target_config)
+    options, arch, state = fmt.import_files("speculators", src, target_config)
+
+The export command (``command``) and import (``import_head``) work with any module or object of this shape, so
+a head type registered from outside the package brings its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, cast
+
+import torch
+from transformers import PretrainedConfig
+
+from headstart.heads import HEAD_TYPES, WEIGHTS_NAME, DraftArch, HeadConfig, head_type
+
+
+class EngineFiles(NamedTuple):
+    """A head in an engine's layout: its config.json, its tensors and the file they go in."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    weights_file: str = WEIGHTS_NAME
+
+
+class Imported(NamedTuple):
+    """A published checkpoint read back: our head options, the draft layer's shape and our tensors."""
+
+    options: dict[str, Any]
+    arch: DraftArch
+    state: dict[str, torch.Tensor]
+
+
+class Format(Protocol):
+    """What a head type's engine-layout module declares and does."""
+
+    FORMATS: tuple[str, ...]  # the layouts it writes (export --format)
+    SOURCES: tuple[str, ...]  # the layouts it reads (import --from)
+    FILES: tuple[str, ...]  # the files its exports hold besides config.json (the weights, ``extra_files``)
+    SERVED: bool  # an engine serves it (its card tells how to check acceptance and to prompt raw-text targets)
+
+    def refusal(self, fmt: str) -> str:
+        """Why the layout ``fmt`` (one it does not write) cannot hold this head type: the whole error message."""
+        ...
+
+    def export_files(
+        self, config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+    ) -> EngineFiles:
+        """The head in ``fmt`` (one of ``FORMATS``); ValueError where this head cannot take that form."""
+        ...
+
+    def extra_files(self, config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+        """Files besides config.json and the weights (file name -> bytes), in every layout it writes."""
+        ...
+
+    def import_files(self, kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
+        """The checkpoint in ``src``, in the layout ``kind`` (one of ``SOURCES``)."""
+        ...
+
+    def layout(self, fmt: str, short: bool = False) -> str:
+        """The layout ``fmt`` in words, for the model card (``short``: for the parity table)."""
+        ...
+
+    def describe(self, config: HeadConfig) -> list[tuple[str, str]]:
+        """Rows of the model card's table for the head's own settings."""
+        ...
+
+    def serve(self, config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
+        """The model card's "Serve it": the exact commands that serve the folder ``draft`` written as ``fmt``
+        (``head_dir``'s tree.json may set the chain length per batch size), and what to do where an engine cannot
+        read it."""
+        ...
+
+
+LAYOUTS = {  # the engines' layouts in words: the model card's, then the parity table's
+    "vllm": ("the EAGLE repo's layout, as vLLM loads it", "EAGLE-repo layout"),
+    "sglang": ("the EAGLE repo's layout, as SGLang loads it", "EAGLE-repo layout"),
+    "speculators": ("the speculators format (speculators 0.9.0, read by vLLM)", "speculators layout"),
+    "medusa": ("the Medusa repo's layout", "Medusa-repo layout"),
+}
+
+
+def layout_name(fmt: str, short: bool = False) -> str:
+    """A layout's usual name (``Format.layout`` of a head type written in the engines' shared layouts)."""
+    return LAYOUTS[fmt][short]
+
+
+def not_written(head_type: str, fmt: str, why: str, formats: tuple[str, ...]) -> str:
+    """The usual refusal: ``cannot export a eagle head as 'speculators': <why>; formats for it: (...)``."""
+    return f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {formats}"
+
+
+def format_of(name: str) -> Format:
+    """The engine layouts of the head type ``name`` (its registry entry's ``export``)."""
+    found = head_type(name).format()
+    if found is None:
+        raise ValueError(f"no engine layout is declared for {name} heads (its HeadType names no export)")
+    return cast(Format, found)
+
+
+def exported_types() -> dict[str, Format]:
+    """Every registered head type that engines serve -> its layouts, in registration order."""
+    return {name: format_of(name) for name, entry in HEAD_TYPES.items() if entry.export is not None}
+
+
+def layouts() -> tuple[str, ...]:
+    """Every layout export writes (``--format``), in the order the head types declare them."""
+    return tuple(dict.fromkeys(fmt for found in exported_types().values() for fmt in found.FORMATS))
+
+
+def sources() -> dict[str, str]:
+    """Every layout import reads (``--from``) -> the head type that reads it."""
+    return {kind: name for name, found in exported_types().items() for kind in found.SOURCES}
+
+
+def export_files_names() -> frozenset[str]:
+    """Every file an export may hold: what tells an earlier export from a folder of the user's."""
+    return frozenset(name for found in exported_types().values() for name in found.FILES)
