@@ -192,8 +192,35 @@ def main(argv: list[str] | None = None) -> dict:
     return run(parse_args(argv))
 
 
-def run(args: Autotune) -> dict:
-    """The tuning ``args`` describe (from flags, or a config's ``autotune:`` section): its result."""
+@dataclass
+class Session:
+    """What every phase of a tuning run reads: the target, the draft sources and the prompts."""
+
+    target: PreTrainedModel
+    rank: int
+    sources: dict[str, DraftSource]
+    prompt_format: str  # resolved (chat or raw)
+    calib: list[torch.Tensor]
+    heldout: list[torch.Tensor]
+    eos: int | None
+    kv_length: int  # the KV length draft and verify costs are timed at
+
+
+@dataclass
+class Picked:
+    """The fastest source's tree, with adaptive depth fitted, its batch-size table and schedules."""
+
+    name: str
+    best: Tuned
+    chosen: Choice  # its tree carries the fitted min_confidence
+    adaptive: tuple[float, float, float]  # (min_confidence, replayed tokens/s with it, at fixed depth)
+    level_by_level: bool
+    batch: dict[int, dict]
+    schedules: dict[str, list]
+
+
+def start(args: Autotune) -> Session:
+    """The prompts checked and rendered, the target loaded for them and the draft sources beside it."""
     seed_everything(args.seed)
     dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
     wanted = args.offset + args.calibration + args.heldout
@@ -208,109 +235,138 @@ def run(args: Autotune) -> dict:
         args.max_nodes, EAGLE_DEFAULT["total_tokens"]
     )
     target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
-    device = target.device
-    prepare_decoding(device)
+    prepare_decoding(target.device)
     sources = draft_sources(args, target, dtype)
-    prompts = [turn_prompt(tokenizer, item, [], prompt_format).to(device) for item in items]  # first turns only
+    prompts = [turn_prompt(tokenizer, item, [], prompt_format).to(target.device) for item in items]  # first turns
     calib, heldout = prompts[: args.calibration], prompts[args.calibration :]
-    eos = tokenizer.eos_token_id
     kv_length = round(statistics.fmean(p.shape[1] for p in calib) + args.max_new_tokens / 2)
+    return Session(target, ranks.rank, sources, prompt_format, calib, heldout, tokenizer.eos_token_id, kv_length)
+
+
+def tune_sources(args: Autotune, run: Session) -> dict[str, Tuned]:
+    """Each source calibrated, its drafting timed (the target's verify curve once) and its best tree modelled."""
     # The verify curve reaches EAGLE's default tree too: the validation grid predicts its speed.
     curve_nodes = max(args.max_nodes, EAGLE_DEFAULT["total_tokens"])
-
-    # Each source: calibrated, its drafting timed (the target's verify curve once) and its best tree modelled;
-    # several (self-speculation's exit layers): the fastest predicted one goes on to validation.
     tuned: dict[str, Tuned] = {}
-    for name, source in tqdm(sources.items(), desc="draft sources", disable=len(sources) == 1):
+    for name, source in tqdm(run.sources.items(), desc="draft sources", disable=len(run.sources) == 1):
         max_depth = tree_depth_bound(source, args.max_depth)
         rank_probs, decoded, steps = calibrate(
-            target, source, calib, max_depth, args.comb_width, args.max_new_tokens, eos
+            run.target, source, run.calib, max_depth, args.comb_width, args.max_new_tokens, run.eos
         )
         verify = next(iter(tuned.values())).costs.verify_ms if tuned else None
-        costs = measure_costs(target, source, decoded, kv_length, curve_nodes, args.batch_sizes, args.repeats, verify)
+        costs = measure_costs(
+            run.target, source, decoded, run.kv_length, curve_nodes, args.batch_sizes, args.repeats, verify
+        )
         costs = rank_zero_value(costs)  # a split target's ranks tune (and then decode) the same trees
         chosen, vanilla, _ = tune(costs, rank_probs, args.max_nodes, max_depth, args.batch_size)
         tuned[name] = Tuned(source, max_depth, rank_probs, steps, costs, chosen, vanilla)
+    return tuned
+
+
+def choose(args: Autotune, tuned: dict[str, Tuned]) -> Picked:
+    """The fastest predicted source (several: self-speculation's exit layers), adaptive depth fitted where it
+    drafts level by level (only then does stopping early save anything), and its tree per batch size."""
     name = max(tuned, key=lambda n: tuned[n].chosen.tokens_per_s)
     best = tuned[name]
-    source, max_depth, rank_probs, costs, chosen, vanilla = (
-        best.source,
-        best.max_depth,
-        best.rank_probs,
-        best.costs,
-        best.chosen,
-        best.vanilla,
-    )
-    fixed = chosen.tree
-    # Adaptive depth: only a drafter that drafts level by level saves anything by stopping early.
-    level_by_level = drafts_level_by_level(source)
-    adaptive = (
-        fit_confidence(costs, fixed, best.steps) if level_by_level else (0.0, chosen.tokens_per_s, chosen.tokens_per_s)
-    )
-    chosen = replace(chosen, tree=replace(fixed, min_confidence=adaptive[0]))
-    batch = batch_table(costs, rank_probs, args.max_nodes, max_depth, args.batch_sizes, fixed)
+    fixed = best.chosen.tree
+    level_by_level = drafts_level_by_level(best.source)
+    speed = best.chosen.tokens_per_s
+    adaptive = fit_confidence(best.costs, fixed, best.steps) if level_by_level else (0.0, speed, speed)
+    chosen = replace(best.chosen, tree=replace(fixed, min_confidence=adaptive[0]))
+    batch = batch_table(best.costs, best.rank_probs, args.max_nodes, best.max_depth, args.batch_sizes, fixed)
     schedules = {
         "depth_per_batch_size": schedule_ranges({b: row["depth"] for b, row in batch.items()}),
         "num_speculative_tokens_per_batch_size": schedule_ranges({b: row["chain_k"] for b, row in batch.items()}),
     }
+    return Picked(name, best, chosen, adaptive, level_by_level, batch, schedules)
+
+
+def tuned_for(args: Autotune, run: Session, pick: Picked) -> dict:
+    """Where and for what the tree was tuned (tree.json's meta)."""
+    source = pick.best.source
+    if isinstance(source, DraftHead):
+        method = drafting_of(source.config).method
+    else:
+        method = "self_spec" if args.self_spec else "draft_model"
     meta = {
-        "machine": machine(device),
-        "device": str(device),
+        "machine": machine(run.target.device),
+        "device": str(run.target.device),
         "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
         "target": str(args.target),
-        "head": name,
-        "method": drafting_of(source.config).method
-        if isinstance(source, DraftHead)
-        else "self_spec"
-        if args.self_spec
-        else "draft_model",
+        "head": pick.name,
+        "method": method,
         "bench": str(args.bench),
-        "prompt_format": prompt_format,
+        "prompt_format": run.prompt_format,
         "batch_size": args.batch_size,
         "tuned_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if args.self_spec:  # eval.acceptance --method self_spec --tree tree.json drafts with this exit layer
         meta["exit_layer"] = cast(PreTrainedModel, source).config.num_hidden_layers
-    # Written before the (long) validation, so an interrupted run still leaves its choice.
-    config = json.dumps(tree_json(chosen, vanilla, batch, meta) | schedules, indent=2) + "\n"
-    if ranks.rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "tree.json", config)
-        note = f"prompts: {prompts_rendered(args.prompt_format, prompt_format)}"
-        # What `headstart autotune --config` reads, what auto became in a comment.
-        save_config(args.as_config(), out / "autotune_config.yaml", note)
-        if args.write_head and args.head:
-            atomic_write_text(Path(args.head) / "tree.json", config)
+    return meta
 
+
+def write_choice(args: Autotune, run: Session, pick: Picked, meta: dict) -> None:
+    """tree.json (and the settings) in --out, and in the head folder with --write-head: before the (long)
+    validation, so an interrupted run still leaves its choice."""
+    config = json.dumps(tree_json(pick.chosen, pick.best.vanilla, pick.batch, meta) | pick.schedules, indent=2) + "\n"
+    if run.rank != 0:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "tree.json", config)
+    note = f"prompts: {prompts_rendered(args.prompt_format, run.prompt_format)}"
+    # What `headstart autotune --config` reads, what auto became in a comment.
+    save_config(args.as_config(), out / "autotune_config.yaml", note)
+    if args.write_head and args.head:
+        atomic_write_text(Path(args.head) / "tree.json", config)
+
+
+def validate_choice(args: Autotune, run: Session, pick: Picked) -> tuple[list[dict], list[dict]]:
+    """The chosen tree against the grid around it (and itself at fixed depth) on the held-out prompts, then as
+    scheduled per batch size: (grid rows, batch rows)."""
+    best, tree = pick.best, pick.chosen.tree
     # P-EAGLE and DFlash draft every depth in one forward: they have no dynamic trees to compare with.
-    trees = grid(chosen.tree, rank_probs, max_depth, dynamic=level_by_level)
-    trees += [fixed] if chosen.tree != fixed else []  # adaptive depth measured against the same tree at fixed depth
-    runs = validate(target, source, heldout, trees, costs, rank_probs, args.max_new_tokens, eos)
-    rows = validation_rows(runs, chosen.tree)
-    sizes = [b for b in args.batch_sizes if b <= len(heldout)]
-    batch_rows = validate_batches(target, source, heldout, chosen.tree, schedules["depth_per_batch_size"], sizes,
-                                  args.max_new_tokens, eos)  # fmt: skip
+    trees = grid(tree, best.rank_probs, best.max_depth, dynamic=pick.level_by_level)
+    fixed = best.chosen.tree
+    trees += [fixed] if tree != fixed else []  # adaptive depth measured against the same tree at fixed depth
+    runs = validate(
+        run.target, best.source, run.heldout, trees, best.costs, best.rank_probs, args.max_new_tokens, run.eos
+    )
+    sizes = [b for b in args.batch_sizes if b <= len(run.heldout)]
+    batch_rows = validate_batches(run.target, best.source, run.heldout, tree, pick.schedules["depth_per_batch_size"],
+                                  sizes, args.max_new_tokens, run.eos)  # fmt: skip
+    return validation_rows(runs, tree), batch_rows
+
+
+def run(args: Autotune) -> dict:
+    """The tuning ``args`` describe (from flags, or a config's ``autotune:`` section): its result."""
+    session = start(args)
+    tuned = tune_sources(args, session)
+    pick = choose(args, tuned)
+    meta = tuned_for(args, session, pick)
+    write_choice(args, session, pick, meta)
+    rows, batch_rows = validate_choice(args, session, pick)
+    best, chosen, adaptive = pick.best, pick.chosen, pick.adaptive
     result = meta | {
         "prompt_format": args.prompt_format,
-        "prompt_format_resolved": prompt_format,
-        "kv_length": kv_length,
-        "calibration_prompts": len(calib),
-        "heldout_prompts": len(heldout),
+        "prompt_format_resolved": session.prompt_format,
+        "kv_length": session.kv_length,
+        "calibration_prompts": len(session.calib),
+        "heldout_prompts": len(session.heldout),
         "max_new_tokens": args.max_new_tokens,
-        "rank_probs": rank_probs,
-        "costs": asdict(costs) | {"verify_ms": {str(b): ms for b, ms in costs.verify_ms.items()}},
+        "rank_probs": best.rank_probs,
+        "costs": asdict(best.costs) | {"verify_ms": {str(b): ms for b, ms in best.costs.verify_ms.items()}},
         "chosen": chosen.tree.config() | {"predicted_tau": chosen.tau, "predicted_tokens_per_s": chosen.tokens_per_s},
         "grid": rows,
-        "batch": {str(b): row for b, row in batch.items()},
+        "batch": {str(b): row for b, row in pick.batch.items()},
         "adaptive": {
             "min_confidence": adaptive[0],
             "replayed_tokens_per_s": adaptive[1],
             "replayed_fixed_tokens_per_s": adaptive[2],
-            "level_by_level": level_by_level,
+            "level_by_level": pick.level_by_level,
         },  # fmt: skip
-        "schedules": schedules,
+        "schedules": pick.schedules,
         "batch_validation": batch_rows,
         "checks": validation_checks(rows, TreeSpec.from_config(EAGLE_DEFAULT)),
         "sources": [
@@ -319,12 +375,12 @@ def run(args: Autotune) -> dict:
                 "tree": t.chosen.tree.name,
                 "predicted_tau": t.chosen.tau,
                 "predicted_tokens_per_s": t.chosen.tokens_per_s,
-                "chosen": n == name,
+                "chosen": n == pick.name,
             }
             for n, t in tuned.items()
         ],  # fmt: skip
     }
-    if ranks.rank == 0:  # the other ranks of a split target ran the same forwards
+    if session.rank == 0:  # the other ranks of a split target ran the same forwards
         print(write_autotune_report(result, Path(args.out)))
     return result
 

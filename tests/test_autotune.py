@@ -1,23 +1,43 @@
-"""Tree auto-tuning: the tuner finds the analytically optimal tree; acceptance statistics and tau bookkeeping."""
+"""Tree auto-tuning: the tuner finds the analytically optimal tree; acceptance statistics and tau bookkeeping; the
+tree.json it writes, read through one schema wherever it is read (eval, the model card, a tree given in code)."""
 
 import itertools
 import json
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import make_head, tiny_llama
 from transformers import LlamaForCausalLM
 
 from headstart.core.acceptance import expected_tau
+from headstart.decoding.methods import head_tree_configs
 from headstart.decoding.proposers import Eagle
-from headstart.decoding.tree_config import TreeSpec, comb_choices, load_tree_config, scheduled_depth
+from headstart.decoding.tree_config import (
+    TreeSpec,
+    chain_choices,
+    check_tree_vocab,
+    comb_choices,
+    load_tree_config,
+    scheduled_depth,
+)
 from headstart.decoding.verify import Sampling
+from headstart.eval import acceptance
 from headstart.eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
-from headstart.heads import build_head
+from headstart.heads import build_head, read_head_folder
 from headstart.scripts.export.card import served_schedule, tree_card_section, vllm_command
 
 # Synthetic acceptance: p[depth][rank], falling with rank and (slowly) with depth.
 RANK_PROBS = [[0.7, 0.12, 0.05], [0.75, 0.1, 0.04], [0.78, 0.08, 0.03], [0.8, 0.07, 0.02]]
+
+# A valid dynamic and static tree.json: the schema tests change one key of either.
+DYNAMIC = {"shape": "dynamic", "choices": None, "depth": 3, "top_k": 4, "total_tokens": 8}
+STATIC = {"shape": "static", "choices": [[0], [1], [0, 0]], "depth": 2, "top_k": 2, "total_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    """tiny_llama() (vocabulary 300) loaded from its folder: a head made on it names its target, as trained ones do."""
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def costs(verify_slope: float, level_ms: float = 2.0, batch_slope: float = 0.0) -> Costs:
@@ -122,6 +142,69 @@ def test_tree_config_errors_name_the_file(tmp_path):
     path.write_text(json.dumps(config))
     assert load_tree_config(path) == config
     assert TreeSpec.from_config(config).level_widths() == [1]
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        (DYNAMIC | {"depth": -3}, "depth must be >= 1, got -3"),
+        (DYNAMIC | {"top_k": 0}, "top_k must be >= 1, got 0"),
+        (DYNAMIC | {"total_tokens": -5}, "total_tokens must be >= 1, got -5"),
+        (DYNAMIC | {"min_confidence": 5}, "min_confidence must be <= 1.0, got 5"),
+        (DYNAMIC | {"min_confidence": "high"}, "min_confidence must be float, got 'high' (str)"),
+        (DYNAMIC | {"depth": True}, "depth must be int, got True (bool)"),
+        (DYNAMIC | {"min_confidance": 0.5}, "unknown key 'min_confidance' (known: "),
+        (DYNAMIC | {"choices": [[0]]}, "choices: a dynamic tree has null, got [[0]]"),
+        (STATIC | {"choices": [["a"]]}, "choices[0][0] must be int, got 'a' (str)"),
+        (STATIC | {"choices": [[0], [-1]]}, "choices[1][0] must be >= 0, got -1"),
+        (STATIC | {"choices": [[100000]]}, "top_k must be 100001 (the highest rank in choices, plus one), got 2"),
+        (STATIC | {"choices": [[0], [1], [1, 0, 0]]}, "choices [1, 0, 0] lacks its parent path [1, 0]"),
+        (STATIC | {"depth": 5}, "depth must be 2 (the longest path in choices), got 5"),
+        (STATIC | {"choices": None}, "choices: a static tree needs a non-empty list of rank paths, got None"),
+        (STATIC | {"predicted_tau": 2.0}, "come together, got only ['predicted_tau']"),
+        (STATIC | {"machine": None}, "machine must be str, got None (NoneType)"),
+        # A bool is an int to isinstance: the depth of a schedule entry must be an int, as vLLM reads it.
+        (STATIC | {"depth_per_batch_size": [[1, 8, True]]}, r"depth_per_batch_size: [1, 8, True] is not [first"),
+    ],
+)
+def test_a_tree_json_is_read_through_one_schema_naming_file_key_and_value(tmp_path, tree, message):
+    path = tmp_path / "tree.json"
+    path.write_text(json.dumps(tree))
+    with pytest.raises(ValueError) as err:
+        load_tree_config(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value), err.value
+    # The model card reads a head folder's tree.json through the same check (scripts.export copies it in).
+    for card_reader in (tree_card_section, served_schedule):
+        with pytest.raises(ValueError, match="^" + str(path)):
+            card_reader(tmp_path)
+
+
+def test_a_tree_config_given_in_code_is_checked_too():
+    with pytest.raises(ValueError, match=r"^tree config: top_k must be >= 1, got 0"):
+        TreeSpec.from_config(DYNAMIC | {"top_k": 0})
+    assert TreeSpec.from_config(STATIC).choices == [[0], [1], [0, 0]]
+    assert TreeSpec.from_config(TreeSpec.static(chain_choices(3)).config()).depth == 3
+
+
+def test_a_rank_past_the_drafters_vocabulary_is_refused_naming_the_file(target, tmp_path):
+    head = make_head(target, tmp_path, "eagle3")  # draft vocabulary 200
+    choices = [[0], [200]]
+    (head / "tree.json").write_text(json.dumps({"shape": "static", "choices": choices, "depth": 1, "top_k": 201,
+                                                "total_tokens": 2}))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"{head / 'tree.json'}: choices \[200\]: rank 200 is past the 200 tokens"):
+        head_tree_configs({"eagle3": read_head_folder(head)}, None, ["eagle3"])
+    with pytest.raises(ValueError, match=r"x.json: top_k 301 is past the 300 tokens the model t drafts from"):
+        check_tree_vocab(DYNAMIC | {"top_k": 301}, 300, "x.json", "the model t")
+
+
+def test_a_head_folders_own_tree_json_fails_before_any_model_loads(target, tmp_path):
+    # The user never named the file: it sits in the head folder. Neither the target nor the bench exists, so a
+    # run that got as far as loading either would fail with another error.
+    head = make_head(target, tmp_path, "eagle3")
+    (head / "tree.json").write_text(json.dumps(DYNAMIC | {"depth": -3}))
+    argv = ["--target", str(tmp_path / "no-target"), "--head", str(head), "--method", "eagle3"]
+    with pytest.raises(ValueError, match=rf"^{head / 'tree.json'}: depth must be >= 1, got -3"):
+        acceptance.main(argv + ["--bench", str(tmp_path / "no-bench.jsonl"), "--out", str(tmp_path / "r")])
 
 
 def test_model_card_section_names_the_tuned_tree(tmp_path):

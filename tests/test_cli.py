@@ -1,5 +1,6 @@
 """The headstart command: every verb and its help, config errors before any model loads, each flag section equal
-to its command's flags, and the resolved config beside what each verb wrote."""
+to its command's flags and refused outside its ranges, the launcher's own flags, and the resolved config beside
+what each verb wrote."""
 
 import argparse
 import json
@@ -14,18 +15,17 @@ import pytest
 import tomllib
 import torch
 import yaml
-from conftest import REPO, TARGET, base_config, head_weights, resolve, subprocess_env, world_of_one
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import REPO, TARGET, base_config, head_weights, make_head, resolve, subprocess_env, world_of_one
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from headstart.core.config import ConfigError, load_config
 from headstart.data_recipes.settings import RegenerateConfig
-from headstart.eval import acceptance
+from headstart.eval import acceptance, autotune
 from headstart.eval.acceptance import Eval
-from headstart.heads import HEADS, build_head, load_head
+from headstart.heads import HEAD_TYPES, build_head, load_head, trainers
 from headstart.scripts import cli
 from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS
 from headstart.scripts.export.import_head import ImportHead
-from headstart.train.config import TRAINER_OF
 
 VERBS = ["fetch-target", "regenerate", "capture", "train", "eval", "autotune", "export", "import", "push", "demo"]
 VERBS += ["verify-engines"]
@@ -36,6 +36,12 @@ GSM8K_TEST = REPO / "assets" / "data" / "gsm8k_test.jsonl"
 def write_config(path, config):
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    """tiny_llama() (vocabulary 300) loaded from its folder: a head made on it names its target, as trained ones do."""
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def test_help_lists_every_verb_on_one_line(capsys):
@@ -331,8 +337,8 @@ def test_headstart_train_on_two_processes_execs_torchrun_and_trains_the_same_hea
 
 
 def test_every_head_type_has_a_training_recipe():
-    assert set(TRAINER_OF) == set(HEADS)
-    assert all(callable(import_module(f"train.{trainer}").main) for trainer in set(TRAINER_OF.values()))
+    assert set(trainers()) == set(HEAD_TYPES)
+    assert all(callable(import_module(f"train.{trainer}").main) for trainer in set(trainers().values()))
 
 
 def test_pyproject_declares_the_headstart_console_script():
@@ -340,3 +346,39 @@ def test_pyproject_declares_the_headstart_console_script():
     assert scripts == {"headstart": "headstart.scripts.cli:main"}
     module, _, name = scripts["headstart"].partition(":")
     assert getattr(import_module(module), name) is cli.main
+
+
+@pytest.mark.parametrize(
+    ("module", "flags", "message"),
+    [
+        (acceptance, ["--top-p", "2"], "--top-p must be <= 1, got 2.0"),
+        (acceptance, ["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+        (acceptance, ["--dtype", "fp64"], "--dtype must be one of"),
+        (autotune, ["--max-depth", "-2"], "--max-depth must be >= 1, got -2"),
+        (autotune, ["--batch-sizes", "0,2"], "--batch-sizes[0] must be >= 1, got 0"),
+        (autotune, ["--offset", "-1"], "--offset must be >= 0, got -1"),
+    ],
+)
+def test_the_flags_have_the_ranges_of_their_config_section(module, flags, message, capsys):
+    required = {acceptance: ["--method", "vanilla", "--bench", "b"], autotune: ["--head", "h"]}[module]
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--target", "t", "--out", "o", *required, *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_launcher_refuses_a_process_count_below_one_naming_the_flag(monkeypatch, capsys):
+    def execv(*argv):
+        raise AssertionError(f"torchrun was started: {argv}")
+
+    monkeypatch.setattr(cli.os, "execv", execv)  # torchrun must never see the count (it fails on 0 with no word)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--config", "configs/demo-eagle3.yaml", "--nproc-per-node", "0"])
+    assert exit_info.value.code == 2 and "argument --nproc-per-node: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_launcher_refuses_an_empty_out_naming_the_key(target, tmp_path, capsys, monkeypatch):
+    head = make_head(target, tmp_path, "eagle3")
+    monkeypatch.chdir(tmp_path)  # an empty out is the folder the command runs in
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", f"export.head={head}", "export.format=vllm", "export.out="])
+    assert exit_info.value.code == 2 and "export.out must name a folder, got ''" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import yaml
 from conftest import REPO, resolve
 
 from headstart.core.config import ConfigError, apply_overrides, load_config
-from headstart.core.settings import SECTIONS, parse
+from headstart.core.settings import SECTIONS, TaggedUnion, parse
 from headstart.data_recipes import capture, regenerate
 from headstart.data_recipes.formats import FORMATS
 from headstart.data_recipes.settings import (
@@ -27,8 +27,8 @@ from headstart.data_recipes.settings import (
 )
 from headstart.data_recipes.shards import read_manifest
 from headstart.eval import acceptance
-from headstart.heads import HEADS, Head, HeadOptions, Lora
-from headstart.heads.config import HEAD_OPTIONS
+from headstart.heads import HEAD_TYPES, Head, HeadOptions, Lora
+from headstart.heads.registry import head_options_models
 from headstart.scripts import cli, demo
 from headstart.scripts.config import COMMAND_CONFIGS, PipelineConfig
 from headstart.scripts.demo import DemoConfig
@@ -37,6 +37,7 @@ from headstart.scripts.dev.build_demo_models import BuildDemoModelsConfig, DemoM
 from headstart.train import eagle, medusa
 from headstart.train.config import Metrics, Train, TrainConfig, Wandb
 
+HEAD_OPTIONS = head_options_models()
 # Which commands read each bundled config; the rest (the head configs) drive capture and training.
 COMMANDS_OF = {
     "demo.yaml": [DemoConfig],
@@ -65,9 +66,10 @@ def test_every_bundled_config_resolves_to_the_values_it_always_had(path):
 
 
 def test_the_schema_knows_the_heads_and_formats_the_code_has():
-    assert set(HEAD_OPTIONS) == set(HEADS)
-    assert all(HEADS[name].options_model is options for name, options in HEAD_OPTIONS.items())
-    assert set(typing.get_args(typing.get_args(Head)[0])) == set(HEAD_OPTIONS.values())  # the head: section
+    assert set(HEAD_OPTIONS) == set(HEAD_TYPES)
+    assert all(HEAD_TYPES[name].head.options_model is options for name, options in HEAD_OPTIONS.items())
+    union = next(arg for arg in typing.get_args(Head) if isinstance(arg, TaggedUnion))  # the head: section
+    assert set(union.members().values()) == set(HEAD_OPTIONS.values())
     assert set(typing.get_args(Data.model_fields["format"].annotation)) == set(FORMATS)
     assert tuple(PipelineConfig.model_fields) == SECTIONS
     assert all(issubclass(options, HeadOptions) for options in HEAD_OPTIONS.values())
@@ -111,7 +113,7 @@ def test_defaults_fill_in_and_yaml_exponents_read_as_floats(tmp_path):
     assert config["train"]["lr"] == "1e-4"  # YAML 1.1
     resolved = resolve(config, TrainConfig)
     assert resolved["train"]["lr"] == 1e-4 and resolved["capture"]["shard_samples"] == 256
-    assert resolved["head"] == {"type": "eagle3", **HEADS["eagle3"].options_model.defaults()}
+    assert resolved["head"] == {"type": "eagle3", **HEAD_TYPES["eagle3"].head.options_model.defaults()}
     assert "lora" not in resolved and "regenerate" not in resolved
 
 
@@ -226,7 +228,8 @@ def test_training_refuses_out_of_range_values_before_any_work(tmp_path, monkeypa
     def no_work(*args, **kwargs):
         raise AssertionError("a bad config got as far as the process group")
 
-    monkeypatch.setattr(trainer, "start_processes", no_work)
+    recipe = trainer if hasattr(trainer, "start_processes") else eagle  # dflash.py runs eagle.py's train_head
+    monkeypatch.setattr(recipe, "start_processes", no_work)
     path = write_config(tmp_path, name, [f"train.out_dir={tmp_path / 'out'}"])
     with pytest.raises(ConfigError, match=message):
         trainer.main(["--config", str(path), *overrides])

@@ -3,7 +3,7 @@
 The models are bigram lookup tables (logits depend only on the current token) behind the slice of the HF
 interface the loop uses, so the exact two-token distribution is a V x V enumeration and a thousand
 seeded runs, batched through ``generate_batch``, take a second. Attention and the KV cache are covered by
-the greedy tests in test_eval.py. Each test is a chi-square goodness-of-fit test at significance 0.001
+the greedy tests in test_decoding.py. Each test is a chi-square goodness-of-fit test at significance 0.001
 (fixed seeds: deterministic).
 """
 

@@ -236,7 +236,7 @@ def test_greedy_output_equals_the_bundled_targets_own():
 
 def test_sampled_block_tree_is_lossless():
     # The first two generated tokens follow the target's exact distribution (a chi-square test at 0.001,
-    # as in test_eval_sampling.py), drafting a tree whose depth-1 siblings are drawn without replacement
+    # as in test_decoding_sampling.py), drafting a tree whose depth-1 siblings are drawn without replacement
     # from the first mask slot's q. A 5-token vocabulary keeps every one of the 25 cells populated.
     target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
     target.lm_head.weight.data *= 5  # the target's and the draft's distributions differ, but overlap

@@ -1,4 +1,5 @@
-"""Acceptance reports: benchmark loaders, the speedup model, and a full report run on tiny models."""
+"""Acceptance reports: benchmark loaders and the items they refuse, the speedup model, and a full report run on tiny
+models."""
 
 import json
 import shutil
@@ -11,8 +12,10 @@ from headstart.core.acceptance import chain_acceptance
 from headstart.core.errors import DataError
 from headstart.data_recipes.bench import load_bench
 from headstart.data_recipes.prompts import render
+from headstart.eval import acceptance
 from headstart.eval.acceptance import main
 from headstart.eval.report import markdown
+from headstart.eval.results import read_methods
 from headstart.eval.speedup import predicted_speedup
 
 SPEC_BENCH = [
@@ -146,7 +149,9 @@ def test_report_run_on_tiny_models(tiny_target_dir, models, tmp_path):
     assert "| method | tau |" in md and "| eagle3 |" in md and "WARNING" not in md
     assert "| vanilla | 1.000 (1.00x) | 1.000 (1.00x) |" in md  # per category: tau (speedup)
     report["methods"]["eagle3"] |= {"greedy_identical": False, "mismatched_prompts": ["83"]}
-    assert "WARNING: eagle3 did NOT reproduce vanilla greedy decoding" in markdown(report)
+    assert "WARNING: eagle3 did NOT reproduce vanilla greedy decoding" in markdown(
+        report | {"methods": read_methods(report)}
+    )
 
 
 def test_head_folder_tree_json_and_training_prediction_reach_the_report(tiny_target_dir, models, tmp_path):
@@ -223,3 +228,26 @@ def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
     with pytest.raises(DataError) as err:
         load_bench(path)
     assert str(err.value) == f"{path}:2: not UTF-8 text (byte 0xe9 at byte 16 of the line): re-encode the file as UTF-8"
+
+
+def test_a_bench_message_with_empty_content_is_refused_naming_file_and_line(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]}  # a reference slot
+    empty = {"messages": [{"role": "system", "content": " "}, {"role": "user", "content": "Hi"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(empty) + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:2: message 0 \(system\) has empty 'content'"):
+        load_bench(path)
+    path.write_text(json.dumps(good) + "\n")
+    assert load_bench(path)[0].turns == ["Hi"]
+
+
+def test_a_prompt_longer_than_the_targets_positions_is_refused_before_decoding(tmp_path):
+    from conftest import TARGET
+
+    bench = tmp_path / "long.jsonl"
+    long_question = "How many apples? " * 400  # ~1,600 tokens against the bundled target's 1,024 positions
+    bench.write_text(json.dumps({"question_id": 7, "category": "math", "turns": [long_question]}) + "\n")
+    flags = ["--target", str(TARGET), "--method", "vanilla", "--bench", str(bench), "--max-new-tokens", "8"]
+    with pytest.raises(ValueError, match=r"bench item 7 \(math\) can reach \d+ tokens .* past the target's 1024"):
+        acceptance.main([*flags, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -1,13 +1,17 @@
-"""push_to_hub: what gets staged for the hub repo and what its card says (the upload itself is not tested)."""
+"""push_to_hub: what gets staged for the hub repo and what its card says, the repo ids it refuses and what it redacts
+(the upload itself is not tested)."""
 
 import json
+import re
 
 import pytest
+import yaml
 from conftest import make_head
 from transformers import LlamaForCausalLM
 
 from headstart.heads import read_head_config
 from headstart.scripts import cli
+from headstart.scripts.export import push_to_hub
 from headstart.scripts.export.push_to_hub import local_target_problem, main, stage
 
 REPO = "acme/demo-eagle3"
@@ -128,3 +132,62 @@ def test_a_target_of_no_name_is_refused_without_a_target_id():
     assert local_target_problem(None, None) == (
         "the head records no target: pass --target-id ORG/NAME, the target as users load it"
     )
+
+
+@pytest.mark.parametrize("repo_id", ["../../etc", "a/b/c", "acme", "acme/-x", "acme/x.", "acme/a..b", "ac me/x",
+                                     "acme/" + "x" * 97])  # fmt: skip
+def test_a_repo_id_the_hub_would_refuse_is_refused_before_staging(target, tmp_path, capsys, repo_id):
+    head = make_head(target, tmp_path, "eagle3")
+    with pytest.raises(SystemExit) as exit_info:
+        push_to_hub.main(["--head", str(head), "--repo-id", repo_id, "--target-id", "acme/t", "--dry-run"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and f"--repo-id {repo_id!r} is not a hub id" in captured.err
+    assert "staged for" not in captured.out
+
+
+def test_push_redacts_url_credentials_and_local_paths_and_lists_them(target, tmp_path, capsys):
+    run = tmp_path / "run"
+    head = make_head(target, run, "eagle3")
+    training = {
+        "target": {"path": "/home/me/models/llama", "dtype": "bf16"},
+        "data": {"source": "~/data/chat.jsonl", "format": "messages"},
+        "regenerate": {"base_url": "http://user:s3cret-token@gpu-box:8000/v1", "model": "meta-llama/Llama-3"},
+        "capture": {"base_url": "https://host/v1?api_key=sk-abc123&x=1"},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(training, sort_keys=False))
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.md").write_text("| method | tau |\n|---|---|\n| eagle3 | 2.4 |\n\ntarget /home/me/models/llama\n")
+    (report / "report.json").write_text(json.dumps({"target": "/home/me/models/llama", "tau": 2.4}))
+    argv = ["--head", str(head), "--repo-id", "acme/demo", "--target-id", "acme/t", "--report", str(report)]
+    push_to_hub.main([*argv, "--dry-run"])
+    printed = capsys.readouterr().out
+    for secret in ("s3cret-token", "sk-abc123", "/home/me", "~/data"):
+        assert secret not in printed, secret
+    listed = printed.split("redacted (replaced in the staged files, never published):\n")[1].split("\n\n")[0]
+    card, *others = listed.splitlines()
+    assert re.fullmatch(r"  README.md: line \d+ \(local path\)", card)  # the card shows report.md
+    assert others == [
+        "  eval/report.json: target (local path)",
+        "  eval/report.md: line 5 (local path)",
+        "  training_config.yaml: target.path (local path)",
+        "  training_config.yaml: data.source (local path)",
+        "  training_config.yaml: regenerate.base_url (credential in a URL)",
+        "  training_config.yaml: capture.base_url (credential in a URL)",
+    ]
+    staged = push_to_hub.stage(head, "acme/demo", "vllm", tmp_path / "staged", report, target_id="acme/t").folder
+    config = yaml.safe_load((staged / "training_config.yaml").read_text())
+    assert config["regenerate"] == {"base_url": "http://<redacted>@gpu-box:8000/v1", "model": "meta-llama/Llama-3"}
+    assert config["target"]["path"] == "<local-path>" and config["target"]["dtype"] == "bf16"
+    assert config["capture"]["base_url"] == "https://host/v1?api_key=<redacted>&x=1"
+    for path in (p for p in staged.rglob("*") if p.is_file()):
+        text = path.read_bytes().decode("utf-8", "replace")
+        assert "s3cret" not in text and "/home/me" not in text and str(tmp_path) not in text, path
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_a_clean_push_redacts_nothing(target, tmp_path, fmt):
+    # The card's serve commands, links and tables hold no path from the root: redaction must leave them alone.
+    head = make_head(target, tmp_path, "eagle3")
+    staged = push_to_hub.stage(head, "acme/demo", fmt, tmp_path / "staged", target_id="acme/t")
+    assert staged.redacted == [] and "<local-path>" not in (staged.folder / "README.md").read_text()

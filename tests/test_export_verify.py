@@ -8,13 +8,12 @@ import pytest
 import torch
 from conftest import TARGET
 
-from headstart.decoding.proposers import head_method
-from headstart.heads import build_head, load_head, read_head_config
+from headstart.heads import build_head, drafting_of, load_head, read_head_config
 from headstart.scripts.export import verify_engines
 from headstart.scripts.export.command import export_head
-from headstart.scripts.export.parity import acceptance, card_section, report_markdown, weights_digest
+from headstart.scripts.export.parity import card_section, report_markdown, weights_digest
 from headstart.scripts.export.verify_engines import our_acceptance, prompt_ids, prompts
-from headstart.scripts.export.verify_engines_judge import judge_schedule, overall, served
+from headstart.scripts.export.verify_engines_judge import acceptance, judge_schedule, overall, served
 from headstart.scripts.export.verify_engines_side import METHODS, read_counters, spawn
 
 COUNTERS = {
@@ -206,7 +205,7 @@ def test_a_missing_head_folder_gets_a_random_head_of_its_kind(target, tmp_path, 
     # make verify-engines checks every kind by default; a kind not trained yet is served untrained, never skipped.
     model, _ = target
     head_dir, random_init = verify_engines.resolve_head(kind, str(tmp_path / "none"), model, tmp_path)
-    assert random_init and head_method(read_head_config(head_dir)) == kind
+    assert random_init and drafting_of(read_head_config(head_dir)).method == kind
 
 
 def test_served_schedule_is_judged_by_the_deepest_k_it_allows():

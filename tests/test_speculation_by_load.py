@@ -1,6 +1,6 @@
 """Speculation that adapts to load: the depth by batch size (tree.json schedules, ``generate_batch``) and the
 per-sequence adaptive depth (``decoding.tree.confident``, fitted by ``eval.speedup.fit_confidence``). Sampled
-runs of both are checked for losslessness in test_eval_sampling.py."""
+runs of both are checked for losslessness in test_decoding_sampling.py."""
 
 import json
 import math

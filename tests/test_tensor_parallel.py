@@ -138,7 +138,7 @@ def test_evaluation_at_tp_size_2_is_greedy_identical_with_the_one_process_tau(ti
 SAMPLING_WORKER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_eval_sampling import PROMPT, exact_two_tokens_of, sample_pairs
+    from test_decoding_sampling import PROMPT, exact_two_tokens_of, sample_pairs
     from headstart.core.models import load_decoding_target
     from headstart.decoding.proposers import DraftModel
     from headstart.decoding.verify import Sampling
@@ -156,7 +156,7 @@ SAMPLING_WORKER = textwrap.dedent("""
 
 
 def test_sampling_at_tp_size_2_is_lossless(tmp_path):
-    # test_eval_sampling's P-EAGLE target (V = 4, peaked), split in two; a whole draft model that disagrees.
+    # test_decoding_sampling's P-EAGLE target (V = 4, peaked), split in two; a whole draft model that disagrees.
     from conftest import tiny_llama
 
     target = tiny_llama(2, vocab_size=4, num_hidden_layers=3)
@@ -169,7 +169,7 @@ def test_sampling_at_tp_size_2_is_lossless(tmp_path):
     result = torch.load(out)
     whole = load_model(str(tmp_path / "target"), "cpu")
     assert result["counts"].sum() == 1000
-    from test_eval_sampling import PROMPT, exact_two_tokens_of
+    from test_decoding_sampling import PROMPT, exact_two_tokens_of
 
     from headstart.decoding.verify import Sampling
 

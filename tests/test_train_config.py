@@ -69,7 +69,8 @@ def test_config_errors_fail_before_any_work(demo_config, trainer, overrides, mes
     def no_work(*args, **kwargs):
         raise AssertionError("a bad config got as far as the process group")
 
-    monkeypatch.setattr(trainer, "start_processes", no_work)
+    recipe = trainer if hasattr(trainer, "start_processes") else eagle  # dflash.py runs eagle.py's train_head
+    monkeypatch.setattr(recipe, "start_processes", no_work)
     path, out_dir = demo_config
     with pytest.raises(ConfigError, match=message):
         trainer.main(["--config", str(path), *overrides])
