@@ -67,7 +67,7 @@ print(json.dumps({
 }))
 """
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-BUNDLED_TARGET = Path(__file__).resolve().parents[1] / "assets" / "demo-target"  # its tokenizer: load_target loads one
+BUNDLED_TARGET = Path(__file__).resolve().parents[2] / "assets" / "demo-target"  # its tokenizer: load_target loads one
 
 
 def random_bf16(shape: tuple[int, ...], generator: torch.Generator, chunk: int = 1 << 24) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 from headstart.data_recipes.shards import read_manifest
 from headstart.scripts.dev.compare_captures import differences
 
-REPO = Path(__file__).resolve().parents[1]  # capture runs here: --capture-config names repository paths
+REPO = Path(__file__).resolve().parents[2]  # capture runs here: --capture-config names repository paths
 CAPTURE_RATE = re.compile(r"capture: wrote .* \(([\d,.]+) tokens/s")
 
 

@@ -145,7 +145,7 @@ def engine_stage(stage: str, work: Path, head_type: str | None, layout: str | No
 def side_import_path(work: Path) -> Path:
     """A folder in which ``headstart`` links to the folder holding this package's modules (the repository,
     or site-packages/headstart): the side venv has no headstart installed, and imports ours by that name."""
-    folder, ours = work / ".imports", Path(__file__).resolve().parents[1]
+    folder, ours = work / ".imports", Path(__file__).resolve().parents[2]
     link = folder / "headstart"
     if not (link.is_symlink() and link.resolve() == ours):
         folder.mkdir(parents=True, exist_ok=True)
