@@ -261,9 +261,9 @@ class HeadProposer:
     @classmethod
     def check_head(cls, head: DraftHead) -> None:
         """ValueError unless ``head``'s type drafts with this proposer (in any of its draftings)."""
-        if any(d.proposer_class() is cls for d in HEAD_TYPES[head.config.type].draftings()):
-            return
-        kinds = [e.name for e in HEAD_TYPES.values() if any(d.proposer_class() is cls for d in e.draftings())]
+        if any(issubclass(cls, d.proposer_class()) for d in HEAD_TYPES[head.config.type].draftings()):
+            return  # a subclass drafts as its base does
+        kinds = [e.name for e in HEAD_TYPES.values() if any(issubclass(cls, d.proposer_class()) for d in e.draftings())]
         article = "an" if kinds and kinds[0][0] in "aeiou" else "a"
         raise ValueError(
             f"{cls.title} drafting needs {article} {' or '.join(kinds)} head, not a {head.config.type} head"
@@ -386,7 +386,7 @@ class PEagle(HeadProposer):
     title = "P-EAGLE"
 
     def __init__(self, head: DraftHead, depth: int = 3, choices: Sequence[Sequence[int]] | None = None) -> None:
-        if drafting_of(head.config).proposer_class() is not PEagle:
+        if not issubclass(type(self), drafting_of(head.config).proposer_class()):
             raise ValueError(
                 f"P-EAGLE drafting needs an EAGLE-3 head trained with parallel_drafting; this is a {head.config.type} "
                 "head without it (draft it with the eagle3/eagle method)"
