@@ -1,5 +1,6 @@
 """The README.md model card every export carries: what the head is, its target, how to serve it, and the
-draft tree ``eval.autotune`` tuned for it."""
+draft tree ``eval.autotune`` tuned for it. A head type's own rows and serve commands come from its layouts module
+(``formats.Format.describe``, ``serve``); the commands' pieces they are built from are here."""
 
 from __future__ import annotations
 
