@@ -95,7 +95,7 @@ class TaggedUnion:
     picks the head type's options model). The members are read when a schema is built, so a model registered
     later (a head type from outside the package) joins every schema at ``rebuild_schemas``.
 
-        Head = Annotated[HeadOptions, TaggedUnion(lambda: HEAD_OPTIONS)]
+        Head = Annotated[HeadOptions, TaggedUnion(head_options_models)]
     """
 
     def __init__(self, members: Callable[[], Mapping[str, type[Section]]], tag: str = "type") -> None:
@@ -105,6 +105,21 @@ class TaggedUnion:
         members = tuple(self.members().values())
         union = Union.__getitem__(members) if len(members) > 1 else members[0]
         return handler.generate_schema(Annotated[union, Field(discriminator=self.tag)])
+
+
+class Registered:
+    """A name field whose choices are read from a registry when a schema is built (``export.format``: the layouts
+    of the registered head types), so a name registered later is taken once ``rebuild_schemas`` has run; the
+    config check and the flags say the choices as for a Literal.
+
+        format: Annotated[str, Registered(layouts)]
+    """
+
+    def __init__(self, names: Callable[[], Iterable[str]]) -> None:
+        self.names = names
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return handler.generate_schema(Literal.__getitem__(tuple(self.names())))
 
 
 def rebuild_schemas() -> None:
@@ -207,6 +222,8 @@ class CommandFlags(Section):
         the model's, declared once."""
         for name, field in cls.model_fields.items():
             scalar, many, choices = _flag_shape(field.annotation)
+            registered = next((m for m in field.metadata if isinstance(m, Registered)), None)
+            choices = list(registered.names()) if registered is not None else choices
             # Choices are the model's to check (argparse would say it in other words than a config's check).
             shown = [f"one of {', '.join(map(str, choices))}"] if choices else []
             shown += [] if field.is_required() else [f"default: {_shown(field.default)}"]

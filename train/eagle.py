@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from headstart.core.runtime import seed_everything
-from headstart.heads import DraftHead, build_head, head_type
+from headstart.heads import DraftHead, build_head
 from headstart.train.config import parse_args
-from headstart.train.data import head_settings, load_data, loss_token_counts
+from headstart.train.data import fuses_layers, head_settings, load_data, loss_token_counts
 from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
 
 
@@ -29,8 +29,7 @@ def train_head(trainer: str, argv: list[str] | None = None) -> None:
     cfg = parse_args(trainer, argv)  # unknown keys, wrong types, another recipe's head: fail here, before any work
     proc = start_processes(cfg)  # refuses a run its devices cannot hold, before loading
     target, tokenizer = load_run_target(cfg, proc)
-    fused = head_type(cfg.head.type).fuses_layers
-    data = load_data(cfg, target, tokenizer, aux=fused, online_states=True)  # shards checked vs target
+    data = load_data(cfg, target, tokenizer, aux=fuses_layers(cfg.head), online_states=True)  # shards checked
 
     seed_everything(cfg.train.seed)
     head = build_head(head_settings(cfg.head, data.aux_layers), target, tokenizer)  # records its hash

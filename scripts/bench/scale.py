@@ -35,9 +35,8 @@ builds no target at ``--shape``.
 It writes bench_scale.json and bench_scale.md under ``--out``. Random weights change no timing (the kernels
 are the same whatever the values) but make acceptance meaningless, so nothing here measures acceptance.
 
-This module holds the command line and the run; the shapes are in ``bench_scale_shapes``, stages 1-4 in
-``bench_scale_target``, 5 in ``bench_scale_borrowed``, 6 in ``bench_scale_capture_tp`` and the Markdown in
-``bench_scale_report``.
+This module holds the command line and the run; the shapes are in ``scale_shapes``, stages 1-4 in
+``scale_target``, 5 in ``scale_borrowed``, 6 in ``scale_capture_tp`` and the Markdown in ``scale_report``.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def check_bench(out: Path) -> tuple[bool, dict[str, Any]]:
 
 def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dict[str, Any]]:
     """The steps in order; a tensor-parallel step that cannot run here is a dict saying why."""
-    methods = ["vanilla", "ngram", *head_methods(heads)]
+    methods = ["vanilla", "ngram", *methods_of_head_folders(heads)]
     d = {name: out / name for name in STEPS}
     steps: list[Step | dict[str, Any]] = [
         Step(
@@ -246,7 +246,7 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
     return steps
 
 
-def head_methods(heads: list[str]) -> list[str]:
+def methods_of_head_folders(heads: list[str]) -> list[str]:
     """The evaluation method of each head folder (its config's type), as eval.acceptance names it."""
     if not heads:
         return []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 from headstart.core.config import save_config
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
-from headstart.core.settings import CommandFlags, Folder, command_failed, one_of
+from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
 from headstart.heads import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -43,11 +43,8 @@ from headstart.scripts.export.common import check_out
 from headstart.scripts.export.formats import EngineFiles, export_files_names, format_of, layouts
 from headstart.scripts.export.parity import card_section, weights_digest
 
-FORMATS = layouts()  # the --format choices: the layouts of the head types registered with the package
-if TYPE_CHECKING:
-    ExportFormat = str
-else:
-    ExportFormat = one_of(FORMATS)
+# --format: a layout of a registered head type (read when the schema is built: heads.register rebuilds it).
+ExportFormat = Annotated[str, Registered(layouts)]
 
 
 class Export(CommandFlags):
@@ -122,11 +119,6 @@ def engine_files(
     return layouts.export_files(config, state, fmt, target, target_config)
 
 
-def formats_for(head_type: str) -> tuple[str, ...]:
-    """The layouts a head of ``head_type`` exports to."""
-    return format_of(head_type).FORMATS
-
-
 def parity_card_section(parity: Path, head_dir: Path) -> str:
     """The card's section of measured engine figures for the weights in ``head_dir``, from ``parity``."""
     try:
@@ -167,7 +159,7 @@ def export_head(
     hub push leaves them out, as they name local folders.
     """
     head_dir, out = Path(head_dir), Path(out)
-    if fmt not in layouts():  # a head type registered since the flags were made brings its own
+    if fmt not in layouts():
         raise ValueError(f"unknown format {fmt!r}; known: {', '.join(layouts())}")
     if not (head_dir / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"missing {CONFIG_NAME} in {head_dir}: not a headstart head folder")

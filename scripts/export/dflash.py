@@ -58,13 +58,12 @@ UNSUPPORTED = {
 
 
 def refusal(fmt: str) -> str:
-    why = {
+    reasons = {
         # docs/EXPORT.md, "DFlash"
         "speculators": "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout",
         "sglang": "SGLang 0.5.23 has no DFlash draft",
-        "medusa": "the 'medusa' format holds Medusa heads only",
-    }[fmt]
-    return not_written("dflash", fmt, why, FORMATS)
+    }
+    return not_written("dflash", fmt, FORMATS, reasons)
 
 
 def export_files(

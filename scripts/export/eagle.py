@@ -43,11 +43,8 @@ SGLANG_QKV_BIAS = {"architectures": ["Qwen2ForCausalLMEagle"], "model_type": "qw
 
 
 def refusal(fmt: str) -> str:
-    why = {
-        "speculators": "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)",
-        "medusa": "the 'medusa' format holds Medusa heads only",
-    }[fmt]
-    return not_written("eagle", fmt, why, FORMATS)
+    why = "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)"
+    return not_written("eagle", fmt, FORMATS, {"speculators": why})
 
 
 def export_files(

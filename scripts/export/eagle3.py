@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
 from headstart.heads import WEIGHTS_NAME, HeadConfig, arch_from_target
+from headstart.heads.eagle3 import drafts_in_parallel
 from headstart.scripts.export.card import (
     code_block,
     reexport_command,
@@ -89,7 +90,7 @@ def _vocab_tensors(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[s
 
 
 def refusal(fmt: str) -> str:
-    return not_written("eagle3", fmt, "the 'medusa' format holds Medusa heads only", FORMATS)
+    return not_written("eagle3", fmt, FORMATS)
 
 
 def export_files(
@@ -252,7 +253,7 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
 
 def parallel_depths(config: HeadConfig) -> int | None:
     """A P-EAGLE head's trained depths, all drafted in one forward; None for an autoregressive EAGLE-3 head."""
-    return config.options.ttt_steps if config.options.parallel_drafting is not None else None
+    return config.trained_depth if drafts_in_parallel(config.options) else None
 
 
 def layout(fmt: str, short: bool = False) -> str:

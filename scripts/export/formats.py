@@ -91,8 +91,14 @@ def layout_name(fmt: str, short: bool = False) -> str:
     return LAYOUTS[fmt][short]
 
 
-def not_written(head_type: str, fmt: str, why: str, formats: tuple[str, ...]) -> str:
-    """The usual refusal: ``cannot export a eagle head as 'speculators': <why>; formats for it: (...)``."""
+# Layouts that hold one head type only, and say so to every other one asked for them.
+OWN_LAYOUTS = {"medusa": "the 'medusa' format holds Medusa heads only"}
+
+
+def not_written(head_type: str, fmt: str, formats: tuple[str, ...], reasons: dict[str, str] | None = None) -> str:
+    """The usual refusal: ``cannot export a eagle head as 'speculators': <why>; formats for it: (...)``, the
+    reason from ``reasons`` (the head type's own), else the layout's."""
+    why = (reasons or {}).get(fmt) or OWN_LAYOUTS.get(fmt) or f"no {fmt} layout is written for {head_type} heads"
     return f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {formats}"
 
 

@@ -15,24 +15,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import Field
 from transformers import AutoConfig, PretrainedConfig
 
-from headstart.core.settings import CommandFlags, Folder, command_failed, one_of
+from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
 from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
 from headstart.scripts.export.common import DRAFT_ARCH_KEYS, check_out
 from headstart.scripts.export.formats import Imported, format_of, sources
 
-SOURCES = tuple(sources())  # of the head types registered with the package
-
-
-if TYPE_CHECKING:
-    Source = str
-else:
-    Source = one_of(SOURCES)
+# --from: a layout a registered head type reads (read when the schema is built: heads.register rebuilds it).
+Source = Annotated[str, Registered(sources)]
 
 
 class ImportHead(CommandFlags):

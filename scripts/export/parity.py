@@ -1,6 +1,8 @@
 """Served-acceptance parity figures (the ``parity.json`` that ``scripts.export.verify_engines`` writes): which
 weights the figures belong to, and their Markdown for the report and for the model cards, each head named by its
-drafting's title and each engine folder by its head type's layout name (``formats.Format.layout``).
+drafting's title and each engine folder by its head type's layout name (``formats.Format.layout``). Standard library
+only at the top: the engines' side venv (no peft) imports the package around it; the registry is read where a
+table is made.
 """
 
 from __future__ import annotations
@@ -8,9 +10,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 from typing import Any
-
-from headstart.heads import drafting_owner, draftings
-from headstart.scripts.export.formats import format_of
 
 SERVED_HEADER = (
     "| head | measured by | drafts | acceptance length | accepted per position (share of drafts) | greedy tokens "
@@ -36,6 +35,9 @@ def _length(measured: dict[str, Any], relative: float | None = None) -> str:
 
 def served_rows(entry: dict[str, Any], k: int) -> str:
     """Table rows of one head: our evaluator's chain of k, then each engine run that came back with figures."""
+    from headstart.heads import drafting_owner, draftings
+    from headstart.scripts.export.formats import format_of
+
     title = draftings()[entry["type"]].title + (" (untrained)" if entry["random_init"] else "")
     layouts = format_of(drafting_owner(entry["type"]).name)
     ours = entry["ours"]
@@ -56,6 +58,8 @@ def served_rows(entry: dict[str, Any], k: int) -> str:
 
 def speculators_row(entry: dict[str, Any]) -> str:
     check = entry["speculators"]
+    from headstart.heads import draftings
+
     return f"| {draftings()[entry['type']].title} | {check['detail']} | {check['status']} |\n"
 
 

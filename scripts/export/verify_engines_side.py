@@ -3,8 +3,8 @@
 (``spawn``, importing our modules through a link), and the stages it runs there: speculators' draft logits
 and converter, vLLM's greedy generation and its acceptance counters.
 
-Whatever this module imports at its top must import in that venv too (``formats.parity`` is standard library
-only); the rest of the project is imported where used.
+Whatever this module imports at its top must import in that venv too (``verify_engines_judge`` is standard
+library only, and the package's ``__init__`` imports nothing); the rest of the project is imported where used.
 """
 
 from __future__ import annotations
