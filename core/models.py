@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from headstart.core.memory import check_memory, decoding_memory
 from headstart.core.runtime import (
@@ -27,10 +28,18 @@ from headstart.core.runtime import (
 from headstart.core.weights import borrowed_model
 
 
+def attention_implementation(config: Any) -> str | None:
+    """SDPA where transformers implements it for the target's family; else None, the family's own default (gpt-oss:
+    eager, as transformers refuses SDPA for its attention sinks)."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else None
+
+
 def load_model(
     path: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "fp32", tp_size: int = 1
 ) -> PreTrainedModel:
-    """``path`` (a folder or hub id) in eval mode with gradients off, SDPA attention, on ``device`` in ``dtype``.
+    """``path`` (a folder or hub id) in eval mode with gradients off, on ``device`` in ``dtype``, with SDPA attention
+    where the family has it (``attention_implementation``).
 
     ``tp_size`` > 1 splits it across that many processes of the torchrun job (transformers' tensor parallelism
     over consecutive ranks, ``core.runtime.Ranks``): each holds 1/tp_size of the decoder, and every rank of the
@@ -40,17 +49,19 @@ def load_model(
     dtype = resolve_dtype(dtype)
     if why := slow_dtype_warning(device, dtype):
         warnings.warn(f"{path}: {why}", stacklevel=2)
+    config = AutoConfig.from_pretrained(path)
+    attention = attention_implementation(config)
     if tp_size > 1:
-        check_tensor_parallel(AutoConfig.from_pretrained(path), tp_size, path)
+        check_tensor_parallel(config, tp_size, path)
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=dtype,
-            attn_implementation="sdpa",
+            attn_implementation=attention,
             tp_plan="auto",
             device_mesh=tensor_parallel_mesh(device, tp_size),
         )
         return model.eval().requires_grad_(False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
     # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
     return model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
 

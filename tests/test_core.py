@@ -158,3 +158,21 @@ def test_lr_schedule_is_transformers_decay_after_a_warmup_one_step_ahead():
     assert ours[12] == 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 16))
     assert ours[20:] == [0.1] * 5  # the floor at the last step and after
     assert cosine_with_warmup(0, warmup=0, total=10, min_ratio=0.0) == 1.0  # no warm-up: the decay from step 0
+
+
+def test_the_loader_asks_for_sdpa_only_where_the_family_has_it(tmp_path, tiny_llama_dir):
+    # gpt-oss's attention sinks have no SDPA kernel in transformers (it refuses the request): the family's own
+    # eager attention, and its hidden states come back as capture reads them.
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt-oss")
+    model = load_model(str(tmp_path / "gpt-oss"), "cpu")
+    assert model.config._attn_implementation == "eager"
+    states = model(torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states
+    assert len(states) == 3 and states[-1].shape == (1, 4, 64)
+    assert load_model(str(tiny_llama_dir), "cpu").config._attn_implementation == "sdpa"
