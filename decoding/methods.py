@@ -16,7 +16,8 @@ from pydantic import Field
 from transformers import PreTrainedModel
 
 from headstart.core.settings import Count, Section
-from headstart.decoding.proposers import DraftModel, DraftSource, NGram, SelfSpec, Vanilla, early_exit
+from headstart.decoding.proposers import DraftModel, NGram, SelfSpec, Vanilla, early_exit
+from headstart.decoding.proposers_heads import DraftSource
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
 from headstart.decoding.tree_config import TreeSpec, check_tree_vocab, load_tree_config
 from headstart.decoding.verify import Proposer

@@ -28,10 +28,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field
-from pydantic_core import PydanticCustomError
+from pydantic import Field
 
-from headstart.core.settings import Count, Dtype, NonNegative, Section, check
+from headstart.core.settings import Count, Dtype, NonNegative, Registered, Section, check
+from headstart.heads import draftings
 
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
@@ -48,15 +48,9 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 RankPath = Annotated[list[NonNegative], Field(min_length=1)]  # a node: its ancestors' candidate ranks, then its own
 
 
-def _a_drafting_method(method: str) -> str:
-    # The methods of the head types registered when the file is read (heads load torch: imported only here).
-    from headstart.heads import draftings
-
-    known = (*draftings(), "draft_model", "self_spec")
-    if method not in known:
-        expected = ", ".join(repr(m) for m in known[:-1]) + f" or {known[-1]!r}"
-        raise PydanticCustomError("literal_error", "not one of the choices", {"expected": expected})
-    return method
+def drafting_methods() -> tuple[str, ...]:
+    """What a tree.json may say it was tuned for: a registered head type's drafting method, or a draft model."""
+    return (*draftings(), "draft_model", "self_spec")
 
 
 class TreeFile(Section):
@@ -87,7 +81,7 @@ class TreeFile(Section):
     # The drafter it was tuned for (a head's drafting method, heads.drafting_of, or the two drafters without a head);
     # eval.acceptance gives a draft_model or self_spec tree to that method, and self_spec drafts with the target's
     # first exit_layer.
-    method: Annotated[str, AfterValidator(_a_drafting_method)] | None = None
+    method: Annotated[str, Registered(drafting_methods)] | None = None
     exit_layer: Count | None = None
     bench: str = ""
     prompt_format: Literal["chat", "raw"] | None = None  # how the tuning prompts were rendered (data_recipes.prompts)

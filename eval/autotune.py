@@ -64,13 +64,8 @@ from headstart.data_recipes.bench import (
     turn_prompt,
 )
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
-from headstart.decoding.proposers import (
-    DraftSource,
-    check_draft_vocab,
-    drafts_level_by_level,
-    early_exit,
-    tree_depth_bound,
-)
+from headstart.decoding.proposers import check_draft_vocab, early_exit
+from headstart.decoding.proposers_heads import DraftSource, drafts_level_by_level, tree_depth_bound
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
 from headstart.eval.report import prompts_rendered, write_autotune_report
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune

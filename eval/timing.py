@@ -17,7 +17,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.core.timing import clock, timed
-from headstart.decoding.proposers import DepthRecorder, Drafter, DraftSource, head_drafter
+from headstart.decoding.proposers import DepthRecorder
+from headstart.decoding.proposers_heads import Drafter, DraftSource, head_drafter
 from headstart.decoding.tree import Tree, chain
 from headstart.decoding.verify import Proposer, Sampling, new_cache, verify_batch
 from headstart.eval.speedup import Costs

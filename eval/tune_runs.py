@@ -15,7 +15,8 @@ from transformers import PreTrainedModel
 
 from headstart.core.timing import timed
 from headstart.decoding.methods import proposer_for
-from headstart.decoding.proposers import Drafter, DraftSource, ProposerWrapper, head_drafter
+from headstart.decoding.proposers import ProposerWrapper
+from headstart.decoding.proposers_heads import Drafter, DraftSource, head_drafter
 from headstart.decoding.tree import Tree
 from headstart.decoding.tree_config import Schedule, TreeSpec, comb_choices, scheduled_depth
 from headstart.decoding.verify import Proposer, Sampling, generate, generate_batch

@@ -422,6 +422,6 @@ HEAD_TYPE = HeadType(
     head=DFlashHead,
     trainer="dflash",
     fuses_layers=True,
-    drafting=Drafting("dflash", "DFlash", "headstart.decoding.proposers:DFlash"),
+    drafting=Drafting("dflash", "DFlash", "headstart.decoding.proposers_heads:DFlash"),
     export="headstart.scripts.export.dflash",
 )

@@ -120,6 +120,6 @@ HEAD_TYPE = HeadType(
     head=EagleHead,
     trainer="eagle",
     fuses_layers=False,
-    drafting=Drafting("eagle", "EAGLE-1/2", "headstart.decoding.proposers:Eagle"),
+    drafting=Drafting("eagle", "EAGLE-1/2", "headstart.decoding.proposers_heads:Eagle"),
     export="headstart.scripts.export.eagle",
 )

@@ -177,6 +177,6 @@ HEAD_TYPE = HeadType(
     head=MedusaHead,
     trainer="medusa",
     fuses_layers=False,
-    drafting=Drafting("medusa", "Medusa", "headstart.decoding.proposers:Medusa"),
+    drafting=Drafting("medusa", "Medusa", "headstart.decoding.proposers_heads:Medusa"),
     export="headstart.scripts.export.medusa",
 )

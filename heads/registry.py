@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def resolve(ref: str | Any) -> Any:
-    """A ``"module:attribute"`` reference imported (``"headstart.decoding.proposers:Eagle"``); anything else as it
+    """A ``"module:attribute"`` reference imported (``"headstart.decoding.proposers_heads:Eagle"``); anything else as it
     is (a head type registered from user code may hand over the object itself)."""
     if not isinstance(ref, str):
         return ref

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 
 from headstart.core.acceptance import expected_tau
 from headstart.decoding.methods import head_tree_configs
-from headstart.decoding.proposers import Eagle
+from headstart.decoding.proposers_heads import Eagle
 from headstart.decoding.tree_config import (
     TreeSpec,
     chain_choices,

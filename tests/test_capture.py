@@ -16,15 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.core.io import OutOfSpaceError
 from headstart.core.models import default_aux_layers
-from headstart.data_recipes.capture import (
-    OnlineCapture,
-    check_free_disk,
-    length_batches,
-    resolve_aux_layers,
-    run_capture,
-    storage_estimate,
-    tokenizer_hash,
-)
+from headstart.data_recipes.capture import check_free_disk, run_capture, storage_estimate, tokenizer_hash
 from headstart.data_recipes.recipes import load_samples
 from headstart.data_recipes.shards import (
     ManifestMismatch,
@@ -35,6 +27,7 @@ from headstart.data_recipes.shards import (
     quantize_fp8,
     read_manifest,
 )
+from headstart.data_recipes.states import OnlineCapture, length_batches, resolve_aux_layers
 
 
 def capture_config(target_dir, data_file, out_dir, **capture):

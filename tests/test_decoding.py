@@ -5,7 +5,8 @@ import torch
 from conftest import tiny_llama
 from transformers import DynamicCache
 
-from headstart.decoding.proposers import DraftModel, Eagle, Medusa, NGram, PEagle, Vanilla
+from headstart.decoding.proposers import DraftModel, NGram, Vanilla
+from headstart.decoding.proposers_heads import Eagle, Medusa, PEagle
 from headstart.decoding.tree import (
     MC_SIM_7B_63,
     SMALL_CHOICES,

@@ -15,7 +15,8 @@ from conftest import assert_matches, tiny_llama
 from torch import nn
 from transformers import LlamaConfig
 
-from headstart.decoding.proposers import DraftModel, NGram, PEagle
+from headstart.decoding.proposers import DraftModel, NGram
+from headstart.decoding.proposers_heads import PEagle
 from headstart.decoding.tree import pick_children, static_tree
 from headstart.decoding.verify import Sampling, accept, generate_batch, probabilities
 from headstart.heads import build_head

@@ -18,7 +18,7 @@ from conftest import TARGET, assert_matches, tiny_llama
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from headstart.decoding.proposers import DFlash
+from headstart.decoding.proposers_heads import DFlash
 from headstart.decoding.tree_config import comb_choices
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
 from headstart.heads import build_head, load_head

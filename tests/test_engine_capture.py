@@ -23,7 +23,7 @@ from conftest import REPO, TARGET, records, resolve, run_here, subprocess_env, t
 from safetensors.torch import load_file, save_file
 
 from headstart.core.config import ConfigError
-from headstart.data_recipes.capture import capture_hidden_states, run_capture
+from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.engine_capture import (
     CPU_CONNECTOR,
     EngineStates,
@@ -34,6 +34,7 @@ from headstart.data_recipes.engine_capture import (
 from headstart.data_recipes.engine_client import ChatServer, EngineError
 from headstart.data_recipes.settings import CaptureConfig, Target
 from headstart.data_recipes.shards import read_manifest, shard_name
+from headstart.data_recipes.states import capture_hidden_states
 from headstart.train import eagle
 from headstart.train.config import resolve_config
 

@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from headstart.data_recipes.capture import run_capture
-from headstart.decoding.proposers import Eagle, Medusa
+from headstart.decoding.proposers_heads import Eagle, Medusa
 from headstart.decoding.verify import generate
 from headstart.heads import WEIGHTS_NAME, arch_from_target, build_head, load_head, read_head_config
 from headstart.heads.layers import DecoderLayer, RotaryEmbedding

@@ -10,8 +10,9 @@ from conftest import base_config, engine_layer_names, layer, records, run_here
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Gemma3TextConfig
 
-from headstart.data_recipes.capture import capture_hidden_states, run_capture
-from headstart.decoding.proposers import Eagle
+from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.states import capture_hidden_states
+from headstart.decoding.proposers_heads import Eagle
 from headstart.decoding.verify import generate
 from headstart.heads import WEIGHTS_NAME, build_head, load_head, read_head_config
 from headstart.heads.target import check_eagle_family

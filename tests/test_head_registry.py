@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
 from headstart.core.config import ConfigError
-from headstart.decoding.proposers import Eagle
+from headstart.decoding.proposers_heads import Eagle
 from headstart.eval import acceptance, autotune
 from headstart.heads import (
     HEAD_TYPES,

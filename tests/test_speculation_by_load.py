@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from headstart.decoding.proposers import DraftModel, Eagle, Vanilla
+from headstart.decoding.proposers import DraftModel, Vanilla
+from headstart.decoding.proposers_heads import Eagle
 from headstart.decoding.tree import Tree, capped
 from headstart.decoding.tree_config import (
     TreeSpec,

@@ -17,9 +17,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.runtime import mix_seed, resolve_dtype
-from headstart.data_recipes.capture import EngineCapture, OnlineCapture, resolve_aux_layers, samples_hash
+from headstart.data_recipes.capture import samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
+from headstart.data_recipes.states import EngineCapture, OnlineCapture, resolve_aux_layers
 from headstart.heads import HeadOptions, head_type
 from headstart.train.config import Train, TrainConfig
 

@@ -48,8 +48,8 @@ from headstart.core.runtime import (
     slow_dtype_warning,
 )
 from headstart.core.settings import as_dict
-from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
 from headstart.data_recipes.prompts import data_prompt_format
+from headstart.data_recipes.states import OnlineCapture, resolve_aux_layers
 from headstart.heads import (
     CONFIG_NAME,
     DraftHead,

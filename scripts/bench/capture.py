@@ -29,17 +29,12 @@ from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.core.settings import parse
 from headstart.core.timing import timed
-from headstart.data_recipes.capture import (
-    StateSource,
-    capture_shard,
-    forward_states,
-    length_batches,
-    resolve_aux_layers,
-)
+from headstart.data_recipes.capture import capture_shard
 from headstart.data_recipes.engine_capture import EngineStates, engine_states_for
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.settings import CaptureConfig
 from headstart.data_recipes.shards import write_shard
+from headstart.data_recipes.states import StateSource, forward_states, length_batches, resolve_aux_layers
 
 
 @torch.no_grad()

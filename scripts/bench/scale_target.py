@@ -15,9 +15,9 @@ import torch
 from transformers import PreTrainedModel
 
 from headstart.core.runtime import resolve_dtype
-from headstart.data_recipes.capture import OnlineCapture, forward_states
 from headstart.data_recipes.recipes import Sample
 from headstart.data_recipes.settings import Capture
+from headstart.data_recipes.states import OnlineCapture, forward_states
 from headstart.decoding.proposers import Vanilla
 from headstart.decoding.verify import generate
 from headstart.eval.timing import VERIFY_NODES, measure_verify, peak_memory_mb

@@ -21,9 +21,9 @@ from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.core.settings import parse
 from headstart.core.timing import timed
-from headstart.data_recipes.capture import OnlineCapture, resolve_aux_layers
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import pad_collate
+from headstart.data_recipes.states import OnlineCapture, resolve_aux_layers
 from headstart.heads import HEAD_TYPES, DraftHead, HeadOptions, build_head
 from headstart.train.config import TrainConfig
 from headstart.train.data import SampleDataset, fuses_layers
