@@ -27,19 +27,29 @@ from headstart.core.runtime import (
 )
 from headstart.core.weights import borrowed_model
 
+AUTO_ATTENTION = "auto"  # the default of target.attn_implementation and --attn-implementation
 
-def attention_implementation(config: Any) -> str | None:
-    """SDPA where transformers implements it for the target's family; else None, the family's own default (gpt-oss:
+
+def attention_implementation(config: Any, requested: str = AUTO_ATTENTION) -> str | None:
+    """The attention kernel a target loads with: ``requested`` (``target.attn_implementation``: eager, sdpa,
+    flash_attention_2, flex_attention or a hub kernel, as transformers names them) unless it is "auto"; then SDPA
+    where transformers implements it for the target's family, else None, the family's own default (gpt-oss:
     eager, as transformers refuses SDPA for its attention sinks)."""
+    if requested != AUTO_ATTENTION:
+        return requested
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else None
 
 
 def load_model(
-    path: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "fp32", tp_size: int = 1
+    path: str,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "fp32",
+    tp_size: int = 1,
+    attention: str = AUTO_ATTENTION,
 ) -> PreTrainedModel:
-    """``path`` (a folder or hub id) in eval mode with gradients off, on ``device`` in ``dtype``, with SDPA attention
-    where the family has it (``attention_implementation``).
+    """``path`` (a folder or hub id) in eval mode with gradients off, on ``device`` in ``dtype``, with the
+    ``attention`` kernel (``attention_implementation``: by default SDPA where the family has it).
 
     ``tp_size`` > 1 splits it across that many processes of the torchrun job (transformers' tensor parallelism
     over consecutive ranks, ``core.runtime.Ranks``): each holds 1/tp_size of the decoder, and every rank of the
@@ -50,24 +60,31 @@ def load_model(
     if why := slow_dtype_warning(device, dtype):
         warnings.warn(f"{path}: {why}", stacklevel=2)
     config = AutoConfig.from_pretrained(path)
-    attention = attention_implementation(config)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention_implementation(config, attention)}
     if tp_size > 1:
         check_tensor_parallel(config, tp_size, path)
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            attn_implementation=attention,
-            tp_plan="auto",
-            device_mesh=tensor_parallel_mesh(device, tp_size),
-        )
+        kwargs |= {"tp_plan": "auto", "device_mesh": tensor_parallel_mesh(device, tp_size)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (ValueError, ImportError) as err:
+        if attention == AUTO_ATTENTION:
+            raise
+        # transformers' words for a kernel the family (or this install) lacks, named with the config key to change.
+        raise ValueError(f"{path}: target.attn_implementation {attention!r} cannot load it: {err}") from None
+    if tp_size > 1:
         return model.eval().requires_grad_(False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
     # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
     return model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
 
 
 def load_decoding_target(
-    path: str, device_name: str, dtype: str | torch.dtype, tp_size: int, drafters: int, context_tokens: int
+    path: str,
+    device_name: str,
+    dtype: str | torch.dtype,
+    tp_size: int,
+    drafters: int,
+    context_tokens: int,
+    attention: str = AUTO_ATTENTION,
 ) -> tuple[PreTrainedModel, Ranks]:
     """The target a decoding command (evaluation, autotune) runs, and this process's ranks: whole on one
     process, or split across the ``tp_size`` processes torchrun started. Every rank decodes the same prompts
@@ -86,7 +103,7 @@ def load_decoding_target(
     line = check_memory(need, device, "split the target across more ranks (--tp-size) or use a larger device")
     if ranks.rank == 0:
         print(line)
-    return load_model(path, device, dtype, tp_size), ranks
+    return load_model(path, device, dtype, tp_size, attention), ranks
 
 
 def check_tensor_parallel(config: Any, tp_size: int, path: str) -> None:
@@ -123,16 +140,22 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def load_target(
-    path: str, device: str = "auto", dtype: str = "fp32", tp_size: int = 1, borrowed_only: bool = False
+    path: str,
+    device: str = "auto",
+    dtype: str = "fp32",
+    tp_size: int = 1,
+    borrowed_only: bool = False,
+    attention: str = AUTO_ATTENTION,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A target (a config's ``target:`` section: path, device, dtype, tp_size) -> (model, tokenizer).
+    """A target (a config's ``target:`` section: path, device, dtype, tp_size, attn_implementation) -> (model,
+    tokenizer).
 
     ``borrowed_only``: what training from shards needs, the config and the embedding, final norm and lm_head
     read by name from the safetensors (``core.weights.borrowed_model``), never the decoder layers.
     """
     if borrowed_only:
         return borrowed_model(path, resolve_device(device), resolve_dtype(dtype)), load_tokenizer(path)
-    return load_model(path, device, dtype, tp_size), load_tokenizer(path)
+    return load_model(path, device, dtype, tp_size, attention), load_tokenizer(path)
 
 
 def default_aux_layers(num_hidden_layers: int) -> list[int]:

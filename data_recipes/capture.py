@@ -304,7 +304,9 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
     target = cfg.target
     ranks, device = capture_ranks(cfg)
     config, tokenizer = AutoConfig.from_pretrained(target.path), load_tokenizer(target.path)
-    model = None if cfg.capture.engine == "vllm" else load_model(target.path, device, target.dtype, target.tp_size)
+    model = None
+    if cfg.capture.engine != "vllm":
+        model = load_model(target.path, device, target.dtype, target.tp_size, target.attn_implementation)
     job = plan_capture(cfg, ranks, config, tokenizer)
     out_dir, rank = job.out_dir, ranks.rank
     if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == job.fingerprint:

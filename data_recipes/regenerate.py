@@ -306,7 +306,10 @@ def chunk_generator(cfg: RegenerateConfig, conversations: list[Messages]) -> Ite
     """The parts' settings, and what regenerates chunk k, for the configured engine."""
     regen, target = cfg.regenerate, cfg.target
     if regen.engine == "hf":
-        model, tokenizer = load_target(target.path, str(rank_device(target.device)), target.dtype, target.tp_size)
+        device = str(rank_device(target.device))
+        model, tokenizer = load_target(
+            target.path, device, target.dtype, target.tp_size, attention=target.attn_implementation
+        )
         check_template(tokenizer, cfg.data.source, cfg.data.format)  # before a chunk, naming data.format
         settings = parts_settings(cfg, model, tokenizer, conversations)
 

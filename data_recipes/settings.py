@@ -37,6 +37,9 @@ class Target(Section):
     device: str = "auto"  # cuda when present, else cpu
     dtype: Dtype = "fp32"  # the frozen target's compute dtype
     tp_size: Count = 1  # processes one copy of the target is split across (torchrun; docs/TRAINING.md)
+    # auto: SDPA where transformers has it for the family, else the family's default (gpt-oss: eager); or
+    # eager, sdpa, flash_attention_2, flex_attention, a hub kernel (core.models.attention_implementation)
+    attn_implementation: str = "auto"
 
 
 class Data(Section):

@@ -92,6 +92,9 @@ class Eval(CommandFlags, TreeSettings):
     device: str = Field("auto", description="auto, cpu or cuda")
     dtype: Dtype = "fp32"
     tp_size: Count = Field(1, description="split the target across this many torchrun processes")
+    attn_implementation: str = Field(
+        "auto", description="the target's attention kernel: auto (SDPA where the family has it), eager, sdpa, ..."
+    )
     out: Folder = Field(description="the report folder")
 
 
@@ -191,7 +194,9 @@ def load(args: Eval) -> Loaded:
     positions = AutoConfig.from_pretrained(args.target).get_text_config().max_position_embeddings
     check_positions(tokenizer, items, args.max_new_tokens, args.total_tokens, positions, prompt_format)
     context = longest_context(tokenizer, items, args.max_new_tokens, prompt_format) + args.total_tokens
-    target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
+    target, ranks = load_decoding_target(
+        args.target, args.device, dtype, args.tp_size, drafters, context, args.attn_implementation
+    )
     device = target.device
     prepare_decoding(device)
     draft = load_model(args.draft, device, dtype) if args.draft and "draft_model" in args.method else None

@@ -110,6 +110,9 @@ class Autotune(CommandFlags):
     device: str = Field("auto", description="auto, cpu or cuda")
     dtype: Dtype = "fp32"
     tp_size: Count = Field(1, description="split the target across this many torchrun processes")
+    attn_implementation: str = Field(
+        "auto", description="the target's attention kernel: auto (SDPA where the family has it), eager, sdpa, ..."
+    )
     seed: NonNegative = 0
     out: Folder = Field(description="folder for tree.json, autotune.json/.md/.png")
     write_head: bool = Field(False, description="also write <head>/tree.json (eval.acceptance reads it)")
@@ -229,7 +232,9 @@ def start(args: Autotune) -> Session:
     context = longest_context(tokenizer, items, args.max_new_tokens, prompt_format) + max(
         args.max_nodes, EAGLE_DEFAULT["total_tokens"]
     )
-    target, ranks = load_decoding_target(args.target, args.device, dtype, args.tp_size, drafters, context)
+    target, ranks = load_decoding_target(
+        args.target, args.device, dtype, args.tp_size, drafters, context, args.attn_implementation
+    )
     prepare_decoding(target.device)
     sources = draft_sources(args, target, dtype)
     prompts = [turn_prompt(tokenizer, item, [], prompt_format).to(target.device) for item in items]  # first turns

@@ -176,3 +176,7 @@ def test_the_loader_asks_for_sdpa_only_where_the_family_has_it(tmp_path, tiny_ll
     states = model(torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states
     assert len(states) == 3 and states[-1].shape == (1, 4, 64)
     assert load_model(str(tiny_llama_dir), "cpu").config._attn_implementation == "sdpa"
+    # target.attn_implementation (--attn-implementation) overrides the choice; a kernel the family lacks is named.
+    assert load_model(str(tiny_llama_dir), "cpu", attention="eager").config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match=r"gpt-oss: target.attn_implementation 'sdpa' cannot load it: .*GptOss"):
+        load_model(str(tmp_path / "gpt-oss"), "cpu", attention="sdpa")

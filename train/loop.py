@@ -145,7 +145,14 @@ def load_run_target(cfg: TrainConfig, proc: Process) -> tuple[PreTrainedModel, P
     """The target as this run needs it (whole, or its borrowed tensors: ``runs_target``), on this rank's own
     device (``cuda`` alone would put every rank on GPU 0)."""
     target = cfg.target
-    return load_target(target.path, str(proc.device), target.dtype, target.tp_size, borrowed_only=not runs_target(cfg))
+    return load_target(
+        target.path,
+        str(proc.device),
+        target.dtype,
+        target.tp_size,
+        borrowed_only=not runs_target(cfg),
+        attention=target.attn_implementation,
+    )
 
 
 def forward_in_step(cfg: TrainConfig) -> bool:

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     cfg = parse(load_config(args.config), CaptureConfig, args.config)
-    model, tokenizer = load_target(cfg.target.path, cfg.target.device, cfg.target.dtype)
+    model, tokenizer = load_target(
+        cfg.target.path, cfg.target.device, cfg.target.dtype, attention=cfg.target.attn_implementation
+    )
     data, cap = cfg.data, cfg.capture
     samples, _ = load_samples(data.source, data.format, tokenizer, data.max_length, limit=args.samples)
     samples.sort(key=lambda s: -len(s.input_ids))

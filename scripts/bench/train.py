@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--online", action="store_true", help="also time steps that run the target (online capture)")
     args = parser.parse_args(argv)
     cfg = parse(load_config(args.config), TrainConfig, args.config)
-    target, tokenizer = load_target(cfg.target.path, cfg.target.device, cfg.target.dtype)
+    target, tokenizer = load_target(
+        cfg.target.path, cfg.target.device, cfg.target.dtype, attention=cfg.target.attn_implementation
+    )
     data = cfg.data
     samples, _ = load_samples(
         data.source, data.format, tokenizer, data.max_length, limit=args.batch_size * min(args.steps, 8)
