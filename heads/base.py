@@ -18,12 +18,20 @@ from headstart.heads.config import (
     HeadConfig,
     HeadOptions,
     HeadSettings,
+    LayerOptions,
     parse_section,
     read_head_config,
     write_head_config,
 )
 from headstart.heads.layers import KVCache
-from headstart.heads.target import TargetParts, arch_from_target, check_compatible, check_tokenizer, target_parts
+from headstart.heads.target import (
+    TargetParts,
+    arch_from_target,
+    check_compatible,
+    check_tokenizer,
+    draft_mlp_width,
+    target_parts,
+)
 
 WEIGHTS_NAME = "model.safetensors"
 SHOWN_PROBLEMS = 6  # tensor problems named in an error; a wrong layer count can miss dozens
@@ -113,12 +121,15 @@ class DraftHead(nn.Module):
     @classmethod
     def make_config(cls, settings: HeadSettings, target_config: PretrainedConfig) -> HeadConfig:
         """The config of a fresh head: ``settings``' options (``options_of``) for this target."""
+        options, arch = cls.options_of(settings), arch_from_target(target_config)
+        if isinstance(options, LayerOptions):  # the head builds a draft layer: its MLP needs a width
+            arch.intermediate_size = draft_mlp_width(target_config, options.intermediate_size, cls.head_type)
         return HeadConfig(
-            options=cls.options_of(settings),
+            options=options,
             target=getattr(target_config, "_name_or_path", "") or None,
             target_hidden_size=target_config.hidden_size,
             vocab_size=target_config.vocab_size,
-            arch=arch_from_target(target_config),
+            arch=arch,
         )
 
     @classmethod
@@ -138,8 +149,11 @@ class DraftHead(nn.Module):
         except NotImplementedError as err:  # the target's family (check_eagle_family)
             raise NotImplementedError(f"{where}: {err}") from None
         saved, remade = config.options.model_dump(), built.model_dump()
+        # An option the file leaves unset (a head saved before the option existed) is the one the build makes.
         changed = [
-            f"{k} {saved[k]!r} (a build for this target makes {remade[k]!r})" for k in saved if saved[k] != remade[k]
+            f"{k} {saved[k]!r} (a build for this target makes {remade[k]!r})"
+            for k in saved
+            if saved[k] is not None and saved[k] != remade[k]
         ]
         if changed:
             raise ValueError(f"{where}: not what a {cls.head_type} head's build makes: " + "; ".join(changed))

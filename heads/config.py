@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from headstart.core.settings import Section, check
+from headstart.core.settings import Count, Section, check
 from headstart.heads.registry import head_options_models
 
 CONFIG_NAME = "config.json"
@@ -42,6 +42,14 @@ class HeadOptions(Section):
     def length_problems(self, max_length: int) -> list[str]:
         """What is wrong with these options for samples of at most ``max_length`` tokens (data.max_length)."""
         return []
+
+
+class LayerOptions(HeadOptions):
+    """The options of a head that builds a dense draft decoder layer (EAGLE-1/2, EAGLE-3, P-EAGLE, DFlash)."""
+
+    # The draft MLP's width; null: the target's dense MLP's (heads.target.draft_mlp_width), which a target whose
+    # every layer routes to experts lacks: then it must be set.
+    intermediate_size: Count | None = None
 
 
 # What builds a head: a config's validated head: section, or the options as a mapping ({"type": "eagle3", ...}).

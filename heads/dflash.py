@@ -44,7 +44,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, NonNegative, Positive
 from headstart.heads.base import DraftHead
-from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, resolved
+from headstart.heads.config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.eagle3 import build_vocab_mapping
 from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
 from headstart.heads.losses import label_mask, soft_cross_entropy
@@ -106,7 +106,7 @@ def block_attention(
     return out.view(batch, kv_heads, blocks, groups, size, dim).transpose(2, 3).reshape(batch, heads, n, dim)
 
 
-class DflashOptions(HeadOptions):
+class DflashOptions(LayerOptions):
     type: Literal["dflash"] = "dflash"
     # Target layers fused by fc, in capture.aux_layers' convention (HF hidden_states index; vLLM's
     # dflash_config.target_layer_ids is one less). null: the capture's layers; its auto default
@@ -114,7 +114,6 @@ class DflashOptions(HeadOptions):
     layer_ids: list[NonNegative] | None = None
     num_layers: Count = 1  # draft decoder layers (Qwen3-style, q/k norm)
     block_size: Annotated[int, Field(ge=2)] = 16  # one forward: the real token + block_size - 1 mask slots
-    intermediate_size: Count | None = None  # the draft MLP's width; null: the target's
     # The token fed in the mask slots; null: the tokenizer's mask token, else the first row past the
     # tokenizer (an unused embedding row), else pad, else eos (heads/dflash.py, resolve_mask_token_id).
     mask_token_id: NonNegative | None = None
@@ -205,8 +204,6 @@ class DFlashHead(DraftHead):
         # vLLM builds the draft's layers as Qwen3's (q/k norm, SiLU, biases only with attention_bias,
         # which would add one to o_proj too), whatever the target family.
         arch.qk_norm, arch.qkv_bias, arch.hidden_act = True, False, "silu"
-        if options.intermediate_size is not None:
-            arch.intermediate_size = options.intermediate_size
         layers = target_config.num_hidden_layers
         options.layer_ids = sorted(set(options.layer_ids or default_aux_layers(layers)))
         # Our id i is the residual stream entering layer i; vLLM's dflash id is i - 1 (the output of layer

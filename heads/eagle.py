@@ -23,14 +23,14 @@ from transformers import PretrainedConfig
 
 from headstart.core.settings import NonNegativeFloat
 from headstart.heads.base import FeatureDrafter
-from headstart.heads.config import HeadConfig, HeadOptions, HeadSettings
+from headstart.heads.config import HeadConfig, HeadSettings, LayerOptions
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.target import check_eagle_family
 
 
-class EagleOptions(HeadOptions):
+class EagleOptions(LayerOptions):
     type: Literal["eagle"] = "eagle"
     # EAGLE-1's loss weights: 1.0 * feature regression (smooth L1) + 0.1 * token cross-entropy.
     vloss_weight: NonNegativeFloat = 1.0

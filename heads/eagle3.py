@@ -38,11 +38,11 @@ from transformers import PretrainedConfig
 from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, Decay, NonNegative, Section
 from headstart.heads.base import FeatureDrafter
-from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, resolved
+from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, LayerOptions, resolved
 from headstart.heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
-from headstart.heads.target import check_eagle_family
+from headstart.heads.target import NORM_BEFORE_FC_FAMILIES, check_eagle_family
 
 
 def default_mask_token(target_config: PretrainedConfig) -> int:
@@ -114,7 +114,7 @@ def _flag_as_section(value: Any) -> Any:
     return {} if value is True else None if value is False else value
 
 
-class Eagle3Options(HeadOptions):
+class Eagle3Options(LayerOptions):
     type: Literal["eagle3"] = "eagle3"
     # null: core.models.default_aux_layers, (2, L//2, L-3); the capture must use the same.
     layer_ids: list[NonNegative] | None = None
@@ -124,6 +124,9 @@ class Eagle3Options(HeadOptions):
     # "target": the target family's layer where vLLM has one (Qwen3: q/k norm, served as
     # Eagle3Qwen3ForCausalLM); "llama": a plain Llama layer, which every engine serves (SGLang included).
     draft_layer: Literal["target", "llama"] = "target"
+    # An RMSNorm over the fused target states before fc (vLLM's and SGLang's norm_before_fc, input_norm.weight);
+    # null: on for the families of heads.target.NORM_BEFORE_FC_FAMILIES (gpt-oss), off for the others.
+    norm_before_fc: bool | None = None
     # P-EAGLE (true, or {mask_token_id: ...}); absent: EAGLE-3's autoregressive drafting.
     parallel_drafting: Annotated[ParallelDrafting | None, BeforeValidator(_flag_as_section)] = None
 
@@ -174,6 +177,7 @@ class Eagle3Head(FeatureDrafter):
         "layer_ids",
         "draft_vocab_size",
         "parallel_drafting",
+        "norm_before_fc",
     )
     config: HeadConfig[Eagle3Options]
     d2t: torch.Tensor  # buffers (register_buffer): draft id -> target id offset, target id -> in the draft vocab
@@ -197,7 +201,14 @@ class Eagle3Head(FeatureDrafter):
                 f"EAGLE-3 fuses three distinct target layers, got {ids} for a {layers}-layer target: set layer_ids"
             )
         options.draft_vocab_size = min(options.draft_vocab_size, config.vocab_size)
+        if options.norm_before_fc is None:
+            options.norm_before_fc = target_config.model_type in NORM_BEFORE_FC_FAMILIES
         parallel = options.parallel_drafting
+        if parallel is not None and options.norm_before_fc:
+            raise ValueError(
+                "head.norm_before_fc with head.parallel_drafting: vLLM's P-EAGLE feeds mask_hidden to fc without "
+                "the norm the target's fused states get, a path no engine checks; set norm_before_fc: false"
+            )
         if parallel is not None:
             if parallel.mask_token_id is None:
                 parallel.mask_token_id = default_mask_token(target_config)
@@ -213,6 +224,8 @@ class Eagle3Head(FeatureDrafter):
         arch, options = config.arch, config.options
         hidden, vocab, draft_vocab = arch.hidden_size, config.vocab_size, options.draft_vocab_size
         fused = len(resolved(options.layer_ids, "layer_ids")) * config.target_hidden_size
+        if options.norm_before_fc:
+            self.input_norm = RMSNorm(fused, arch.rms_norm_eps)
         self.fc = nn.Linear(fused, hidden, bias=False)
         if options.parallel_drafting is not None:
             # In the fused states' space, before fc, as vLLM loads it; randn like speculators' P-EAGLE.
@@ -250,8 +263,10 @@ class Eagle3Head(FeatureDrafter):
         return out
 
     def first_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """The head's step-0 features: fc over the fused target layers ``aux_hidden`` [B,S,3H] (ascending)."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        """The head's step-0 features: fc over the fused target layers ``aux_hidden`` [B,S,3H] (ascending), normed
+        first with ``norm_before_fc``."""
+        fused = aux_hidden.to(self.fc.weight.dtype)
+        return self.fc(self.input_norm(fused) if self.config.options.norm_before_fc else fused)
 
     def mask_slots(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """P-EAGLE's inputs at ``n`` mask slots: (the mask token [batch, n], fc(mask_hidden) [batch, n, H])."""

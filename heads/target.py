@@ -20,19 +20,29 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from headstart.heads.config import DraftArch, HeadConfig
 
-# Target families whose EAGLE draft layer the engines build (docs/EXPORT.md, "Target families"): a Llama
-# decoder layer sized from the target, with the family's q/k/v biases (Qwen2) or q/k RMSNorm (Qwen3)
-# where an engine builds them: ``arch.qkv_bias`` and ``arch.qk_norm`` describe the draft's layer,
-# and each head keeps only what its engines have (``EagleHead``/``Eagle3Head.make_config``).
-EAGLE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# Gemma-3 text targets (Gemma3ForCausalLM) for EAGLE-3 only: SGLang serves them with its plain Llama
-# draft (``gemma3_causal.py`` ``set_eagle3_layers_to_capture`` + ``llama_eagle3.py``), so the draft layer is
-# the Llama one whatever Gemma's own layer is ((1 + w) RMSNorm, GELU MLP, q/k norm): see ``LLAMA_DRAFT_FAMILIES``.
-EAGLE3_FAMILIES = (*EAGLE_FAMILIES, "gemma3_text")
-# Families whose EAGLE draft is the plain Llama layer with a SiLU-gated MLP, not the family's: the engines'
-# Llama MLP refuses any other activation (vLLM and SGLang ``llama.py`` ``LlamaMLP``), so Gemma's GELU stays
-# the target's.
-LLAMA_DRAFT_FAMILIES = ("gemma3_text",)
+# The draft decoder layer belongs to the head, not to the target: EAGLE-1/2, EAGLE-3, P-EAGLE and DFlash build
+# one dense layer (the engines' Llama layer, or Qwen3's with q/k norm) sized from the target's hidden size,
+# heads and rotary settings, whatever the target's own blocks are (MoE, MLA, sliding-window, linear attention,
+# Mamba): the draft reads only post-block hidden states. docs/EXPORT.md, "Target families", lists who serves what.
+#
+# Families whose own attention normalises each head's query and key: the head's "target" draft layer is the
+# engines' Qwen3 layer for them (vLLM's Eagle3Qwen3ForCausalLM), the Llama layer for every other family.
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next")
+# Families whose EAGLE-1 layer keeps the target's own q/k/v biases, as the engines' Llama layer builds them from
+# the draft config (``attention_bias``/``qkv_bias``): every other family's draft layer has none.
+BIAS_FAMILIES = ("llama", "mistral", "qwen2")
+# Families whose fused aux states the EAGLE-3 draft normalises before ``fc`` by default (``head.norm_before_fc``,
+# vLLM's ``norm_before_fc``): gpt-oss's hidden states are large enough that the fusion explodes without it
+# (speculators PR #337, whose gpt-oss recipe sets it).
+NORM_BEFORE_FC_FAMILIES = ("gpt_oss",)
+# An MLA target (DeepSeek-V2/V3, Kimi-K2: ``kv_lora_rank``) has no per-head keys and values to copy: the draft's
+# Llama attention takes heads of the target's value width (hidden / v_head_dim of them) sharing this many key/value
+# heads, the shape SpecForge's DeepSeek-V3 draft has (56 heads of 128, 8 key/value heads) and vLLM's and SGLang's
+# Llama EAGLE-3 drafts serve on those targets.
+MLA_DRAFT_KV_HEADS = 8
+# The experts' count, under each family's name for it: a target with experts has no dense MLP to size the draft's
+# from, unless some of its layers are dense (``dense_mlp_width``).
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _GEMMA_DRAFT = (
     "no serving engine has an EAGLE draft for {family} targets (vLLM's speculative registry and SGLang have "
     "none), and a Llama draft layer would differ from Gemma's: embeddings scaled by sqrt(hidden), (1 + w) "
@@ -54,62 +64,113 @@ UNSERVED_EAGLE1 = {
 
 
 def arch_from_target(cfg: PretrainedConfig) -> DraftArch:
-    """The draft decoder layer's shape, from the target's config (``family`` is its ``model_type``)."""
+    """The draft decoder layer's shape for this target (``family`` is its ``model_type``): the engines' dense
+    Llama layer (Qwen3's for ``QK_NORM_FAMILIES``) with the target's hidden size, heads and rotary settings, a
+    SiLU-gated MLP as wide as the target's dense one (``dense_mlp_width``: 0 where it has none, and a head that
+    builds the layer takes ``head.intermediate_size``: ``draft_mlp_width``)."""
     rope = _rope(cfg)
     # transformers < 5 kept rope_theta beside rope_scaling (whose type key was once "type").
     rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
-    # Gemma configs name it hidden_activation.
-    hidden_act = getattr(cfg, "hidden_act", None) or cfg.hidden_activation
+    heads, kv_heads, head_dim = _attention_shape(cfg)
     return DraftArch(
         family=cfg.model_type,
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        rms_norm_eps=cfg.rms_norm_eps,
-        hidden_act="silu" if cfg.model_type in LLAMA_DRAFT_FAMILIES else hidden_act,
+        intermediate_size=dense_mlp_width(cfg) or 0,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        # Nemotron-H names its RMSNorm's epsilon layer_norm_epsilon.
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_epsilon", None) or 1e-6,
+        hidden_act="silu",  # the engines' Llama and Qwen3 MLPs refuse any other activation (vLLM ``LlamaMLP``)
         max_position_embeddings=cfg.max_position_embeddings,
         rope=rope,
         vocab_size=cfg.vocab_size,
         num_hidden_layers=cfg.num_hidden_layers,
         qkv_bias=_qkv_bias(cfg),
-        qk_norm=cfg.model_type == "qwen3",
+        qk_norm=cfg.model_type in QK_NORM_FAMILIES,
     )
 
 
+def _attention_shape(cfg: PretrainedConfig) -> tuple[int, int, int]:
+    """(heads, key/value heads, head dim) of the draft's attention: the target's, or for an MLA target
+    (``MLA_DRAFT_KV_HEADS``) heads of its value width."""
+    if getattr(cfg, "kv_lora_rank", None):
+        head_dim = cfg.v_head_dim
+        heads = cfg.hidden_size // head_dim
+        return heads, MLA_DRAFT_KV_HEADS if heads % MLA_DRAFT_KV_HEADS == 0 else heads, head_dim
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+
+
 def _rope(cfg: PretrainedConfig) -> dict[str, Any]:
-    """The target's rotary settings. Targets mixing sliding-window and global layers keep one set per layer
-    type (Gemma-3 in transformers 5: ``{"sliding_attention": ..., "full_attention": ...}``); the one-layer
-    draft attends over the whole context, so it takes the global layers' set (their theta and scaling)."""
+    """The target's rotary settings for the draft layer. Targets mixing sliding-window and global layers keep one
+    set per layer type (Gemma-3 in transformers 5: ``{"sliding_attention": ..., "full_attention": ...}``); the
+    one-layer draft attends over the whole context, so it takes the global layers' set (their theta and
+    scaling). The draft rotates its whole head, as the engines' draft layer does: a target's partial rotary
+    (Qwen3-Next rotates a quarter of each head) is its own, not the draft's."""
     rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    return dict(rope["full_attention"]) if "full_attention" in rope else rope
+    rope = dict(rope["full_attention"]) if "full_attention" in rope else rope
+    rope.pop("partial_rotary_factor", None)
+    return rope
 
 
 def _qkv_bias(cfg: PretrainedConfig) -> bool:
-    """Whether the target's q/k/v projections have biases: always for Qwen2, else the config says so
-    (``qkv_bias``, as vLLM and SGLang's Llama layer read it, then Llama's ``attention_bias``)."""
+    """Whether the draft's q/k/v projections have biases: always for Qwen2, for the other ``BIAS_FAMILIES``
+    as the config says (``qkv_bias``, as vLLM and SGLang's Llama layer read it, then Llama's
+    ``attention_bias``), never for another family (gpt-oss's biases are its own layer's)."""
     if cfg.model_type == "qwen2":
         return True
+    if cfg.model_type not in BIAS_FAMILIES:
+        return False
     qkv_bias = getattr(cfg, "qkv_bias", None)
     return bool(getattr(cfg, "attention_bias", False) if qkv_bias is None else qkv_bias)
 
 
+def experts(cfg: PretrainedConfig) -> int:
+    """The target's routed experts per MoE layer (0 for a dense target)."""
+    return max((getattr(cfg, key, None) or 0 for key in EXPERT_KEYS), default=0)
+
+
+def dense_mlp_width(cfg: PretrainedConfig) -> int | None:
+    """The width of the dense MLP the target's layers use, or None where every layer routes to experts (gpt-oss,
+    Mixtral, Qwen3-MoE as published). An MoE family's dense layers: DeepSeek-V3's first ``first_k_dense_replace``,
+    Qwen3-MoE/Next's ``mlp_only_layers`` (or every ``decoder_sparse_step``-th layer but one), Nemotron-H's "-"
+    blocks (``mlp`` in ``layers_block_type``)."""
+    if not experts(cfg):
+        return cfg.intermediate_size
+    dense_layers = (
+        (getattr(cfg, "first_k_dense_replace", None) or 0) > 0
+        or bool(getattr(cfg, "mlp_only_layers", None))
+        or (getattr(cfg, "decoder_sparse_step", None) or 1) > 1
+        or "mlp" in (getattr(cfg, "layers_block_type", None) or ())
+    )
+    return cfg.intermediate_size if dense_layers else None
+
+
+def draft_mlp_width(cfg: PretrainedConfig, option: int | None, head_type: str) -> int:
+    """The draft layer's MLP width: ``head.intermediate_size`` when set, else the target's dense MLP's; ValueError
+    for a target with experts only, which has none to take."""
+    width = option or dense_mlp_width(cfg)
+    if width is None:
+        raise ValueError(
+            f"a {head_type} head for this {cfg.model_type} target needs head.intermediate_size: the target's "
+            f"{experts(cfg)} experts replace its dense MLP in every layer, so there is no dense width to copy for "
+            f"the draft's one dense layer (published drafts for MoE targets use about 6 x hidden_size, "
+            f"{6 * cfg.hidden_size} here)"
+        )
+    return width
+
+
 def check_eagle_family(cfg: PretrainedConfig, head_type: str) -> None:
-    """NotImplementedError naming the target's family when an EAGLE head cannot be built (and served) for it."""
+    """NotImplementedError naming the target's family when no engine serves an EAGLE draft for it."""
     family = cfg.model_type
-    families = EAGLE3_FAMILIES if head_type == "eagle3" else EAGLE_FAMILIES
     reason = UNSERVED_FAMILIES.get(family) or (UNSERVED_EAGLE1.get(family) if head_type == "eagle" else None)
     if reason:
         raise NotImplementedError(f"{head_type} heads for {family} targets are not supported: {reason}")
-    if family not in families:
-        raise NotImplementedError(
-            f"{head_type} heads for {family} targets are not supported: "
-            f"the draft layer is known for {', '.join(families)} targets only (docs/EXPORT.md); "
-            "Medusa heads (head.type: medusa) train on any causal LM"
-        )
-    if getattr(cfg, "attention_bias", False) and getattr(cfg, "qkv_bias", None) is None and family != "qwen2":
+    bias_o = getattr(cfg, "attention_bias", False) and getattr(cfg, "qkv_bias", None) is None
+    if family in BIAS_FAMILIES and family != "qwen2" and bias_o:
         raise NotImplementedError(
             f"{head_type} heads for a {family} target with attention_bias: true (an o_proj bias) are not supported"
         )
@@ -121,7 +182,9 @@ def check_compatible(head_config: HeadConfig, target_config: PretrainedConfig, h
     if head_type is not None and head_config.type != head_type:
         problems.append(f"head type {head_config.type!r} vs {head_type!r}")
     target = arch_from_target(target_config)
-    for key in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+    # The draft layer's heads are the head's own (arch_from_target sizes them once); what must fit is the width of
+    # the states it reads and the vocabulary it drafts in.
+    for key in ("hidden_size", "vocab_size"):
         ours, theirs = getattr(head_config.arch, key), getattr(target, key)
         if ours != theirs:
             problems.append(f"{key.replace('_', ' ')} {ours} vs {theirs}")
@@ -188,11 +251,13 @@ class TargetParts:
     """Frozen modules borrowed from the target. A plain attribute, not a submodule: they are never saved
     with the head, never trained, and ``head.to(dtype)`` does not cast the target's own weights.
 
-    ``logit_softcap``: the target's ``final_logit_softcapping`` (Gemma), None where it has none."""
+    ``logit_softcap``: the target's ``final_logit_softcapping`` (Gemma), None where it has none;
+    ``logit_divisor``: its ``logits_scaling`` (Granite divides its logits by it), 1 where it has none."""
 
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
     logit_softcap: float | None = None
+    logit_divisor: float = 1.0
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the target's embedding table, as the engines embed a draft's tokens: they share the table
@@ -207,10 +272,13 @@ class TargetParts:
         return F.embedding(input_ids, self.embed_tokens.weight)
 
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's own logits of its last (normed) hidden states: ``lm_head``, then the target's final
-        soft-cap, c * tanh(logits / c), where its config sets one (Gemma's ``final_logit_softcapping``, which
-        transformers, vLLM and SGLang apply before sampling and verification). The soft labels are these."""
+        """The target's own logits of its last (normed) hidden states: ``lm_head``, divided by Granite's
+        ``logits_scaling``, then the target's final soft-cap, c * tanh(logits / c), where its config sets one
+        (Gemma's ``final_logit_softcapping``, which transformers, vLLM and SGLang apply before sampling and
+        verification). The soft labels are these."""
         logits = self.lm_head(last_hidden.to(self.lm_head.weight.dtype))
+        if self.logit_divisor != 1.0:
+            logits = logits / self.logit_divisor
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -221,7 +289,9 @@ def target_parts(target_model: PreTrainedModel) -> TargetParts:
     # one) and a Linear, whose .weight the heads read.
     embed_tokens = cast(nn.Embedding, whole(target_model.get_input_embeddings()))
     lm_head = cast(nn.Linear, whole(target_model.get_output_embeddings()))
-    return TargetParts(embed_tokens, lm_head, getattr(target_model.config, "final_logit_softcapping", None))
+    config = target_model.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return TargetParts(embed_tokens, lm_head, softcap, float(getattr(config, "logits_scaling", None) or 1.0))
 
 
 def whole(module: nn.Module) -> nn.Module:

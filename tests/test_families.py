@@ -20,7 +20,6 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
-    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -99,19 +98,30 @@ def check_eagle_export(exported, tensors, fmt, family):
     assert set(tensors) - {f"layers.0.{n}" for n in expected} == fc
 
 
-def check_eagle3_export(exported, tensors, fmt, family):
-    """EAGLE-3: the family's layer (Qwen3: q/k norm; never biases) + hidden_norm, 2H-wide q/k/v."""
-    decoder = exported.get("transformer_layer_config", exported)
+def check_eagle3_export(exported, tensors, fmt, config):
+    """EAGLE-3: the head's layer (the Qwen3 families': q/k norm; never biases) + hidden_norm, 2H-wide q/k/v."""
+    decoder, qk_norm = exported.get("transformer_layer_config", exported), config.arch.qk_norm
     prefix = "layers.0." if fmt == "speculators" else "midlayer."
-    assert decoder["model_type"] == ("qwen3" if family == "qwen3" else "llama") and "qkv_bias" not in decoder
+    assert decoder["model_type"] == ("qwen3" if qk_norm else "llama") and "qkv_bias" not in decoder
     if fmt == "vllm":
-        arch = "Eagle3Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLMEagle3"
+        arch = "Eagle3Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLMEagle3"
         assert exported["architectures"] == [arch]
     assert layer(tensors, prefix) == engine_layer_names(decoder) | {"hidden_norm.weight"}, fmt
     q = tensors[f"{prefix}self_attn.q_proj.weight"]
     assert q.shape == (decoder["num_attention_heads"] * decoder["head_dim"], 2 * decoder["hidden_size"])
     rest = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    # gpt-oss: the norm over the fused states before fc, under vLLM's flag and tensor name
+    assert exported["norm_before_fc"] == config.options.norm_before_fc
+    rest |= {"input_norm.weight"} if config.options.norm_before_fc else set()
     assert set(tensors) - {prefix + n for n in layer(tensors, prefix)} == rest
+
+
+def check_dflash_export(exported, tensors, config):
+    """DFlash: vLLM's Qwen3 draft layers, sized as the head's arch, the target's layers one less."""
+    assert exported["architectures"] == ["DFlashDraftModel"] and exported["model_type"] == "qwen3"
+    assert exported["intermediate_size"] == config.arch.intermediate_size
+    assert exported["dflash_config"]["target_layer_ids"] == [i - 1 for i in config.options.layer_ids]
+    assert {k.split(".")[0] for k in tensors} == {"fc", "hidden_norm", "layers", "norm"}
 
 
 def check_export(head_dir, family, target_dir):
@@ -119,7 +129,7 @@ def check_export(head_dir, family, target_dir):
     state = load_file(str(head_dir / WEIGHTS_NAME))
     target_config = AutoModelForCausalLM.from_pretrained(target_dir).config
     for fmt in format_of(config.type).FORMATS:
-        if config.type == "eagle3" and family == "qwen3" and fmt == "sglang":
+        if config.type == "eagle3" and config.arch.qk_norm and fmt == "sglang":
             with pytest.raises(ValueError, match="q/k norm, which no SGLang EAGLE-3 draft has"):
                 engine_files(config, state, fmt, str(target_dir), target_config)
             continue
@@ -127,7 +137,9 @@ def check_export(head_dir, family, target_dir):
         if config.type == "eagle":
             check_eagle_export(exported, tensors, fmt, family)
         elif config.type == "eagle3":
-            check_eagle3_export(exported, tensors, fmt, family)
+            check_eagle3_export(exported, tensors, fmt, config)
+        elif config.type == "dflash":
+            check_dflash_export(exported, tensors, config)
         else:
             assert exported["medusa_num_heads"] == config.options.num_heads
             assert {k.split(".")[0] for k in tensors} == {"0", "1"}
@@ -167,13 +179,7 @@ def test_eagle_heads_refuse_families_no_engine_serves(head_type, tiny_target_dir
     gemma = AutoModelForCausalLM.from_pretrained(tmp_path / "gemma")
     with pytest.raises(NotImplementedError, match=f"{head_type} heads for gemma targets are not supported: no serving"):
         build_head({"type": head_type}, gemma)
-    torch.manual_seed(0)
-    phi3 = AutoModelForCausalLM.from_config(Phi3Config(vocab_size=64, **SHAPE, pad_token_id=0))
-    with pytest.raises(
-        NotImplementedError, match=r"phi3 targets are not supported: the draft layer is known for llama, mistral"
-    ):
-        build_head({"type": head_type}, phi3)
-    build_head({"type": "medusa", "num_heads": 2}, phi3)  # Medusa needs only the last hidden state
+    build_head({"type": "medusa", "num_heads": 2}, gemma)  # Medusa needs only the last hidden state
 
 
 def test_llama_heads_saved_before_families_load_as_bias_free_llama_heads(tiny_target_dir, tmp_path):

@@ -13,10 +13,13 @@ from transformers import LlamaConfig, PretrainedConfig
 
 from headstart.heads import DraftArch, HeadConfig, arch_from_target
 
-# The draft's own layer shape: taken from a published checkpoint's config on import (an EAGLE head
-# may use another MLP width than its target); the attention shape must equal the target's.
+# The draft's own layer shape (heads.target: the draft layer is the head's), taken from a published checkpoint's
+# config on import: its MLP width, attention shape, norms and rotary.
 DRAFT_ARCH_KEYS = (
     "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
     "rms_norm_eps",
     "hidden_act",
     "rope",

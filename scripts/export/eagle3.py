@@ -68,6 +68,11 @@ DEFAULT_SPECULATIVE_TOKENS = 3
 SPECULATOR_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}  # speculators' models/
 
 
+def norm_flags(config: HeadConfig) -> dict[str, bool]:
+    """The four flags, ``norm_before_fc`` as the head has it (its ``input_norm.weight``, vLLM's name, goes as is)."""
+    return {**NORM_FLAGS, "norm_before_fc": bool(config.options.norm_before_fc)}
+
+
 def mask_token_id(config: HeadConfig) -> int | None:
     """The P-EAGLE head's mask token; None for an EAGLE-3 head that drafts autoregressively."""
     parallel = config.options.parallel_drafting
@@ -128,7 +133,7 @@ def repo_layout(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) ->
         **decoder_config(config.arch, dtype_name(state)),
         "draft_vocab_size": config.options.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
-        **NORM_FLAGS,
+        **norm_flags(config),
         "eagle_aux_hidden_state_layer_ids": layer_ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layer_ids], "use_aux_hidden_state": True},
         **_parallel_fields(config),
@@ -151,7 +156,7 @@ def speculators_layout(
         "draft_vocab_size": config.options.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(config.options.layer_ids),
-        **NORM_FLAGS,
+        **norm_flags(config),
         **_parallel_fields(config),
         "speculators_config": {
             "algorithm": kind,
@@ -195,17 +200,21 @@ def _read_mask_token(engine_config: dict[str, Any]) -> int:
     )
 
 
-def _check_norm_flags(engine_config: dict[str, Any], speculators: bool) -> None:
+def _read_norm_flags(engine_config: dict[str, Any], speculators: bool) -> bool:
+    """The checkpoint's ``norm_before_fc`` (as vLLM reads it: eagle_config first); ValueError for the other three
+    flags, which headstart's layer does not implement."""
     nested = engine_config.get("eagle_config") or {}
     # vLLM's default for a missing norm_before_residual: true for speculators configs, false otherwise.
     defaults = {**NORM_FLAGS, "norm_before_residual": speculators}
-    flags = {k: engine_config.get(k, defaults[k]) or nested.get(k, False) for k in NORM_FLAGS}
+    flags = {k: nested.get(k, engine_config.get(k, defaults[k])) for k in NORM_FLAGS}
     flags["fc_norm"] = flags["fc_norm"] or engine_config.get("use_aux_norm", False)  # SGLang's older name
-    if any(flags.values()):
+    unsupported = [k for k, v in flags.items() if v and k != "norm_before_fc"]
+    if unsupported:
         raise ValueError(
-            f"this EAGLE-3 checkpoint sets {[k for k, v in flags.items() if v]} (as vLLM reads its config); "
-            "headstart's EAGLE-3 head implements the paper's layer only (all four norm flags false)"
+            f"this EAGLE-3 checkpoint sets {unsupported} (as vLLM reads its config); headstart's EAGLE-3 head "
+            "implements the paper's layer, with or without norm_before_fc, only"
         )
+    return bool(flags["norm_before_fc"])
 
 
 def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
@@ -217,7 +226,7 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
             f"speculators_model_type is {engine_config.get('speculators_model_type')!r}; only 'eagle3' and "
             "'peagle' map to a headstart head (speculators 0.9.0 has no EAGLE-1 type)"
         )
-    _check_norm_flags(engine_config, speculators)
+    norm_before_fc = _read_norm_flags(engine_config, speculators)
     decoder = engine_config["transformer_layer_config"] if speculators else engine_config
     if decoder.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"the draft has {decoder['num_hidden_layers']} decoder layers; headstart's EAGLE-3 has one")
@@ -240,6 +249,7 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
     arch = arch_from_decoder(decoder, target_config)
     arch.qk_norm = "midlayer.self_attn.q_norm.weight" in state  # vLLM's Eagle3Qwen3ForCausalLM layer
     options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
+    options["norm_before_fc"] = norm_before_fc
     # "llama": a Qwen3 target's draft without q/k norm (SpecForge's, SGLang's); else the family's own layer.
     options["draft_layer"] = "target" if arch.qk_norm == arch_from_target(target_config).qk_norm else "llama"
     if "mask_hidden" in state:  # P-EAGLE: vLLM reads any shape of num_aux * target_hidden values

@@ -7,8 +7,8 @@ as vLLM and SGLang load it; with ``mask_hidden``, a P-EAGLE head), ``medusa`` (t
 ``speculators`` (speculators' eagle3 and peagle formats) and ``dflash`` (vLLM's DFlash layout, as z-lab and
 SpecForge publish it, with its ``mask_embedding.pt`` when there is one); weights as ``model.safetensors``,
 ``pytorch_model.bin`` (or sharded) or the Medusa repo's ``medusa_lm_head.safetensors|.pt``. Our own exports
-import back to the same weights. The head is checked against the target (hidden size, vocab, attention
-shape, layer ids) before it is written.
+import back to the same weights. The head is checked against the target (hidden size, vocab, layer ids)
+before it is written; the draft layer's shape (MLP width, attention heads, norms, rotary) is the draft's own.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
 from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
+from headstart.heads.config import LayerOptions
+from headstart.heads.target import dense_mlp_width
 from headstart.scripts.export.common import DRAFT_ARCH_KEYS, check_out
 from headstart.scripts.export.formats import Imported, format_of, sources
 
@@ -61,6 +63,8 @@ def build_imported(
 ) -> DraftHead:
     """A head of our format holding ``state``, its config from the target plus the draft's own layer shape."""
     parsed = head_options(options)
+    if isinstance(parsed, LayerOptions) and arch.intermediate_size != dense_mlp_width(target_config):
+        parsed.intermediate_size = arch.intermediate_size  # the published width is the head's own MLP's
     cls = head_type(parsed.type).head
     config = cls.make_config(parsed, target_config)
     config.arch = replace(config.arch, **{k: getattr(arch, k) for k in DRAFT_ARCH_KEYS})

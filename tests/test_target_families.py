@@ -1,0 +1,242 @@
+"""Every target family a serving engine drafts for (issue #39), each a tiny random model built from transformers' own
+config class with the tiny test tokenizer: MoE (qwen3_moe, gpt_oss, deepseek_v3 with MLA), sliding windows shorter
+than the context (mistral, gemma3_text, gpt_oss), phi3's fused projections, linear-attention and Mamba hybrids
+(qwen3_next, granitemoehybrid). For each: capture -> EAGLE-3 and DFlash training -> decoding identical to the
+target's own greedy output (vanilla, n-gram, both heads) -> the engines' export layouts.
+
+The draft layer is the head's: one dense Llama (or Qwen3) layer, sized from the target, whatever its blocks are.
+"""
+
+import pytest
+import torch
+import yaml
+from conftest import assert_matches, base_config, records, run_here
+from safetensors.torch import load_file
+from test_families import check_export
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import models as hf
+
+from headstart.data_recipes.capture import run_capture
+from headstart.decoding.proposers import NGram, Vanilla
+from headstart.decoding.proposers_heads import DFlash, Eagle
+from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.heads import WEIGHTS_NAME, build_head, load_head
+from headstart.heads.target import arch_from_target
+from headstart.scripts.export.command import export_head
+from headstart.scripts.export.import_head import import_head
+from headstart.train import dflash, eagle
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = dict(hidden_size=32, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+WINDOW = 8  # shorter than the prompt plus its continuation: the sliding layers drop keys while decoding
+EXPERTS = dict(num_experts_per_tok=2)
+FAMILIES = {  # model_type: (config class, what sets the family apart)
+    "qwen3_moe": (
+        hf.qwen3_moe.Qwen3MoeConfig,
+        dict(intermediate_size=64, moe_intermediate_size=32, num_experts=4, head_dim=16, **EXPERTS),
+    ),
+    "gpt_oss": (
+        hf.gpt_oss.GptOssConfig,
+        dict(
+            intermediate_size=32,
+            num_local_experts=4,
+            head_dim=8,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            **EXPERTS,
+        ),
+    ),
+    "deepseek_v3": (
+        hf.deepseek_v3.DeepseekV3Config,
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            first_k_dense_replace=1,  # a dense first layer: the draft's MLP width is its
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_group=1,
+            topk_group=1,
+            num_key_value_heads=4,
+            **EXPERTS,
+        ),
+    ),
+    "mistral": (hf.mistral.MistralConfig, dict(intermediate_size=64, sliding_window=WINDOW)),
+    "gemma3_text": (
+        hf.gemma3.Gemma3TextConfig,
+        dict(
+            intermediate_size=64,
+            head_dim=8,
+            sliding_window=WINDOW,
+            layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+        ),
+    ),
+    "phi3": (hf.phi3.Phi3Config, dict(intermediate_size=64)),
+    "qwen3_next": (
+        hf.qwen3_next.Qwen3NextConfig,
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            head_dim=16,
+            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            **EXPERTS,
+        ),
+    ),
+    "granitemoehybrid": (
+        hf.granitemoehybrid.GraniteMoeHybridConfig,
+        dict(
+            intermediate_size=64,
+            shared_intermediate_size=64,
+            num_local_experts=0,
+            layer_types=["mamba", "mamba", "attention"] * 2,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            position_embedding_type="rope",
+        ),
+    ),
+}
+# Targets whose every layer routes to experts: no dense MLP to size the draft's from, so the head names its own.
+EXPERTS_ONLY = ("qwen3_moe", "gpt_oss", "qwen3_next")
+RECURRENT = ("qwen3_next", "granitemoehybrid")  # verified as chains (decoding.verify)
+HEADS = {
+    "eagle3": (eagle, {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3}),
+    "dflash": (dflash, {"type": "dflash", "block_size": 4, "num_anchors": 8}),
+}
+
+
+def family_config(family, **overrides):
+    config_cls, extra = FAMILIES[family]
+    return config_cls(**{**SHAPE, "tie_word_embeddings": False, **extra, **overrides})
+
+
+def save_target(out, family, tokenizer):
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = family_config(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.get_output_embeddings().weight.data *= 30  # peaked predictions: something to learn in 3 steps
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_run(request, tiny_target_dir, gsm8k_file, tmp_path_factory, monkeypatch_module):
+    """(family, target folder, {head type: trained head folder}) for each family: one capture feeds both heads."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    save_target(root / "target", family, AutoTokenizer.from_pretrained(tiny_target_dir))
+    run_capture(base_config(root / "target", gsm8k_file, root / "shards", root, "eagle3"))
+    heads = {}
+    for head_type, (trainer, options) in HEADS.items():
+        cfg = base_config(root / "target", gsm8k_file, root / "shards", root / head_type, "eagle3", max_steps=3)
+        cfg["head"] = options | ({"intermediate_size": 64} if family in EXPERTS_ONLY else {})
+        (root / f"{head_type}.yaml").write_text(yaml.safe_dump(cfg))
+        run_here(monkeypatch_module, trainer, root / f"{head_type}.yaml")
+        heads[head_type] = root / head_type
+    return family, root / "target", heads
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_heads_train_decode_as_the_target_and_export_for_each_family(family_run):
+    family, target_dir, heads = family_run
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompt = tokenizer("Ann has 3 apples and buys 5 more apples.", return_tensors="pt").input_ids
+    assert prompt.shape[1] > WINDOW
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    loaded = {head_type: load_head(out / "head", target) for head_type, out in heads.items()}
+    for out in heads.values():
+        steps = records(out)
+        assert [r["step"] for r in steps] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    # A tree where one forward verifies it exactly; chains over a recurrence (decoding.verify).
+    tree = dict(top_k=1, depth=3, total_tokens=3) if family in RECURRENT else dict(top_k=3, depth=3, total_tokens=8)
+    proposers = {
+        "vanilla": Vanilla(),
+        "ngram": NGram(),
+        "eagle3": Eagle(loaded["eagle3"], **tree),
+        "dflash": DFlash(loaded["dflash"]),
+    }
+    for name, proposer in proposers.items():
+        got, stats = generate(target, proposer, prompt, 16)
+        assert torch.equal(got, expected), (family, name)
+        assert stats.target_forwards == len(stats.accepted_lengths) <= 16
+    for head_type, head in loaded.items():
+        arch = head.config.arch
+        assert arch.family == family and arch.hidden_act == "silu" and not arch.qkv_bias
+        assert arch.intermediate_size == 64  # the target's dense MLP, else head.intermediate_size
+        check_export(heads[head_type] / "head", family, target_dir)
+    # gpt-oss's EAGLE-3 head normalises the fused states before fc (vLLM's norm_before_fc), and imports back.
+    assert loaded["eagle3"].config.options.norm_before_fc == (family == "gpt_oss")
+    exported = export_head(heads["eagle3"] / "head", "vllm", heads["eagle3"] / "export", str(target_dir))
+    imported = import_head("eagle3", exported, heads["eagle3"] / "imported", str(target_dir))
+    again, ours = load_file(str(imported / WEIGHTS_NAME)), loaded["eagle3"].state_dict()
+    assert again.keys() == ours.keys() and all(torch.equal(again[k], v) for k, v in ours.items())
+
+
+def test_the_draft_layer_is_the_heads_whatever_the_targets_blocks():
+    # MoE targets whose every layer routes to experts have no dense width: the head must be told its own.
+    for family in EXPERTS_ONLY:
+        target = AutoModelForCausalLM.from_config(family_config(family, vocab_size=64))
+        with pytest.raises(ValueError, match=rf"eagle3 head for this {family} target needs head.intermediate_size"):
+            build_head({"type": "eagle3", "draft_vocab_size": 32, "layer_ids": [1, 3, 4]}, target)
+        head = build_head({"type": "dflash", "intermediate_size": 48, "layer_ids": [1, 3, 4]}, target)
+        assert head.config.arch.intermediate_size == 48
+    # DeepSeek-V3 (MLA): its dense first layers give the width; the draft attends as a Llama layer with heads of the
+    # target's value width (hidden / v_head_dim), 8 key/value heads where they divide, as SpecForge's V3 draft.
+    deepseek = arch_from_target(family_config("deepseek_v3", vocab_size=64))
+    assert (deepseek.intermediate_size, deepseek.num_attention_heads, deepseek.qk_norm) == (64, 4, False)
+    assert (deepseek.num_key_value_heads, deepseek.head_dim) == (4, 8)
+    published = arch_from_target(hf.deepseek_v3.DeepseekV3Config())  # DeepSeek-V3's own shape
+    assert (published.num_attention_heads, published.num_key_value_heads, published.head_dim) == (56, 8, 128)
+    assert published.intermediate_size == 18432  # its 3 dense layers' MLP
+    # gpt-oss: YaRN rotary kept for the draft, its attention biases are its own layer's (the draft has none).
+    gpt_oss = arch_from_target(family_config("gpt_oss", vocab_size=64))
+    assert gpt_oss.rope["rope_type"] == "yarn" and gpt_oss.rope["factor"] == 32.0 and not gpt_oss.qkv_bias
+    # Qwen3-Next rotates a quarter of each head; the draft rotates its whole head, with Qwen3's q/k norm.
+    qwen3_next = arch_from_target(family_config("qwen3_next", vocab_size=64))
+    assert "partial_rotary_factor" not in qwen3_next.rope and qwen3_next.qk_norm
+
+
+def test_sampling_on_a_moe_target_is_lossless():
+    # The first two sampled tokens follow the target's exact distribution (chi-square at 0.001, as in
+    # test_decoding_sampling.py) with an EAGLE-3 head drafting trees over a qwen3_moe target of 5 tokens.
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(family_config("qwen3_moe", vocab_size=5, eos_token_id=None)).eval()
+    target.lm_head.weight.data *= 5  # the target's and the draft's distributions differ, but overlap
+    head = build_head(
+        {"type": "eagle3", "draft_vocab_size": 5, "layer_ids": [1, 3, 4], "intermediate_size": 32}, target
+    )
+    sampling = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
+    with torch.no_grad():
+        first = probabilities(target(prompt).logits[0, -1], sampling)
+        pairs = torch.cat((prompt.expand(5, -1), torch.arange(5)[:, None]), 1)
+        exact = (first[:, None] * probabilities(target(pairs).logits[:, -1], sampling)).flatten()
+    torch.manual_seed(1)
+    counts = torch.zeros(25)
+    for _ in range(10):
+        proposers = [Eagle(head.eval(), top_k=2, depth=2, total_tokens=4) for _ in range(100)]
+        outputs, _ = generate_batch(target, proposers, [prompt] * 100, 2, sampling)
+        for out in outputs:
+            counts[out[0, -2] * 5 + out[0, -1]] += 1
+    assert_matches(counts, exact, torch.full((25,), 1 / 25))  # a uniform sampler would fail by far
