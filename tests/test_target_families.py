@@ -10,7 +10,7 @@ The draft layer is the head's: one dense Llama (or Qwen3) layer, sized from the 
 import pytest
 import torch
 import yaml
-from conftest import assert_matches, base_config, records, run_here
+from conftest import REPO, assert_matches, base_config, records, run_here
 from safetensors.torch import load_file
 from test_families import check_export
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,7 +22,9 @@ from headstart.decoding.proposers_heads import DFlash, Eagle
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
+from headstart.scripts.export.card import vllm_command
 from headstart.scripts.export.command import export_head
+from headstart.scripts.export.common import AUX_CAPTURE
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dflash, eagle
 
@@ -240,3 +242,18 @@ def test_sampling_on_a_moe_target_is_lossless():
         for out in outputs:
             counts[out[0, -2] * 5 + out[0, -1]] += 1
     assert_matches(counts, exact, torch.full((25,), 1 / 25))  # a uniform sampler would fail by far
+
+
+def test_the_families_by_engine_table_is_the_code_s():
+    # docs/EXPORT.md's "Families by engine" table and scripts/export/common.py's AUX_CAPTURE say the same.
+    text = (REPO / "docs" / "EXPORT.md").read_text()
+    section = text[text.index("### Families by engine") :]
+    table = next(block for block in section.split("\n\n") if block.startswith("| family"))
+    documented = {}
+    for line in table.splitlines()[2:]:  # past the header and its rule
+        family, vllm, sglang = (cell.strip() for cell in line.strip("|").split("|"))
+        documented[family] = tuple(engine for engine, said in (("vllm", vllm), ("sglang", sglang)) if said == "yes")
+    assert documented == AUX_CAPTURE
+    # vLLM serves the others through its Transformers backend: the serve command says so.
+    assert "--model-impl transformers" in vllm_command("T", "D", "eagle3", aux_family="mixtral")
+    assert "--model-impl" not in vllm_command("T", "D", "eagle3", aux_family="qwen3_moe")

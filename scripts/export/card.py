@@ -9,6 +9,7 @@ from pathlib import Path
 
 from headstart.decoding.tree_config import Schedule, load_tree_config
 from headstart.heads import HeadConfig, drafting_of
+from headstart.scripts.export.common import captures_natively
 from headstart.scripts.export.formats import format_of
 
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -16,16 +17,25 @@ STEPS = 3  # draft tokens per step in the serve commands; the acceptance counter
 
 
 def vllm_command(
-    target: str, draft: str, method: str, steps: int = STEPS, parallel: bool = False, schedule: Schedule | None = None
+    target: str,
+    draft: str,
+    method: str,
+    steps: int = STEPS,
+    parallel: bool = False,
+    schedule: Schedule | None = None,
+    aux_family: str | None = None,
 ) -> str:
     """``parallel``: every depth drafted in one forward (P-EAGLE's ``parallel_drafting``); ``schedule``: vLLM's
-    ``num_speculative_tokens_per_batch_size`` (it caps every entry at ``steps``)."""
+    ``num_speculative_tokens_per_batch_size`` (it caps every entry at ``steps``); ``aux_family``: the target family
+    of a draft reading aux hidden states, served through vLLM's Transformers backend where vLLM's own class for it
+    captures none (``common.AUX_CAPTURE``)."""
     spec: dict = {"method": method, "model": draft, "num_speculative_tokens": steps}
     if parallel:
         spec["parallel_drafting"] = True
     if schedule:
         spec["num_speculative_tokens_per_batch_size"] = schedule
-    return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+    backend = " --model-impl transformers" if aux_family and not captures_natively(aux_family, "vllm") else ""
+    return f"vllm serve {target}{backend} --speculative-config '{json.dumps(spec)}'"
 
 
 def served_schedule(head_dir: str | Path) -> Schedule | None:

@@ -40,14 +40,55 @@ VLLM_UNSERVED_FAMILIES = {
 }
 
 
+# The target families whose aux hidden states (what EAGLE-3, P-EAGLE and DFlash drafts read) each engine captures
+# with its own model class: vLLM 0.32.0's implements SupportsEagle3 (vllm/model_executor/models/), SGLang 0.5.23's
+# set_eagle3_layers_to_capture (srt/models/); read from the two wheels. docs/EXPORT.md's "Families by engine" table
+# is this one (tests/test_target_families.py). vLLM serves any other family through its Transformers backend
+# (``--model-impl transformers``: its model class captures aux states for every model), which the serve command
+# then names; SGLang has no such fallback.
+AUX_CAPTURE: dict[str, tuple[str, ...]] = {
+    "llama": ("vllm", "sglang"),
+    "mistral": ("vllm", "sglang"),
+    "phi3": ("vllm",),
+    "qwen2": ("vllm", "sglang"),
+    "qwen2_moe": ("sglang",),
+    "qwen3": ("vllm", "sglang"),
+    "qwen3_moe": ("vllm", "sglang"),
+    "qwen3_next": ("vllm", "sglang"),
+    "gpt_oss": ("vllm", "sglang"),
+    "deepseek_v2": ("vllm", "sglang"),
+    "deepseek_v3": ("vllm", "sglang"),
+    "minimax_m2": ("vllm", "sglang"),
+    "glm4_moe": ("sglang",),
+    "gemma3_text": ("sglang",),
+    "gemma4_text": ("vllm", "sglang"),
+    "granite": ("vllm",),
+    "nemotron_h": ("vllm",),
+    "granitemoehybrid": (),
+    "mixtral": (),
+}
+
+
+def captures_natively(family: str | None, engine: str) -> bool:
+    """Whether ``engine``'s own model class for ``family`` captures aux hidden states (``AUX_CAPTURE``)."""
+    return engine in AUX_CAPTURE.get(family or "", ())
+
+
 def check_vllm_serves_family(config: HeadConfig, fmt: str, instead: str) -> None:
-    """Refuse a vLLM-read layout (vllm, speculators) of an aux-state head for a target family vLLM cannot
-    capture aux states of; ``instead`` says what to do."""
+    """Refuse a layout of an aux-state head for an engine that cannot capture this target family's aux states: a
+    vLLM-read one (vllm, speculators) for ``VLLM_UNSERVED_FAMILIES``, SGLang's for a family SGLang has no capturing
+    class for (``AUX_CAPTURE``); ``instead`` says what to do for vLLM's."""
     family = config.arch.family
     if fmt in ("vllm", "speculators") and family in VLLM_UNSERVED_FAMILIES:
         raise ValueError(
             f"cannot export a {config.type} head for a {family} target as {fmt!r}: "
             f"{VLLM_UNSERVED_FAMILIES[family]}; {instead}"
+        )
+    if fmt == "sglang" and family is not None and not captures_natively(family, "sglang"):
+        raise ValueError(
+            f"cannot export a {config.type} head for a {family} target as 'sglang': SGLang 0.5.23 has no {family} "
+            "model class that captures the aux hidden states the draft reads (set_eagle3_layers_to_capture); "
+            "export it with --format vllm (docs/EXPORT.md, 'Families by engine')"
         )
 
 

@@ -232,7 +232,10 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
 
 def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
     """The block the head was trained on: the newest token and block_size - 1 mask slots, one forward."""
-    command = vllm_command(target, draft, "dflash", config.trained_depth, schedule=served_schedule(head_dir))
+    schedule = served_schedule(head_dir)
+    command = vllm_command(
+        target, draft, "dflash", config.trained_depth, schedule=schedule, aux_family=config.arch.family
+    )
     return (
         "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
         "config):\n\n" + code_block(command) + "\n\nSGLang 0.5.23 has no DFlash draft."

@@ -287,7 +287,7 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
 def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
     """The EAGLE repo's layout serves both engines (layer ids written in each one's convention); P-EAGLE and
     the speculators format vLLM only."""
-    depths, schedule = parallel_depths(config), served_schedule(head_dir)
+    depths, schedule, family = parallel_depths(config), served_schedule(head_dir), config.arch.family
     steps = served_steps(schedule)
     no_sglang = (
         "SGLang 0.5.23 cannot serve it: it has no parallel drafting (sgl-project/sglang#23171)."
@@ -300,15 +300,15 @@ def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) 
             "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
             + code_block(f"vllm serve {draft}")
             + "\n\nor names it itself:\n\n"
-            + code_block(vllm_command(target, draft, "eagle3", depths or steps, bool(depths), schedule))
+            + code_block(vllm_command(target, draft, "eagle3", depths or steps, bool(depths), schedule, family))
             + f"\n\n{no_sglang}"
         )
     if depths:  # P-EAGLE: vLLM's eagle3 method with parallel drafting, one forward for all depths
-        command = vllm_command(target, draft, "eagle3", depths, parallel=True, schedule=schedule)
+        command = vllm_command(target, draft, "eagle3", depths, True, schedule, family)
         return "vLLM:\n\n" + code_block(command) + f"\n\n{no_sglang}"
     return (
         "vLLM:\n\n"
-        + code_block(vllm_command(target, draft, "eagle3", steps, schedule=schedule))
+        + code_block(vllm_command(target, draft, "eagle3", steps, schedule=schedule, aux_family=family))
         + "\n\nSGLang:\n\n"
         + code_block(sglang_command(target, draft, "EAGLE3"))
     )
