@@ -105,12 +105,23 @@ def head_activations(
     return tokens * (inputs + 4 * text.vocab_size + depth * per_depth)
 
 
+# Layer types whose cache is a fixed-size recurrent state, not keys and values growing with the context.
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")
+
+
 def kv_cache_bytes(config: PretrainedConfig, tokens: int, dtype: torch.dtype, tp_size: int) -> int:
-    """Keys and values of ``tokens`` positions in every layer, this rank's heads only."""
+    """Keys and values of ``tokens`` positions in every attention layer (a hybrid's linear-attention and Mamba
+    layers keep a fixed state instead), this rank's heads only. transformers' MLA (DeepSeek-V2/V3) caches one
+    compressed latent per position, kv_lora_rank + qk_rope_head_dim values, shared by every head (whole on each
+    rank)."""
     text = config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or ["attention"] * text.num_hidden_layers
+    layers = sum(kind not in RECURRENT_LAYER_TYPES for kind in kinds)
+    if getattr(text, "kv_lora_rank", None):
+        return layers * (text.kv_lora_rank + text.qk_rope_head_dim) * tokens * dtype.itemsize
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * kv_heads // tp_size * head_dim * tokens * dtype.itemsize
+    return 2 * layers * kv_heads // tp_size * head_dim * tokens * dtype.itemsize
 
 
 def decoding_memory(

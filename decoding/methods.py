@@ -7,21 +7,27 @@ acceptance (``train.measured``): every consumer decodes a method the same way.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+import torch
 from pydantic import Field
 from transformers import PreTrainedModel
 
 from headstart.core.settings import Count, Section
-from headstart.decoding.proposers import DraftModel, NGram, SelfSpec, Vanilla, early_exit
+from headstart.decoding.proposers import DraftModel, NGram, ProposerWrapper, SelfSpec, Vanilla, early_exit
 from headstart.decoding.proposers_heads import DraftSource
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
+from headstart.decoding.target_cache import recurrent_target, why_chains
+from headstart.decoding.tree import Tree, first_chain, is_chain
 from headstart.decoding.tree_config import TreeSpec, check_tree_vocab, load_tree_config
 from headstart.decoding.verify import Proposer
 from headstart.heads import DraftHead, HeadConfig, HeadFolder, drafting_of, draftings
+
+log = logging.getLogger(__name__)
 
 # The methods that draft without a trained head; each registered head type adds its own (``head_methods``).
 MODEL_METHODS = ("vanilla", "ngram", "suffix", "lookahead", "draft_model", "self_spec")
@@ -92,9 +98,31 @@ def build_proposer(
 ) -> Proposer:
     """The proposer of ``method`` (``all_methods()``): ``draft`` for draft_model, ``target`` for self_spec,
     ``heads[method]`` for the head methods; an EAGLE, DFlash, draft_model or self_spec method drafts ``tree_config``
-    (a tree.json; self_spec's names its exit layer) when given, else the tree ``flags``."""
+    (a tree.json; self_spec's names its exit layer) when given, else the tree ``flags``.
+
+    On a recurrent ``target`` (linear attention, Mamba: ``decoding.target_cache``) every method drafts chains: the
+    verifier cannot run a tree's siblings through the recurrence in one forward."""
     if method not in all_methods():
         raise ValueError(f"unknown method {method!r}; known: {list(all_methods())}")
+    # DraftModel crops its drafter's cache after every step, which a recurrent layer's state cannot undo.
+    if method == "draft_model" and draft is not None and recurrent_target(draft):
+        raise ValueError(f"draft_model crops its draft's cache, but {why_chains(draft)}")
+    if target is None or not recurrent_target(target) or method == "vanilla":
+        return _build(method, flags, draft, heads, tree_config, target)
+    if method == "self_spec":
+        raise ValueError(f"self_spec drafts with the target's layers and crops their cache, but {why_chains(target)}")
+    log.warning("%s drafts chains of %d (its tree settings are set aside): %s", method, flags.depth, why_chains(target))
+    return ChainOnly(_build(method, replace(flags, shape="static"), draft, heads, None, target))
+
+
+def _build(
+    method: str,
+    flags: TreeFlags,
+    draft: PreTrainedModel | None,
+    heads: dict[str, DraftHead] | None,
+    tree_config: dict | None,
+    target: PreTrainedModel | None,
+) -> Proposer:
     if method == "vanilla":
         return Vanilla()
     if method == "ngram":
@@ -123,6 +151,16 @@ def build_proposer(
     if tree_config is not None and proposer.tunable:  # a tuned tree.json (Medusa drafts its own fixed tree)
         return proposer_for(head, TreeSpec.from_config(tree_config))
     return proposer.for_flags(head, flags)
+
+
+class ChainOnly(ProposerWrapper):
+    """A proposer whose trees are cut to their chain of first children (``tree.first_chain``), for targets that
+    verify chains only. Static flags already make most methods draft chains; suffix, lookahead and Medusa draw
+    their own trees. Lookahead then learns from no verified window (its tree gets no target argmax)."""
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        tree = self.proposer.propose(tokens)
+        return tree if is_chain(tree) else first_chain(tree)
 
 
 def proposer_for(source: DraftSource, tree: TreeSpec) -> Proposer:

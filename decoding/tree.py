@@ -81,6 +81,24 @@ class Tree:
         return kids
 
 
+def is_chain(tree: Tree) -> bool:
+    """Whether node i's parent is node i - 1 for every node (the empty tree is a chain)."""
+    return bool((tree.parents == torch.arange(len(tree), device=tree.parents.device) - 1).all())
+
+
+def first_chain(tree: Tree) -> Tree:
+    """The chain of first children from the root down: each kept node is the first one drawn from its sibling
+    group, so it keeps its group's distribution and the chain verifies as losslessly as the tree did."""
+    children, node, nodes = tree.children(), -1, []
+    while children[node + 1]:
+        node = children[node + 1][0]
+        nodes.append(node)
+    index = torch.tensor(nodes, dtype=torch.long, device=tree.tokens.device)
+    steps = torch.arange(len(nodes), device=tree.tokens.device)
+    dist_index = None if tree.dist_index is None else tree.dist_index[index]
+    return Tree(tree.tokens[index], steps - 1, steps + 1, tree.draft_logprobs[index], tree.dists, dist_index)
+
+
 def empty_tree(device: torch.device) -> Tree:
     none = torch.empty(0, dtype=torch.long, device=device)
     return Tree(none, none, none, torch.empty(0, device=device))

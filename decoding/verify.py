@@ -25,7 +25,18 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from headstart.decoding.tree import Tree, additive_mask, capped, empty_tree, tree_batch_inputs
+from headstart.decoding.target_cache import (
+    States,
+    commit_rows,
+    crop_attention,
+    layer_masks,
+    new_cache,
+    recurrent_target,
+    restore_states,
+    snapshot_states,
+    why_chains,
+)
+from headstart.decoding.tree import Tree, additive_mask, capped, empty_tree, is_chain, tree_batch_inputs
 from headstart.decoding.tree_config import Schedule, scheduled_depth
 
 
@@ -170,46 +181,6 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.
     return path, torch.multinomial(probs[last], 1)
 
 
-def _commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> None:
-    """Per sequence b, move cache slots ``rows[b]`` ([B, keep], after ``prefix_len``) to the slots right after
-    the prefix and drop everything past them."""
-    keep = rows.shape[1]
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            index = rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-            t[:, :, prefix_len : prefix_len + keep] = t.gather(2, index)
-    cache.crop(-(cache.get_seq_length() - prefix_len - keep))  # a negative count: rows to drop
-
-
-def _sliding_layers(target: PreTrainedModel) -> bool:
-    """Whether the target mixes sliding-window layers with global ones (``config.layer_types``, Gemma-3)."""
-    return "sliding_attention" in (getattr(target.config, "layer_types", None) or ())
-
-
-def new_cache(target: PreTrainedModel) -> DynamicCache:
-    """An empty cache for ``target`` that keeps every position of every layer. A cache built from a config with
-    sliding-window layers (Gemma-3's ``layer_types``) keeps only each such layer's last window, which the
-    gather and crop of rejected tree rows cannot undo; ``layer_masks`` applies those windows instead."""
-    if _sliding_layers(target):
-        return DynamicCache()
-    return DynamicCache(config=target.config)
-
-
-def layer_masks(
-    target: PreTrainedModel, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The additive ``mask`` [B, 1, q, k] for every layer, or per layer type where the target mixes global and
-    sliding-window layers (``config.layer_types``, which transformers' Gemma-3 takes as a dict): a sliding
-    layer's query at position p also loses the keys at positions <= p - sliding_window (transformers'
-    ``sliding_window_overlay``). Positions, not cache slots: slots hold padding and rejected rows."""
-    if not _sliding_layers(target):
-        return mask
-    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
-    sliding = mask.masked_fill(distance >= target.config.sliding_window, torch.finfo(mask.dtype).min)
-    return {"full_attention": mask, "sliding_attention": sliding}
-
-
 def _hidden(out: CausalLMOutputWithPast, layers: tuple[int, ...]) -> torch.Tensor | None:
     """The requested hidden states, concatenated: [B, rows, len(layers) * H]."""
     if not layers:
@@ -252,10 +223,15 @@ def verify_batch(
     (accepted node ids, bonus [1], hidden of root + path rows, per sequence; the new ``valid``). On return
     each sequence's root and accepted nodes follow the old slots (its bonus is its new root).
     """
-    prefix_len = valid.shape[1]
-    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, verify_queries(target.device, trees))
+    prefix_len, recurrent = valid.shape[1], recurrent_target(target)
+    if recurrent:
+        check_recurrent(target, len(trees), trees[0])
+    # Padding queries would run through a recurrent layer's state: a recurrent target runs the tree's rows only.
+    queries = 1 + len(trees[0]) if recurrent else verify_queries(target.device, trees)
+    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, queries)
     ids[:, 0] = roots
     key_positions = torch.cat((valid.long().cumsum(1) - 1, positions), dim=1)  # committed slots count up
+    saved = snapshot_states(cache) if recurrent and len(trees[0]) else None
     out = target(
         input_ids=ids,
         attention_mask=layer_masks(target, mask, positions, key_positions),
@@ -273,12 +249,42 @@ def verify_batch(
     rows = torch.zeros(len(trees), keep, dtype=torch.long, device=valid.device)
     for b, path in enumerate(paths):
         rows[b, 1 : len(path) + 1] = path + 1
-    _commit_rows(cache, prefix_len, prefix_len + rows)
+    if saved is not None and len(paths[0]) < len(trees[0]):
+        replay(target, cache, saved, prefix_len, ids[:, rows[0]], positions[:, rows[0]])
+    else:
+        commit_rows(cache, prefix_len, prefix_len + rows)
     lengths = torch.tensor([len(path) + 1 for path in paths], device=valid.device)
     valid = torch.cat((valid, torch.arange(keep, device=valid.device)[None] < lengths[:, None]), 1)
     hidden = _hidden(out, hidden_layers)
     hiddens = [None if hidden is None else hidden[b, rows[b, : len(path) + 1]] for b, path in enumerate(paths)]
     return list(paths), list(bonuses), hiddens, valid
+
+
+def check_recurrent(target: PreTrainedModel, batch: int, tree: Tree | None = None) -> None:
+    """Refuse what a recurrent target cannot verify exactly in one forward: several sequences (their padding
+    would run through the state) or a tree that is not a chain (the recurrence would run through siblings)."""
+    if batch > 1:
+        raise ValueError(f"cannot decode {batch} sequences together: {why_chains(target)}; decode one at a time")
+    if tree is not None and not is_chain(tree):
+        raise ValueError(f"cannot verify a tree that is not a chain: {why_chains(target)}; draft chains")
+
+
+def replay(
+    target: PreTrainedModel,
+    cache: DynamicCache,
+    saved: States,
+    prefix_len: int,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """After a rejection on a recurrent target: put its states back as they were before the step (``saved``),
+    drop the step's attention rows and run the accepted rows ``ids`` [1, keep] (root + path) again, so every
+    layer holds exactly the committed tokens. A chain's accepted rows are a prefix of what ran, so the
+    verify forward's outputs for them were already exact; this forward only rebuilds the state."""
+    restore_states(cache, saved)
+    crop_attention(cache, prefix_len)
+    # No mask: one sequence, no padding, so the target's own causal (and windowed) masks are the exact ones.
+    target(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
 
 
 def verify(
@@ -333,7 +339,7 @@ def generate_batch(
 
     Per sequence: (prompt + new tokens [1, S + new], stats); a finished sequence leaves the batch. Stops
     after ``max_new_tokens`` or at ``eos_token_id`` (kept), as ``target.generate`` does. Sampling draws from
-    torch's global generator: seed it for reproducible runs.
+    torch's global generator: seed it for reproducible runs. A recurrent target decodes one sequence at a time.
 
     ``schedule`` (``decoding.tree_config.Schedule``, a tree.json's ``depth_per_batch_size``) sets speculation by load:
     at every step, with n sequences still decoding, the drafted trees are cut at the depth it gives n, and
@@ -346,6 +352,8 @@ def generate_batch(
     layers = proposers[0].hidden_layers
     if any(p.hidden_layers != layers for p in proposers):
         raise ValueError("proposers of one batch must read the same target layers")
+    if recurrent_target(target):
+        check_recurrent(target, len(prompts))
     cache = new_cache(target)
     valid, hidden = _prefill(target, cache, seqs, layers)
     active = list(range(len(seqs))) if max_new_tokens > 0 else []
@@ -379,6 +387,8 @@ def generate_batch(
         drafting = not schedule or not still or scheduled_depth(schedule, len(still)) > 0
         for j in still:
             _read(proposers[active[j]], seqs[active[j]], hidden[j], unread, active[j], drafting)
+        if not still:  # done: no batch to select (recurrent cache layers cannot select one)
+            break
         if len(still) < len(active):
             keep = torch.tensor(still, dtype=torch.long, device=valid.device)
             cache.batch_select_indices(keep)

@@ -146,14 +146,14 @@ EVERY_KEY = {
         "method": ["vanilla", "eagle3"], "bench": "b", "prompt_format": "raw", "limit": 3, "per_group": 2,
         "max_new_tokens": 7, "temperature": 0.5, "temperatures": [0.0, 1.0],
         "top_p": 0.9, "top_k": 4, "tree": "static", "top_k_draft": 2, "depth": 3, "total_tokens": 9, "exit_layer": 2,
-        "seed": 5, "device": "cpu", "dtype": "bf16", "tp_size": 2, "out": "o",
+        "seed": 5, "device": "cpu", "dtype": "bf16", "tp_size": 2, "attn_implementation": "eager", "out": "o",
     },
     "autotune": {
         "target": "t", "head": "h", "allow_other_tokenizer": True, "bench": "b", "prompt_format": "chat", "offset": 2,
         "calibration": 3,
         "heldout": 4, "max_new_tokens": 5, "max_nodes": 6, "max_depth": 7, "comb_width": 2, "batch_size": 4,
         "batch_sizes": [2, 4], "repeats": 1, "device": "cpu", "dtype": "bf16", "tp_size": 2, "seed": 1, "out": "o",
-        "write_head": True, "exit_layers": [2],
+        "write_head": True, "exit_layers": [2], "attn_implementation": "eager",
     },
 }  # fmt: skip
 REQUIRED_ONLY = {

@@ -13,18 +13,21 @@ import yaml
 from conftest import REPO, assert_matches, base_config, records, run_here
 from safetensors.torch import load_file
 from test_families import check_export
+from test_tensor_parallel import torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import models as hf
 
+from headstart.core.memory import TargetSizes, kv_cache_bytes
+from headstart.core.models import load_model
 from headstart.data_recipes.capture import run_capture
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import DFlash, Eagle
-from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache, probabilities
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
 from headstart.scripts.export.card import vllm_command
 from headstart.scripts.export.command import export_head
-from headstart.scripts.export.common import AUX_CAPTURE
+from headstart.scripts.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dflash, eagle
 
@@ -189,7 +192,8 @@ def test_heads_train_decode_as_the_target_and_export_for_each_family(family_run)
         check_export(heads[head_type] / "head", family, target_dir)
     # gpt-oss's EAGLE-3 head normalises the fused states before fc (vLLM's norm_before_fc), and imports back.
     assert loaded["eagle3"].config.options.norm_before_fc == (family == "gpt_oss")
-    exported = export_head(heads["eagle3"] / "head", "vllm", heads["eagle3"] / "export", str(target_dir))
+    fmt = "sglang" if family in VLLM_UNSERVED_FAMILIES else "vllm"  # the EAGLE repo's layout, either way
+    exported = export_head(heads["eagle3"] / "head", fmt, heads["eagle3"] / "export", str(target_dir))
     imported = import_head("eagle3", exported, heads["eagle3"] / "imported", str(target_dir))
     again, ours = load_file(str(imported / WEIGHTS_NAME)), loaded["eagle3"].state_dict()
     assert again.keys() == ours.keys() and all(torch.equal(again[k], v) for k, v in ours.items())
@@ -257,3 +261,46 @@ def test_the_families_by_engine_table_is_the_code_s():
     # vLLM serves the others through its Transformers backend: the serve command says so.
     assert "--model-impl transformers" in vllm_command("T", "D", "eagle3", aux_family="mixtral")
     assert "--model-impl" not in vllm_command("T", "D", "eagle3", aux_family="qwen3_moe")
+
+
+MOE_TP_WORKER = """
+import torch
+from headstart.core.models import load_model
+from headstart.core.runtime import join_process_group, rank_device
+ranks = join_process_group(rank_device("cpu"), 2)
+out = load_model({target!r}, "cpu", "fp32", 2)(torch.arange(3, 40)[None], output_hidden_states=True)
+if ranks.rank == 0:
+    torch.save({{"logits": out.logits, "last": out.hidden_states[-1]}}, {out!r})
+"""
+
+
+@pytest.mark.slow
+def test_a_moe_target_splits_across_ranks_and_one_without_a_plan_is_refused(tiny_target_dir, tmp_path):
+    # target.tp_size for MoE families: transformers' plan splits Qwen3-MoE's attention and experts over 2 gloo
+    # ranks, which give the one-process forward; gpt-oss has no plan in transformers 5.23 and is refused by name.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    for family in ("qwen3_moe", "gpt_oss"):
+        save_target(tmp_path / family, family, tokenizer)
+    with pytest.raises(NotImplementedError, match="no tensor-parallel plan for gpt_oss targets"):
+        load_model(str(tmp_path / "gpt_oss"), "cpu", "fp32", tp_size=2)
+    worker = tmp_path / "worker.py"
+    worker.write_text(MOE_TP_WORKER.format(target=str(tmp_path / "qwen3_moe"), out=str(tmp_path / "split.pt")))
+    torchrun(str(worker))
+    split = torch.load(tmp_path / "split.pt")
+    whole = load_model(str(tmp_path / "qwen3_moe"), "cpu")
+    out = whole(torch.arange(3, 40)[None], output_hidden_states=True)
+    torch.testing.assert_close(split["logits"], out.logits, atol=1e-5, rtol=1e-5)  # fp32 reduction order only
+    torch.testing.assert_close(split["last"], out.hidden_states[-1], atol=1e-5, rtol=1e-5)
+    # The memory estimate counts every expert: the parameters of the config's meta model are the loaded model's.
+    assert TargetSizes.of(whole.config).parameters == sum(p.numel() for p in whole.parameters())
+
+
+def test_the_kv_cache_estimate_counts_attention_layers_and_mla_heads():
+    # The decoding memory check's KV cache: the verifier's cache after a 40-token forward, byte for byte (every
+    # position of a sliding layer kept, as rejected rows are rolled back by position: decoding.verify.new_cache).
+    for family in ("deepseek_v3", "qwen3_next", "gpt_oss"):
+        model = AutoModelForCausalLM.from_config(family_config(family, vocab_size=64)).eval()
+        cache = model(torch.arange(40)[None], past_key_values=new_cache(model), use_cache=True).past_key_values
+        growing = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]  # not recurrent
+        held = sum(t.numel() * t.element_size() for layer in growing for t in (layer.keys, layer.values))
+        assert kv_cache_bytes(model.config, 40, torch.float32, 1) == held, family

@@ -1,0 +1,199 @@
+"""The target's cache, for caches that cannot simply be gathered and cropped: sliding windows and recurrent state.
+
+Tree verification (``decoding.verify``) writes a step's rows into the cache, keeps the accepted ones and crops the
+rest. Two kinds of target layers break that:
+
+- sliding-window attention (Mistral, Phi-3, Qwen2's upper layers, gpt-oss, Gemma-3): transformers' cache for
+  such a layer keeps only its last window, so a crop of rejected rows would lose context the window still
+  needs. ``new_cache`` keeps every position instead and ``layer_masks`` applies each window in the mask, by
+  positions (tree nodes sit at their depth's position, not at their cache slot).
+- recurrent layers (linear attention: Qwen3-Next's gated delta net, Mamba in Granite-4 / Nemotron-H): their
+  conv and recurrent states hold the whole past in a fixed size and are updated in place, so rows cannot be
+  dropped afterwards. ``snapshot_states`` / ``restore_states`` put them back as they were before a step; the
+  verifier then replays the accepted rows (see ``decoding.verify.verify_batch``).
+
+The layout comes from transformers' own reading of the config (``get_layer_types_and_kwargs``, what
+``DynamicCache(config=...)`` builds), once per config.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
+
+# Cache layer types whose layer keeps only its last window; the mask, not the mask's slots, makes the window.
+SLIDING_TYPES = ("sliding_attention", "hybrid_sliding")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the target's layers need from a cache: every layer's cache type (transformers' names), the window of
+    the sliding ones (None: none slides) and whether any layer carries recurrent state."""
+
+    family: str  # config.model_type, for messages
+    types: tuple[str, ...]
+    window: int | None
+    recurrent: bool
+
+    @property
+    def all_sliding(self) -> bool:
+        """Every attention layer slides (Mistral, Phi-3): one windowed mask serves them all."""
+        attention = [t for t in self.types if t in ("full_attention", "hybrid", *SLIDING_TYPES)]
+        return all(t in SLIDING_TYPES for t in attention)
+
+
+def _read_layout(config: PreTrainedConfig) -> Layout:
+    text = config.get_text_config(decoder=True)
+    types, kwargs = get_layer_types_and_kwargs(text)
+    if "chunked_attention" in types:
+        raise ValueError(
+            f"{text.model_type} targets have chunked attention layers (attention_chunk_size): the verifier applies "
+            "sliding windows but not chunks, so it would verify against other keys than the target sees"
+        )
+    windows = {kw["sliding_window"] for t, kw in zip(types, kwargs) if t in SLIDING_TYPES}
+    if len(windows) > 1:
+        raise ValueError(f"{text.model_type} targets with several sliding windows {sorted(windows)} are not supported")
+    recurrent = any(issubclass(DYNAMIC_LAYER_TYPE_MAPPING[t], LinearAttentionCacheLayerMixin) for t in types)
+    return Layout(text.model_type, tuple(types), windows.pop() if windows else None, recurrent)
+
+
+# Read once per config object: transformers' layout takes a few hundred microseconds, more than a tiny verify
+# step's host work. Configs are unhashable, so by id, with a weak reference that tells a reused id apart.
+_LAYOUTS: dict[int, tuple[weakref.ref, Layout]] = {}
+
+
+def layout(model: PreTrainedModel) -> Layout:
+    """The cache layout of ``model`` (its config's, read once)."""
+    config = model.config
+    known = _LAYOUTS.get(id(config))
+    if known is None or known[0]() is not config:
+        for gone in [key for key, (ref, _) in _LAYOUTS.items() if ref() is None]:
+            del _LAYOUTS[gone]
+        known = (weakref.ref(config), _read_layout(config))
+        _LAYOUTS[id(config)] = known
+    return known[1]
+
+
+def recurrent_target(model: PreTrainedModel) -> bool:
+    """Whether some layer of ``model`` carries recurrent state (linear attention, Mamba, short convolutions)."""
+    return layout(model).recurrent
+
+
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """The window of ``model``'s sliding-window layers; None when no layer slides."""
+    return layout(model).window
+
+
+def why_chains(model: PreTrainedModel) -> str:
+    """Why a recurrent target is verified on chains only, one sequence at a time (for messages)."""
+    return (
+        f"{layout(model).family} targets carry recurrent state (linear attention / Mamba layers) that runs through "
+        "every row of a forward: tree siblings and batch padding would flow into it, and it cannot be cropped back"
+    )
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty cache for ``model`` that keeps every position of every attention layer.
+
+    transformers' cache for a sliding layer keeps only its last window, which the gather and crop of rejected
+    tree rows cannot undo; here such a layer keeps everything and ``layer_masks`` applies the window instead.
+    Recurrent layers stay as transformers builds them (their states are snapshot and restored by the verifier).
+    """
+    cache = DynamicCache(config=model.config)
+    if sliding_window(model) is not None:
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and getattr(layer, "is_sliding", False):
+                cache.layers[i] = LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+            elif getattr(layer, "is_sliding", False):
+                cache.layers[i] = DynamicLayer()
+    return cache
+
+
+def layer_masks(
+    target: PreTrainedModel, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+) -> torch.Tensor | dict[str, torch.Tensor | None]:
+    """The additive ``mask`` [B, 1, q, k] for every layer, windowed where the target's layers slide.
+
+    A sliding layer's query at position p also loses the keys at positions <= p - sliding_window
+    (transformers' ``sliding_window_overlay``). Positions, not cache slots: slots hold padding and rejected rows.
+    When every attention layer slides (Mistral: its forward takes one mask) the windowed tensor serves all;
+    when sliding and global layers mix, the mask per ``config.layer_types`` entry (the dict those families'
+    forwards take; recurrent layers get None, i.e. no padding mask)."""
+    plan = layout(target)
+    if plan.window is None:
+        return mask
+    distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]
+    sliding = mask.masked_fill(distance >= plan.window, torch.finfo(mask.dtype).min)
+    if plan.all_sliding:
+        return sliding
+    per_type: dict[str, torch.Tensor | None] = {"full_attention": mask, "sliding_attention": sliding}
+    for name in getattr(target.config.get_text_config(decoder=True), "layer_types", None) or ():
+        per_type.setdefault(name, None)
+    return per_type
+
+
+def commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> None:
+    """Per sequence b, move the attention layers' cache slots ``rows[b]`` ([B, keep], after ``prefix_len``) to the
+    slots right after the prefix and drop everything past them. Layers without keys (recurrent-only, shared-KV
+    dummies) are left alone: ``restore_states`` handles recurrent state."""
+    keep = rows.shape[1]
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or layer.keys is None:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            index = rows[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+            t[:, :, prefix_len : prefix_len + keep] = t.gather(2, index)
+    crop_attention(cache, prefix_len + keep)
+
+
+def crop_attention(cache: DynamicCache, length: int) -> None:
+    """Crop every attention layer to its first ``length`` slots. ``Cache.crop`` would also crop recurrent layers,
+    which refuse (their state is not per position); a hybrid layer's attention part is cropped on its own."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer) and layer.get_seq_length() > length:
+            DynamicLayer.crop(layer, length - layer.get_seq_length())  # a negative count: rows to drop
+
+
+# Per recurrent layer: its conv states, recurrent states and has-previous-state flags (None where uninitialised).
+States = list[tuple[dict, dict, dict]]
+
+
+def snapshot_states(cache: DynamicCache) -> States:
+    """Copies of every recurrent layer's states, which a forward updates in place."""
+
+    def copies(states: dict) -> dict:
+        return {i: None if s is None else s.clone() for i, s in states.items()}
+
+    return [
+        (copies(layer.conv_states), copies(layer.recurrent_states), dict(layer.has_previous_state))
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    ]
+
+
+def restore_states(cache: DynamicCache, saved: States) -> None:
+    """Put every recurrent layer's states back as ``snapshot_states`` saw them. A state the forward created (an
+    empty prefix) goes back to uninitialised, as transformers' ``reset`` leaves it."""
+    layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    for layer, (conv, recurrent, previous) in zip(layers, saved):
+        for states, saved_states in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
+            for i, state in saved_states.items():
+                current = states[i]
+                if current is None:
+                    continue  # no forward created it since
+                if state is None:
+                    current.zero_()
+                else:
+                    current.copy_(state)
+        layer.has_previous_state.update(previous)
