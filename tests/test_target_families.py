@@ -17,9 +17,10 @@ from test_tensor_parallel import torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import models as hf
 
-from headstart.core.memory import TargetSizes, kv_cache_bytes
+from headstart.core.config import load_config
+from headstart.core.memory import GB, TargetSizes, kv_cache_bytes
 from headstart.core.models import load_model
-from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.capture import run_capture, storage_estimate
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import DFlash, Eagle
 from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache, probabilities
@@ -30,6 +31,8 @@ from headstart.scripts.export.command import export_head
 from headstart.scripts.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dflash, eagle
+from headstart.train.config import resolve_config
+from headstart.train.loop import Process, training_memory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -304,3 +307,35 @@ def test_the_kv_cache_estimate_counts_attention_layers_and_mla_heads():
         growing = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]  # not recurrent
         held = sum(t.numel() * t.element_size() for layer in growing for t in (layer.keys, layer.values))
         assert kv_cache_bytes(model.config, 40, torch.float32, 1) == held, family
+
+
+# The published shapes of the two MoE configs' targets, from transformers' config classes (nothing downloaded).
+PUBLISHED = {
+    "qwen3-30b-a3b-eagle3": hf.qwen3_moe.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b-eagle3": hf.gpt_oss.GptOssConfig(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_moe_configs_figures_are_what_core_memory_computes(name, tmp_path):
+    # configs/{qwen3-30b-a3b,gpt-oss-20b}-eagle3.yaml state the disk and per-rank memory in comments: the figures
+    # core.memory and storage_estimate give for the published shape (parameters counted with every expert).
+    text = (REPO / "configs" / f"{name}.yaml").read_text()
+    PUBLISHED[name].save_pretrained(tmp_path / "target")
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    config["target"]["path"] = str(tmp_path / "target")
+    resolved = resolve_config(config, "eagle")
+    hidden = PUBLISHED[name].hidden_size
+    assert f"{storage_estimate(1, hidden, 3, torch.bfloat16):,} bytes a token" in text
+    training = training_memory(resolved, Process(0, 8, torch.device("cpu")))
+    assert f"= {training.total / GB:.2f} GB" in text
+    share = TargetSizes.of(PUBLISHED[name]).target_share(torch.bfloat16, 2)
+    assert f"{share / GB:.2f} GB of bf16 weights per GPU" in text
+    assert resolved.head.intermediate_size == 6 * hidden  # the published drafts' width: the target has no dense MLP

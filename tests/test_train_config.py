@@ -19,6 +19,8 @@ TRAINED_CONFIGS = [
     "llama-3.1-8b-instruct-eagle3",
     "qwen2.5-7b-instruct-eagle3",
     "qwen3-8b-eagle3",
+    "qwen3-30b-a3b-eagle3",
+    "gpt-oss-20b-eagle3",
 ]
 
 
