@@ -94,6 +94,9 @@ class Proposer(Protocol):
 @dataclass
 class Stats:
     target_forwards: int = 0  # verification forwards (the prompt's prefill is not counted)
+    # Forwards that rebuilt a recurrent target's state after a rejected draft (``replay``): not verification, so
+    # not in tau, but in the wall time (tokens/s and speedups count them).
+    replay_forwards: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per forward, bonus included
     depth_accepts: list[int] = field(default_factory=list)  # [d - 1]: forwards that accepted a depth-d node
     wall_time: float = 0.0
@@ -249,7 +252,7 @@ def verify_batch(
     rows = torch.zeros(len(trees), keep, dtype=torch.long, device=valid.device)
     for b, path in enumerate(paths):
         rows[b, 1 : len(path) + 1] = path + 1
-    if saved is not None and len(paths[0]) < len(trees[0]):
+    if saved is not None and replays(trees[0], paths[0]):
         replay(target, cache, saved, prefix_len, ids[:, rows[0]], positions[:, rows[0]])
     else:
         commit_rows(cache, prefix_len, prefix_len + rows)
@@ -267,6 +270,11 @@ def check_recurrent(target: PreTrainedModel, batch: int, tree: Tree | None = Non
         raise ValueError(f"cannot decode {batch} sequences together: {why_chains(target)}; decode one at a time")
     if tree is not None and not is_chain(tree):
         raise ValueError(f"cannot verify a tree that is not a chain: {why_chains(target)}; draft chains")
+
+
+def replays(tree: Tree, path: torch.Tensor) -> bool:
+    """Whether a recurrent target's step replays its accepted rows: some drafted node was rejected."""
+    return len(path) < len(tree)
 
 
 def replay(
@@ -352,7 +360,8 @@ def generate_batch(
     layers = proposers[0].hidden_layers
     if any(p.hidden_layers != layers for p in proposers):
         raise ValueError("proposers of one batch must read the same target layers")
-    if recurrent_target(target):
+    recurrent = recurrent_target(target)
+    if recurrent:
         check_recurrent(target, len(prompts))
     cache = new_cache(target)
     valid, hidden = _prefill(target, cache, seqs, layers)
@@ -378,6 +387,7 @@ def generate_batch(
             new = torch.cat((trees[j].tokens[paths[j]], bonuses[j]))
             seqs[i] = torch.cat((seqs[i], new))
             stats[i].record(len(paths[j]))
+            stats[i].replay_forwards += bool(recurrent and replays(trees[j], paths[j]))
             if len(seqs[i]) - prompt_lens[i] >= max_new_tokens or (
                 eos_token_id is not None and bool((new == eos_token_id).any())
             ):

@@ -66,6 +66,7 @@ from headstart.data_recipes.bench import (
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
 from headstart.decoding.proposers import check_draft_vocab, early_exit
 from headstart.decoding.proposers_heads import DraftSource, drafts_level_by_level, tree_depth_bound
+from headstart.decoding.target_cache import recurrent_target, why_chains
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
 from headstart.eval.report import prompts_rendered, write_autotune_report
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
@@ -235,6 +236,11 @@ def start(args: Autotune) -> Session:
     target, ranks = load_decoding_target(
         args.target, args.device, dtype, args.tp_size, drafters, context, args.attn_implementation
     )
+    if recurrent_target(target):
+        raise ValueError(
+            f"{args.target}: eval.autotune tunes trees and batch schedules, and {why_chains(target)}: such a target "
+            "drafts chains one sequence at a time; compare chain lengths with eval.acceptance --tree static --depth N"
+        )
     prepare_decoding(target.device)
     sources = draft_sources(args, target, dtype)
     prompts = [turn_prompt(tokenizer, item, [], prompt_format).to(target.device) for item in items]  # first turns

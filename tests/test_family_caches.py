@@ -78,6 +78,7 @@ CONFIGS = {
     "granitemoehybrid": granite_config,
     "nemotron_h": nemotron_h_config,
 }
+RECURRENT = ("qwen3_next", "granitemoehybrid", "nemotron_h")
 
 
 def tiny(family: str, **overrides):
@@ -135,7 +136,7 @@ class Oracle:
 def test_layouts_are_read_from_transformers_configs(targets):
     for family in ("mistral", "qwen2"):
         assert sliding_window(targets[family]) == WINDOW and not recurrent_target(targets[family])
-    for family in ("qwen3_next", "granitemoehybrid", "nemotron_h"):
+    for family in RECURRENT:
         assert recurrent_target(targets[family]) and sliding_window(targets[family]) is None
     # transformers' cache would keep only the window; ours keeps every position of every attention layer.
     cache = new_cache(targets["mistral"])
@@ -151,6 +152,9 @@ def test_greedy_speculation_is_the_targets_greedy_decoding(family, targets):
     assert torch.equal(got, expected)
     assert 1 in stats.accepted_lengths and max(stats.accepted_lengths) == 4  # rejected at depth 1 and all accepted
     assert 2 in stats.accepted_lengths  # rejected at depth 2
+    # A recurrent target replays the accepted rows of each step that rejected a draft; tau counts verifications only.
+    short = sum(length < 4 for length in stats.accepted_lengths)  # rejections, and the last steps' short chains
+    assert (0 < stats.replay_forwards <= short) if family in RECURRENT else stats.replay_forwards == 0
     got, _ = generate(target, NGram(k=3), ids, NEW)
     assert torch.equal(got, expected)
 

@@ -24,6 +24,7 @@ from headstart.data_recipes.capture import run_capture, storage_estimate
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import DFlash, Eagle
 from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache, probabilities
+from headstart.eval import autotune
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
 from headstart.scripts.export.card import vllm_command
@@ -339,3 +340,15 @@ def test_the_moe_configs_figures_are_what_core_memory_computes(name, tmp_path):
     share = TargetSizes.of(PUBLISHED[name]).target_share(torch.bfloat16, 2)
     assert f"{share / GB:.2f} GB of bf16 weights per GPU" in text
     assert resolved.head.intermediate_size == 6 * hidden  # the published drafts' width: the target has no dense MLP
+
+
+def test_autotune_refuses_a_recurrent_target_naming_why(tiny_target_dir, gsm8k_file, tmp_path):
+    save_target(tmp_path / "target", "qwen3_next", AutoTokenizer.from_pretrained(tiny_target_dir))
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    build_head({"type": "eagle3", "layer_ids": [1, 3, 4], "intermediate_size": 64}, target).save_pretrained(
+        tmp_path / "head"
+    )
+    argv = ["--target", str(tmp_path / "target"), "--head", str(tmp_path / "head"), "--bench", str(gsm8k_file)]
+    argv += ["--calibration", "1", "--heldout", "1", "--device", "cpu", "--out", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match="tunes trees and batch schedules, and qwen3_next targets carry recurrent"):
+        autotune.main(argv)
