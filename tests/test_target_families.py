@@ -27,6 +27,14 @@ from headstart.decoding.verify import Sampling, generate, generate_batch, new_ca
 from headstart.eval import autotune
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
+from headstart.scripts.dev.tiny_families import (
+    EXPERTS_ONLY,
+    FAMILIES,
+    RECURRENT,
+    WINDOW,
+    family_config,
+    save_target,
+)
 from headstart.scripts.export.card import vllm_command
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
@@ -37,110 +45,10 @@ from headstart.train.loop import Process, training_memory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SHAPE = dict(hidden_size=32, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
-WINDOW = 8  # shorter than the prompt plus its continuation: the sliding layers drop keys while decoding
-EXPERTS = dict(num_experts_per_tok=2)
-FAMILIES = {  # model_type: (config class, what sets the family apart)
-    "qwen3_moe": (
-        hf.qwen3_moe.Qwen3MoeConfig,
-        dict(intermediate_size=64, moe_intermediate_size=32, num_experts=4, head_dim=16, **EXPERTS),
-    ),
-    "gpt_oss": (
-        hf.gpt_oss.GptOssConfig,
-        dict(
-            intermediate_size=32,
-            num_local_experts=4,
-            head_dim=8,
-            sliding_window=WINDOW,
-            layer_types=["sliding_attention", "full_attention"] * 3,
-            **EXPERTS,
-        ),
-    ),
-    "deepseek_v3": (
-        hf.deepseek_v3.DeepseekV3Config,
-        dict(
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            n_routed_experts=4,
-            first_k_dense_replace=1,  # a dense first layer: the draft's MLP width is its
-            kv_lora_rank=16,
-            q_lora_rank=None,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            n_group=1,
-            topk_group=1,
-            num_key_value_heads=4,
-            **EXPERTS,
-        ),
-    ),
-    "mistral": (hf.mistral.MistralConfig, dict(intermediate_size=64, sliding_window=WINDOW)),
-    "gemma3_text": (
-        hf.gemma3.Gemma3TextConfig,
-        dict(
-            intermediate_size=64,
-            head_dim=8,
-            sliding_window=WINDOW,
-            layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
-        ),
-    ),
-    "phi3": (hf.phi3.Phi3Config, dict(intermediate_size=64)),
-    "qwen3_next": (
-        hf.qwen3_next.Qwen3NextConfig,
-        dict(
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=4,
-            head_dim=16,
-            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            **EXPERTS,
-        ),
-    ),
-    "granitemoehybrid": (
-        hf.granitemoehybrid.GraniteMoeHybridConfig,
-        dict(
-            intermediate_size=64,
-            shared_intermediate_size=64,
-            num_local_experts=0,
-            layer_types=["mamba", "mamba", "attention"] * 2,
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=8,
-            mamba_n_groups=1,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            position_embedding_type="rope",
-        ),
-    ),
-}
-# Targets whose every layer routes to experts: no dense MLP to size the draft's from, so the head names its own.
-EXPERTS_ONLY = ("qwen3_moe", "gpt_oss", "qwen3_next")
-RECURRENT = ("qwen3_next", "granitemoehybrid")  # verified as chains (decoding.verify)
 HEADS = {
     "eagle3": (eagle, {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3}),
     "dflash": (dflash, {"type": "dflash", "block_size": 4, "num_anchors": 8}),
 }
-
-
-def family_config(family, **overrides):
-    config_cls, extra = FAMILIES[family]
-    return config_cls(**{**SHAPE, "tie_word_embeddings": False, **extra, **overrides})
-
-
-def save_target(out, family, tokenizer):
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    config = family_config(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **ids)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.get_output_embeddings().weight.data *= 30  # peaked predictions: something to learn in 3 steps
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -17,7 +17,10 @@ killed run keeps what finished):
    (the hidden states' largest difference is reported);
 4. ``eval-tp2``: ``eval.acceptance --tp-size 2`` under torchrun in fp32; passes when every method's tau,
    target forwards, new tokens and greedy_identical equal ``eval-fp32``'s (report.json holds no token ids);
-5. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
+5. ``families``: ``scripts.dev.tiny_families`` on CUDA in fp32: tiny random targets of every family a serving
+   engine drafts for (MoE, MLA, sliding-window, linear-attention and Mamba hybrids); passes when n-gram and
+   EAGLE-3 speculative decoding give each one's own greedy output (the windows and recurrent rollback on CUDA);
+6. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
    (its GPU column: capture vs forward, head steps, verify curve); passes when it writes its report.
 
 The tensor-parallel steps need 2 visible GPUs; with one they are recorded as ``skipped: 1 GPU visible``. On a
@@ -52,7 +55,7 @@ TARGET = "assets/demo-target"
 BENCH = "assets/data/gsm8k_test.jsonl"
 CAPTURE_CONFIG = "configs/demo-eagle3.yaml"
 MAX_TP = 2  # the bundled target's key/value heads: each rank holds whole heads
-STEPS = ("eval-fp32", "eval-bf16", "capture-tp1", "capture-tp2", "eval-tp2", "bench-scale")
+STEPS = ("eval-fp32", "eval-bf16", "capture-tp1", "capture-tp2", "eval-tp2", "families", "bench-scale")
 NO_GPU = (
     "scripts.dev.gpu_check runs what CI cannot (the CUDA evaluation path, tensor parallelism over GPUs, the GPU bench) "
     "and needs a CUDA GPU: torch.cuda.is_available() is False here (torch {torch}). Run it on a GPU machine, or "
@@ -178,6 +181,12 @@ def check_eval_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
     return passed, details | ({"differ [tp1, tp2]": differ} if differ else {})
 
 
+def check_families(out: Path) -> tuple[bool, dict[str, Any]]:
+    report = json.loads((out / "families.json").read_text())
+    identical = {f: {m: r["greedy_identical"] for m, r in methods.items()} for f, methods in report["families"].items()}
+    return bool(report["passed"]), {"greedy_identical": identical}
+
+
 def check_bench(out: Path) -> tuple[bool, dict[str, Any]]:
     result = json.loads((out / "bench_scale.json").read_text())
     cap, heads = result["capture"], result["heads"]
@@ -234,6 +243,10 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
                 d["eval-tp2"],
             ),
         ]
+    families = [sys.executable, "-m", "scripts.dev.tiny_families", "--device", s.device, "--dtype", "fp32"]
+    steps.append(
+        Step("families", [*families, "--out", str(d["families"])], lambda: check_families(d["families"]), d["families"])
+    )
     bench = [sys.executable, "-m", "scripts.bench.scale", *s.bench, "--device", s.device]
     steps.append(
         Step(
