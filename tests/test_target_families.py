@@ -24,7 +24,7 @@ from headstart.data_recipes.capture import run_capture, storage_estimate
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import DFlash, Eagle
 from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache, probabilities
-from headstart.eval import autotune
+from headstart.eval import acceptance, autotune
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
 from headstart.scripts.dev.tiny_families import (
@@ -74,7 +74,16 @@ def monkeypatch_module():
         yield patch
 
 
-def test_heads_train_decode_as_the_target_and_export_for_each_family(family_run):
+def check_the_eval_command(family, target_dir, heads, bench, tmp_path):
+    """``eval.acceptance`` with every method and both heads, EAGLE-3's default (dynamic) tree: greedy-identical, a
+    recurrent target's trees set aside for chains."""
+    argv = ["--target", str(target_dir), "--head", f"{heads['eagle3'] / 'head'},{heads['dflash'] / 'head'}"]
+    argv += ["--method", "vanilla,ngram,eagle3,dflash", "--bench", str(bench), "--limit", "2"]
+    report = acceptance.main([*argv, "--max-new-tokens", "16", "--device", "cpu", "--out", str(tmp_path / "eval")])
+    assert all(result["greedy_identical"] for result in report["methods"].values()), family
+
+
+def test_heads_train_decode_as_the_target_and_export_for_each_family(family_run, gsm8k_file, tmp_path):
     family, target_dir, heads = family_run
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -102,6 +111,8 @@ def test_heads_train_decode_as_the_target_and_export_for_each_family(family_run)
         assert arch.family == family and arch.hidden_act == "silu" and not arch.qkv_bias
         assert arch.intermediate_size == 64  # the target's dense MLP, else head.intermediate_size
         check_export(heads[head_type] / "head", family, target_dir)
+    if family in ("mistral", "qwen3_next"):  # the command a user runs: it crashed on both before (issue #39)
+        check_the_eval_command(family, target_dir, heads, gsm8k_file, tmp_path)
     # gpt-oss's EAGLE-3 head normalises the fused states before fc (vLLM's norm_before_fc), and imports back.
     assert loaded["eagle3"].config.options.norm_before_fc == (family == "gpt_oss")
     fmt = "sglang" if family in VLLM_UNSERVED_FAMILIES else "vllm"  # the EAGLE repo's layout, either way
