@@ -15,11 +15,19 @@ template can still be prompted raw.
 
 Raw text is also what ``data.format: text`` trains on (``raw_ids``), and a text's prompt for regeneration and
 for training's measured acceptance is its first ``TEXT_PROMPT_FRACTION`` of tokens (``text_prompt_length``).
+
+Chat templates that write today's date (gpt-oss's "Current date:", Llama-3.1's "Today Date:", both through
+transformers' ``strftime_now``) are rendered on ``TEMPLATE_DATE`` instead (``chat_template``, ``chat_text``):
+otherwise a recipe's token ids, and the shards captured from them, change at midnight while every hash that
+should tell (the tokenizer's, the capture's fingerprint) stays the same.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import json
+import re
+from datetime import date
+from typing import Literal, cast, get_args
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -33,10 +41,50 @@ PROMPT_FORMAT_HELP = (
 PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
 RAW_TURN_SEPARATOR = "\n\n"
 TEXT_PROMPT_FRACTION = 0.5  # a text's prompt: its first half of tokens; the target continues the rest
+# The day every chat template that reads the clock renders: fixed, so the same data gives the same ids any day.
+# Changing it changes those templates' samples (and the regenerated prompts): it is part of the recipe.
+TEMPLATE_DATE = date(2025, 1, 1)
+# A call with a literal format, the only kind the pinned template answers (a computed one is refused when rendered).
+_STRFTIME_CALL = re.compile(r"""strftime_now\(\s*(["'])(.*?)\1\s*\)""")
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The tokenizer's chat template, its clock pinned to ``TEMPLATE_DATE`` where it reads one.
+
+    transformers gives templates ``strftime_now`` (today's date) as a global, and a callable passed as a
+    render argument reaches the template as a placeholder string, so the override is in the template itself:
+    a macro of that name, defined first, shadows the global everywhere in the template, answering each format
+    the template writes with ``TEMPLATE_DATE`` in it. Other templates come back unchanged (their cache entry
+    and everything else stay as they were).
+    """
+    template = tokenizer.get_chat_template()
+    if "strftime_now" not in template:
+        return template
+    table = json.dumps({fmt: TEMPLATE_DATE.strftime(fmt) for _, fmt in _STRFTIME_CALL.findall(template)})
+    refusal = json.dumps(f"headstart pins the chat template's date to {TEMPLATE_DATE}: strftime_now(") + " + format"
+    macro = (
+        "{%- macro strftime_now(format) -%}"
+        f"{{{{- {table}[format] if format in {table} else raise_exception({refusal} + ') has no literal format') -}}}}"
+        "{%- endmacro -%}"
+    )
+    return macro + template
+
+
+def chat_text(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool = False
+) -> str:
+    """``messages`` rendered by the target's chat template (``chat_template``: its date pinned), as text."""
+    template = chat_template(tokenizer)
+    return cast(
+        str,
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template
+        ),
+    )
 
 
 def resolve_prompt_format(tokenizer: PreTrainedTokenizerBase, requested: str) -> Literal["chat", "raw"]:
@@ -70,7 +118,7 @@ def render(
     """Token ids [1, S] of ``messages`` in ``prompt_format``, ready for the target's reply (or continuation)."""
     if resolve_prompt_format(tokenizer, prompt_format) == "raw":
         return torch.tensor([raw_ids(tokenizer, raw_text(messages))])
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = chat_text(tokenizer, messages, add_generation_prompt=True)
     # The template already writes every special token it wants (a BOS included).
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 

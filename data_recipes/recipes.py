@@ -3,7 +3,9 @@
 The conversation is rendered with the target's own chat template, so the draft head trains on exactly
 the token sequences the target sees at inference. The loss mask is 1 on the assistant contents and the
 end-of-turn token that closes them (the model must learn to stop), 0 on system/user turns and on the
-template's own headers.
+template's own headers. Under gpt-oss's harmony template the model writes its own channel headers after the
+generation prompt, so there the mask covers everything from that prompt's end to the turn's closer
+(``data_recipes.harmony``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from headstart.data_recipes.errors import DataError
 from headstart.data_recipes.formats import check_messages, get_format
-from headstart.data_recipes.prompts import has_chat_template, raw_ids
+from headstart.data_recipes.harmony import is_harmony, reply_end
+from headstart.data_recipes.prompts import chat_template, chat_text, has_chat_template, raw_ids
 from headstart.data_recipes.sources import read_records
 
 # The marker transformers looks for before it can compute ``return_assistant_tokens_mask``.
@@ -66,11 +69,13 @@ def tokenize_messages(
     if messages[0]["role"] == "text":
         input_ids = raw_ids(tokenizer, messages[0]["content"])
         loss_mask = [1] * len(input_ids)
-    elif _GENERATION_BLOCK.search(tokenizer.get_chat_template()):
+    elif _GENERATION_BLOCK.search(template := chat_template(tokenizer)):
         # transformers types apply_chat_template's result as any of its forms: return_dict picks this one.
         out = cast(
             BatchEncoding,
-            tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True),
+            tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, chat_template=template
+            ),
         )
         input_ids, loss_mask = list(out["input_ids"]), list(out["assistant_masks"])
     else:
@@ -83,9 +88,10 @@ def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
     """Loss mask for templates without generation blocks (Llama-3, Qwen, Mistral, ...).
 
     A token is masked when its characters lie inside an assistant content; so is the special token that
-    starts right where the content ends (``<|im_end|>``, ``<|eot_id|>``, ``</s>``): the end of turn.
+    starts right where the content ends (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, harmony's ``<|return|>``):
+    the end of turn. Under harmony a turn's span starts where its generation prompt ends (``_assistant_spans``).
     """
-    text = cast(str, tokenizer.apply_chat_template(messages, tokenize=False))
+    text = chat_text(tokenizer, messages)
     # The same call apply_chat_template(tokenize=True) makes: the template writes its own BOS.
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
@@ -101,20 +107,30 @@ def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
 def _assistant_spans(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], text: str
 ) -> list[tuple[int, int]]:
-    """Character spans ``[begin, end)`` of the assistant contents in ``text``, the rendered conversation."""
+    """Character spans ``[begin, end)`` of the assistant contents in ``text``, the rendered conversation.
+
+    Under a harmony template a span is the whole reply the model writes after the generation prompt
+    (``<|start|>assistant``): its analysis message, the ``<|start|>assistant<|channel|>final<|message|>``
+    header it writes itself, and the final content.
+    """
     spans, cursor = [], 0
+    harmony = is_harmony(chat_template(tokenizer))
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         # The history rendered with a generation prompt ends where turn i's content may start, so a user turn
         # that repeats the answer is never matched. Content can still come later (Qwen3 inserts an empty
         # <think> block first), hence the search. transformers refuses to render an empty history.
-        prefix = (
-            cast(str, tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False))
-            if i
-            else ""
-        )
+        prefix = chat_text(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         start = max(cursor, len(prefix) if text.startswith(prefix) else 0)
+        if harmony:
+            # The reply is all the model writes after its generation prompt, so that prompt must be where the
+            # conversation's rendering has it (a first turn has no history for transformers to render one from).
+            if not i or not text.startswith(prefix):
+                raise DataError(f"message {i}: harmony: the reply's generation prompt is not the rendering's start")
+            cursor = reply_end(text, start, message["content"], i)
+            spans.append((start, cursor))
+            continue
         content = message["content"]
         begin = text.find(content, start)
         if begin < 0:  # templates such as Llama-3's trim the content

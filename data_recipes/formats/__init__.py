@@ -1,4 +1,5 @@
-"""The dataset formats: each maps one raw record to chat messages ``{"role", "content"}``."""
+"""The dataset formats: each maps one raw record to chat messages ``{"role", "content"}`` (and an assistant's
+``thinking``, from the ``messages`` format)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def get_format(name: str) -> Callable[[dict], list[dict[str, str]]]:
 
 def check_messages(messages: list[dict[str, str]], plain_text: bool = False) -> None:
     """Raise DataError unless ``messages`` is a chat with an assistant turn, or, from the ``text`` format
-    (``plain_text``), a single ``text`` message.
+    (``plain_text``), a single ``text`` message. Only assistant turns carry reasoning (``thinking``), and one
+    that does may have an empty content.
 
     Only the text format may make a ``text`` message: one that came from a chat record (a ``messages``
     turn with the role "text") would train as raw text with every token in the loss.
@@ -39,7 +41,11 @@ def check_messages(messages: list[dict[str, str]], plain_text: bool = False) -> 
         role = message["role"]
         if role not in CHAT_ROLES and not is_text:
             raise DataError(f"message {i}: unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}")
-        if not message["content"].strip():
+        thinking = message.get("thinking", "")
+        if thinking and role != "assistant":
+            raise DataError(f"message {i} ({role}): only an assistant turn has reasoning ('thinking')")
+        # A reply cut off by max_new_tokens inside its reasoning has no answer yet: its reasoning is kept.
+        if not message["content"].strip() and not thinking.strip():
             raise DataError(f"message {i} ({role}): content is empty")
     if not is_text and not any(message["role"] == "assistant" for message in messages):
         raise DataError("conversation has no assistant turn (nothing to train on)")

@@ -141,18 +141,21 @@ def check_family(family: str, device: torch.device, dtype: torch.dtype, new_toke
     output, token for token; with the steps, tau and replays of each."""
     from headstart.decoding.proposers import NGram
     from headstart.decoding.proposers_heads import Eagle
-    from headstart.decoding.verify import generate
+    from headstart.decoding.verify import Proposer, generate
     from headstart.heads import build_head
 
-    target = tiny_target(family, VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2).to(device=device, dtype=dtype)
+    target = tiny_target(family, VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    target.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' decorator loses self
     target.generation_config.eos_token_id = None  # decode every token asked for, as ours does
     width = {"intermediate_size": 64} if family in EXPERTS_ONLY else {}
     head = build_head({"type": "eagle3", "layer_ids": [1, 3, 4], "draft_vocab_size": VOCAB, **width}, target)
-    tree = dict(top_k=1, depth=3, total_tokens=3) if family in RECURRENT else dict(top_k=3, depth=3, total_tokens=8)
+    top_k, nodes = (1, 3) if family in RECURRENT else (3, 8)  # chains over recurrent layers
     prompt = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
-    expected = target.generate(prompt, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)
+    # transformers types generate as a module attribute
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0)  # type: ignore[operator]
     result: dict[str, Any] = {}
-    for name, proposer in {"ngram": NGram(), "eagle3": Eagle(head.to(dtype).eval(), **tree)}.items():
+    proposers: dict[str, Proposer] = {"ngram": NGram(), "eagle3": Eagle(head.to(dtype).eval(), top_k, 3, nodes)}
+    for name, proposer in proposers.items():
         start = time.perf_counter()
         got, stats = generate(target, proposer, prompt, new_tokens)
         result[name] = {
