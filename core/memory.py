@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from headstart.core.runtime import env_count
 from headstart.core.weights import borrowed_names, meta_model
 
 GB = 1e9
@@ -148,7 +149,7 @@ def device_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"free on {torch.cuda.get_device_name(device)} ({device})"
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = env_count("LOCAL_WORLD_SIZE", 1)
     available = _meminfo_available()
     share = f", shared by {ranks} ranks on this node" if ranks > 1 else ""
     return available // ranks, f"available of this machine's memory (MemAvailable{share})"

@@ -7,7 +7,6 @@ attention kernel. Decoding commands also call ``core.runtime.prepare_decoding`` 
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -19,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from headstart.core.memory import check_memory, decoding_memory
 from headstart.core.runtime import (
     Ranks,
+    env_count,
     join_process_group,
     rank_device,
     resolve_device,
@@ -130,7 +130,7 @@ def check_tensor_parallel(config: Any, tp_size: int, path: str) -> None:
 
 def tensor_parallel_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
     """This rank's tensor-parallel group: ranks [g * tp_size, (g + 1) * tp_size) of the job's world."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_count("WORLD_SIZE", 1)
     mesh = init_device_mesh(device.type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
     return mesh["tp"]
 

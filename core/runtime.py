@@ -50,12 +50,27 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def env_count(name: str, default: int, minimum: int = 1) -> int:
+    """The integer environment variable ``name`` (torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE, LOCAL_RANK), at least
+    ``minimum``; ValueError naming it and its value otherwise (a 0 would divide by zero further on)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r}: must be an integer >= {minimum} (torchrun sets it)")
+    return value
+
+
 def rank_device(name: str = "auto") -> torch.device:
     """This process's device: ``cuda`` (or ``auto`` on a GPU box) means its own GPU, torchrun's LOCAL_RANK;
     ``cuda`` alone would put every rank on GPU 0."""
     device = resolve_device(name)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", env_count("LOCAL_RANK", 0, minimum=0))
         torch.cuda.set_device(device)
     return device
 
@@ -92,7 +107,7 @@ class Ranks:
 def join_process_group(device: torch.device, tp_size: int = 1) -> Ranks:
     """This process's ranks in the torchrun job that started it, joining its process group once (gloo on a CPU,
     NCCL on GPUs); a world of one without torchrun. The world must be a whole number of tensor-parallel groups."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_count("WORLD_SIZE", 1)
     if world % tp_size:
         raise ValueError(
             f"target.tp_size={tp_size} does not divide the {world} processes torchrun started: the world is "

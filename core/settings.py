@@ -35,7 +35,7 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError
 
-from headstart.core.config import ConfigError
+from headstart.core.config import ConfigError, quoted
 
 Settings = TypeVar("Settings", bound="Section")
 Flags = TypeVar("Flags", bound="CommandFlags")
@@ -71,6 +71,16 @@ def _a_folder(path: str) -> str:
 
 
 Folder = Annotated[str, AfterValidator(_a_folder)]  # where a command writes: a named folder or file, never ""
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _a_device(name: str) -> str:
+    if not _DEVICE.fullmatch(name):  # torch would take "meta" or refuse "tpu" only once the model is loading
+        raise PydanticCustomError("value", "must be auto, cpu, cuda or cuda:N, got '{name}'", {"name": name})
+    return name
+
+
+Device = Annotated[str, AfterValidator(_a_device)]  # auto: CUDA when present, else the CPU
 Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
 StoreDtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8_e4m3"]  # shards only
 
@@ -409,7 +419,7 @@ def _problems(schema: type[Section], errors: list[ErrorDetails]) -> Iterator[str
             told.add(where.union)
             kinds = " or ".join(dict.fromkeys(_kind(e) for e, w in found if w.union == where.union and w.shape))
             value = error["input"]
-            yield f"{where.union} must be {kinds}, got {value!r} ({type(value).__name__})"
+            yield f"{where.union} must be {kinds}, got {quoted(value)} ({type(value).__name__})"
 
 
 def _problem(schema: type[Section], error: ErrorDetails, where: _Where) -> str:
@@ -432,10 +442,10 @@ def _problem(schema: type[Section], error: ErrorDetails, where: _Where) -> str:
             return f"{key}.{tag} is required (one of {tags})"
         return f"{key}.{tag} {ctx['tag']!r} is not a {key} type (known: {tags})"
     if kind in _MUST:
-        return f"{key} must {_MUST[kind].format(**ctx)}, got {value!r}"
+        return f"{key} must {_MUST[kind].format(**ctx)}, got {quoted(value)}"
     if kind.endswith(("_type", "_parsing")):
-        return f"{key} must be {_kind(error)}, got {value!r} ({type(value).__name__})"
-    return f"{key}: {error['msg']}, got {value!r}"
+        return f"{key} must be {_kind(error)}, got {quoted(value)} ({type(value).__name__})"
+    return f"{key}: {error['msg']}, got {quoted(value)}"
 
 
 def _kind(error: ErrorDetails) -> str:

@@ -33,7 +33,7 @@ from transformers import AutoConfig
 from headstart.core.config import save_config
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
-from headstart.core.settings import CommandFlags, Count, Dtype, Float, Folder, NonNegative, NonNegativeFloat
+from headstart.core.settings import CommandFlags, Count, Device, Dtype, Float, Folder, NonNegative, NonNegativeFloat
 from headstart.core.weights import safetensors_bytes
 from headstart.data_recipes.bench import (
     BenchItem,
@@ -89,7 +89,7 @@ class Eval(CommandFlags, TreeSettings):
     top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
     top_k: NonNegative = 0
     seed: NonNegative = 0
-    device: str = Field("auto", description="auto, cpu or cuda")
+    device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Dtype = "fp32"
     tp_size: Count = Field(1, description="split the target across this many torchrun processes")
     attn_implementation: str = Field(

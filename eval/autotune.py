@@ -55,7 +55,7 @@ from headstart.core.config import save_config
 from headstart.core.io import atomic_write_text
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
-from headstart.core.settings import CommandFlags, Count, Dtype, Folder, NonNegative
+from headstart.core.settings import CommandFlags, Count, Device, Dtype, Folder, NonNegative
 from headstart.core.weights import safetensors_bytes
 from headstart.data_recipes.bench import (
     check_token_ids,
@@ -108,7 +108,7 @@ class Autotune(CommandFlags):
     batch_size: Count = Field(1, description="the batch size to tune the tree for")
     batch_sizes: Annotated[list[Count], Field(min_length=1, description="shown in the batch table")] = [1, 2, 4, 8]
     repeats: Count = Field(7, description="timings per point (the median is kept)")
-    device: str = Field("auto", description="auto, cpu or cuda")
+    device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Dtype = "fp32"
     tp_size: Count = Field(1, description="split the target across this many torchrun processes")
     attn_implementation: str = Field(

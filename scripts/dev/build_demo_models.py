@@ -30,6 +30,7 @@ from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_j
 from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, seed_everything
 from headstart.core.settings import (
     Count,
+    Device,
     Dtype,
     Float,
     Fraction,
@@ -80,7 +81,7 @@ class BuildDemoModelsConfig(Section):
     seed: NonNegative
     out_dir: str
     work_dir: str
-    device: str = "auto"
+    device: Device = "auto"
     train_file: str
     sample_file: str
     heldout_fraction: Annotated[Float, Field(ge=0, lt=1)]

@@ -131,6 +131,15 @@ def parity_card_section(parity: Path, head_dir: Path) -> str:
     return section
 
 
+def holds_head(folder: Path) -> bool:
+    """Whether ``folder`` holds a headstart head (its config.json has our ``type`` and ``arch``), not an export."""
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "arch" in config and "type" in config and "architectures" not in config
+
+
 def export_head(
     head_dir: str | Path,
     fmt: str,
@@ -164,9 +173,10 @@ def export_head(
     if not (head_dir / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"missing {CONFIG_NAME} in {head_dir}: not a headstart head folder")
     config = read_head_config(head_dir)
-    # An earlier export: its card and nothing else an export does not write (a head folder has no card).
+    # An earlier export: its card and nothing else an export does not write. A trained head has a card too
+    # (train writes head/README.md), so a folder whose config.json is a headstart head's is never one.
     written = export_files_names() | {"config.json", "README.md", CONFIG_FILE}
-    earlier = written if (out / "README.md").is_file() else frozenset()
+    earlier = written if (out / "README.md").is_file() and not holds_head(out) else frozenset()
     check_out(out, head_dir, "head folder", overwrite, earlier)
     target_given = target is not None
     target, target_config = load_target_config(target, config)
