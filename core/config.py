@@ -9,6 +9,8 @@ expand past ``MAX_CONFIG_VALUES`` values (an alias bomb). Errors quote at most `
 from __future__ import annotations
 
 import copy
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,17 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = child
         node[leaf] = parse_yaml(raw, f"override {quoted(item)}") if raw else ""
     return config
+
+
+def run_command(main: Callable[[], Any], prog: str) -> Any:
+    """A command's ``main`` run as its ``__main__`` (``python -m ...``, ``torchrun train/eagle.py``): a ConfigError, a
+    refusal of what it was given, ends with its message alone on stderr and exit code 2, as ``headstart VERB`` and
+    argparse end theirs; any other exception is a fault and keeps its traceback."""
+    try:
+        return main()
+    except ConfigError as err:
+        sys.stderr.write(f"{prog}: {err}\n")
+        raise SystemExit(2) from None
 
 
 def save_config(config: dict[str, Any], path: str | Path, note: str = "") -> None:

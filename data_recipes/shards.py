@@ -39,6 +39,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from headstart.core.config import run_command
 from headstart.core.io import atomic_path, atomic_write_text
 
 MANIFEST = "manifest.json"
@@ -53,6 +54,11 @@ class ManifestMismatch(ValueError):
 
 class ShardError(ValueError):
     """A shard that is not what its capture's manifest says: missing, truncated, corrupt, foreign or misplaced."""
+
+
+class StatesError(ValueError):
+    """A sample's hidden states that must not be stored: rows not its tokens', another width, not float, or not
+    finite."""
 
 
 # How to repair a capture with a bad shard: capture resumes and re-captures exactly the shards missing.
@@ -96,6 +102,40 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int, where: str) -> Non
             f"{where}: token id {high if high >= vocab_size else low} is outside the target's vocabulary "
             f"(0..{vocab_size - 1}): captured with another tokenizer, or corrupt"
         )
+
+
+def check_states(
+    states: dict[str, torch.Tensor], tokens: int, hidden_size: int | None, aux_layers: int, what: str
+) -> None:
+    """StatesError unless ``states`` are what a shard may store for a sample of ``tokens`` tokens: ``last_hidden``
+    [tokens, H] and, with ``aux_layers`` k > 0, ``aux_hidden`` [tokens, k*H], float, every value finite.
+    ``hidden_size`` None: H is ``last_hidden``'s width. Checked before a shard is written: the shard itself
+    cannot tell one sample's extra rows from the next sample's missing ones."""
+    if hidden_size is None:
+        last = states.get("last_hidden")
+        hidden_size = last.shape[-1] if last is not None and last.ndim == 2 else 0
+    widths = {"last_hidden": hidden_size} | ({"aux_hidden": aux_layers * hidden_size} if aux_layers else {})
+    if set(states) != set(widths):
+        raise StatesError(f"{what}: the states are {sorted(states)}, a shard stores {sorted(widths)}")
+    for key, width in widths.items():
+        value = states[key]
+        if tuple(value.shape) != (tokens, width):
+            raise StatesError(
+                f"{what}: {key} has shape {list(value.shape)}, not [{tokens}, {width}] (the sample's {tokens} "
+                f"tokens by {width // max(hidden_size, 1)} layer(s) of the target's hidden size {hidden_size})"
+            )
+        if not value.dtype.is_floating_point:
+            raise StatesError(f"{what}: {key} is {value.dtype}, not a float dtype")
+        if value.dtype != FP8:  # fp8 values come scaled into range (quantize_fp8); their scales are checked
+            check_finite(value, f"{what}: {key}")
+
+
+def check_finite(value: torch.Tensor, what: str) -> None:
+    """StatesError naming the first token of ``value`` [tokens, ...] with a NaN or an infinity."""
+    bad = ~torch.isfinite(value)
+    if bad.any():
+        token = int(bad.flatten(1).any(1).nonzero()[0])
+        raise StatesError(f"{what} holds {int(bad.sum())} NaN or infinite values, the first at token {token}")
 
 
 def file_sha256(path: Path) -> str:
@@ -218,7 +258,7 @@ class ShardDataset(torch.utils.data.Dataset):
         self.vocab_size = vocab_size
         self.refs: list[_SampleRef] = []
         for entry in self.manifest["shards"]:
-            offsets, ids = _read_index(self.dir / entry["file"], entry, self.manifest["fingerprint"])
+            offsets, ids = _read_index(self.dir / entry["file"], entry, self.manifest)
             self.refs += [_SampleRef(entry["file"], s, e, i) for s, e, i in zip(offsets[:-1], offsets[1:], ids)]
         _check_sample_ids(self.refs, self.manifest["samples"], self.dir)
         self.hidden_keys = ["last_hidden"] + (["aux_hidden"] if self.manifest["aux_layers"] else [])
@@ -267,8 +307,10 @@ class ShardDataset(torch.utils.data.Dataset):
         return {**self.__dict__, "_handles": {}}
 
 
-def _read_index(path: Path, entry: dict[str, Any], fingerprint: str) -> tuple[list[int], list[int]]:
-    """A shard's sample offsets and ids, once its size and header agree with its manifest entry."""
+def _read_index(path: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """A shard's sample offsets and ids, once its size and header agree with its manifest entry, and every
+    tensor's rows with the tokens its samples' offsets span (``_row_problems``)."""
+    fingerprint = manifest["fingerprint"]
     if not path.is_file():
         raise ShardError(f"{path} is missing; {RECAPTURE}")
     size = path.stat().st_size
@@ -280,6 +322,7 @@ def _read_index(path: Path, entry: dict[str, Any], fingerprint: str) -> tuple[li
         found = (f.metadata() or {}).get("fingerprint")
         offsets = f.get_tensor("sample_offsets").tolist()
         ids = f.get_tensor("sample_ids").tolist()
+        problems = _row_problems(f, manifest, offsets)
     if found != fingerprint:
         raise ShardError(
             f"{path} belongs to another capture (fingerprint {found}, this capture's is {fingerprint}); {RECAPTURE}"
@@ -289,7 +332,33 @@ def _read_index(path: Path, entry: dict[str, Any], fingerprint: str) -> tuple[li
             f"{path} holds {len(ids)} samples of {offsets[-1]} tokens, the manifest records {entry['samples']} "
             f"of {entry['tokens']}; {RECAPTURE}"
         )
+    if problems:
+        raise ShardError(f"{path}: " + "; ".join(problems) + f": the rows do not line up with the samples; {RECAPTURE}")
     return offsets, ids
+
+
+def _row_problems(f: safe_open, manifest: dict[str, Any], offsets: list[int]) -> list[str]:
+    """What in an open shard's header disagrees with its sample offsets: offsets that do not start at 0 and
+    rise, and each tensor whose rows are not the tokens they span (token ids, loss mask, hidden states, fp8
+    scales) or whose width is not the manifest's (hidden size, layers). Header reads only."""
+    if not offsets or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+        return [f"the sample offsets {offsets[:8]}... do not rise from 0"]
+    tokens, hidden, k = offsets[-1], manifest.get("hidden_size"), len(manifest.get("aux_layers") or [])
+    widths: dict[str, int | None] = {"input_ids": None, "loss_mask": None, "last_hidden": hidden}
+    if k:
+        widths["aux_hidden"] = k * hidden if hidden else None
+    if manifest.get("store_dtype") == str(FP8).removeprefix("torch."):
+        widths |= {f"{key}_scale": 1 if key == "last_hidden" else k for key in list(widths)[2:]}
+    problems, keys = [], set(f.keys())
+    for key, width in widths.items():
+        if key not in keys:
+            problems.append(f"it has no {key}")
+            continue
+        shape = list(f.get_slice(key).get_shape())
+        if shape[:1] != [tokens] or (width is not None and shape[1:] != [width]):
+            want = f"[{tokens}]" if key in ("input_ids", "loss_mask") else f"[{tokens}, {width}]"
+            problems.append(f"{key} has shape {shape}, its {len(offsets) - 1} samples' offsets make it {want}")
+    return problems
 
 
 def _check_sample_ids(refs: list[_SampleRef], samples: int, out_dir: Path) -> None:
@@ -359,4 +428,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m data_recipes.shards")

@@ -30,7 +30,7 @@ import transformers
 from pydantic import Field
 from transformers import AutoConfig
 
-from headstart.core.config import save_config
+from headstart.core.config import run_command, save_config
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.settings import CommandFlags, Count, Device, Dtype, Float, Folder, NonNegative, NonNegativeFloat
@@ -349,4 +349,4 @@ def run(args: Eval) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m eval.acceptance")

@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from headstart.core.config import ConfigError, load_config
+from headstart.core.config import ConfigError, load_config, run_command
 from headstart.core.io import atomic_write_text
 from headstart.core.settings import Count, Section, as_dict, parse
 from headstart.train.metrics import ACCEPTANCE_PLOT
@@ -165,4 +165,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m scripts.demo")

@@ -2,11 +2,13 @@
 overrides and devices named, torchrun's variables checked, errors that quote at most a clipped value, and an
 export never replacing a trained head."""
 
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
-from conftest import make_head
+from conftest import REPO, make_head, subprocess_env
 
 from headstart.core.config import MAX_CONFIG_BYTES, QUOTE_CHARS, ConfigError, apply_overrides, load_config
 from headstart.core.memory import device_memory
@@ -82,3 +84,21 @@ def test_export_never_replaces_a_trained_head(target, tmp_path):
     assert (other / "model.safetensors").read_bytes() == before
     again = export_head(source, "vllm", tmp_path / "export")  # an earlier export is still replaced by a new one
     assert export_head(source, "vllm", again) == again
+
+
+@pytest.mark.parametrize(
+    "command, prog",
+    [
+        (["train/eagle.py"], "torchrun train/eagle.py"),
+        (["-m", "data_recipes.regenerate"], "python -m data_recipes.regenerate"),
+    ],
+)
+def test_the_entry_points_the_docs_lead_with_refuse_without_a_traceback(command, prog, tmp_path):
+    # As `headstart VERB` does: the message alone on stderr, exit code 2 (they printed a traceback, exit 1).
+    config = write(tmp_path, "train:\n  lr: 0.1\ntrain:\n  lr: 0.2\n")
+    done = subprocess.run(
+        [sys.executable, *command, "--config", str(config)],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.startswith(f"{prog}: {config}: line 3: key 'train' is given twice")

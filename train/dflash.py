@@ -13,6 +13,7 @@ writes: ``<train.out_dir>/head``, DeepSpeed checkpoints, ``metrics.jsonl`` and t
 
 from __future__ import annotations
 
+from headstart.core.config import run_command
 from headstart.train.eagle import train_head
 
 
@@ -21,4 +22,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "torchrun train/dflash.py")

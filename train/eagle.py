@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headstart.core.config import run_command
 from headstart.core.runtime import seed_everything
 from headstart.heads import DraftHead, build_head
 from headstart.train.config import parse_args
@@ -44,4 +45,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "torchrun train/eagle.py")

@@ -17,6 +17,7 @@ import torch
 from peft import PeftModel
 from torch import nn
 
+from headstart.core.config import run_command
 from headstart.core.io import atomic_dir
 from headstart.core.runtime import seed_everything
 from headstart.heads import Lora, MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
@@ -72,4 +73,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "torchrun train/medusa.py")

@@ -21,6 +21,7 @@ import torch
 from pydantic import Field
 from transformers import AutoConfig, PretrainedConfig
 
+from headstart.core.config import run_command
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
 from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
 from headstart.heads.config import LayerOptions
@@ -121,4 +122,4 @@ def run(args: ImportHead) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m scripts.export.import_head")
