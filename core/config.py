@@ -37,7 +37,7 @@ def quoted(value: Any) -> str:
     return clipped(repr(value))
 
 
-class _StrictLoader(_BaseLoader):  # type: ignore[misc,valid-type]
+class _StrictLoader(_BaseLoader):
     """The safe loader, refusing a key that a mapping gives twice (naming both lines)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:

@@ -95,18 +95,26 @@ def verify_checkpoint(tag_dir: Path) -> dict[str, Any]:
     """The marker of ``tag_dir`` once every file matches the sha256 it records, read before any file is
     unpickled; CorruptCheckpoint naming each file that is missing, altered or not recorded at all."""
     marker = read_marker(tag_dir)
-    recorded, found = marker["files"], file_digests(tag_dir)
-    problems = [f"{tag_dir / name} is missing" for name in recorded if name not in found]
-    problems += [f"{tag_dir / name} is not recorded in {MARKER}" for name in found if name not in recorded]
+    problems = digest_problems(tag_dir, marker["files"], MARKER)
+    if problems:
+        raise CorruptCheckpoint("; ".join(problems))
+    return marker
+
+
+def digest_problems(folder: Path, recorded: dict[str, str], record: str) -> list[str]:
+    """What differs between the files under ``folder`` and the sha256 table ``recorded`` (by relative path) that
+    the file ``record`` holds: each file missing, not recorded, or not matching (``[]``: every file verifies).
+    Shared by checkpoints and the keep-best record (``train.measured``), so both are bound to their files alike."""
+    found = file_digests(folder)
+    problems = [f"{folder / name} is missing" for name in recorded if name not in found]
+    problems += [f"{folder / name} is not recorded in {record}" for name in found if name not in recorded]
     problems += [
-        f"{tag_dir / name} ({(tag_dir / name).stat().st_size} bytes) does not match its sha256 in {MARKER} "
+        f"{folder / name} ({(folder / name).stat().st_size} bytes) does not match its sha256 in {record} "
         "(truncated or altered)"
         for name, digest in found.items()
         if name in recorded and recorded[name] != digest
     ]
-    if problems:
-        raise CorruptCheckpoint("; ".join(problems))
-    return marker
+    return problems
 
 
 def newest_verified(ckpt_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
@@ -280,6 +288,21 @@ def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, o
         # ds_to_universal's pointer to what it wrote (the temporary name atomic_dir gave it).
         (ckpt_dir / "latest_universal").unlink(missing_ok=True)
     return int(client["step"])
+
+
+def last_good(engine: deepspeed.DeepSpeedEngine, out_dir: Path, done: int, save: Callable[..., Path]) -> str:
+    """Checkpoint the state after step ``done`` if its weights are finite; name the newest checkpoint whose
+    files verify (a state that was finite when saved, and is still what was saved)."""
+    ckpt_dir = checkpoint_dir(out_dir)
+    if done not in complete_steps(ckpt_dir) and all_finite(engine):
+        save(step=done)
+    marker, problems = agreed_newest_verified(ckpt_dir)
+    passed_over = "".join(f" Not good: {problem}." for problem in problems)
+    if marker is None:
+        why = "none verifies" if problems else "the weights were non-finite before the first save"
+        return f"No checkpoint holds a good state ({why}).{passed_over}"
+    step = marker["step"]
+    return f"The last good state is {ckpt_dir / tag_for(step)} (step {step}, its files verified).{passed_over}"
 
 
 def _set_aside(ckpt_dir: Path, problems: list[str], fallback: int) -> None:

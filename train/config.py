@@ -57,7 +57,7 @@ class Train(Section):
     # Measured acceptance at each held-out evaluation (train/measured.py): the head drafts greedy chains at its
     # trained depth and the target verifies, on eval_prompts prompts (the held-out samples' prompts, or the first
     # of eval_bench), eval_new_tokens new tokens each. 0: off (it loads the whole target, not only the borrowed
-    # tensors).
+    # tensors); off too with nothing to draw prompts from (heldout_samples: 0 and no eval_bench: ``measures``).
     eval_prompts: NonNegative = 0
     eval_new_tokens: Count = 64
     eval_bench: str | None = None  # a benchmark JSONL (data_recipes.bench) instead of the held-out samples
@@ -157,14 +157,27 @@ def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
     problems += cfg.head.length_problems(cfg.data.max_length)
     if train.eval_every and not train.heldout_samples:
         problems.append("train.eval_every needs train.heldout_samples > 0 (nothing held out to evaluate)")
-    if train.eval_prompts and not train.eval_bench and train.eval_prompts > train.heldout_samples:
+    # Only where prompts are decoded: a short run overriding heldout_samples=0 eval_every=0 measures nothing, so
+    # a config's eval_prompts (the demo's 8) is no reason to refuse it.
+    if measures(train) and not train.eval_bench and train.eval_prompts > train.heldout_samples:
         problems.append(
             f"train.eval_prompts ({train.eval_prompts}) exceeds train.heldout_samples ({train.heldout_samples}): "
-            "measured acceptance decodes held-out prompts (or set train.eval_bench to a benchmark file)"
+            "measured acceptance decodes held-out prompts at every evaluation, the last step's included (or set "
+            "train.eval_bench to a benchmark file)"
         )
-    if train.keep_best == "measured_tau" and not train.eval_prompts:
-        problems.append("train.keep_best: measured_tau needs train.eval_prompts > 0 (nothing is measured)")
+    if train.keep_best == "measured_tau" and not measures(train):
+        problems.append(
+            f"train.keep_best: measured_tau needs train.eval_prompts > 0 (now {train.eval_prompts}) and prompts to "
+            f"draw them from, train.heldout_samples > 0 (now {train.heldout_samples}) or train.eval_bench: nothing "
+            "is measured"
+        )
     return problems
+
+
+def measures(train: Train) -> bool:
+    """Whether the run measures acceptance (``train.measured``): prompts asked for (``eval_prompts``) and somewhere
+    to draw them from, a benchmark file or held-out samples. Each evaluation decodes them, the last step's always."""
+    return train.eval_prompts > 0 and (train.eval_bench is not None or train.heldout_samples > 0)
 
 
 def parse_args(trainer: str, argv: list[str] | None = None) -> TrainConfig:

@@ -57,21 +57,17 @@ from headstart.heads import (
     meta_head,
     read_head_config,
 )
-from headstart.train.checkpoint import (
-    agreed_newest_verified,
-    all_finite,
-    checkpoint_dir,
-    complete_steps,
-    loads_universal,
-    newest_marker,
-    resume,
-    save_checkpoint,
-    save_head_files,
-    tag_for,
-)
-from headstart.train.config import Train, TrainConfig
+from headstart.train.checkpoint import all_finite, last_good, loads_universal, newest_marker, resume, save_checkpoint
+from headstart.train.config import Train, TrainConfig, measures
 from headstart.train.data import TrainData, data_fingerprint, fuses_layers, head_settings, heldout_batches, step_batches
-from headstart.train.measured import MeasuredAcceptance, export_best, forget_best_after, is_better, write_best
+from headstart.train.measured import (
+    MeasuredAcceptance,
+    check_eval_bench,
+    export_best,
+    forget_best_after,
+    is_better,
+    keep_best_head,
+)
 from headstart.train.metrics import (
     ACCEPTANCE_PLOT,
     MetricsLog,
@@ -143,7 +139,8 @@ def _shutdown() -> None:
 
 def load_run_target(cfg: TrainConfig, proc: Process) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The target as this run needs it (whole, or its borrowed tensors: ``runs_target``), on this rank's own
-    device (``cuda`` alone would put every rank on GPU 0)."""
+    device (``cuda`` alone would put every rank on GPU 0). A ``train.eval_bench`` is checked first."""
+    check_eval_bench(cfg)
     target = cfg.target
     return load_target(
         target.path,
@@ -165,7 +162,7 @@ def runs_target(cfg: TrainConfig) -> bool:
     (``train.eval_prompts``). From shards, or from a server's states (``online_capture: vllm``), without measured
     acceptance, it only borrows the embedding, final norm and lm_head (``core.models.load_target(borrowed_only=True)``).
     """
-    return forward_in_step(cfg) or cfg.train.eval_prompts > 0
+    return forward_in_step(cfg) or measures(cfg.train)
 
 
 def start_processes(cfg: TrainConfig) -> Process:
@@ -205,7 +202,7 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     if forward_in_step(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
         forward = capture_activations(config, tokens, cfg.data.max_length, len(aux), dtype, proc.tp_size)
         need.parts["target activations"] = forward * (3 if cfg.lora else 1)
-    if train.eval_prompts:  # measured acceptance: one sequence's KV cache, its prompt (at most max_length) and reply
+    if measures(train):  # measured acceptance: one sequence's KV cache, its prompt (at most max_length) and reply
         context = cfg.data.max_length + train.eval_new_tokens
         need.parts["measured acceptance KV cache"] = kv_cache_bytes(config, context, dtype, proc.tp_size)
     return need
@@ -369,7 +366,7 @@ def fit(
     """A recipe's last step: DeepSpeed over ``module`` (``build_engine``), then ``train`` to the end, measuring the
     acceptance where the config asks for it (``train.eval_prompts``), its prompts rendered as the run's data was."""
     measured = None
-    if cfg.train.eval_prompts:
+    if measures(cfg.train):
         prompts = data_prompt_format(cfg.data.format)
         measured = MeasuredAcceptance(cfg, target, tokenizer, data, prompts, proc.rank, proc.tp_size)
     engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
@@ -398,7 +395,9 @@ def train(
     head.config.prompt_format = data_prompt_format(cfg.data.format)
     save_artifacts = partial(_save_with_readme, save_artifacts, head, measured)
     start = resume(engine, out_dir, train_cfg.resume, order)
-    best = forget_best_after(out_dir, start) if train_cfg.keep_best == "measured_tau" else None
+    keeps_best = train_cfg.keep_best == "measured_tau"
+    # Checked now, before any step: a tampered record or a missing head would otherwise surface at the export.
+    best = forget_best_after(out_dir, start, head.config.trained_depth) if keeps_best else None
     if start and (out_dir / "head" / CONFIG_NAME).is_file():
         # The steps still to come must see the tokens the resumed ones saw.
         saved = out_dir / "head"
@@ -430,7 +429,7 @@ def train(
             if best is not None and proc.rank == 0:
                 export_best(out_dir)
         except NonFiniteLoss as err:
-            raise NonFiniteLoss(f"{err}; stopped. {_last_good(engine, out_dir, done, save)}") from None
+            raise NonFiniteLoss(f"{err}; stopped. {last_good(engine, out_dir, done, save)}") from None
         finally:
             log.close()
 
@@ -463,13 +462,8 @@ def _evaluate_all(
             plot_acceptance(log.path, log.path.with_name(ACCEPTANCE_PLOT))
     if summary:
         head.config.training = summary
-    out_dir = Path(cfg.train.out_dir)
     if decoded is not None and cfg.train.keep_best == "measured_tau" and is_better(decoded, best):
-        save_head_files(engine, out_dir / "best", save_artifacts)
-        best = {"step": done, "measured_tau": decoded["tau"]}
-        if proc.rank == 0:
-            write_best(out_dir, best)
-        dist.barrier()
+        best = keep_best_head(engine, Path(cfg.train.out_dir), done, decoded["tau"], save_artifacts)
     return best
 
 
@@ -484,18 +478,3 @@ def _save_with_readme(
 
 def _due(done: int, every: int, total: int) -> bool:
     return done == total or (every > 0 and done % every == 0)
-
-
-def _last_good(engine: deepspeed.DeepSpeedEngine, out_dir: Path, done: int, save: Callable[..., Path]) -> str:
-    """Checkpoint the state after step ``done`` if its weights are finite; name the newest checkpoint whose
-    files verify (a state that was finite when saved, and is still what was saved)."""
-    ckpt_dir = checkpoint_dir(out_dir)
-    if done not in complete_steps(ckpt_dir) and all_finite(engine):
-        save(step=done)
-    marker, problems = agreed_newest_verified(ckpt_dir)
-    passed_over = "".join(f" Not good: {problem}." for problem in problems)
-    if marker is None:
-        why = "none verifies" if problems else "the weights were non-finite before the first save"
-        return f"No checkpoint holds a good state ({why}).{passed_over}"
-    step = marker["step"]
-    return f"The last good state is {ckpt_dir / tag_for(step)} (step {step}, its files verified).{passed_over}"
