@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig
 
 from headstart.core.runtime import resolve_dtype
-from headstart.core.weights import checkpoint_folder, meta_model, read_borrowed, tensor_files
+from headstart.core.weights import checkpoint_folder, meta_model, read_borrowed, target_config, tensor_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,7 +42,7 @@ def weights_hash(path: str | Path, dtype: str | torch.dtype) -> str:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     digest.update(str(resolve_dtype(dtype)).encode())
     digest.update("\n".join(sorted(tensor_files(folder))).encode())
-    for role, tensor in read_borrowed(folder, meta_model(AutoConfig.from_pretrained(folder))).items():
+    for role, tensor in read_borrowed(folder, meta_model(target_config(folder))).items():
         digest.update(f"{role}{tuple(tensor.shape)}{tensor.dtype}".encode())
         # numpy arrays are buffers (no copy of a GB-sized table); numpy 2.4 does not type them as such
         digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

@@ -146,6 +146,7 @@ def load_target(
     tp_size: int = 1,
     borrowed_only: bool = False,
     attention: str = AUTO_ATTENTION,
+    tokenizer_fits: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A target (a config's ``target:`` section: path, device, dtype, tp_size, attn_implementation) -> (model,
     tokenizer).
@@ -154,7 +155,11 @@ def load_target(
     read by name from the safetensors (``core.weights.borrowed_model``), never the decoder layers.
     """
     if borrowed_only:
-        return borrowed_model(path, resolve_device(device), resolve_dtype(dtype)), load_tokenizer(path)
+        # tokenizer_fits (training): an embedding with fewer rows than the tokenizer has tokens is refused up front
+        # (ids past it would fail mid-step); the benches pair real shapes with the bundled tokenizer on purpose.
+        tokenizer = load_tokenizer(path)
+        rows = len(tokenizer) if tokenizer_fits else None
+        return borrowed_model(path, resolve_device(device), resolve_dtype(dtype), rows), tokenizer
     return load_model(path, device, dtype, tp_size, attention), load_tokenizer(path)
 
 

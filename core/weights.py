@@ -10,11 +10,13 @@ transformers class does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -24,6 +26,11 @@ BORROWED = ("embed", "norm", "lm_head")  # the roles, in the order they are read
 
 class CheckpointError(ValueError):
     """A target folder without the safetensors a borrowed-tensor load needs, named with what is missing."""
+
+
+# The dtypes a borrowed tensor may be stored in: an integer or 8-bit float table is a quantized checkpoint's,
+# meaningless without its scales, and a plain cast would hand the head garbage without a word.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def checkpoint_folder(path: str | Path) -> Path:
@@ -39,20 +46,92 @@ def checkpoint_folder(path: str | Path) -> Path:
         raise CheckpointError(f"{path}: neither a local folder nor a hub id in the local cache ({error})") from None
 
 
+def file_inside(path: Path, roots: tuple[Path, ...], what: str | None = None) -> Path:
+    """``path`` with every link followed, checked to be a regular file inside one of ``roots``.
+
+    ``path`` comes from data (an index's ``weight_map``) or from a folder the user named: an absolute
+    name, a ``../`` or a link must not carry a read (or an upload) to a file the user never pointed us at.
+    ``what`` says where the name came from, for the error. The one rule for training from shards, import and
+    push (``scripts.export.common`` re-exports it).
+    """
+    name = f"{what} ({path})" if what else str(path)
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
+        raise ValueError(
+            f"{name} leads outside {roots[0]} (to {resolved}): only files inside it are used; "
+            "copy the file in if you trust it"
+        )
+    if not resolved.exists():
+        raise FileNotFoundError(f"{name} does not exist")
+    if not resolved.is_file():
+        raise ValueError(f"{name} is not a regular file")
+    return resolved
+
+
+def checkpoint_roots(src: Path) -> tuple[Path, ...]:
+    """Where the files of the checkpoint folder ``src`` may live: in it, and for a huggingface_hub cache
+    snapshot (``<repo>/snapshots/<revision>``, whose files are links to ``<repo>/blobs/``) in its blobs."""
+    src = src.resolve()
+    return (src, src.parent.parent / "blobs") if src.parent.name == "snapshots" else (src,)
+
+
+def _inside(path: Path, folder: Path, what: str | None = None) -> Path:
+    """``file_inside`` for a target folder (or its hub-cache blobs), as a CheckpointError."""
+    try:
+        return file_inside(path, checkpoint_roots(folder), what)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def read_index(folder: Path) -> dict[str, str]:
+    """The ``weight_map`` of ``folder``'s sharded index, every entry a file inside ``folder``; CheckpointError
+    naming the index, the entry and its value otherwise. Files no entry's tensor is read from may be absent."""
+    index = _inside(folder / INDEX_NAME, folder)
+    try:
+        data = json.loads(index.read_text())
+    except ValueError as error:  # truncated, not JSON, not UTF-8
+        raise CheckpointError(f"{index}: not JSON ({error}): the index is damaged; copy it again") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        found = f"a {type(data).__name__}" if not isinstance(data, dict) else f"weight_map {weight_map!r:.60}"
+        raise CheckpointError(f"{index}: a safetensors index maps tensor names to files in weight_map; found {found}")
+    checked = set()
+    for name, file in weight_map.items():
+        what = f"{index}: weight_map entry {name!r} -> {file!r}"
+        if not isinstance(file, str) or not file:
+            raise CheckpointError(f"{what}: a file name must be a non-empty string")
+        if file not in checked:  # each file once: a 70B index names ~30 files in ~700 entries
+            checked.add(file)
+            with contextlib.suppress(FileNotFoundError):  # a decoder file may be left out: only a read needs it
+                _inside(folder / file, folder, what)
+    return weight_map
+
+
 def tensor_files(folder: Path) -> dict[str, Path]:
     """Every tensor name of the checkpoint -> the safetensors file holding it (headers only, no tensor data)."""
-    index = folder / INDEX_NAME
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / SINGLE_NAME
-    if not single.exists():
+    if (folder / INDEX_NAME).exists():
+        return {name: folder / file for name, file in read_index(folder).items()}
+    if not (folder / SINGLE_NAME).exists():
         raise CheckpointError(
             f"{folder}: no {SINGLE_NAME} or {INDEX_NAME}; borrowed tensors are read from safetensors checkpoints "
             "(convert a .bin checkpoint with transformers' save_pretrained)"
         )
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    single = _inside(folder / SINGLE_NAME, folder)
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    except SafetensorError as error:
+        raise CheckpointError(f"{single}: not a readable safetensors file ({error})") from None
+
+
+def target_config(folder: Path) -> PretrainedConfig:
+    """``folder``'s config as transformers reads it; CheckpointError naming its config.json when it refuses it
+    (transformers' own validation error names no file)."""
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as error:
+        said = " ".join(str(error).split())  # one line: pydantic-style errors span several
+        raise CheckpointError(f"{folder / 'config.json'}: transformers refuses this config: {said}") from None
 
 
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -72,8 +151,11 @@ def borrowed_names(model: PreTrainedModel) -> dict[str, str]:
     return {role: f"{names[id(module)]}.weight" for role, module in modules.items() if module is not None}
 
 
-def read_borrowed(folder: Path, model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """Role -> the tensor as stored, read by name; a tied lm_head absent from the file is the embedding."""
+def read_borrowed(folder: Path, model: PreTrainedModel, tokenizer_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Role -> the tensor as stored, read by name; a tied lm_head absent from the file is the embedding.
+
+    Each is checked against ``model``'s own parameter (its config's shapes) and ``tokenizer_size`` (the
+    tokenizer's length, where the caller has it) before anything trains on it (``check_borrowed``)."""
     files = tensor_files(folder)
     tensors = {}
     for role, name in borrowed_names(model).items():
@@ -84,17 +166,58 @@ def read_borrowed(folder: Path, model: PreTrainedModel) -> dict[str, torch.Tenso
                 f"{folder}: the checkpoint has no tensor {name!r} (the target's {role}); "
                 f"its tensors are named like {sorted(files)[:3]}"
             )
-        with safe_open(str(files[name]), framework="pt") as f:
-            tensors[role] = f.get_tensor(name)
+        file = _inside(files[name], folder, f"the file of {name!r}")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                if name not in f.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
+                    where = f"{INDEX_NAME} names it" if (folder / INDEX_NAME).exists() else "its tensors are listed"
+                    raise CheckpointError(f"{file}: holds no tensor {name!r} (the target's {role}), yet {where}")
+                tensors[role] = f.get_tensor(name)
+        except SafetensorError as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+        check_borrowed(file, name, role, tensors[role], model, tokenizer_size)
     return tensors
 
 
-def borrowed_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+def check_borrowed(
+    file: Path, name: str, role: str, tensor: torch.Tensor, model: PreTrainedModel, tokenizer_size: int | None
+) -> None:
+    """CheckpointError naming the file, the tensor and both sides unless ``tensor`` is what ``model``'s config
+    makes (its meta parameter's shape) in a float dtype, with a row for every token of the tokenizer.
+
+    Without it a norm of shape [1] broadcasts silently, an embedding shorter than the config's vocabulary
+    fails mid-step with a bare IndexError, and an int8 table is cast to floats that mean nothing."""
+    what = f"{file}: tensor {name!r} (the target's {role})"
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{what} is stored as {tensor.dtype}; a borrowed tensor must be one of "
+            f"{', '.join(map(str, FLOAT_DTYPES))} (a quantized checkpoint's tables mean nothing without their scales)"
+        )
+    shape = tuple(model.get_parameter(name).shape)
+    text = model.config.get_text_config()
+    keys = ["hidden_size"] if role == "norm" else ["vocab_size", "hidden_size"]
+    said = ", ".join(f"{key} {getattr(text, key, '?')}" for key in keys)
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(
+            f"{what} has shape {list(tensor.shape)}, but its config.json ({said}) makes it {list(shape)}: "
+            "the config and the weights are not of one model"
+        )
+    if role in ("embed", "lm_head") and tokenizer_size is not None and tokenizer_size > shape[0]:
+        raise CheckpointError(
+            f"{what} has {shape[0]} rows, but the tokenizer has {tokenizer_size} tokens: "
+            f"ids from {shape[0]} on would index past it"
+        )
+
+
+def borrowed_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype, tokenizer_size: int | None = None
+) -> PreTrainedModel:
     """The target as a head sees it when it trains from shards: its config, and real embedding, final norm and
-    lm_head on ``device`` in ``dtype``; every decoder layer stays on the meta device (a forward fails loudly)."""
+    lm_head on ``device`` in ``dtype``; every decoder layer stays on the meta device (a forward fails loudly).
+    ``tokenizer_size``: the tokenizer's length, checked against the embedding's rows where the caller has it."""
     folder = checkpoint_folder(path)
-    model = meta_model(AutoConfig.from_pretrained(folder))
-    tensors = read_borrowed(folder, model)
+    model = meta_model(target_config(folder))
+    tensors = read_borrowed(folder, model, tokenizer_size)
     names = borrowed_names(model)
     for role, tensor in tensors.items():
         module_name, _ = names[role].rsplit(".", 1)

