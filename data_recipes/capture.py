@@ -48,7 +48,7 @@ from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, 
 from headstart.core.models import load_model, load_tokenizer
 from headstart.core.runtime import Ranks, barrier, join_process_group, rank_device, resolve_dtype
 from headstart.core.settings import as_dict, parse
-from headstart.data_recipes.engine_capture import engine_states_for
+from headstart.data_recipes.engine_capture import check_engine, engine_states_for
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.settings import CaptureConfig
 from headstart.data_recipes.shards import (
@@ -56,6 +56,9 @@ from headstart.data_recipes.shards import (
     MANIFEST,
     RECAPTURE,
     ShardError,
+    StatesError,
+    check_finite,
+    check_states,
     file_sha256,
     open_shard,
     read_manifest,
@@ -70,12 +73,27 @@ from headstart.data_recipes.states import StateSource, forward_states, resolve_a
 
 
 def capture_shard(
-    states: StateSource, samples: list[Sample], sample_ids: list[int], n_aux: int, store_dtype: torch.dtype
+    states: StateSource,
+    samples: list[Sample],
+    sample_ids: list[int],
+    n_aux: int,
+    store_dtype: torch.dtype,
+    hidden_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One shard's tensors: its samples' states, as stored (``store_hidden``), concatenated along the tokens."""
+    """One shard's tensors: its samples' states, as stored (``store_hidden``), concatenated along the tokens.
+
+    Each sample's states are checked first (``check_states``: a row per token, the target's ``hidden_size``,
+    float, finite), and again once cast to ``store_dtype`` (fp16 overflows where bf16 does not): concatenated,
+    one sample's extra rows and another's missing ones would pass for aligned."""
+    found = states(samples, sample_ids)
+    if len(found) != len(samples):
+        raise StatesError(f"samples {sample_ids[:8]}...: {len(found)} states for {len(samples)} samples")
     pieces: dict[str, list[torch.Tensor]] = {}
-    for one in states(samples, sample_ids):
+    for sample, sample_id, one in zip(samples, sample_ids, found):
+        check_states(one, len(sample.input_ids), hidden_size, n_aux, f"sample {sample_id}")
         for key, value in store_hidden(one, store_dtype, n_aux).items():
+            if value.dtype != FP8:
+                check_finite(value, f"sample {sample_id}: {key} stored as {store_dtype} (capture.store_dtype)")
             pieces.setdefault(key, []).append(value.cpu())
     return token_tensors(samples, sample_ids) | {key: torch.cat(chunks) for key, chunks in pieces.items() if chunks}
 
@@ -258,9 +276,8 @@ def capture_mine(
     with state_source(job.cfg, model, job.aux_layers, pad_id, out_dir, started=bool(mine)) as states:
         start = time.perf_counter()  # after a server's start: the rate is the capture's own
         for k in mine:
-            tensors = capture_shard(
-                states, [samples[i] for i in plan[k]], plan[k], len(job.aux_layers), job.store_dtype
-            )
+            shard = [samples[i] for i in plan[k]]
+            tensors = capture_shard(states, shard, plan[k], len(job.aux_layers), job.store_dtype, job.hidden_size)
             if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
                 write_shard(out_dir / shard_name(k), tensors, job.fingerprint)
                 digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
@@ -303,6 +320,8 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
     cfg = given if isinstance(given, CaptureConfig) else parse(given, CaptureConfig)
     target = cfg.target
     ranks, device = capture_ranks(cfg)
+    if cfg.capture.engine == "vllm":  # its venv, or its server's folder and model: before any tokenizing or folder
+        check_engine(target, cfg.capture)
     config, tokenizer = AutoConfig.from_pretrained(target.path), load_tokenizer(target.path)
     model = None
     if cfg.capture.engine != "vllm":

@@ -46,15 +46,31 @@ class RetryableError(Exception):
 
 def http_url(url: str) -> urllib.parse.SplitResult:
     """``url`` split, if it is an http(s) URL with a host: anything else (``file://``, a bare host) is refused
-    before a request, which would otherwise read a local file or fail on a name."""
-    parts = urllib.parse.urlsplit(url)
+    before a request, which would otherwise read a local file or fail on a name. Errors show the URL without
+    its user and password (``redacted_url``)."""
     try:
+        parts = urllib.parse.urlsplit(url)
         _ = parts.port  # raises on a port out of range or not a number
     except ValueError as err:
-        raise ValueError(f"{url!r} is not an http(s) URL: {err}") from None
+        raise ValueError(f"{redacted_url(url)!r} is not an http(s) URL: {err}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http(s) URL (the server's API root, e.g. http://localhost:8000/v1)")
+        raise ValueError(
+            f"{redacted_url(url)!r} is not an http(s) URL (the server's API root, e.g. http://localhost:8000/v1)"
+        )
     return parts
+
+
+def redacted_url(url: str) -> str:
+    """``url`` as errors, logs and saved configs may show it: a user and password in it (``http://u:p@host``)
+    become ``***``. The client never sends them (no auth header), so nothing is lost; a URL that does not
+    even split is shown as a placeholder, as it may hold anything."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<a URL that does not parse>"
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def quote(answer: Any) -> str:
@@ -97,8 +113,8 @@ class ChatServer:
     thread pool)."""
 
     def __init__(self, base_url: str, model: str, concurrency: int, timeout_s: float, retries: int) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._url = http_url(self.base_url)
+        self._url = http_url(base_url.rstrip("/"))
+        self.base_url = redacted_url(base_url.rstrip("/"))  # what errors name: never a password
         self.model = model
         self.timeout_s = timeout_s
         self.retries = retries

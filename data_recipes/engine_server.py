@@ -22,6 +22,30 @@ from pathlib import Path
 
 STARTUP_TIMEOUT_S = 900  # vLLM's CPU start (import, profile, KV cache) takes minutes on a busy machine
 STOP_TIMEOUT_S = 30
+PROBE_TIMEOUT_S = 120  # the interpreter's start and vllm's lookup (no import): seconds, on a busy machine
+# Finds vllm without importing it (an import takes many seconds): exit 3 where it is not installed.
+HAS_VLLM = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+
+
+def check_engine_python(engine_python: str, key: str = "capture.engine_python") -> None:
+    """Refuse, before any work, an engines-venv interpreter (the setting ``key``) that is not there, does not
+    run, or has no vllm: found only once a server is started, it costs the tokenizing and an output folder."""
+    build = "`make verify-engines` (or regenerate-engine, capture-engine) builds it"
+    if not Path(engine_python).is_file():
+        raise FileNotFoundError(f"{key}: no engines-venv interpreter {engine_python}: {build}")
+    try:
+        probe = subprocess.run(
+            [engine_python, "-c", HAS_VLLM], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{key}: {engine_python} did not run within {PROBE_TIMEOUT_S} s") from None
+    except OSError as err:  # not executable, not a program
+        raise RuntimeError(f"{key}: {engine_python} does not run ({err.strerror}): {build}") from None
+    if probe.returncode == 3:
+        raise RuntimeError(f"{key}: {engine_python} has no vllm installed: {build}")
+    if probe.returncode != 0:
+        tail = probe.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"{key}: {engine_python} failed (exit {probe.returncode}): {tail[0][:200]}")
 
 
 def free_port() -> int:

@@ -9,13 +9,15 @@ from __future__ import annotations
 import urllib.parse
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from headstart.core.settings import (
     Count,
+    Device,
     Dtype,
     Float,
+    Folder,
     NonNegative,
     NonNegativeFloat,
     Positive,
@@ -34,7 +36,7 @@ else:
 
 class Target(Section):
     path: str  # a local folder or a hub id
-    device: str = "auto"  # cuda when present, else cpu
+    device: Device = "auto"  # cuda when present, else cpu
     dtype: Dtype = "fp32"  # the frozen target's compute dtype
     tp_size: Count = 1  # processes one copy of the target is split across (torchrun; docs/TRAINING.md)
     # auto: SDPA where transformers has it for the family, else the family's default (gpt-oss: eager); or
@@ -55,7 +57,7 @@ class TokenizedData(Data):
 
 
 class Capture(Section):
-    out_dir: str | None = None  # the shards; training may compute the states online instead
+    out_dir: Folder | None = None  # the shards; training may compute the states online instead
     aux_layers: Literal["auto"] | list[NonNegative] = "auto"  # auto: core.models.default_aux_layers; [] none
     store_dtype: StoreDtype = "bf16"  # fp8_e4m3: a float32 scale per token and layer (docs/DATA.md)
     shard_samples: Count = 256
@@ -69,10 +71,41 @@ class Capture(Section):
     engine: Literal["hf", "vllm"] = "hf"
     engine_python: str = ".venv-engines/bin/python"  # the venv with vllm (make verify-engines builds it)
     base_url: str | None = None  # a running server's API root; null: start one (engine vllm)
+    # The folder the server at base_url writes its hidden-states files to (its shared_storage_path), as seen
+    # here: the only folder the capture reads and deletes a server-named file in (required with base_url).
+    states_dir: Folder | None = None
     model: str | None = None  # the served model name; null: target.path
     concurrency: Count = 8  # requests in flight (the server batches them)
-    timeout_s: Positive = 600.0  # per request: no answer within it is a failed attempt
+    # per request: no answer within it is a failed attempt; also the longest wait for a states file's lock
+    timeout_s: Positive = 600.0
     retries: NonNegative = 3  # per request, after connection errors, timeouts and 5xx/429 answers
+
+    @field_validator("base_url")
+    @classmethod
+    def _an_http_url(cls, url: str | None) -> str | None:
+        # Regenerate's rule, the one rule for a server's URL; and a port in range, which that rule leaves to the
+        # first request. The error shows the URL without its password (the value is not echoed).
+        from headstart.data_recipes.engine_client import redacted_url  # it imports this module
+
+        shown = {"url": repr(redacted_url(url or ""))}
+        try:
+            Regenerate._an_http_url(url)
+        except PydanticCustomError as err:
+            raise PydanticCustomError("value", "{rule}, got {url}", {"rule": err.message(), **shown}) from None
+        try:
+            _ = urllib.parse.urlsplit(url or "").port  # a ValueError past 65535 or on a port not a number
+        except ValueError as err:
+            raise PydanticCustomError(
+                "value", "must have a port in 0..65535, got {url} ({why})", {"why": str(err), **shown}
+            ) from None
+        return url
+
+    @field_serializer("base_url", when_used="json")
+    def _without_password(self, url: str | None) -> str | None:
+        # What a saved config (capture_config.yaml, a training run's config.yaml) records: never a password.
+        from headstart.data_recipes.engine_client import redacted_url
+
+        return url if url is None else redacted_url(url)
 
     @model_validator(mode="after")
     def _a_server_only_for_the_vllm_engine(self) -> Capture:
@@ -80,11 +113,22 @@ class Capture(Section):
             raise PydanticCustomError(
                 "section_rule", "base_url is only read by engine 'vllm' (set engine: vllm to capture through it)"
             )
+        if self.engine == "vllm" and self.base_url and not self.states_dir:
+            raise PydanticCustomError(
+                "section_rule",
+                "states_dir is required with base_url: the folder that server writes its hidden-states files to "
+                "(its kv_transfer_config shared_storage_path), as seen here; no other file is read or deleted",
+            )
+        if self.states_dir and not self.base_url:
+            raise PydanticCustomError(
+                "section_rule",
+                "states_dir is only read with base_url (a server started here writes under out_dir/engine)",
+            )
         return self
 
 
 class CaptureToDisk(Capture):
-    out_dir: str
+    out_dir: Folder
 
 
 class Generation(Section):
@@ -98,7 +142,7 @@ class Generation(Section):
 
 
 class Regenerate(Generation):
-    out: str  # the regenerated dataset: OpenAI-messages JSONL, or {"text": ...} JSONL for data.format text
+    out: Folder  # the regenerated dataset: OpenAI-messages JSONL, or {"text": ...} JSONL for data.format text
     chunk_size: Count = 64  # conversations per resumable part
     discard_stale_parts: bool = False  # parts made with other settings: delete them (else refuse)
     # Who generates: hf, the target in this process (transformers); openai, an OpenAI-compatible server

@@ -343,20 +343,18 @@ def _row_problems(f: safe_open, manifest: dict[str, Any], offsets: list[int]) ->
     scales) or whose width is not the manifest's (hidden size, layers). Header reads only."""
     if not offsets or offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
         return [f"the sample offsets {offsets[:8]}... do not rise from 0"]
-    tokens, hidden, k = offsets[-1], manifest.get("hidden_size"), len(manifest.get("aux_layers") or [])
-    widths: dict[str, int | None] = {"input_ids": None, "loss_mask": None, "last_hidden": hidden}
-    if k:
-        widths["aux_hidden"] = k * hidden if hidden else None
-    if manifest.get("store_dtype") == str(FP8).removeprefix("torch."):
-        widths |= {f"{key}_scale": 1 if key == "last_hidden" else k for key in list(widths)[2:]}
+    tokens, hidden, k = offsets[-1], manifest["hidden_size"], len(manifest["aux_layers"])
+    layers = {"last_hidden": 1} | ({"aux_hidden": k} if k else {})
+    shapes = {"input_ids": [tokens], "loss_mask": [tokens]} | {key: [tokens, n * hidden] for key, n in layers.items()}
+    if manifest["store_dtype"] == str(FP8).removeprefix("torch."):
+        shapes |= {f"{key}_scale": [tokens, n] for key, n in layers.items()}
     problems, keys = [], set(f.keys())
-    for key, width in widths.items():
+    for key, want in shapes.items():
         if key not in keys:
             problems.append(f"it has no {key}")
             continue
         shape = list(f.get_slice(key).get_shape())
-        if shape[:1] != [tokens] or (width is not None and shape[1:] != [width]):
-            want = f"[{tokens}]" if key in ("input_ids", "loss_mask") else f"[{tokens}, {width}]"
+        if shape != want:
             problems.append(f"{key} has shape {shape}, its {len(offsets) - 1} samples' offsets make it {want}")
     return problems
 

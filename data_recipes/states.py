@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.core.models import default_aux_layers
-from headstart.data_recipes.engine_capture import engine_states_for
+from headstart.data_recipes.engine_capture import check_engine, engine_states_for
 from headstart.data_recipes.recipes import Sample
 from headstart.data_recipes.settings import Capture, Target
 from headstart.data_recipes.shards import FP8, dequantize_fp8, store_hidden
@@ -100,12 +100,14 @@ class EngineCapture(OnlineCapture):
     ``capture.engine: vllm`` makes per sample, so the step trains on what an engine capture's shards hold.
 
     Open it (``with``) to start or reach the server; a request that fails is retried (``capture.retries``,
-    ``capture.timeout_s``) and then stops the run, naming the server and the sample."""
+    ``capture.timeout_s``) and then stops the run, naming the server and the sample. Each answer's file is read
+    and checked as capture's are (``engine_capture.states_file``, ``checked_states``)."""
 
     def __init__(
         self, target: Target, cap: Capture, max_length: int, aux_layers: list[int], dtype: torch.dtype, work_dir: Path
     ):
         super().__init__(None, aux_layers, dtype)
+        check_engine(target, cap)  # the venv, or the server's folder and model: before the run goes further
         self.opening = engine_states_for(target, cap, max_length, aux_layers, work_dir)
         self.engine: Any = None
 

@@ -83,13 +83,13 @@ def test_a_states_file_is_read_after_its_writer_lets_go_and_its_ids_are_checked(
 
     writer = threading.Thread(target=write_late)
     writer.start()
-    got = read_states_file(path)  # blocks on the lock, not on a poll
+    got = read_states_file(path, tmp_path, 10.0)  # blocks on the lock (within the timeout) until released
     writer.join()
     assert torch.equal(got["hidden_states"], states) and not os.path.exists(path) and not os.path.exists(path + ".lock")
 
     save_file({"hidden_states": states, "token_ids": torch.tensor([4, 5, 6, 9, 8])}, path)
-    engine = EngineStates(ChatServer("http://127.0.0.1:9/v1", "m", 1, 1.0, 0), [1], torch.nn.Identity())
-    with pytest.raises(EngineError, match="sample 17: the engine's token ids differ from ours at position 3"):
+    engine = EngineStates(ChatServer("http://127.0.0.1:9/v1", "m", 1, 1.0, 0), [1], torch.nn.Identity(), tmp_path, 8)
+    with pytest.raises(EngineError, match="sample 17: .*: the engine's token ids differ from ours at position 3"):
         engine._read({"kv_transfer_params": {"hidden_states_path": path}}, [4, 5, 6, 7, 8], "sample 17")
     with pytest.raises(EngineError, match="names no hidden-states file"):
         engine._read({"choices": []}, [4], "sample 18")

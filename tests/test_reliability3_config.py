@@ -13,8 +13,10 @@ from conftest import REPO, make_head, subprocess_env
 from headstart.core.config import MAX_CONFIG_BYTES, QUOTE_CHARS, ConfigError, apply_overrides, load_config
 from headstart.core.memory import device_memory
 from headstart.core.settings import parse
+from headstart.data_recipes.regenerate import RegenerateConfig
 from headstart.data_recipes.settings import CaptureConfig
 from headstart.scripts.export.command import export_head
+from headstart.train.config import TrainConfig
 
 
 def write(tmp_path, text, name="config.yaml"):
@@ -102,3 +104,15 @@ def test_the_entry_points_the_docs_lead_with_refuse_without_a_traceback(command,
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.startswith(f"{prog}: {config}: line 3: key 'train' is given twice")
+
+
+@pytest.mark.parametrize(
+    "schema, section, key",
+    [(CaptureConfig, "capture", "out_dir"), (TrainConfig, "train", "out_dir"), (RegenerateConfig, "regenerate", "out")],
+)
+def test_an_empty_output_folder_is_refused_by_name(schema, section, key):
+    # An unset shell variable (`train.out_dir=$OUT`) would write into the folder the command runs in: training there
+    # overwrote the user's config.yaml and head/, regeneration took the working folder for a finished dataset.
+    config = {"target": {"path": "t"}, "data": {"source": "s", "format": "gsm8k"}, section: {key: ""}}
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} must name a folder, got ''"):
+        parse(config, schema)

@@ -57,10 +57,16 @@ def judge(
     }
 
 
+FLIPPED_DRAFTS = 0.01  # of the drafts: a position's acceptance rate may differ this much, absolute (``gaps``)
+
+
 def gaps(engine: dict[str, Any], ours: dict[str, Any], max_gap: float) -> list[str]:
     """Where the engine's acceptance length or a position's acceptance rate is more than ``max_gap`` (relative)
     from ours, either way: a served head that accepts more than ours is read differently too. A position
-    neither side accepted at agrees; one only one side accepted at is as far apart as can be."""
+    neither side accepted at agrees; one only one side accepted at is as far apart as can be. A position's rate
+    may also differ by ``FLIPPED_DRAFTS`` of the drafts (absolute): where few drafts are accepted, a handful whose
+    near-tied draft logits the two engines' arithmetic on the target's states tips apart is more than 2% of them
+    (gpt-oss's tiny head: 5 of 137 at position 1, the acceptance length 0.3% apart)."""
     pairs = [("acceptance length", engine["acceptance_length"], ours["acceptance_length"])]
     theirs_rates, our_rates = engine["per_pos_rate"] or [], ours["per_pos_rate"] or []
     pairs += [(f"position {i + 1} rate", a, b) for i, (a, b) in enumerate(zip(theirs_rates, our_rates))]
@@ -69,6 +75,8 @@ def gaps(engine: dict[str, Any], ours: dict[str, Any], max_gap: float) -> list[s
         if theirs is None or mine is None:
             continue
         gap = abs(theirs / mine - 1) if mine else (0.0 if not theirs else float("inf"))
+        if what.startswith("position") and abs(theirs - mine) <= FLIPPED_DRAFTS:
+            continue
         if gap > max_gap:
             problems.append(f"{what} {theirs:.3f} vs ours {mine:.3f}: {gap:.1%} apart, at most {max_gap:.0%} allowed")
     return problems
