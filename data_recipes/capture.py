@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.core.config import load_config, save_config
+from headstart.core.config import ConfigError, load_config, run_command, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from headstart.core.io import OutOfSpaceError, check_writable, output_lock
 from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory
@@ -311,6 +311,18 @@ def finish(job: CaptureJob, digests: dict[int, Future], hasher: ThreadPoolExecut
     )
 
 
+def check_max_length(max_length: int | None, config: Any, path: str) -> None:
+    """ConfigError when samples of ``data.max_length`` tokens would run past the target's positions
+    (max_position_embeddings): their states would come from positions the target was never trained at, as
+    eval.acceptance refuses to decode them."""
+    positions = config.get_text_config().max_position_embeddings
+    if max_length is not None and positions and max_length > positions:
+        raise ConfigError(
+            f"data.max_length {max_length} is past the {positions} positions of the target {path} "
+            "(max_position_embeddings): lower data.max_length"
+        )
+
+
 def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
     """Capture every sample of the config's ``data`` from its ``target`` into ``capture.out_dir``.
 
@@ -323,6 +335,7 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
     if cfg.capture.engine == "vllm":  # its venv, or its server's folder and model: before any tokenizing or folder
         check_engine(target, cfg.capture)
     config, tokenizer = AutoConfig.from_pretrained(target.path), load_tokenizer(target.path)
+    check_max_length(cfg.data.max_length, config, target.path)
     model = None
     if cfg.capture.engine != "vllm":
         model = load_model(target.path, device, target.dtype, target.tp_size, target.attn_implementation)
@@ -402,4 +415,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, "python -m data_recipes.capture")

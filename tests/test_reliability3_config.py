@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, make_head, subprocess_env
+from conftest import REPO, base_config, make_head, subprocess_env
 
 from headstart.core.config import MAX_CONFIG_BYTES, QUOTE_CHARS, ConfigError, apply_overrides, load_config
 from headstart.core.memory import device_memory
@@ -116,3 +116,17 @@ def test_an_empty_output_folder_is_refused_by_name(schema, section, key):
     config = {"target": {"path": "t"}, "data": {"source": "s", "format": "gsm8k"}, section: {key: ""}}
     with pytest.raises(ConfigError, match=rf"{section}\.{key} must name a folder, got ''"):
         parse(config, schema)
+
+
+def test_capture_refuses_samples_past_the_targets_positions(tiny_target_dir, gsm8k_file, tmp_path):
+    # A 3,000-token sample on a 1,024-position target was captured (exit 0) where eval refuses the same.
+    from transformers import AutoConfig
+
+    from headstart.data_recipes.capture import run_capture
+
+    positions = AutoConfig.from_pretrained(tiny_target_dir).max_position_embeddings
+    cfg = base_config(tiny_target_dir, gsm8k_file, tmp_path / "shards", tmp_path, "eagle3")
+    cfg["data"]["max_length"] = positions + 1
+    with pytest.raises(ConfigError, match=rf"data\.max_length {positions + 1} is past the {positions} positions"):
+        run_capture(cfg)
+    assert not (tmp_path / "shards").exists()

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.runtime import mix_seed, resolve_dtype
-from headstart.data_recipes.capture import samples_hash
+from headstart.data_recipes.capture import check_max_length, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
 from headstart.data_recipes.states import EngineCapture, OnlineCapture, resolve_aux_layers
@@ -83,6 +83,7 @@ def load_data(
     aux_layers = resolve_aux_layers(cap.aux_layers, num_layers) if aux else []
     capture: OnlineCapture | None = None
     if train.online_capture:
+        check_max_length(data.max_length, target.config, cfg.target.path)
         samples, report = load_samples(
             data.source, data.format, tokenizer, data.max_length, data.on_error, limit=data.limit
         )
