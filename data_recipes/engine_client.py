@@ -191,10 +191,10 @@ class ChatServer:
         if not isinstance(reply, str) or (chat and not reply.strip()):
             kind = "a non-empty string" if chat else "a string"
             raise EngineError(f"{self.base_url}: {what}: the reply is {quote(reply)}, not {kind}")
-        self._check_length(answer, reply, body["max_tokens"], what, count_tokens)
+        self.check_length(answer, reply, body["max_tokens"], what, count_tokens)
         return reply, finish_reason
 
-    def _check_length(
+    def check_length(
         self, answer: dict[str, Any], reply: str, max_tokens: int, what: str, count_tokens: Callable[[str], int] | None
     ) -> None:
         """A reply longer than the request allowed is a server that ignores max_tokens: its replies are not what

@@ -256,7 +256,7 @@ def served_chat(
     for answer, (body, what) in zip(server.post_all("/chat/completions", requests), requests):
         message, finish_reason = served_message(answer, server.base_url, what)
         generated = message.get("thinking", "") + message["content"]
-        server._check_length(answer, generated, body["max_tokens"], what, count_tokens)
+        server.check_length(answer, generated, body["max_tokens"], what, count_tokens)
         replies.append(message)
         cut_off += finish_reason == "length"
     return replies, cut_off
