@@ -127,6 +127,10 @@ class Eagle3Options(LayerOptions):
     # An RMSNorm over the fused target states before fc (vLLM's and SGLang's norm_before_fc, input_norm.weight);
     # null: on for the families of heads.target.NORM_BEFORE_FC_FAMILIES (gpt-oss), off for the others.
     norm_before_fc: bool | None = None
+    # EAGLE-3.1 (arXiv 2605.09992; vLLM's and SGLang's names): one RMSNorm per fused target layer before fc
+    # (fc_norm.{i}.weight, after norm_before_fc's), and the post-norm output fed to the next step (norm_output).
+    fc_norm: bool = False
+    norm_output: bool = False
     # P-EAGLE (true, or {mask_token_id: ...}); absent: EAGLE-3's autoregressive drafting.
     parallel_drafting: Annotated[ParallelDrafting | None, BeforeValidator(_flag_as_section)] = None
 
@@ -178,6 +182,7 @@ class Eagle3Head(FeatureDrafter):
         "draft_vocab_size",
         "parallel_drafting",
         "norm_before_fc",
+        "fc_norm",
     )
     config: HeadConfig[Eagle3Options]
     d2t: torch.Tensor  # buffers (register_buffer): draft id -> target id offset, target id -> in the draft vocab
@@ -203,12 +208,7 @@ class Eagle3Head(FeatureDrafter):
         options.draft_vocab_size = min(options.draft_vocab_size, config.vocab_size)
         if options.norm_before_fc is None:
             options.norm_before_fc = target_config.model_type in NORM_BEFORE_FC_FAMILIES
-        parallel = options.parallel_drafting
-        if parallel is not None and options.norm_before_fc:
-            raise ValueError(
-                "head.norm_before_fc with head.parallel_drafting: vLLM's P-EAGLE feeds mask_hidden to fc without "
-                "the norm the target's fused states get, a path no engine checks; set norm_before_fc: false"
-            )
+        parallel = options.parallel_drafting  # its mask_hidden goes through the same norms and fc (first_features)
         if parallel is not None:
             if parallel.mask_token_id is None:
                 parallel.mask_token_id = default_mask_token(target_config)
@@ -226,6 +226,9 @@ class Eagle3Head(FeatureDrafter):
         fused = len(resolved(options.layer_ids, "layer_ids")) * config.target_hidden_size
         if options.norm_before_fc:
             self.input_norm = RMSNorm(fused, arch.rms_norm_eps)
+        if options.fc_norm:
+            layers = len(resolved(options.layer_ids, "layer_ids"))
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, arch.rms_norm_eps) for _ in range(layers))
         self.fc = nn.Linear(fused, hidden, bias=False)
         if options.parallel_drafting is not None:
             # In the fused states' space, before fc, as vLLM loads it; randn like speculators' P-EAGLE.
@@ -264,9 +267,21 @@ class Eagle3Head(FeatureDrafter):
 
     def first_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The head's step-0 features: fc over the fused target layers ``aux_hidden`` [B,S,3H] (ascending), normed
-        first with ``norm_before_fc``."""
+        first as a whole (``norm_before_fc``), then layer by layer (``fc_norm``), in vLLM's order
+        (``combine_hidden_states``), which P-EAGLE's ``mask_hidden`` goes through too."""
+        options = self.config.options
         fused = aux_hidden.to(self.fc.weight.dtype)
-        return self.fc(self.input_norm(fused) if self.config.options.norm_before_fc else fused)
+        if options.norm_before_fc:
+            fused = self.input_norm(fused)
+        if options.fc_norm:
+            chunks = fused.chunk(len(self.fc_norm), dim=-1)
+            fused = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(fused)
+
+    def fed_back(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next drafting step reads of this step's output: the pre-norm output (EAGLE-3), or the
+        post-norm one (EAGLE-3.1's ``norm_output``)."""
+        return self.norm(out) if self.config.options.norm_output else out
 
     def mask_slots(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """P-EAGLE's inputs at ``n`` mask slots: (the mask token [batch, n], fc(mask_hidden) [batch, n, H])."""
@@ -288,16 +303,16 @@ class Eagle3Head(FeatureDrafter):
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft-vocab logits [B,n,draft_vocab], output features before ``norm`` [B,n,H])."""
+        """(draft-vocab logits [B,n,draft_vocab], the features the next step reads [B,n,H]: ``fed_back``)."""
         if position_ids is None:
             position_ids = default_positions(input_ids, cache)
         dtype = self.fc.weight.dtype
         cos, sin = self.rotary(position_ids, dtype)
         out = self.midlayer(self.embed(input_ids), features.to(dtype), cos, sin, mask, cache)
-        return self.lm_head(self.norm(out)), out
+        return self.lm_head(self.norm(out)), self.fed_back(out)
 
     def ttt_features(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
-        """Yield the midlayer's output features [B,S,H] for training-time-test steps 0..steps-1.
+        """Yield the midlayer's output features [B,S,H] (before ``norm``) for training-time-test steps 0..steps-1.
 
         ``features`` are the step-0 inputs (``first_features``). All steps share one growing cache of
         keys; step j attends with ``ttt_step_mask`` (its block row of ``ttt_attention_mask``). P-EAGLE's
@@ -317,8 +332,9 @@ class Eagle3Head(FeatureDrafter):
                 ids, inputs = mask_ids, mask_features
             else:
                 ids, inputs = shift_left(input_ids, j + 1), features
-            features = self.midlayer(self.embed(ids), inputs, cos, sin, mask, cache)
-            yield features
+            out = self.midlayer(self.embed(ids), inputs, cos, sin, mask, cache)
+            yield out
+            features = self.fed_back(out)
 
     def loss(
         self, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None = None

@@ -368,8 +368,8 @@ def test_head_config_is_typed_and_keeps_the_config_json_layout(target, tmp_path)
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
     assert list(saved) == [
         "type", "target", "target_hidden_size", "vocab_size",
-        "layer_ids", "draft_vocab_size", "ttt_steps", "ttt_decay", "draft_layer", "norm_before_fc", "arch",
-        "training",
+        "layer_ids", "draft_vocab_size", "ttt_steps", "ttt_decay", "draft_layer", "norm_before_fc", "fc_norm",
+        "norm_output", "arch", "training",
     ]  # fmt: skip
     assert saved["layer_ids"] == LAYER_IDS and saved["arch"]["num_key_value_heads"] == 2
     assert list(saved["arch"]) == [

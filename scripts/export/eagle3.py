@@ -69,8 +69,12 @@ SPECULATOR_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpecu
 
 
 def norm_flags(config: HeadConfig) -> dict[str, bool]:
-    """The four flags, ``norm_before_fc`` as the head has it (its ``input_norm.weight``, vLLM's name, goes as is)."""
-    return {**NORM_FLAGS, "norm_before_fc": bool(config.options.norm_before_fc)}
+    """The four flags: ``norm_before_residual`` off (our layer's residual is the un-normed feature), the others as
+    the head has them (EAGLE-3.1's ``fc_norm`` and ``norm_output``, gpt-oss's ``norm_before_fc``); their tensors
+    ``input_norm.weight`` and ``fc_norm.{i}.weight`` carry vLLM's and SGLang's names as they are."""
+    options = config.options
+    flags = {"norm_before_fc": bool(options.norm_before_fc), "fc_norm": options.fc_norm}
+    return {**NORM_FLAGS, **flags, "norm_output": options.norm_output}
 
 
 def mask_token_id(config: HeadConfig) -> int | None:
@@ -200,21 +204,20 @@ def _read_mask_token(engine_config: dict[str, Any]) -> int:
     )
 
 
-def _read_norm_flags(engine_config: dict[str, Any], speculators: bool) -> bool:
-    """The checkpoint's ``norm_before_fc`` (as vLLM reads it: eagle_config first); ValueError for the other three
-    flags, which headstart's layer does not implement."""
+def _read_norm_flags(engine_config: dict[str, Any], speculators: bool) -> dict[str, bool]:
+    """The checkpoint's ``norm_before_fc``, ``fc_norm`` and ``norm_output`` (as vLLM reads them: eagle_config first
+    for norm_before_fc); ValueError for ``norm_before_residual``, which headstart's layer does not implement."""
     nested = engine_config.get("eagle_config") or {}
     # vLLM's default for a missing norm_before_residual: true for speculators configs, false otherwise.
     defaults = {**NORM_FLAGS, "norm_before_residual": speculators}
     flags = {k: nested.get(k, engine_config.get(k, defaults[k])) for k in NORM_FLAGS}
     flags["fc_norm"] = flags["fc_norm"] or engine_config.get("use_aux_norm", False)  # SGLang's older name
-    unsupported = [k for k, v in flags.items() if v and k != "norm_before_fc"]
-    if unsupported:
+    if flags["norm_before_residual"]:
         raise ValueError(
-            f"this EAGLE-3 checkpoint sets {unsupported} (as vLLM reads its config); headstart's EAGLE-3 head "
-            "implements the paper's layer, with or without norm_before_fc, only"
+            "this EAGLE-3 checkpoint sets norm_before_residual (as vLLM reads its config); headstart's EAGLE-3 head "
+            "keeps the un-normed feature as the residual (the paper's layer, EAGLE-3.1's norms optional)"
         )
-    return bool(flags["norm_before_fc"])
+    return {key: bool(flags[key]) for key in ("norm_before_fc", "fc_norm", "norm_output")}
 
 
 def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
@@ -226,7 +229,7 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
             f"speculators_model_type is {engine_config.get('speculators_model_type')!r}; only 'eagle3' and "
             "'peagle' map to a headstart head (speculators 0.9.0 has no EAGLE-1 type)"
         )
-    norm_before_fc = _read_norm_flags(engine_config, speculators)
+    norms = _read_norm_flags(engine_config, speculators)
     decoder = engine_config["transformer_layer_config"] if speculators else engine_config
     if decoder.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"the draft has {decoder['num_hidden_layers']} decoder layers; headstart's EAGLE-3 has one")
@@ -249,7 +252,7 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
     arch = arch_from_decoder(decoder, target_config)
     arch.qk_norm = "midlayer.self_attn.q_norm.weight" in state  # vLLM's Eagle3Qwen3ForCausalLM layer
     options = {"type": "eagle3", "layer_ids": _layer_ids(engine_config, layers), "draft_vocab_size": draft_vocab}
-    options["norm_before_fc"] = norm_before_fc
+    options |= norms
     # "llama": a Qwen3 target's draft without q/k norm (SpecForge's, SGLang's); else the family's own layer.
     options["draft_layer"] = "target" if arch.qk_norm == arch_from_target(target_config).qk_norm else "llama"
     if "mask_hidden" in state:  # P-EAGLE: vLLM reads any shape of num_aux * target_hidden values
@@ -276,6 +279,9 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
         ("target layers fused", f"{options.layer_ids} (HF `hidden_states` indices = vLLM aux layer ids)"),
         ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
     ]
+    norms = [name for name, on in norm_flags(config).items() if on]
+    if norms:  # EAGLE-3.1's (fc_norm, norm_output), gpt-oss's norm_before_fc: config.json's flags say so to engines
+        rows.append(("norms", ", ".join(f"`{name}`" for name in norms)))
     if options.parallel_drafting is not None:
         rows += [
             ("parallel depths", f"{options.ttt_steps}, drafted in one forward (`num_speculative_tokens` <= this)"),
