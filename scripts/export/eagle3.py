@@ -60,9 +60,10 @@ REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llam
 # transformer_layer_config to it, algos.py). SGLang has no such class: its EAGLE-3 drafts are Llama layers.
 QK_NORM_ARCHITECTURE = "Eagle3Qwen3ForCausalLM"
 SPECULATORS_VERSION = "0.9.0"
-# Our Eagle3Layer is the paper's layer: the un-normed feature is the residual, one fc without norms,
-# the pre-norm output is fed back. The flags below select exactly that in vLLM, SGLang and speculators.
-# They are always written: vLLM defaults norm_before_residual to TRUE for speculators configs (algos.py).
+# Our Eagle3Layer keeps the un-normed feature as the residual (norm_before_residual off); the paper's layer has no
+# norm before fc and feeds the pre-norm output back, EAGLE-3.1 turns on fc_norm and norm_output, gpt-oss heads
+# norm_before_fc (``norm_flags``: the head's). The four are always written: vLLM defaults norm_before_residual to
+# TRUE for speculators configs (algos.py).
 NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 DEFAULT_SPECULATIVE_TOKENS = 3
 SPECULATOR_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}  # speculators' models/
