@@ -42,12 +42,12 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.models import default_aux_layers
-from headstart.core.settings import Count, NonNegative, Positive
+from headstart.core.settings import Count, Float, NonNegative, Positive
 from headstart.heads.base import DraftHead
 from headstart.heads.config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.eagle3 import build_vocab_mapping
 from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
-from headstart.heads.losses import label_mask, soft_cross_entropy
+from headstart.heads.losses import dpace_mean, label_mask, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
@@ -124,6 +124,10 @@ class DflashOptions(LayerOptions):
     causal: bool = False  # causal attention inside the block (the DFlash paper's blocks are bidirectional)
     num_anchors: Count = 512  # blocks sampled per sequence and training step
     loss_gamma: Positive = 7.0  # block position k's loss weight exp(-(k-1)/gamma): 7 for blocks of 16
+    # decay: the fixed loss_gamma schedule. dpace: D-PACE (arXiv 2605.18810), each block's position weights from
+    # the draft's confidence in it (heads/losses.py, dpace_weights); loss_gamma is then unused.
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: Annotated[Float, Field(gt=0, le=1)] = 0.5  # D-PACE's smoothing q~ = alpha + (1 - alpha) q
 
     def trained_depth(self) -> int:
         return self.block_size - 1  # the mask slots: the newest token's slot drafts nothing
@@ -365,6 +369,9 @@ class DFlashHead(DraftHead):
         by the target's distribution, and the data need not be the target's own text (over a reduced draft
         vocabulary: that distribution renormalised over it, a target token outside it a miss). Position k's mean loss
         is weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1.
+        With ``loss_weighting: dpace`` every scored slot is weighted instead by D-PACE (heads/losses.py) from the
+        draft's probability of the target's greedy token in each slot of its block, and the loss is the weighted
+        mean over all scored slots.
 
         Metrics (detached 0-d): ``loss_j`` for slot j + 1 and ``acc_j``, the rate at which slot j + 1's argmax is
         the target's among blocks whose slots 1..j all were: the chain acceptance rate of position j + 1, so
@@ -398,8 +405,15 @@ class DFlashHead(DraftHead):
         slot = rows[2]
         counts = torch.bincount(slot, minlength=size - 1)
         slot_loss = torch.zeros(size - 1, device=ids.device).index_add(0, slot, cross_entropy) / counts.clamp(min=1)
-        weights = torch.exp(-torch.arange(size - 1, device=ids.device) / options.loss_gamma)
-        total = (weights * slot_loss).sum() / weights.sum()
+        if options.loss_weighting == "dpace":
+            with torch.no_grad():  # the draft's probability of the target's greedy token: 0 off its vocabulary
+                confidence = logits.float().softmax(-1).gather(1, target_probs.argmax(-1, keepdim=True))[:, 0]
+                if self.lm_head is not None:
+                    confidence *= self.t2d[target_logits.argmax(-1)]
+            total = dpace_mean(cross_entropy, confidence, rows, labelled, options.dpace_alpha)
+        else:
+            weights = torch.exp(-torch.arange(size - 1, device=ids.device) / options.loss_gamma)
+            total = (weights * slot_loss).sum() / weights.sum()
         with torch.no_grad():
             agree = torch.zeros_like(labelled)
             agree[rows] = draft_ids[logits.argmax(-1)] == target_logits.argmax(-1)  # off-vocabulary: a miss

@@ -29,3 +29,32 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torc
     (The forward KL plus the target's entropy: the same gradient.)
     """
     return -(target_probs * logits.float().log_softmax(-1)).sum(-1)
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's per-position loss weights [..., K] of a block's K scored positions (arXiv 2605.18810, Eq. 7-8).
+
+    ``confidence`` [..., K] is the draft's probability of the token verification wants at each position, and
+    ``valid`` [..., K] bool the positions that are scored. Each confidence is smoothed toward 1,
+    ``q~ = alpha + (1 - alpha) * q``, so that a weak early position cannot zero every later weight; the weight
+    of position j is the sum over m >= j of the products of q~ over positions 1..m: the chance the chain
+    reaches m, summed over the positions m that j's acceptance lets count. Unscored positions multiply by 1 and
+    add nothing, so a gap in the labels neither cuts the chain nor earns weight. Detached: the weights say how
+    much each position matters, they are not themselves a thing to optimise.
+    """
+    with torch.no_grad():
+        smoothed = torch.where(valid, alpha + (1 - alpha) * confidence.float(), 1.0)
+        reach = smoothed.cumprod(-1) * valid
+        # Suffix sums: the total minus what comes before j.
+        return reach.sum(-1, keepdim=True) - reach.cumsum(-1) + reach
+
+
+def dpace_mean(
+    loss: torch.Tensor, confidence: torch.Tensor, rows: tuple[torch.Tensor, ...], valid: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """The D-PACE weighted mean of ``loss`` [R], the positions ``rows`` (an index of ``valid`` [..., K], the
+    blocks' scored positions) with their ``confidence`` [R]: sum(w * loss) / sum(w); 0 when nothing is scored."""
+    full = torch.zeros(valid.shape, device=loss.device)
+    full[rows] = confidence.detach().float()
+    weights = dpace_weights(full, valid, alpha)[rows]
+    return (weights * loss).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
