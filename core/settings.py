@@ -238,7 +238,9 @@ class CommandFlags(Section):
             shown = [f"one of {', '.join(map(str, choices))}"] if choices else []
             shown += [] if field.is_required() else [f"default: {_shown(field.default)}"]
             note = f" ({'; '.join(shown)})" if shown else ""
-            options: dict[str, Any] = {"help": (field.description or "") + note, "default": argparse.SUPPRESS}
+            # argparse %-formats help strings: a literal "2%" in a description would break --help
+            text = ((field.description or "") + note).replace("%", "%%")
+            options: dict[str, Any] = {"help": text, "default": argparse.SUPPRESS}
             if name in cls.positional:
                 parser.add_argument(name, type=scalar, **options)
                 continue
