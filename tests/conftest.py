@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from http.server import BaseHTTPRequestHandler
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -440,3 +441,18 @@ def models(tiny_target_dir, tmp_path_factory):
     options = {"type": "eagle3", "layer_ids": [0, 2, 4], "draft_vocab_size": 100, "parallel_drafting": True}
     build_head(options, target).save_pretrained(out / "peagle")
     return out
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A test server's request handler: quiet, answering JSON (the fake vLLM and chat servers build on it)."""
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

@@ -146,10 +146,11 @@ def peagle_setup():
 
 
 def exact_two_tokens_of(target: nn.Module, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """P(x1, x2) of an HF model as a [V * V] vector: p(x1 | prompt) * p(x2 | prompt, x1)."""
+    """P(x1, x2) of an HF model as a [V * V] vector: p(x1 | prompt) * p(x2 | prompt, x1), V its vocabulary."""
     with torch.no_grad():
         first = probabilities(target(prompt).logits[0, -1], sampling)
-        nexts = torch.cat((prompt.expand(V, -1), torch.arange(V)[:, None]), 1)
+        vocab = first.numel()
+        nexts = torch.cat((prompt.expand(vocab, -1), torch.arange(vocab)[:, None]), 1)
         second = probabilities(target(nexts).logits[:, -1], sampling)
     return (first[:, None] * second).flatten()
 

@@ -8,14 +8,14 @@ import os
 import pickle
 import re
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import TARGET, assert_matches, tiny_llama
+from conftest import TARGET, assert_matches, tiny_llama, world_of_one
 from safetensors.torch import load_file
+from test_decoding_sampling import exact_two_tokens_of
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from headstart.decoding.proposers_heads import DFlash
@@ -243,10 +243,8 @@ def test_sampled_block_tree_is_lossless():
     head = dflash_head(target, seed=4)
     sampling = Sampling(temperature=1.0)
     prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
+    exact = exact_two_tokens_of(target, prompt, sampling)
     with torch.no_grad():
-        first = probabilities(target(prompt).logits[0, -1], sampling)
-        pairs = torch.cat((prompt.expand(5, -1), torch.arange(5)[:, None]), 1)
-        exact = (first[:, None] * probabilities(target(pairs).logits[:, -1], sampling)).flatten()
         aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
         context = head.context_kv(aux, torch.arange(6)[None])
         q = probabilities(head.draft_block(prompt[0, -1], 6, context, 4), sampling)
@@ -309,11 +307,7 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
     # train/dflash.py through DeepSpeed (a world of one, online capture): 4 steps straight, then the same
     # run resumed from its step-2 checkpoint. The blocks of every step are drawn from the generator the
     # loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for bit.
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(key, value)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    world_of_one(monkeypatch)
     out = tmp_path / "run"
     config = {
         "target": {"path": str(tiny_target_dir), "device": "cpu", "dtype": "fp32"},

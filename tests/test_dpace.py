@@ -2,12 +2,11 @@
 definition, gradients only through the cross-entropy, the head's loss block by block, and training with it."""
 
 import json
-import socket
 
 import pytest
 import torch
 import yaml
-from conftest import tiny_llama
+from conftest import tiny_llama, world_of_one
 from test_dflash import WIDE, dflash_head, features
 
 from headstart.heads.losses import dpace_mean, dpace_weights
@@ -129,11 +128,7 @@ def test_other_weightings_and_alphas_outside_0_1_are_refused(target, options, me
 
 def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
     # train/dflash.py as test_dflash runs it (DeepSpeed, a world of one, online capture), with D-PACE.
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(key, value)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    world_of_one(monkeypatch)
     out = tmp_path / "run"
     config = {
         "target": {"path": str(tiny_target_dir), "device": "cpu", "dtype": "fp32"},

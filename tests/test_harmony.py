@@ -10,11 +10,11 @@ harmony's special tokens added.
 import json
 import threading
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import TARGET
+from conftest import TARGET, JsonHandler
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils
@@ -182,7 +182,7 @@ def test_split_reply_reads_channels_and_tells_no_harmony():
     assert split_reply("plain text") is None
 
 
-class ReasoningServer(BaseHTTPRequestHandler):
+class ReasoningServer(JsonHandler):
     """A chat server that answers as vLLM with gpt-oss's reasoning parser: reasoning beside the content."""
 
     answers = {  # by the question asked last
@@ -191,24 +191,13 @@ class ReasoningServer(BaseHTTPRequestHandler):
         "And 5+5?": {"reasoning": "Double it.", "content": "10", "finish_reason": "stop"},  # newer vLLM's key
     }
 
-    def log_message(self, *args):
-        pass
-
-    def reply(self, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append(body)
         answer = dict(self.answers[body["messages"][-1]["content"]])
         finish = answer.pop("finish_reason")
         choice = {"index": 0, "message": {"role": "assistant", **answer}, "finish_reason": finish}
-        self.reply({"choices": [choice], "usage": {"completion_tokens": 5}})
+        self.answer(200, {"choices": [choice], "usage": {"completion_tokens": 5}})
 
 
 @pytest.fixture

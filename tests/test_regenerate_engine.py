@@ -12,11 +12,11 @@ import json
 import re
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import TARGET
+from conftest import TARGET, JsonHandler
 from transformers import AutoTokenizer
 
 from headstart.core.config import ConfigError
@@ -88,18 +88,7 @@ class ServerState:
         return tok.decode(new, skip_special_tokens=True), finish
 
 
-class ChatHandler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def answer(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
+class ChatHandler(JsonHandler):
     def answer_raw(self, status: int, data: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "text/html")

@@ -11,12 +11,13 @@ import os
 import re
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import JsonHandler
 from safetensors.torch import load_file, save_file
 
 from headstart.core.config import ConfigError
@@ -269,23 +270,12 @@ def test_an_engines_venv_without_vllm_is_refused_before_any_work(tiny_target_dir
     assert not (tmp_path / "out").exists()
 
 
-class FakeVLLM(BaseHTTPRequestHandler):
+class FakeVLLM(JsonHandler):
     """``GET /v1/models`` serves ``server.served``; each completion writes ``server.write(path, ids)`` into
     ``server.states`` and names it, or names ``server.name`` when that is set."""
 
-    def log_message(self, *args):
-        pass
-
-    def reply(self, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self):
-        self.reply({"data": [{"id": self.server.served}]})
+        self.answer(200, {"data": [{"id": self.server.served}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -294,7 +284,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
             path = self.server.states / f"cmpl-{self.server.count}.safetensors"
         self.server.write(path, body["prompt"])
         open(str(path) + ".lock", "w").close()
-        self.reply(answer(self.server.name or str(path)))
+        self.answer(200, answer(self.server.name or str(path)))
 
 
 @pytest.fixture

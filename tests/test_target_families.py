@@ -12,6 +12,7 @@ import torch
 import yaml
 from conftest import REPO, assert_matches, base_config, records, run_here
 from safetensors.torch import load_file
+from test_decoding_sampling import exact_two_tokens_of
 from test_families import check_export
 from test_tensor_parallel import torchrun
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -23,7 +24,7 @@ from headstart.core.models import load_model
 from headstart.data_recipes.capture import run_capture, storage_estimate
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import DFlash, Eagle
-from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache, probabilities
+from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache
 from headstart.eval import acceptance, autotune
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
@@ -157,10 +158,7 @@ def test_sampling_on_a_moe_target_is_lossless():
     )
     sampling = Sampling(temperature=1.0)
     prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
-    with torch.no_grad():
-        first = probabilities(target(prompt).logits[0, -1], sampling)
-        pairs = torch.cat((prompt.expand(5, -1), torch.arange(5)[:, None]), 1)
-        exact = (first[:, None] * probabilities(target(pairs).logits[:, -1], sampling)).flatten()
+    exact = exact_two_tokens_of(target, prompt, sampling)
     torch.manual_seed(1)
     counts = torch.zeros(25)
     for _ in range(10):
