@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 from transformers import PreTrainedModel
 
-from headstart.core.settings import Count, Section
+from headstart.core.settings import Count, Float, Section
 from headstart.decoding.proposers import DraftModel, NGram, ProposerWrapper, SelfSpec, Vanilla, early_exit
 from headstart.decoding.proposers_heads import DraftSource
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
@@ -64,6 +64,14 @@ class TreeSettings(Section):
     exit_layer: Count | None = Field(
         None, description="self_spec: the target's first N layers (with its final norm and lm_head) draft; null: half"
     )
+    min_confidence: Float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="adaptive depth: stop drafting below the first level whose best path is estimated to pass "
+        "verification with less than this chance (EAGLE, draft_model, self_spec: the draft's own probability; "
+        "DSpark: its confidence head); 0: the full depth; a tree.json carries its own",
+    )
 
     def tree_file(self) -> Path | None:
         """The tree.json ``tree`` names, if it names one."""
@@ -86,6 +94,7 @@ class TreeFlags:
     depth: int = _TREE["depth"].default
     total_tokens: int = _TREE["total_tokens"].default
     exit_layer: int | None = None  # self_spec: the target layers that draft (None: half of them)
+    min_confidence: float = 0.0  # adaptive depth (``decoding.tree.confident``); 0: always the full depth
 
 
 def build_proposer(
@@ -142,15 +151,25 @@ def _build(
             partial(DraftModel, drafter) if method == "draft_model" else partial(SelfSpec, drafter, flags.exit_layer)
         )
         if flags.shape == "dynamic":
-            return model(k=flags.depth, top_k=flags.top_k, total_tokens=flags.total_tokens)
-        return model(k=flags.depth)
+            return model(
+                k=flags.depth, top_k=flags.top_k, total_tokens=flags.total_tokens, min_confidence=flags.min_confidence
+            )
+        return model(k=flags.depth, min_confidence=flags.min_confidence)
     if heads is None or method not in heads:
         raise ValueError(f"the {method} method needs its head")
     head = heads[method]
     proposer = draftings()[method].proposer_class()
     if tree_config is not None and proposer.tunable:  # a tuned tree.json (Medusa drafts its own fixed tree)
         return proposer_for(head, TreeSpec.from_config(tree_config))
-    return proposer.for_flags(head, flags)
+    built = proposer.for_flags(head, flags)
+    if flags.min_confidence > 0:
+        if not proposer.adapts_depth(head):
+            raise ValueError(
+                f"min_confidence (adaptive depth) needs a drafter that drafts level by level or estimates acceptance "
+                f"itself; {method} drafts every depth in one forward"
+            )
+        built.min_confidence = flags.min_confidence
+    return built
 
 
 class ChainOnly(ProposerWrapper):

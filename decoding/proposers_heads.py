@@ -78,6 +78,11 @@ class HeadProposer:
         return None
 
     @classmethod
+    def adapts_depth(cls, head: DraftHead) -> bool:
+        """Whether it drafts with ``min_confidence`` (stopping below a level it doubts): level-by-level drafters."""
+        return cls.level_by_level
+
+    @classmethod
     def for_tree(cls, head: DraftHead, tree: TreeSpec) -> Proposer:
         """Every depth from one forward (the default): static shapes only, at a fixed depth."""
         if not cls.tunable:
@@ -102,8 +107,11 @@ class HeadProposer:
     @classmethod
     def check_head(cls, head: DraftHead) -> None:
         """ValueError unless ``head``'s type drafts with this proposer (in any of its draftings)."""
-        # A subclass drafts as its base does.
-        kinds = [e.name for e in HEAD_TYPES.values() if any(issubclass(cls, d.proposer_class()) for d in e.draftings())]
+        # A subclass drafts as its base does, unless a head type drafts with it by name (DSpark's, a DFlash's).
+        own = [e.name for e in HEAD_TYPES.values() if any(cls is d.proposer_class() for d in e.draftings())]
+        kinds = own or [
+            e.name for e in HEAD_TYPES.values() if any(issubclass(cls, d.proposer_class()) for d in e.draftings())
+        ]
         if head.config.type in kinds:
             return
         article = "an" if kinds and kinds[0][0] in "aeiou" else "a"
@@ -313,26 +321,26 @@ class Medusa(HeadProposer):
 
 
 class DFlash(HeadProposer):
-    """A DFlash head: one forward of the block [root, mask x ``masks``] over the target's features of every
-    committed token gives a distribution per depth d = 1..masks, all at once (the block is not causal, so
+    """A DFlash head: one forward of the block [root, mask x ``drafts``] over the target's features of every
+    committed token gives a distribution per depth d = 1..drafts, all at once (the block is not causal, so
     no depth waits for another). They fill a static tree, as Medusa's heads do: node [.., j] at depth d
     holds depth d's j-th candidate; the default shape is the chain of every depth's best.
 
-    ``masks`` is vLLM's ``num_speculative_tokens`` (the served block is exactly this one); it defaults to
-    block_size - 1, the block the head was trained on, and bounds the tree's depth. Greedy runs take each
-    depth's top candidates; sampling runs draw them without replacement from each depth's q (lossless, as
-    in ``Medusa``).
+    ``drafts`` is vLLM's ``num_speculative_tokens`` (the served block is exactly this one); it defaults to
+    the head's trained depth (block_size - 1), the block the head was trained on, and bounds the tree's depth.
+    Greedy runs take each depth's top candidates; sampling runs draw them without replacement from each depth's
+    q (lossless, as in ``Medusa``).
     """
 
     title = "DFlash"
 
     def __init__(
-        self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, masks: int | None = None
+        self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, drafts: int | None = None
     ) -> None:
         self.check_head(head)
         self.head = cast(DFlashHead, head)
-        self.masks = masks or head.config.trained_depth  # the block's mask slots
-        chain = [[0] * d for d in range(1, self.masks + 1)]
+        self.drafts = drafts or head.config.trained_depth  # the block's drafting slots
+        chain = [[0] * d for d in range(1, self.drafts + 1)]
         self.choices = [list(c) for c in choices] if choices is not None else chain
         self.hidden_layers = head.hidden_layers
 
@@ -343,8 +351,8 @@ class DFlash(HeadProposer):
     @choices.setter
     def choices(self, choices: list[list[int]]) -> None:  # eval.autotune sets its comb here
         depth = max((len(c) for c in choices), default=0)
-        if depth > self.masks:
-            raise ValueError(f"tree depth {depth} needs more than the block's {self.masks} mask slots")
+        if depth > self.drafts:
+            raise ValueError(f"tree depth {depth} needs more than the block's {self.drafts} drafting slots")
         self._choices = choices
 
     def reset(self, sampling: Sampling) -> None:
@@ -364,7 +372,7 @@ class DFlash(HeadProposer):
     def propose(self, tokens: torch.Tensor) -> Tree:
         if self.committed == 0:  # a one-token prompt: no target feature yet
             return empty_tree(tokens.device)
-        logits = self.head.draft_block(tokens[-1], self.committed, self.context_kv, self.masks)
+        logits = self.head.draft_block(tokens[-1], self.committed, self.context_kv, self.drafts)
         depth = max(len(c) for c in self.choices)
         width = max(c[-1] for c in self.choices) + 1
         logq = draft_logq(logits[:depth], self.sampling)
@@ -375,11 +383,11 @@ class DFlash(HeadProposer):
 
     @classmethod
     def max_depth(cls, head: DraftHead) -> int | None:
-        return head.config.trained_depth  # the block's mask slots
+        return head.config.trained_depth  # the block's drafting slots
 
     @classmethod
     def served_chain(cls, head: DraftHead, k: int) -> Proposer:
-        return cls(head, masks=k)  # vLLM's block: the newest token and k masks
+        return cls(head, drafts=k)  # vLLM's block: the newest token and the slots drafting k tokens
 
     @classmethod
     def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
@@ -416,6 +424,14 @@ def tree_depth_bound(source: DraftSource, max_depth: int) -> int:
         bound = drafting_of(source.config).proposer_class().max_depth(source)
         return max_depth if bound is None else min(max_depth, bound)
     return max_depth
+
+
+def adapts_depth(source: DraftSource) -> bool:
+    """Whether drafting can stop where the drafter doubts (``min_confidence``): it drafts level by level, or it
+    estimates acceptance itself (DSpark's confidence head: a shorter draft costs less verification)."""
+    if not isinstance(source, DraftHead):
+        return True
+    return drafting_of(source.config).proposer_class().adapts_depth(source)
 
 
 def drafts_level_by_level(source: DraftSource) -> bool:

@@ -46,6 +46,9 @@ class Tree:
     # with ``want_target_argmax`` gets ``target_argmax`` [n + 1], the target's argmax at [root, nodes...],
     # from the verifier (``decoding.verify.verify_batch``).
     want_target_argmax: bool = False
+    # A drafter with its own acceptance estimate (DSpark's confidence head): [n] the log-probability it gives that
+    # the target accepts the path to each node. Adaptive depth reads it in place of the draft's own path logq.
+    survival: torch.Tensor | None = None
     target_argmax: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -396,7 +399,21 @@ def capped(tree: Tree, depth: int) -> Tree:
         tree.draft_logprobs[keep],
         tree.dists,
         None if tree.dist_index is None else tree.dist_index[keep],
+        survival=None if tree.survival is None else tree.survival[keep],
     )
+
+
+def confident_depth(tree: Tree, level_logq: torch.Tensor, min_confidence: float) -> Tree:
+    """``tree`` cut below its first level whose nodes are not ``confident`` by ``level_logq`` [n] (each node's
+    estimate that the target accepts its path): the rule ``shaped_tree`` applies while drafting, applied to a
+    tree drafted whole. The cut below level d depends only on tokens at depths <= d, never on the nodes it drops,
+    so sampled runs stay lossless."""
+    if min_confidence <= 0 or not len(tree):
+        return tree
+    for depth in range(1, int(tree.depths.max())):
+        if not confident(level_logq[tree.depths == depth], min_confidence):
+            return capped(tree, depth)
+    return tree
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -207,7 +207,7 @@ def load(args: Eval) -> Loaded:
         if method in tree_configs and model is not None:  # a head's tree met its head's vocabulary in head_tree_configs
             check_tree_vocab(tree_configs[method], model.config.vocab_size, str(args.tree), f"the model {name}")
     shape = None if args.tree_file() else args.tree  # a tree.json reaches EAGLE through tree_configs
-    flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer)
+    flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer, args.min_confidence)
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
     proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
     return Loaded(items, target, tokenizer, prompt_format, head_folders, tree_configs, proposers, device, ranks)

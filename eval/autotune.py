@@ -65,7 +65,7 @@ from headstart.data_recipes.bench import (
 )
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
 from headstart.decoding.proposers import check_draft_vocab, early_exit
-from headstart.decoding.proposers_heads import DraftSource, drafts_level_by_level, tree_depth_bound
+from headstart.decoding.proposers_heads import DraftSource, adapts_depth, drafts_level_by_level, tree_depth_bound
 from headstart.decoding.target_cache import recurrent_target, why_chains
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
 from headstart.eval.report import prompts_rendered, write_autotune_report
@@ -214,6 +214,7 @@ class Picked:
     chosen: Choice  # its tree carries the fitted min_confidence
     adaptive: tuple[float, float, float]  # (min_confidence, replayed tokens/s with it, at fixed depth)
     level_by_level: bool
+    adapts: bool  # adaptive depth was fitted (``adapts_depth``)
     batch: dict[int, dict]
     schedules: dict[str, list]
 
@@ -271,20 +272,21 @@ def tune_sources(args: Autotune, run: Session) -> dict[str, Tuned]:
 
 def choose(args: Autotune, tuned: dict[str, Tuned]) -> Picked:
     """The fastest predicted source (several: self-speculation's exit layers), adaptive depth fitted where it
-    drafts level by level (only then does stopping early save anything), and its tree per batch size."""
+    drafts level by level or estimates acceptance itself (``adapts_depth``), and its tree per batch size."""
     name = max(tuned, key=lambda n: tuned[n].chosen.tokens_per_s)
     best = tuned[name]
     fixed = best.chosen.tree
     level_by_level = drafts_level_by_level(best.source)
     speed = best.chosen.tokens_per_s
-    adaptive = fit_confidence(best.costs, fixed, best.steps) if level_by_level else (0.0, speed, speed)
+    adapts = adapts_depth(best.source)
+    adaptive = fit_confidence(best.costs, fixed, best.steps) if adapts else (0.0, speed, speed)
     chosen = replace(best.chosen, tree=replace(fixed, min_confidence=adaptive[0]))
     batch = batch_table(best.costs, best.rank_probs, args.max_nodes, best.max_depth, args.batch_sizes, fixed)
     schedules = {
         "depth_per_batch_size": schedule_ranges({b: row["depth"] for b, row in batch.items()}),
         "num_speculative_tokens_per_batch_size": schedule_ranges({b: row["chain_k"] for b, row in batch.items()}),
     }
-    return Picked(name, best, chosen, adaptive, level_by_level, batch, schedules)
+    return Picked(name, best, chosen, adaptive, level_by_level, adapts, batch, schedules)
 
 
 def tuned_for(args: Autotune, run: Session, pick: Picked) -> dict:
@@ -371,6 +373,7 @@ def run(args: Autotune) -> dict:
             "replayed_tokens_per_s": adaptive[1],
             "replayed_fixed_tokens_per_s": adaptive[2],
             "level_by_level": pick.level_by_level,
+            "fitted": pick.adapts,
         },  # fmt: skip
         "schedules": pick.schedules,
         "batch_validation": batch_rows,

@@ -427,9 +427,10 @@ def batch_lines(result: dict) -> list[str]:
 def adaptive_lines(result: dict) -> list[str]:
     """The adaptive-depth fit: the threshold and its replayed tokens/s against fixed depth."""
     adaptive = result["adaptive"]
-    if not adaptive["level_by_level"]:
+    if not adaptive.get("fitted", adaptive["level_by_level"]):
         return [
-            "- adaptive depth: not fitted (this head drafts every depth in one forward: stopping early saves nothing)"
+            "- adaptive depth: not fitted (this head drafts every depth in one forward and gives no acceptance "
+            "estimate of its own)"
         ]
     threshold = adaptive["min_confidence"]
     verdict = f"stop below {threshold:.3g}" if threshold > 0 else "none (fixed depth replays fastest)"

@@ -62,12 +62,13 @@ class CombRecorder(ProposerWrapper):
 
 
 def chain_logq(tree: Tree) -> list[float]:
-    """The cumulative draft log-probability at each depth of the tree's rank-0 chain (first children)."""
+    """The drafter's estimate that the target accepts each depth of the tree's rank-0 chain (first children), in
+    log: the cumulative draft log-probability, or the drafter's own estimate where it gives one (``Tree.survival``)."""
     children, node, total, out = tree.children(), -1, 0.0, []
     while children[node + 1]:
         node = children[node + 1][0]
         total += float(tree.draft_logprobs[node])
-        out.append(total)
+        out.append(total if tree.survival is None else float(tree.survival[node]))
     return out
 
 

@@ -34,7 +34,7 @@ a large share of a tiny draft's time, shrinks in proportion.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, cast
+from typing import Annotated, ClassVar, Literal, cast
 
 import torch
 from pydantic import Field
@@ -197,6 +197,10 @@ class DFlashHead(DraftHead):
         "draft_vocab_size",
     )
     config: HeadConfig[DflashOptions]
+    # The first block slot that drafts. DFlash's slot 0 holds the newest token and drafts nothing, slot k >= 1
+    # the token at its own position; a head whose anchor slot drafts too (DSpark) says 0, slot k then drafting
+    # the token after its position. Either way the drafting slots' tokens are at anchor + 1, anchor + 2, ...
+    first_drafting_slot: ClassVar[int] = 1
     lm_head: nn.Linear | None  # the draft vocabulary's rows of the target's lm_head (draft_vocab_size), else None
     d2t: torch.Tensor  # buffers with lm_head, as EAGLE-3's
     t2d: torch.Tensor
@@ -330,19 +334,28 @@ class DFlashHead(DraftHead):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target-vocab logits of normed outputs (-inf off a reduced draft vocabulary)."""
-        logits = self.draft_logits(hidden)
+        return self.to_target_vocab(self.draft_logits(hidden))
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., draft vocab] -> [..., V], -inf off a reduced draft vocabulary (the whole vocabulary: as it is)."""
         if self.lm_head is None:
             return logits
         out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         out[..., self.draft_ids()] = logits
         return out
 
+    def draft_hidden(self, root: torch.Tensor, position: int, context_kv: ContextKV, drafts: int) -> torch.Tensor:
+        """Normed outputs [drafts, H] of the slots drafting the ``drafts`` tokens after ``root`` (the newest token, at
+        ``position``): one block [root, mask, ...] over the context before it, as vLLM drafts with ``drafts``
+        speculative tokens (DFlash: root + ``drafts`` masks; DSpark: root + ``drafts`` - 1 masks)."""
+        first = self.first_drafting_slot
+        block = torch.cat((root.view(1), root.new_full((drafts + first - 1,), self.mask_token_id)))
+        positions = torch.arange(position, position + len(block), device=root.device)
+        return self(block[None], positions[None], context_kv)[0, first:]
+
     def draft_block(self, root: torch.Tensor, position: int, context_kv: ContextKV, masks: int) -> torch.Tensor:
-        """Logits [masks, V] of the tokens after ``root`` (the newest token, at ``position``) from one block
-        [root, mask * masks] over the context before it: what vLLM drafts with ``masks`` speculative tokens."""
-        block = torch.cat((root.view(1), root.new_full((masks,), self.mask_token_id)))
-        positions = torch.arange(position, position + masks + 1, device=root.device)
-        return self.logits(self(block[None], positions[None], context_kv)[0, 1:])
+        """Target-vocab logits [masks, V] of the tokens after ``root`` from one block (``draft_hidden``)."""
+        return self.logits(self.draft_hidden(root, position, context_kv, masks))
 
     def sample_anchors(self, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchors [B, N], real [B, N]): up to ``num_anchors`` distinct positions per sequence drawn uniformly
@@ -359,73 +372,106 @@ class DFlashHead(DraftHead):
         top = scores.masked_fill(~candidates, -1.0).topk(count, dim=1)
         return top.indices, top.values >= 0
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Block loss over random anchors: soft cross-entropy of each mask slot to the target's distribution.
+    def block_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden [B, N, K, H], label_at [B, N, K], labelled [B, N, K]) of the drafting slots of
+        blocks at random anchors: slot k of the block at anchor a drafts the token at ``label_at`` = a + k, k =
+        1..K, which is scored where it is a label.
 
-        Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, ``last_hidden``. Anchors
-        are positions whose next token is a label; slot k of the block at anchor a is scored on the target's
-        distribution over the token at a + k (its logits at a + k - 1, from ``last_hidden`` through the frozen
-        lm_head), where that token is a label. Soft labels rather than the data tokens: acceptance is decided
-        by the target's distribution, and the data need not be the target's own text (over a reduced draft
-        vocabulary: that distribution renormalised over it, a target token outside it a miss). Position k's mean loss
-        is weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1.
-        With ``loss_weighting: dpace`` every scored slot is weighted instead by D-PACE (heads/losses.py) from the
-        draft's probability of the target's greedy token in each slot of its block, and the loss is the weighted
-        mean over all scored slots.
-
-        Metrics (detached 0-d): ``loss_j`` for slot j + 1 and ``acc_j``, the rate at which slot j + 1's argmax is
-        the target's among blocks whose slots 1..j all were: the chain acceptance rate of position j + 1, so
-        ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks.
+        Anchors are positions whose next token is a label. Each block sees the context strictly before its anchor
+        (serving has no target state of the newest token yet) and its own slots.
         """
         ids = batch["input_ids"]
-        seq = ids.shape[1]
-        options = self.config.options
-        size = options.block_size
+        seq, first = ids.shape[1], self.first_drafting_slot
         anchors, real = self.sample_anchors(label_mask(batch, 1))
-        positions = anchors[..., None] + torch.arange(size, device=ids.device)  # [B, N, S]
+        positions = anchors[..., None] + torch.arange(self.config.options.block_size, device=ids.device)  # [B, N, S]
         block_ids = torch.full_like(positions, self.mask_token_id)
         block_ids[..., 0] = ids.gather(1, anchors)
         context_kv = self.context_kv(batch["aux_hidden"], default_positions(ids))
         before_anchor = torch.arange(seq, device=ids.device) < anchors[..., None]
         visible = before_anchor & batch["attention_mask"].bool()[:, None, :]
         hidden = self(block_ids.flatten(1), positions.flatten(1), context_kv, visible)
-        hidden = hidden.view(*positions.shape, -1)[:, :, 1:]  # the mask slots
-        label_at = positions[..., 1:]  # [B, N, S - 1]: where each slot's token is
+        hidden = hidden.view(*positions.shape, -1)[:, :, first:]  # the drafting slots
+        label_at = positions[..., first:] + 1 - first  # [B, N, K]: where each slot's token is
         with torch.no_grad():
             labelled = label_mask(batch, 0).gather(1, label_at.clamp(max=seq - 1).flatten(1)).view_as(label_at)
             labelled &= (label_at < seq) & real[..., None]
-        rows = labelled.nonzero(as_tuple=True)  # score only labelled slots: the lm_head is the big matmul
-        logits = self.draft_logits(hidden[rows])
+        return hidden, label_at, labelled
+
+    def target_probs(
+        self, batch: dict[str, torch.Tensor], rows: tuple[torch.Tensor, ...], label_at: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target logits [R, V], the target's distribution over the draft vocabulary [R, V_draft]) of the tokens at
+        ``label_at[rows]``: its logits one position earlier, from ``last_hidden`` through the frozen lm_head (over a
+        reduced vocabulary: renormalised there, as EAGLE-3 scores)."""
         with torch.no_grad():
-            draft_ids = self.draft_ids()
             target_logits = self.target_logits(batch["last_hidden"][rows[0], label_at[rows] - 1])
-            # Over a reduced vocabulary: the target's distribution renormalised there (as EAGLE-3 scores).
-            target_probs = target_logits[:, draft_ids].float().softmax(-1)
-        cross_entropy = soft_cross_entropy(logits, target_probs)
-        slot = rows[2]
-        counts = torch.bincount(slot, minlength=size - 1)
-        slot_loss = torch.zeros(size - 1, device=ids.device).index_add(0, slot, cross_entropy) / counts.clamp(min=1)
-        if options.loss_weighting == "dpace":
-            with torch.no_grad():  # the draft's probability of the target's greedy token: 0 off its vocabulary
-                confidence = logits.float().softmax(-1).gather(1, target_probs.argmax(-1, keepdim=True))[:, 0]
-                if self.lm_head is not None:
-                    confidence *= self.t2d[target_logits.argmax(-1)]
-            total = dpace_mean(cross_entropy, confidence, rows, labelled, options.dpace_alpha)
-        else:
-            weights = torch.exp(-torch.arange(size - 1, device=ids.device) / options.loss_gamma)
-            total = (weights * slot_loss).sum() / weights.sum()
+            return target_logits, target_logits[:, self.draft_ids()].float().softmax(-1)
+
+    def draft_confidence(
+        self, logits: torch.Tensor, target_probs: torch.Tensor, target_logits: torch.Tensor
+    ) -> torch.Tensor:
+        """D-PACE's confidence [R]: the draft's probability of the target's greedy token (0 off its vocabulary)."""
+        with torch.no_grad():
+            confidence = logits.float().softmax(-1).gather(1, target_probs.argmax(-1, keepdim=True))[:, 0]
+            if self.lm_head is not None:
+                confidence *= self.t2d[target_logits.argmax(-1)]
+            return confidence
+
+    def chain_metrics(
+        self,
+        slot_loss: torch.Tensor,
+        rows: tuple[torch.Tensor, ...],
+        labelled: torch.Tensor,
+        logits: torch.Tensor,
+        target_logits: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """``loss_j`` (slot j + 1's mean loss) and ``acc_j``: the rate at which slot j + 1's argmax is the target's
+        among blocks whose slots 1..j all were, the chain acceptance rate of position j + 1, so
+        ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks."""
         with torch.no_grad():
             agree = torch.zeros_like(labelled)
-            agree[rows] = draft_ids[logits.argmax(-1)] == target_logits.argmax(-1)  # off-vocabulary: a miss
+            agree[rows] = self.draft_ids()[logits.argmax(-1)] == target_logits.argmax(-1)  # off-vocabulary: a miss
             # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
             right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()
             tried = labelled & right_before
             chain = (tried & agree).flatten(0, 1).sum(0) / tried.flatten(0, 1).sum(0).clamp(min=1)
         metrics = {}
-        for j in range(size - 1):
+        for j in range(labelled.shape[-1]):
             metrics[f"loss_{j}"] = slot_loss[j].detach()
             metrics[f"acc_{j}"] = chain[j]
-        return total, metrics
+        return metrics
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Block loss over random anchors (``block_states``): soft cross-entropy of each mask slot to the target's
+        distribution.
+
+        Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, ``last_hidden``. Slot k of
+        the block at anchor a is scored on the target's distribution over the token at a + k (its logits at
+        a + k - 1, from ``last_hidden`` through the frozen lm_head), where that token is a label. Soft labels
+        rather than the data tokens: acceptance is decided by the target's distribution, and the data need not be
+        the target's own text (over a reduced draft vocabulary: that distribution renormalised over it, a target
+        token outside it a miss). Position k's mean loss is weighted exp(-(k - 1) / loss_gamma) (later slots are
+        accepted less often), weights normalised to 1. With ``loss_weighting: dpace`` every scored slot is weighted
+        instead by D-PACE (heads/losses.py) from the draft's probability of the target's greedy token in each slot
+        of its block, and the loss is the weighted mean over all scored slots. Metrics: ``chain_metrics``.
+        """
+        options = self.config.options
+        hidden, label_at, labelled = self.block_states(batch)
+        depth = labelled.shape[-1]
+        rows = labelled.nonzero(as_tuple=True)  # score only labelled slots: the lm_head is the big matmul
+        logits = self.draft_logits(hidden[rows])
+        target_logits, target_probs = self.target_probs(batch, rows, label_at)
+        cross_entropy = soft_cross_entropy(logits, target_probs)
+        slot = rows[2]
+        counts = torch.bincount(slot, minlength=depth)
+        slot_loss = torch.zeros(depth, device=hidden.device).index_add(0, slot, cross_entropy) / counts.clamp(min=1)
+        if options.loss_weighting == "dpace":
+            confidence = self.draft_confidence(logits, target_probs, target_logits)
+            total = dpace_mean(cross_entropy, confidence, rows, labelled, options.dpace_alpha)
+        else:
+            weights = torch.exp(-torch.arange(depth, device=hidden.device) / options.loss_gamma)
+            total = (weights * slot_loss).sum() / weights.sum()
+        return total, self.chain_metrics(slot_loss, rows, labelled, logits, target_logits)
 
 
 HEAD_TYPE = HeadType(

@@ -146,6 +146,7 @@ EVERY_KEY = {
         "method": ["vanilla", "eagle3"], "bench": "b", "prompt_format": "raw", "limit": 3, "per_group": 2,
         "max_new_tokens": 7, "temperature": 0.5, "temperatures": [0.0, 1.0],
         "top_p": 0.9, "top_k": 4, "tree": "static", "top_k_draft": 2, "depth": 3, "total_tokens": 9, "exit_layer": 2,
+        "min_confidence": 0.25,
         "seed": 5, "device": "cpu", "dtype": "bf16", "tp_size": 2, "attn_implementation": "eager", "out": "o",
     },
     "autotune": {

@@ -201,7 +201,7 @@ def test_the_tree_holds_each_depths_candidates_from_one_block(target):
     assert tree.depths.tolist() == [1, 1, 2, 2, 2, 3] and tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
     ranks = [0, 1, 0, 1, 0, 0]
     assert tree.tokens.tolist() == [int(top.indices[d - 1, r]) for d, r in zip(tree.depths.tolist(), ranks)]
-    with pytest.raises(ValueError, match="tree depth 5 needs more than the block's 4 mask slots"):
+    with pytest.raises(ValueError, match="tree depth 5 needs more than the block's 4 drafting slots"):
         proposer.choices = comb_choices(5, 2)
 
 

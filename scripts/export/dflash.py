@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -127,7 +127,9 @@ def _causal(engine_config: dict[str, Any], dflash: dict[str, Any]) -> bool:
     return bool(dflash.get("causal", False))
 
 
-def _check_supported(engine_config: dict[str, Any], dflash: dict[str, Any], target_config: PretrainedConfig) -> None:
+def _check_supported(
+    engine_config: dict[str, Any], dflash: dict[str, Any], target_config: PretrainedConfig, name: str
+) -> None:
     problems = [why for key, why in UNSUPPORTED.items() if dflash.get(key)]
     layer_types = engine_config.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types) or engine_config.get("use_sliding_window"):
@@ -143,33 +145,54 @@ def _check_supported(engine_config: dict[str, Any], dflash: dict[str, Any], targ
             f"an embedding table of {engine_config['vocab_size']} rows (the target has {target_config.vocab_size})"
         )
     if problems:
-        raise ValueError(f"this DFlash checkpoint uses {', '.join(problems)}, which headstart's DFlash head does not")
+        raise ValueError(f"this {name} checkpoint uses {', '.join(problems)}, which headstart's {name} head does not")
 
 
-def _layer_ids(engine_config: dict[str, Any], dflash: dict[str, Any]) -> list[int]:
+def _layer_ids(engine_config: dict[str, Any], dflash: dict[str, Any], name: str) -> list[int]:
     """Our layer ids, read in vLLM's order (``eagle3_utils.py``): top-level eagle ids and ``dflash_config.layer_ids``
     as they are (aux ids), else ``dflash_config.target_layer_ids`` + 1."""
     for ids in (engine_config.get("eagle_aux_hidden_state_layer_ids"), dflash.get("layer_ids")):
         if ids:
             return sorted(set(ids))
-    if not dflash.get("target_layer_ids"):
-        raise ValueError("the DFlash config names no target layers (dflash_config.target_layer_ids)")
-    return sorted({i + 1 for i in dflash["target_layer_ids"]})
+    ids = dflash.get("target_layer_ids") or engine_config.get("target_layer_ids")
+    if not ids:
+        raise ValueError(f"the {name} config names no target layers (dflash_config.target_layer_ids)")
+    return sorted({i + 1 for i in ids})
 
 
 def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
     """(head options, draft arch, our tensors) of a checkpoint in vLLM's DFlash layout, with its
     ``mask_embedding.pt`` when it has one (read only inside the checkpoint's folder)."""
     engine_config, state = read_json(src / "config.json"), read_checkpoint(src)
+    architectures = engine_config.get("architectures") or []
+    if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
+        raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
     mask_embedding_file = src / MASK_EMBEDDING_FILE
     mask_embedding = (
         file_inside(mask_embedding_file, checkpoint_roots(src)).read_bytes() if mask_embedding_file.exists() else None
     )
-    architectures = engine_config.get("architectures") or []
-    if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
-        raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
+    options, arch, state = read_block_drafter(engine_config, state, target_config, "DFlash")
+    options |= {"type": "dflash", "mask_embedding": mask_embedding is not None}
+    if mask_embedding is not None:
+        mask_token_id = cast(int, mask_token_of(engine_config))  # read_block_drafter refused a config without one
+        state["mask_embedding"] = read_mask_embedding(mask_embedding, mask_token_id, mask_embedding_file)
+    return Imported(options, arch, state)
+
+
+def mask_token_of(engine_config: dict[str, Any]) -> int | None:
+    """The mask token a block drafter's config names, where vLLM looks first: ``dflash_config`` (or an
+    ``eagle_config``), then the top level."""
+    nested = dict(engine_config.get("eagle_config") or {}) | (engine_config.get("dflash_config") or {})
+    return nested.get("mask_token_id", engine_config.get("mask_token_id"))
+
+
+def read_block_drafter(
+    engine_config: dict[str, Any], state: dict[str, torch.Tensor], target_config: PretrainedConfig, name: str
+) -> Imported:
+    """What every block drafter on vLLM's DFlash Qwen3 backbone holds (``name``: DFlash, DSpark), read back: the
+    backbone's options (layers, mask token, causality, draft vocabulary), its arch and its tensors."""
     dflash = dict(engine_config.get("eagle_config") or {}) | (engine_config.get("dflash_config") or {})
-    _check_supported(engine_config, dflash, target_config)
+    _check_supported(engine_config, dflash, target_config, name)
     state = rename_prefixes(state, {"model.": "", "midlayer.": "layers.0."})
     state.pop("t2d", None)  # rebuilt from d2t; vLLM skips it
     draft_vocab = engine_config.get("draft_vocab_size") or target_config.vocab_size
@@ -179,7 +202,7 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
     )
     if own:
         raise ValueError(
-            f"the checkpoint carries {own}: headstart's DFlash head embeds with the target's embedding and, over "
+            f"the checkpoint carries {own}: headstart's {name} head embeds with the target's embedding and, over "
             "the whole vocabulary, drafts with the target's lm_head"
         )
     if reduced:
@@ -189,23 +212,19 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
         state["t2d"] = torch.zeros(target_config.vocab_size, dtype=torch.bool).index_fill(
             0, torch.arange(draft_vocab) + d2t, True
         )
-    mask_token_id = dflash.get("mask_token_id", engine_config.get("mask_token_id"))
+    mask_token_id = mask_token_of(engine_config)
     if mask_token_id is None:
-        raise ValueError("the DFlash config names no mask token (dflash_config.mask_token_id)")
+        raise ValueError(f"the {name} config names no mask token (dflash_config.mask_token_id)")
     options = {
-        "type": "dflash",
-        "layer_ids": _layer_ids(engine_config, dflash),
+        "layer_ids": _layer_ids(engine_config, dflash, name),
         "num_layers": engine_config["num_hidden_layers"],
         "intermediate_size": engine_config["intermediate_size"],
         "mask_token_id": mask_token_id,
-        "mask_embedding": mask_embedding is not None,
         "causal": _causal(engine_config, dflash),
         "draft_vocab_size": draft_vocab if reduced else None,
     }
     if engine_config.get("block_size"):  # vLLM never reads it; SpecForge's and z-lab's configs carry it
         options["block_size"] = engine_config["block_size"]
-    if mask_embedding is not None:
-        state["mask_embedding"] = read_mask_embedding(mask_embedding, mask_token_id, mask_embedding_file)
     target_hidden = engine_config.get("target_hidden_size") or engine_config["hidden_size"]
     if target_hidden != target_config.hidden_size:
         raise ValueError(f"target hidden size {target_hidden} vs {target_config.hidden_size} (checkpoint vs target)")
