@@ -6,8 +6,9 @@ it in a head's folder, and by the exports' model cards, ``scripts.export.card``)
 - shape: "static" (``choices``: Medusa-style rank paths, drafted by ``decoding.tree.shaped_tree``) or "dynamic"
   (EAGLE-2: ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);
 - depth, top_k (static: the most children of any node), total_tokens (draft nodes, the root excluded);
-- min_confidence (optional, 0 = fixed depth): drafting stops at the first level whose best node's cumulative
-  draft probability is below it (``decoding.tree.confident``), EAGLE heads only;
+- min_confidence (optional, 0 = fixed depth): drafting stops at the first level whose best node's estimated
+  acceptance is below it (``decoding.tree.confident``): its cumulative draft probability (EAGLE heads, draft
+  models), DSpark's confidence head;
 - depth_per_batch_size (optional): [[first, last, depth], ...] batch-size ranges and the deepest level
   ``decoding.verify.generate_batch`` verifies when that many sequences decode together (0: plain decoding);
   num_speculative_tokens_per_batch_size: the same for vLLM's chains, in the form vLLM's speculative config
@@ -63,7 +64,7 @@ class TreeFile(Section):
     depth: Count
     top_k: Count
     total_tokens: Count
-    min_confidence: Annotated[Number, Field(ge=0, le=1)] = 0.0  # a cumulative draft probability
+    min_confidence: Annotated[Number, Field(ge=0, le=1)] = 0.0  # an estimated acceptance of the best path
     # [[first, last, depth], ...]: checked by check_schedule, with vLLM's own rules and messages
     depth_per_batch_size: list[Any] = []
     num_speculative_tokens_per_batch_size: list[Any] = []

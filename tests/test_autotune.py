@@ -222,7 +222,10 @@ def test_model_card_section_names_the_tuned_tree(tmp_path):
     (tmp_path / "tree.json").write_text(json.dumps(tree))
     (section,) = tree_card_section(tmp_path)
     assert "(vLLM `num_speculative_tokens_per_batch_size`, in the serve command above when any k > 0)" in section
-    assert "`[[1, 1, 3], [2, 7, 1], [8, 8, 0]]`" in section and "below 0.25 (cumulative draft probability)" in section
+    assert (
+        "`[[1, 1, 3], [2, 7, 1], [8, 8, 0]]`" in section
+        and "below 0.25 (estimated acceptance: the cumulative draft probability" in section
+    )
     # The serve command takes the schedule, num_speculative_tokens its longest chain (vLLM caps entries at it).
     command = vllm_command("t", "d", "eagle3", 3, schedule=served_schedule(tmp_path))
     spec = json.loads(command.split("--speculative-config '")[1].rstrip("'"))

@@ -11,6 +11,7 @@ import yaml
 from conftest import assert_matches, tiny_llama, world_of_one
 from safetensors.torch import load_file
 from test_decoding_sampling import exact_two_tokens_of
+from test_dflash import NEW, WIDE, V, features, greedy_reference, prompts
 
 from headstart.decoding.proposers_dspark import DSpark
 from headstart.decoding.proposers_heads import DFlash
@@ -21,16 +22,15 @@ from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dspark as dspark_trainer
 
-V, NEW = 300, 16
-WIDE = {"hidden_size": 64, "intermediate_size": 96, "pad_token_id": 0, "eos_token_id": 1}  # tiny_llama's options
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def target():
     model = tiny_llama(**WIDE)
-    model.lm_head.weight.data *= 20  # peaked distributions, so greedy paths and acceptance mean something
+    model.lm_head.weight.data *= (
+        20  # peaked distributions, as test_dflash's: greedy paths and acceptance mean something
+    )
     return model.requires_grad_(False)
 
 
@@ -41,12 +41,6 @@ def dspark_head(target, seed: int = 1, **options):
     with torch.no_grad():  # a Markov bias that matters, as after training (it starts at 0)
         head.markov_head.markov_w2.weight.normal_(0, 0.5)
     return head
-
-
-def features(target, ids, layers):
-    with torch.no_grad():
-        states = target(ids, output_hidden_states=True).hidden_states
-    return torch.cat([states[i] for i in layers], dim=-1), states[-1]
 
 
 def batch_of(target, head):
@@ -122,16 +116,6 @@ def test_training_lowers_every_term_and_the_confidence_head_learns_the_acceptanc
     loss, metrics = head.loss(batch)
     assert loss < 0.5 * first[0]
     assert abs(float(metrics["confidence_gap"])) < 0.05 and metrics["acc_0"] > first[1]["acc_0"]
-
-
-def prompts():
-    gen = torch.Generator().manual_seed(1)
-    return [torch.tensor([[7]]), *(torch.randint(2, V, (1, n), generator=gen) for n in (5, 12))]
-
-
-def greedy_reference(target, prompt, new=NEW):
-    eos = target.config.eos_token_id
-    return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
 
 
 def test_the_tree_adds_each_parents_markov_bias_to_its_depths_logits(target):
@@ -295,5 +279,7 @@ def test_export_for_vllm_and_import_back_to_the_same_logits(target, tmp_path, co
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"uses the fill-in block .*, a 'rnn' Markov head"):
         import_head("dspark", out, tmp_path / "refused", str(target_dir))
-    with pytest.raises(ValueError, match=r"cannot export a dspark head as 'sglang': no SGLang DSpark layout is written"):
+    with pytest.raises(
+        ValueError, match=r"cannot export a dspark head as 'sglang': no SGLang DSpark layout is written"
+    ):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))

@@ -157,7 +157,8 @@ def tree_card_section(head_dir: str | Path) -> list[str]:
     if tree.get("min_confidence", 0) > 0:
         lines.append(
             f"- adaptive depth: drafting stops at the first level whose likeliest node is below "
-            f"{tree['min_confidence']:.3g} (cumulative draft probability)"
+            f"{tree['min_confidence']:.3g} (estimated acceptance: the cumulative draft probability, DSpark's "
+            "confidence head)"
         )
     if "speculate_max_batch" in tree:
         lines.append(f"- speculation pays off up to batch size {tree['speculate_max_batch']} on that machine")
