@@ -25,6 +25,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "assets" / "demo-target"
@@ -253,6 +254,24 @@ def world_of_one(monkeypatch):
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MASTER_PORT", free_port())
+
+
+def block_drafter_run(tmp_path, target_dir, data_file, head: dict, save_every: int = 2):
+    """(config path, out dir) of a 4-step online-capture run of a block drafter (DFlash, DSpark) on the tiny target:
+    what their recipes' training tests share."""
+    out = tmp_path / "run"
+    config = {
+        "target": {"path": str(target_dir), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": str(data_file), "format": "gsm8k", "max_length": 64, "limit": 12},
+        "capture": {"aux_layers": [1, 3, 4], "store_dtype": "fp32"},
+        "head": head,
+        "train": {"out_dir": str(out), "seed": 5, "batch_size": 4, "micro_batch_size": 2, "max_steps": 4,
+                  "lr": 1e-2, "online_capture": True, "heldout_samples": 4, "eval_every": 2,
+                  "save_every": save_every, "keep_checkpoints": 0},
+    }  # fmt: skip
+    path = tmp_path / f"{head['type']}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, out
 
 
 def subprocess_env():

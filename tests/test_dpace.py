@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-import yaml
-from conftest import tiny_llama, world_of_one
+from conftest import block_drafter_run, tiny_llama, world_of_one
 from test_dflash import WIDE, dflash_head, features
 
 from headstart.heads.losses import dpace_mean, dpace_weights
@@ -129,18 +128,13 @@ def test_other_weightings_and_alphas_outside_0_1_are_refused(target, options, me
 def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
     # train/dflash.py as test_dflash runs it (DeepSpeed, a world of one, online capture), with D-PACE.
     world_of_one(monkeypatch)
-    out = tmp_path / "run"
-    config = {
-        "target": {"path": str(tiny_target_dir), "device": "cpu", "dtype": "fp32"},
-        "data": {"source": str(gsm8k_file), "format": "gsm8k", "max_length": 64, "limit": 12},
-        "capture": {"aux_layers": [1, 3, 4], "store_dtype": "fp32"},
-        "head": {"type": "dflash", "block_size": 4, "num_anchors": 8, "loss_weighting": "dpace"},
-        "train": {"out_dir": str(out), "seed": 5, "batch_size": 4, "micro_batch_size": 2, "max_steps": 4,
-                  "lr": 1e-2, "online_capture": True, "heldout_samples": 4, "eval_every": 2, "save_every": 4,
-                  "keep_checkpoints": 0},
-    }  # fmt: skip
-    path = tmp_path / "dflash.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path, out = block_drafter_run(
+        tmp_path,
+        tiny_target_dir,
+        gsm8k_file,
+        {"type": "dflash", "block_size": 4, "num_anchors": 8, "loss_weighting": "dpace"},
+        save_every=4,
+    )
     dflash_trainer.main(["--config", str(path)])
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     heldout = [r for r in lines if r["split"] == "heldout"]

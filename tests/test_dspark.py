@@ -7,8 +7,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
-from conftest import assert_matches, tiny_llama, world_of_one
+from conftest import assert_matches, block_drafter_run, tiny_llama, world_of_one
 from safetensors.torch import load_file
 from test_decoding_sampling import exact_two_tokens_of
 from test_dflash import NEW, WIDE, V, features, greedy_reference, prompts
@@ -203,18 +202,12 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
     # train/dspark.py through DeepSpeed (a world of one, online capture): 4 steps straight, then resumed from
     # the step-2 checkpoint: the same blocks from the loop's per-micro-batch seeds, the same head bit for bit.
     world_of_one(monkeypatch)
-    out = tmp_path / "run"
-    config = {
-        "target": {"path": str(tiny_target_dir), "device": "cpu", "dtype": "fp32"},
-        "data": {"source": str(gsm8k_file), "format": "gsm8k", "max_length": 64, "limit": 12},
-        "capture": {"aux_layers": [1, 3, 4], "store_dtype": "fp32"},
-        "head": {"type": "dspark", "block_size": 3, "num_anchors": 8, "markov_rank": 8, "loss_weighting": "dpace"},
-        "train": {"out_dir": str(out), "seed": 5, "batch_size": 4, "micro_batch_size": 2, "max_steps": 4,
-                  "lr": 1e-2, "online_capture": True, "heldout_samples": 4, "eval_every": 2, "save_every": 2,
-                  "keep_checkpoints": 0},
-    }  # fmt: skip
-    path = tmp_path / "dspark.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path, out = block_drafter_run(
+        tmp_path,
+        tiny_target_dir,
+        gsm8k_file,
+        {"type": "dspark", "block_size": 3, "num_anchors": 8, "markov_rank": 8, "loss_weighting": "dpace"},
+    )
     dspark_trainer.main(["--config", str(path)])
     straight = load_file(str(out / "head" / "model.safetensors"))
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
