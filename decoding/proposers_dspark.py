@@ -11,15 +11,14 @@ from typing import cast
 
 import torch
 
-from headstart.decoding.proposers import draft_logq
-from headstart.decoding.proposers_heads import DFlash
-from headstart.decoding.tree import Tree, confident_depth, empty_tree, shaped_tree
+from headstart.decoding.proposers_heads import BlockWalk
+from headstart.decoding.tree import Tree, confident_depth
 from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import Proposer
 from headstart.heads import DraftHead, DSparkHead
 
 
-class DSpark(DFlash):
+class DSpark(BlockWalk):
     """A DSpark head drafting a static tree (a chain by default) from one block of ``drafts`` slots, the anchor's
     slot drafting too (vLLM's ``sample_from_anchor``): node [.., j] at depth d holds its parent's j-th best (or
     j-th sampled) token under depth d's logits plus the Markov bias of the parent's token, as vLLM's DSpark
@@ -45,27 +44,11 @@ class DSpark(DFlash):
             )
         self.min_confidence = min_confidence
 
-    def propose(self, tokens: torch.Tensor) -> Tree:
-        if self.committed == 0:  # a one-token prompt: no target feature yet
-            return empty_tree(tokens.device)
-        depth = max(len(c) for c in self.choices)
-        hidden = self.head.draft_hidden(tokens[-1], self.committed, self.context_kv, depth)
-        base = self.head.draft_logits(hidden)  # [depth, V_draft]: the Markov bias is added per parent
-
-        def logq_after(parents: torch.Tensor, level: int) -> torch.Tensor:
-            biased = base[level] + self.head.markov_head(parents).to(base.dtype)
-            return draft_logq(self.head.to_target_vocab(biased), self.sampling)
-
-        sample = not (self.sampling.greedy or self.sampling.acceptance == "typical")
-        tree = shaped_tree(
-            logq_after(tokens[-1:], 0)[0],
-            lambda parents, _slots, level, _visible: logq_after(parents, level),
-            self.choices,
-            sample,
-        )
-        if self.head.confidence_head is None or not len(tree):
+    def cut(self, tree: Tree, hidden: torch.Tensor, root: torch.Tensor) -> Tree:
+        """Below the first level whose best path the confidence head gives less than ``min_confidence``."""
+        if self.head.confidence_head is None:
             return tree
-        tree.survival = self.survival(tree, hidden, tokens[-1])
+        tree.survival = self.survival(tree, hidden, root)
         return confident_depth(tree, tree.survival, self.min_confidence)
 
     def survival(self, tree: Tree, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:

@@ -399,6 +399,45 @@ class DFlash(HeadProposer):
         return cls(head, choices=choices)
 
 
+class BlockWalk(DFlash):
+    """A block drafter whose every depth also depends on the token drafted before it (DSpark's Markov head,
+    DFlash-2's candidate selector): one forward of the block, then the tree left to right, node [.., j] at depth d
+    holding its parent's j-th best (or j-th sampled) token under the head's ``walk_logits`` for depth d's slot and
+    the parent's token, as vLLM's speculators walk their chains. Sampled runs draw every sibling group from that
+    distribution (lossless, as ``shaped_tree`` drafts)."""
+
+    title = "block walk"
+
+    def propose(self, tokens: torch.Tensor) -> Tree:
+        if self.committed == 0:  # a one-token prompt: no target feature yet
+            return empty_tree(tokens.device)
+        head = self.head
+        hidden = head.draft_hidden(tokens[-1], self.committed, self.context_kv, max(len(c) for c in self.choices))
+
+        def logq_after(parents: torch.Tensor, level: int) -> torch.Tensor:
+            return draft_logq(head.walk_logits(hidden[level], parents), self.sampling)
+
+        sample = not (self.sampling.greedy or self.sampling.acceptance == "typical")
+        tree = shaped_tree(
+            logq_after(tokens[-1:], 0)[0],
+            lambda parents, _slots, level, _visible: logq_after(parents, level),
+            self.choices,
+            sample,
+        )
+        return self.cut(tree, hidden, tokens[-1]) if len(tree) else tree
+
+    def cut(self, tree: Tree, hidden: torch.Tensor, root: torch.Tensor) -> Tree:
+        """The drafted tree, cut where the drafter doubts it (DSpark's confidence head); as drafted by default."""
+        return tree
+
+
+class DFlash2(BlockWalk):
+    """A DFlash-2 head (``heads/dflash2.py``): depth d's top-k candidates from the block's slot, ranked by the
+    candidate selector given the parent's token (vLLM drafts the greedy walk: the chain of each depth's best)."""
+
+    title = "DFlash-2"
+
+
 Drafter = HeadProposer | DraftModel  # a proposer that takes a tree shape (``choices``)
 # What ``eval.autotune`` tunes a tree for: a head, or a draft model (a small LM, or the target's early exit).
 DraftSource = DraftHead | PreTrainedModel

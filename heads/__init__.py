@@ -1,4 +1,4 @@
-"""Draft-head modules: EAGLE-1/2, EAGLE-3, Medusa, DFlash and DSpark (built on the shared core only).
+"""Draft-head modules: EAGLE-1/2, EAGLE-3, Medusa, DFlash, DSpark and DFlash-2 (built on the shared core only).
 
 head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model, tokenizer)
 head.config.options.layer_ids, head.config.arch.hidden_size, head.hidden_layers
@@ -10,7 +10,8 @@ One file per job: ``registry`` (the head types: one ``HeadType`` entry each), ``
 and its config.json), ``target`` (the target's layer shape, the families served, compatibility and tokenizer
 checks), ``base`` (``DraftHead``: build, save, load), ``layers`` (the Llama draft layer: norm, rotary, attention
 over the KV cache, MLP), ``losses`` (label alignment, soft cross-entropy), and one file per head type, which
-declares its options, module and ``HEAD_TYPE`` entry: ``eagle``, ``eagle3``, ``medusa``, ``dflash``, ``dspark``.
+declares its options, module and ``HEAD_TYPE`` entry: ``eagle``, ``eagle3``, ``medusa``, ``dflash``, ``dspark``,
+``dflash2``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.settings import TaggedUnion
-from headstart.heads import dflash, dspark, eagle, eagle3, medusa
+from headstart.heads import dflash, dflash2, dspark, eagle, eagle3, medusa
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
 from headstart.heads.config import (
     CONFIG_NAME,
@@ -35,6 +36,7 @@ from headstart.heads.config import (
     read_head_folder,
 )
 from headstart.heads.dflash import DFlashHead, DflashOptions
+from headstart.heads.dflash2 import DFlash2Head, Dflash2Options
 from headstart.heads.dspark import DSparkHead, DsparkOptions
 from headstart.heads.eagle import EagleHead, EagleOptions
 from headstart.heads.eagle3 import Eagle3Head, Eagle3Options, build_vocab_mapping, ttt_attention_mask
@@ -62,6 +64,7 @@ register(eagle3.HEAD_TYPE)
 register(medusa.HEAD_TYPE)
 register(dflash.HEAD_TYPE)
 register(dspark.HEAD_TYPE)
+register(dflash2.HEAD_TYPE)
 
 # The config's head: section: its ``type`` picks the registered options model, so a key is checked against that
 # head's options.
@@ -84,6 +87,7 @@ __all__ = [
     "registered",
     "trainers",
     "DflashOptions",
+    "Dflash2Options",
     "Eagle3Options",
     "EagleOptions",
     "Head",
@@ -93,6 +97,7 @@ __all__ = [
     "MedusaOptions",
     "WEIGHTS_NAME",
     "DFlashHead",
+    "DFlash2Head",
     "DSparkHead",
     "DsparkOptions",
     "DraftArch",

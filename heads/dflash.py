@@ -34,6 +34,7 @@ a large share of a tiny draft's time, shrinks in proportion.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated, ClassVar, Literal, cast
 
 import torch
@@ -165,6 +166,24 @@ class DFlashLayer(nn.Module):
         v = attn.v_proj(x).view(b, n, attn.n_kv, attn.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
+    def attend(
+        self,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        context_visible: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """The attention sublayer's output (after o_proj) for its normed inputs [B, n, H]: ``block_attention``."""
+        attn = self.self_attn
+        b, n, _ = normed.shape
+        q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.key_values(normed, cos, sin)
+        out = block_attention(q, k, v, *context_kv, context_visible, causal)
+        return attn.o_proj(out.transpose(1, 2).flatten(2))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -174,14 +193,7 @@ class DFlashLayer(nn.Module):
         context_visible: torch.Tensor | None,
         causal: bool,
     ) -> torch.Tensor:
-        attn = self.self_attn
-        normed = self.input_layernorm(x)
-        b, n, _ = x.shape
-        q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k, v = self.key_values(normed, cos, sin)
-        out = block_attention(q, k, v, *context_kv, context_visible, causal)
-        x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
+        x = x + self.attend(self.input_layernorm(x), cos, sin, context_kv, context_visible, causal)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -250,7 +262,7 @@ class DFlashHead(DraftHead):
             len(resolved(options.layer_ids, "layer_ids")) * config.target_hidden_size, hidden, bias=False
         )
         self.hidden_norm = RMSNorm(hidden, arch.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(arch) for _ in range(options.num_layers))
+        self.layers = nn.ModuleList(self.new_layer() for _ in range(options.num_layers))
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch)
         self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if options.mask_embedding else None
@@ -260,6 +272,10 @@ class DFlashHead(DraftHead):
             self.lm_head = nn.Linear(hidden, draft_vocab, bias=False).requires_grad_(False)  # the target's rows
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(config.vocab_size) < draft_vocab)
+
+    def new_layer(self) -> DFlashLayer:
+        """One draft decoder layer (DFlash-2's convolves around each sublayer)."""
+        return DFlashLayer(self.config.arch)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -344,6 +360,12 @@ class DFlashHead(DraftHead):
         out[..., self.draft_ids()] = logits
         return out
 
+    def walk_logits(self, hidden: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Target-vocab logits [P, V] of the slot with normed output ``hidden`` [H] after each parent token [P]
+        (``decoding.proposers_heads.BlockWalk``): DFlash's depend on the slot only; DSpark and DFlash-2 add the
+        parent's own term."""
+        return self.logits(hidden).expand(len(parents), -1)
+
     def draft_hidden(self, root: torch.Tensor, position: int, context_kv: ContextKV, drafts: int) -> torch.Tensor:
         """Normed outputs [drafts, H] of the slots drafting the ``drafts`` tokens after ``root`` (the newest token, at
         ``position``): one block [root, mask, ...] over the context before it, as vLLM drafts with ``drafts``
@@ -418,19 +440,14 @@ class DFlashHead(DraftHead):
             return confidence
 
     def chain_metrics(
-        self,
-        slot_loss: torch.Tensor,
-        rows: tuple[torch.Tensor, ...],
-        labelled: torch.Tensor,
-        logits: torch.Tensor,
-        target_logits: torch.Tensor,
+        self, slot_loss: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, hits: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """``loss_j`` (slot j + 1's mean loss) and ``acc_j``: the rate at which slot j + 1's argmax is the target's
-        among blocks whose slots 1..j all were, the chain acceptance rate of position j + 1, so
-        ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks."""
+        """``loss_j`` (slot j + 1's mean loss) and ``acc_j``: the rate at which slot j + 1 drafts the target's greedy
+        token (``hits`` [R], per scored slot) among blocks whose slots 1..j all did, the chain acceptance rate of
+        position j + 1, so ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks."""
         with torch.no_grad():
             agree = torch.zeros_like(labelled)
-            agree[rows] = self.draft_ids()[logits.argmax(-1)] == target_logits.argmax(-1)  # off-vocabulary: a miss
+            agree[rows] = hits
             # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
             right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()
             tried = labelled & right_before
@@ -441,6 +458,31 @@ class DFlashHead(DraftHead):
             metrics[f"acc_{j}"] = chain[j]
         return metrics
 
+    def greedy_hits(self, logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+        """[R]: whether each draft-vocab row's argmax is the target's greedy token (off-vocabulary: a miss)."""
+        with torch.no_grad():
+            return self.draft_ids()[logits.argmax(-1)] == target_logits.argmax(-1)
+
+    def weighted_loss(
+        self,
+        per_slot: torch.Tensor,
+        rows: tuple[torch.Tensor, ...],
+        labelled: torch.Tensor,
+        confidence: Callable[[], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss, each drafting slot's mean loss [K]) of the scored slots' losses ``per_slot`` [R]: position k's
+        mean weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1;
+        with ``loss_weighting: dpace``, D-PACE's weighted mean over every scored slot (heads/losses.py) from the
+        draft's ``confidence()`` [R] in each."""
+        options, depth = self.config.options, labelled.shape[-1]
+        slot = rows[2]
+        counts = torch.bincount(slot, minlength=depth)
+        slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts.clamp(min=1)
+        if options.loss_weighting == "dpace":
+            return dpace_mean(per_slot, confidence(), rows, labelled, options.dpace_alpha), slot_loss
+        weights = torch.exp(-torch.arange(depth, device=per_slot.device) / options.loss_gamma)
+        return (weights * slot_loss).sum() / weights.sum(), slot_loss
+
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Block loss over random anchors (``block_states``): soft cross-entropy of each mask slot to the target's
         distribution.
@@ -450,28 +492,18 @@ class DFlashHead(DraftHead):
         a + k - 1, from ``last_hidden`` through the frozen lm_head), where that token is a label. Soft labels
         rather than the data tokens: acceptance is decided by the target's distribution, and the data need not be
         the target's own text (over a reduced draft vocabulary: that distribution renormalised over it, a target
-        token outside it a miss). Position k's mean loss is weighted exp(-(k - 1) / loss_gamma) (later slots are
-        accepted less often), weights normalised to 1. With ``loss_weighting: dpace`` every scored slot is weighted
-        instead by D-PACE (heads/losses.py) from the draft's probability of the target's greedy token in each slot
-        of its block, and the loss is the weighted mean over all scored slots. Metrics: ``chain_metrics``.
+        token outside it a miss). Weighted by ``weighted_loss`` (a fixed decay over positions, or D-PACE from the
+        draft's probability of the target's greedy token). Metrics: ``chain_metrics``.
         """
-        options = self.config.options
         hidden, label_at, labelled = self.block_states(batch)
-        depth = labelled.shape[-1]
         rows = labelled.nonzero(as_tuple=True)  # score only labelled slots: the lm_head is the big matmul
         logits = self.draft_logits(hidden[rows])
         target_logits, target_probs = self.target_probs(batch, rows, label_at)
         cross_entropy = soft_cross_entropy(logits, target_probs)
-        slot = rows[2]
-        counts = torch.bincount(slot, minlength=depth)
-        slot_loss = torch.zeros(depth, device=hidden.device).index_add(0, slot, cross_entropy) / counts.clamp(min=1)
-        if options.loss_weighting == "dpace":
-            confidence = self.draft_confidence(logits, target_probs, target_logits)
-            total = dpace_mean(cross_entropy, confidence, rows, labelled, options.dpace_alpha)
-        else:
-            weights = torch.exp(-torch.arange(depth, device=hidden.device) / options.loss_gamma)
-            total = (weights * slot_loss).sum() / weights.sum()
-        return total, self.chain_metrics(slot_loss, rows, labelled, logits, target_logits)
+        total, slot_loss = self.weighted_loss(
+            cross_entropy, rows, labelled, lambda: self.draft_confidence(logits, target_probs, target_logits)
+        )
+        return total, self.chain_metrics(slot_loss, rows, labelled, self.greedy_hits(logits, target_logits))
 
 
 HEAD_TYPE = HeadType(

@@ -112,6 +112,9 @@ class DSparkHead(DFlashHead):
         logits = self.draft_logits(hidden)
         return logits + self.markov_head(previous).to(logits.dtype)
 
+    def walk_logits(self, hidden: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        return self.to_target_vocab(self.markov_logits(hidden, parents))
+
     def confidence_logit(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """The confidence head's logit [...] for slots with outputs ``hidden`` and previous tokens ``previous``."""
         if self.confidence_head is None:
@@ -161,7 +164,8 @@ class DSparkHead(DFlashHead):
         else:
             weights = torch.exp(-slot.float() / options.loss_gamma)
             total = (weights * per_slot).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
-        return total, metrics | self.chain_metrics(slot_loss, rows, labelled, logits, target_logits)
+        hits = self.greedy_hits(logits, target_logits)
+        return total, metrics | self.chain_metrics(slot_loss, rows, labelled, hits)
 
     def token_cross_entropy(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Cross-entropy [R] of draft-vocab ``logits`` [R, V_draft] to the target ids ``tokens`` [R]; 0 where a

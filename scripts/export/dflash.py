@@ -167,6 +167,8 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
     architectures = engine_config.get("architectures") or []
     if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
         raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
+    if kind == "dflash" and "DFlash2DraftModel" in architectures:
+        raise ValueError("this is a DFlash-2 draft (DFlash2DraftModel): import it --from dflash2")
     mask_embedding_file = src / MASK_EMBEDDING_FILE
     mask_embedding = (
         file_inside(mask_embedding_file, checkpoint_roots(src)).read_bytes() if mask_embedding_file.exists() else None
