@@ -28,8 +28,8 @@ demo: install
 # thread: on a CPU shared with other jobs two threads fighting for the cores decode several times slower.
 matrix: install
 	OMP_NUM_THREADS=1 $(PY) -m eval.acceptance --target assets/demo-target --draft assets/demo-draft \
-		--head runs/demo/eagle3/head,runs/demo/medusa/head,runs/demo/dflash/head \
-		--method vanilla,ngram,suffix,lookahead,draft_model,self_spec,eagle3,medusa,dflash \
+		--head runs/demo/eagle3/head,runs/demo/medusa/head,runs/demo/dflash/head,runs/demo/dflash2/head \
+		--method vanilla,ngram,suffix,lookahead,draft_model,self_spec,eagle3,medusa,dflash,dflash2 \
 		--bench assets/data/spec_bench_question.jsonl --per-group 5 --max-new-tokens 32 \
 		--temperatures 0,0.7,1.0 --tree static --depth 4 --out runs/matrix
 

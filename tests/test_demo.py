@@ -130,12 +130,14 @@ def test_the_bundled_demo_config_chains_every_stage_the_issue_asks_for():
         "train-eagle3",
         "train-medusa",
         "train-dflash",
+        "train-dflash2",
         "eval",
         "export-vllm",
         "export-speculators",
         "export-dflash",
+        "export-dflash2",
     ]
     eval_cmd = next(s["cmd"] for s in cfg["stages"] if s["name"] == "eval")
-    for method in ("vanilla", "ngram", "draft_model", "eagle3", "medusa", "dflash"):
+    for method in ("vanilla", "ngram", "draft_model", "eagle3", "medusa", "dflash", "dflash2"):
         assert method in eval_cmd
     assert "--out runs/demo" in eval_cmd and cfg["report"] == "runs/demo/report.md"
