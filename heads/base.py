@@ -35,6 +35,10 @@ from headstart.heads.target import (
 
 WEIGHTS_NAME = "model.safetensors"
 SHOWN_PROBLEMS = 6  # tensor problems named in an error; a wrong layer count can miss dozens
+# From this many tokens per sample, training recomputes a head's drafting steps in backward by default: below it the
+# steps' activations are small beside the rest of a step, above it they are most of its memory (docs/TRAINING.md,
+# "Long sequences"), and recomputing them costs one more forward of the draft layer per step.
+RECOMPUTE_FROM = 4096
 Head = TypeVar("Head", bound="DraftHead")
 
 
@@ -86,6 +90,15 @@ class DraftHead(nn.Module):
         super().__init__()
         self.config = config
         self._target: TargetParts | None = None
+        # Training's activation recomputation of the head's drafting steps (``train.checkpoint_steps``; True, False
+        # or None: from RECOMPUTE_FROM tokens per sample). Not part of the head: never saved.
+        self.checkpoint_steps: bool | None = None
+
+    def recomputes(self, seq_len: int) -> bool:
+        """Whether a training step over samples of ``seq_len`` tokens recomputes its drafting steps in backward."""
+        if self.checkpoint_steps is None:
+            return seq_len >= RECOMPUTE_FROM
+        return self.checkpoint_steps
 
     @property
     def target(self) -> TargetParts:

@@ -33,8 +33,6 @@ a large share of a tiny draft's time, shrinks in proportion.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Annotated, ClassVar, Literal, cast
 
 import torch
@@ -48,8 +46,9 @@ from headstart.heads.base import DraftHead
 from headstart.heads.config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.eagle3 import build_vocab_mapping
 from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
-from headstart.heads.losses import dpace_mean, label_mask, soft_cross_entropy
+from headstart.heads.losses import chain_metrics, dpace_mean, label_mask
 from headstart.heads.registry import Drafting, HeadType
+from headstart.heads.sparse_attention import block_attention, chunked, query_chunk
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
 
@@ -67,44 +66,6 @@ def resolve_mask_token_id(target_config: PretrainedConfig, tokenizer: PreTrained
     else:
         candidates = [getattr(target_config, "pad_token_id", None), getattr(target_config, "eos_token_id", None)]
     return next((c for c in candidates if isinstance(c, int) and 0 <= c < vocab), vocab - 1)
-
-
-def block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    context_k: torch.Tensor,
-    context_v: torch.Tensor,
-    context_visible: torch.Tensor | None,
-    causal: bool,
-) -> torch.Tensor:
-    """Attention of N blocks of S slots each over the shared context and their own block only.
-
-    q: [batch, heads, N * S, head_dim], blocks laid out one after another; k, v: [batch, kv_heads, N * S,
-    head_dim] and context_k, context_v: [batch, kv_heads, C, head_dim], each key/value head serving its group
-    of query heads (as ``repeat_interleave`` would pair them, without the copies); ``context_visible``
-    [batch, N, C] says which context tokens each block sees (None: all). One softmax over (context, own
-    block), without an [N * S, N * S] score matrix: many blocks per sequence cost N * S * (C + S).
-    """
-    batch, heads, n, dim = q.shape
-    kv_heads, context = k.shape[1], context_k.shape[2]
-    groups, blocks = heads // kv_heads, 1 if context_visible is None else context_visible.shape[1]
-    size, scale = n // blocks, 1 / math.sqrt(dim)
-    # Per key/value head and block: its query heads' slots, [batch, kv_heads, N, groups * S, head_dim].
-    q = q.view(batch, kv_heads, groups, blocks, size, dim).transpose(2, 3).reshape(batch, kv_heads, blocks, -1, dim)
-    context_scores = q.flatten(2, 3) @ context_k.transpose(-1, -2) * scale
-    context_scores = context_scores.view(batch, kv_heads, blocks, groups * size, context)
-    if context_visible is not None:
-        context_scores = context_scores.masked_fill(~context_visible[:, None, :, None], float("-inf"))
-    k_blocks, v_blocks = (t.view(batch, kv_heads, blocks, size, dim) for t in (k, v))
-    block_scores = q @ k_blocks.transpose(-1, -2) * scale  # [batch, kv_heads, N, groups * S, S]
-    if causal:
-        later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1).repeat(groups, 1)
-        block_scores = block_scores.masked_fill(later, float("-inf"))
-    probs = torch.cat((context_scores, block_scores), -1).float().softmax(-1).to(q.dtype)  # never an empty row
-    context_probs, block_probs = probs.split([context, size], dim=-1)
-    out = (context_probs.flatten(2, 3) @ context_v).view_as(q) + block_probs @ v_blocks
-    return out.view(batch, kv_heads, blocks, groups, size, dim).transpose(2, 3).reshape(batch, heads, n, dim)
 
 
 class DflashOptions(LayerOptions):
@@ -420,43 +381,24 @@ class DFlashHead(DraftHead):
         return hidden, label_at, labelled
 
     def target_probs(
-        self, batch: dict[str, torch.Tensor], rows: tuple[torch.Tensor, ...], label_at: torch.Tensor
+        self, batch: dict[str, torch.Tensor], sample: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(target logits [R, V], the target's distribution over the draft vocabulary [R, V_draft]) of the tokens at
-        ``label_at[rows]``: its logits one position earlier, from ``last_hidden`` through the frozen lm_head (over a
-        reduced vocabulary: renormalised there, as EAGLE-3 scores)."""
+        ``positions`` [R] of samples ``sample`` [R]: its logits one position earlier, from ``last_hidden`` through the
+        frozen lm_head (over a reduced vocabulary: renormalised there, as EAGLE-3 scores)."""
         with torch.no_grad():
-            target_logits = self.target_logits(batch["last_hidden"][rows[0], label_at[rows] - 1])
+            target_logits = self.target_logits(batch["last_hidden"][sample, positions - 1])
             return target_logits, target_logits[:, self.draft_ids()].float().softmax(-1)
 
-    def draft_confidence(
-        self, logits: torch.Tensor, target_probs: torch.Tensor, target_logits: torch.Tensor
-    ) -> torch.Tensor:
-        """D-PACE's confidence [R]: the draft's probability of the target's greedy token (0 off its vocabulary)."""
+    def draft_confidence(self, log_probs: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+        """D-PACE's confidence [R]: the draft's probability of the target's greedy token (0 off its vocabulary), from
+        the draft's log-probabilities [R, V_draft]."""
         with torch.no_grad():
-            confidence = logits.float().softmax(-1).gather(1, target_probs.argmax(-1, keepdim=True))[:, 0]
-            if self.lm_head is not None:
-                confidence *= self.t2d[target_logits.argmax(-1)]
-            return confidence
-
-    def chain_metrics(
-        self, slot_loss: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, hits: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """``loss_j`` (slot j + 1's mean loss) and ``acc_j``: the rate at which slot j + 1 drafts the target's greedy
-        token (``hits`` [R], per scored slot) among blocks whose slots 1..j all did, the chain acceptance rate of
-        position j + 1, so ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks."""
-        with torch.no_grad():
-            agree = torch.zeros_like(labelled)
-            agree[rows] = hits
-            # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
-            right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()
-            tried = labelled & right_before
-            chain = (tried & agree).flatten(0, 1).sum(0) / tried.flatten(0, 1).sum(0).clamp(min=1)
-        metrics = {}
-        for j in range(labelled.shape[-1]):
-            metrics[f"loss_{j}"] = slot_loss[j].detach()
-            metrics[f"acc_{j}"] = chain[j]
-        return metrics
+            greedy = target_logits.argmax(-1)
+            if self.lm_head is None:
+                return log_probs.gather(1, greedy[:, None])[:, 0].exp()
+            draft_index = (self.t2d.long().cumsum(0) - 1)[greedy].clamp(min=0)  # the draft vocabulary keeps id order
+            return log_probs.gather(1, draft_index[:, None])[:, 0].exp() * self.t2d[greedy]
 
     def greedy_hits(self, logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
         """[R]: whether each draft-vocab row's argmax is the target's greedy token (off-vocabulary: a miss)."""
@@ -464,24 +406,65 @@ class DFlashHead(DraftHead):
             return self.draft_ids()[logits.argmax(-1)] == target_logits.argmax(-1)
 
     def weighted_loss(
-        self,
-        per_slot: torch.Tensor,
-        rows: tuple[torch.Tensor, ...],
-        labelled: torch.Tensor,
-        confidence: Callable[[], torch.Tensor],
+        self, per_slot: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, confidence: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss, each drafting slot's mean loss [K]) of the scored slots' losses ``per_slot`` [R]: position k's
         mean weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1;
         with ``loss_weighting: dpace``, D-PACE's weighted mean over every scored slot (heads/losses.py) from the
-        draft's ``confidence()`` [R] in each."""
+        draft's ``confidence`` [R] in each."""
         options, depth = self.config.options, labelled.shape[-1]
         slot = rows[2]
         counts = torch.bincount(slot, minlength=depth)
         slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts.clamp(min=1)
         if options.loss_weighting == "dpace":
-            return dpace_mean(per_slot, confidence(), rows, labelled, options.dpace_alpha), slot_loss
+            return dpace_mean(per_slot, confidence, rows, labelled, options.dpace_alpha), slot_loss
         weights = torch.exp(-torch.arange(depth, device=per_slot.device) / options.loss_gamma)
         return (weights * slot_loss).sum() / weights.sum(), slot_loss
+
+    def scored_slots(
+        self,
+        batch: dict[str, torch.Tensor],
+        hidden: torch.Tensor,
+        rows: tuple[torch.Tensor, ...],
+        label_at: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """``slot_terms`` of every scored slot (``rows`` of ``hidden`` [B, N, K, H] and ``label_at``), a chunk of
+        slots at a time within the score budget (their logits over the whole vocabulary), each chunk recomputed in
+        backward: memory does not grow with the vocabulary or the slot count beyond one chunk."""
+        states, sample, positions = hidden[rows], rows[0], label_at[rows]
+        chunk = query_chunk(len(states), self.target.lm_head.out_features, 1)
+
+        def terms(start: int, end: int) -> dict[str, torch.Tensor]:
+            return self.slot_terms(batch, states[start:end], sample[start:end], positions[start:end])
+
+        return chunked(terms, len(states), chunk, dim=0)
+
+    def slot_terms(
+        self, batch: dict[str, torch.Tensor], states: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Per scored slot [R] (outputs ``states`` [R, H], drafting the token at ``positions`` of ``sample``):
+        ``loss``, the soft cross-entropy to the target's distribution; ``hit``, whether its argmax is the target's
+        greedy token; ``confidence``, D-PACE's. Other heads add their own terms; any besides these three are
+        reported as metrics (their mean)."""
+        target_logits, target_probs = self.target_probs(batch, sample, positions)
+        logits = self.draft_logits(states)
+        log_probs = logits.float().log_softmax(-1)
+        return {
+            "loss": -(target_probs * log_probs).sum(-1),
+            "hit": self.greedy_hits(logits, target_logits),
+            "confidence": self.draft_confidence(log_probs.detach(), target_logits),
+        }
+
+    def block_loss(
+        self, batch: dict[str, torch.Tensor], hidden: torch.Tensor, label_at: torch.Tensor, labelled: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics of the scored slots ``labelled`` [B, N, K] (``scored_slots``), weighted by
+        ``weighted_loss``; metrics: ``chain_metrics`` and the mean of each extra term."""
+        rows = labelled.nonzero(as_tuple=True)
+        terms = self.scored_slots(batch, hidden, rows, label_at)
+        total, slot_loss = self.weighted_loss(terms["loss"], rows, labelled, terms["confidence"])
+        metrics = {k: v.detach().float().mean() for k, v in terms.items() if k not in ("loss", "hit", "confidence")}
+        return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"])
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Block loss over random anchors (``block_states``): soft cross-entropy of each mask slot to the target's
@@ -496,14 +479,7 @@ class DFlashHead(DraftHead):
         draft's probability of the target's greedy token). Metrics: ``chain_metrics``.
         """
         hidden, label_at, labelled = self.block_states(batch)
-        rows = labelled.nonzero(as_tuple=True)  # score only labelled slots: the lm_head is the big matmul
-        logits = self.draft_logits(hidden[rows])
-        target_logits, target_probs = self.target_probs(batch, rows, label_at)
-        cross_entropy = soft_cross_entropy(logits, target_probs)
-        total, slot_loss = self.weighted_loss(
-            cross_entropy, rows, labelled, lambda: self.draft_confidence(logits, target_probs, target_logits)
-        )
-        return total, self.chain_metrics(slot_loss, rows, labelled, self.greedy_hits(logits, target_logits))
+        return self.block_loss(batch, hidden, label_at, labelled)
 
 
 HEAD_TYPE = HeadType(

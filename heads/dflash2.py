@@ -34,7 +34,6 @@ from transformers import PretrainedConfig
 from headstart.core.settings import Count, Float
 from headstart.heads.config import DraftArch, HeadConfig, HeadSettings
 from headstart.heads.dflash import DFlashHead, DFlashLayer, DflashOptions
-from headstart.heads.losses import soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
 
 
@@ -172,23 +171,22 @@ class DFlash2Head(DFlashHead):
         out = scores.new_full((len(parents), self.config.vocab_size), float("-inf"))
         return out.scatter(1, rows, scores)
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """DFlash's block loss (``DFlashHead.loss``) plus ``selector_weight`` x the selector's cross-entropy, per
-        scored slot: over the slot's top-k candidates, scored after the data's previous token (the anchor for slot 1),
-        to the target's greedy token; where that token is not a candidate it replaces the weakest one (the loss
-        only). Both terms share the position weights (or D-PACE's, from the selector's probability of the target's
-        token). Metrics: ``chain_metrics`` of the selector's choice (what the walk drafts when the slots before were
-        right), ``selector_ce`` and ``candidate_recall`` (the target's token among the candidates).
-        """
+    def slot_terms(
+        self, batch: dict[str, torch.Tensor], states: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """DFlash's per-slot terms (``DFlashHead.slot_terms``), the selector's in them: ``loss`` adds
+        ``selector_weight`` x the selector's cross-entropy over the slot's top-k candidates, scored after the data's
+        previous token (the anchor for slot 1), to the target's greedy token, which replaces the weakest candidate
+        where it is not one (the loss only); ``hit`` and ``confidence`` (D-PACE's) are the selector's choice and
+        its probability of the target's token, what the walk drafts when the slots before were right. Metrics:
+        ``selector_ce`` and ``candidate_recall`` (the target's token among the candidates)."""
         options = self.config.options
-        hidden, label_at, labelled = self.block_states(batch)
-        rows = labelled.nonzero(as_tuple=True)
-        logits = self.draft_logits(hidden[rows])
-        target_logits, target_probs = self.target_probs(batch, rows, label_at)
-        gold = target_probs.argmax(-1, keepdim=True)  # the whole vocabulary: target ids
+        logits = self.draft_logits(states)
+        target_logits, target_probs = self.target_probs(batch, sample, positions)
+        gold = target_logits.argmax(-1, keepdim=True)  # the whole vocabulary: target ids
         unary, candidates = logits.topk(options.selector_top_k, dim=-1)
-        previous = batch["input_ids"][rows[0], label_at[rows] - 1]
-        pair = self.candidate_selector(hidden[rows], previous, torch.cat((candidates, gold), -1))
+        previous = batch["input_ids"][sample, positions - 1]
+        pair = self.candidate_selector(states, previous, torch.cat((candidates, gold), -1))
         scores = torch.cat((unary, logits.gather(1, gold)), -1) + pair  # [R, k + 1]: the candidates, then the gold
         found = candidates == gold
         recalled, place = found.any(-1), found.long().argmax(-1)  # the gold's place among the candidates, if there
@@ -196,17 +194,18 @@ class DFlash2Head(DFlashHead):
         choice = torch.where(recalled[:, None], scores[:, :-1], torch.cat((scores[:, :-2], scores[:, -1:]), -1))
         label = torch.where(recalled, place, options.selector_top_k - 1)
         selector_ce = F.cross_entropy(choice.float(), label, reduction="none")
-        per_slot = soft_cross_entropy(logits, target_probs) + options.selector_weight * selector_ce
-        picked = scores[:, :-1].argmax(-1)
-
-        def confidence() -> torch.Tensor:  # D-PACE's: the selector's probability of the target's token
-            with torch.no_grad():
-                return scores[:, :-1].float().softmax(-1).gather(1, place[:, None])[:, 0] * recalled
-
-        total, slot_loss = self.weighted_loss(per_slot, rows, labelled, confidence)
-        hits = found.gather(1, picked[:, None])[:, 0]
-        metrics = {"selector_ce": selector_ce.detach().mean(), "candidate_recall": recalled.float().mean()}
-        return total, metrics | self.chain_metrics(slot_loss, rows, labelled, hits)
+        soft_ce = -(target_probs * logits.float().log_softmax(-1)).sum(-1)
+        with torch.no_grad():
+            walk = scores[:, :-1].float().softmax(-1)
+            hit = found.gather(1, walk.argmax(-1, keepdim=True))[:, 0]
+            confidence = walk.gather(1, place[:, None])[:, 0] * recalled
+        return {
+            "loss": soft_ce + options.selector_weight * selector_ce,
+            "hit": hit,
+            "confidence": confidence,
+            "selector_ce": selector_ce.detach(),
+            "candidate_recall": recalled.float(),
+        }
 
 
 HEAD_TYPE = HeadType(

@@ -34,7 +34,7 @@ from transformers import PretrainedConfig
 from headstart.core.settings import Count, Float, Positive
 from headstart.heads.config import HeadConfig, HeadSettings
 from headstart.heads.dflash import DFlashHead, DflashOptions
-from headstart.heads.losses import dpace_mean
+from headstart.heads.losses import chain_metrics, dpace_mean
 from headstart.heads.registry import Drafting, HeadType
 
 Weight = Annotated[Float, Field(ge=0)]
@@ -140,32 +140,42 @@ class DSparkHead(DFlashHead):
         hidden, label_at, labelled = self.block_states(batch)
         labelled = labelled.long().cumprod(-1).bool()
         rows = labelled.nonzero(as_tuple=True)
-        ids = batch["input_ids"]
-        previous, tokens = ids[rows[0], label_at[rows] - 1], ids[rows[0], label_at[rows]]
-        logits = self.markov_logits(hidden[rows], previous)
-        target_logits, target_probs = self.target_probs(batch, rows, label_at)
-        l1 = (logits.float().softmax(-1) - target_probs).abs().sum(-1)
-        per_slot = options.tv_weight * l1 + options.ce_weight * self.token_cross_entropy(logits, tokens)
-        metrics: dict[str, torch.Tensor] = {}
-        if self.confidence_head is not None:
-            label = (1 - l1.detach() / 2).clamp(0, 1)
-            confidence = self.confidence_logit(hidden[rows], previous)
-            bce = F.binary_cross_entropy_with_logits(confidence, label, reduction="none")
-            per_slot = per_slot + options.confidence_weight * bce
-            metrics["confidence_bce"] = bce.detach().mean()
-            metrics["confidence_gap"] = (confidence.detach().sigmoid() - label).mean()
+        terms = self.scored_slots(batch, hidden, rows, label_at)
+        per_slot, slot = terms["loss"], rows[2]
         depth = labelled.shape[-1]
-        slot = rows[2]
         counts = torch.bincount(slot, minlength=depth).clamp(min=1)
-        slot_loss = torch.zeros(depth, device=ids.device).index_add(0, slot, per_slot) / counts
+        slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts
         if options.loss_weighting == "dpace":
-            confidence_of_target = self.draft_confidence(logits, target_probs, target_logits)
-            total = dpace_mean(per_slot, confidence_of_target, rows, labelled, options.dpace_alpha)
+            total = dpace_mean(per_slot, terms["confidence"], rows, labelled, options.dpace_alpha)
         else:
             weights = torch.exp(-slot.float() / options.loss_gamma)
             total = (weights * per_slot).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
-        hits = self.greedy_hits(logits, target_logits)
-        return total, metrics | self.chain_metrics(slot_loss, rows, labelled, hits)
+        metrics = {k: v.detach().mean() for k, v in terms.items() if k.startswith("confidence_")}
+        return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"])
+
+    def slot_terms(
+        self, batch: dict[str, torch.Tensor], states: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """DFlash's per-slot terms with DeepSpec's loss as ``loss``, and ``confidence_bce`` and ``confidence_gap``
+        (predicted minus label) with a confidence head."""
+        options, ids = self.config.options, batch["input_ids"]
+        previous, tokens = ids[sample, positions - 1], ids[sample, positions]
+        logits = self.markov_logits(states, previous)
+        target_logits, target_probs = self.target_probs(batch, sample, positions)
+        log_probs = logits.float().log_softmax(-1)
+        l1 = (log_probs.exp() - target_probs).abs().sum(-1)
+        per_slot = options.tv_weight * l1 + options.ce_weight * self.token_cross_entropy(logits, tokens)
+        terms = {
+            "hit": self.greedy_hits(logits, target_logits),
+            "confidence": self.draft_confidence(log_probs.detach(), target_logits),
+        }
+        if self.confidence_head is not None:
+            label = (1 - l1.detach() / 2).clamp(0, 1)
+            confidence = self.confidence_logit(states, previous)
+            bce = F.binary_cross_entropy_with_logits(confidence, label, reduction="none")
+            per_slot = per_slot + options.confidence_weight * bce
+            terms |= {"confidence_bce": bce.detach(), "confidence_gap": confidence.detach().sigmoid() - label}
+        return terms | {"loss": per_slot}
 
     def token_cross_entropy(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Cross-entropy [R] of draft-vocab ``logits`` [R, V_draft] to the target ids ``tokens`` [R]; 0 where a

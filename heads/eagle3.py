@@ -27,21 +27,23 @@ so the steps are one causal forward over [context pairs, next token, mask x (k-1
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BeforeValidator
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, Decay, NonNegative, Section
 from headstart.heads.base import FeatureDrafter
 from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, LayerOptions, resolved
-from headstart.heads.layers import MLP, Attention, GradKVCache, KVCache, RMSNorm, RotaryEmbedding, default_positions
+from headstart.heads.layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, StepKVCache, default_positions
 from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
+from headstart.heads.sparse_attention import chunked, query_chunk
 from headstart.heads.target import NORM_BEFORE_FC_FAMILIES, check_eagle_family
 
 
@@ -165,7 +167,7 @@ class Eagle3Layer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
-        cache: KVCache | GradKVCache | None = None,
+        cache: KVCache | StepKVCache | None = None,
     ) -> torch.Tensor:
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(features)), dim=-1)
         x = features + self.self_attn(x, cos, sin, mask, cache)
@@ -314,25 +316,38 @@ class Eagle3Head(FeatureDrafter):
     def ttt_features(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
         """Yield the midlayer's output features [B,S,H] (before ``norm``) for training-time-test steps 0..steps-1.
 
-        ``features`` are the step-0 inputs (``first_features``). All steps share one growing cache of
-        keys; step j attends with ``ttt_step_mask`` (its block row of ``ttt_attention_mask``). P-EAGLE's
-        steps 1.. read the mask slots (``mask_slots``) in place of the next token and the previous output.
+        ``features`` are the step-0 inputs (``first_features``). All steps share one cache of keys, one set per
+        step; step j attends sparsely to what ``ttt_step_mask`` (its block row of ``ttt_attention_mask``) lets it
+        see (``heads.sparse_attention.ttt_attention``: memory linear in the length). P-EAGLE's
+        steps 1.. read the mask slots (``mask_slots``) in place of the next token and the previous output. Where
+        ``recomputes``, each step keeps only its inputs, output, keys and values, and runs again in backward.
         """
-        seq = input_ids.shape[1]
         dtype = self.fc.weight.dtype
         positions = default_positions(input_ids)
-        cache = GradKVCache()
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        recompute = self.recomputes(input_ids.shape[1])
         parallel = self.config.options.parallel_drafting is not None
         if parallel:
             mask_ids, mask_features = self.mask_slots(*input_ids.shape)
-        for j in range(steps):
+
+        def step(j: int, embeds: torch.Tensor, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """(step j's output, its keys, its values): free of side effects, so recomputing it in backward is
+            the same computation (the earlier steps' keys as they were then)."""
             cos, sin = self.rotary(positions + j, dtype)
-            mask = ttt_step_mask(seq, j, input_ids.device)
+            cache = StepKVCache(keys[:j], values[:j])
+            out = self.midlayer(embeds, inputs, cos, sin, cache=cache)
+            return out, cache.keys[-1], cache.values[-1]
+
+        for j in range(steps):
             if parallel and j > 0:
                 ids, inputs = mask_ids, mask_features
             else:
                 ids, inputs = shift_left(input_ids, j + 1), features
-            out = self.midlayer(self.embed(ids), inputs, cos, sin, mask, cache)
+            args = (j, self.embed(ids), inputs)
+            out, k, v = checkpoint(step, *args, use_reentrant=False) if recompute else step(*args)
+            keys.append(k)
+            values.append(v)
             yield out
             features = self.fed_back(out)
 
@@ -357,30 +372,47 @@ class Eagle3Head(FeatureDrafter):
         (detached 0-d tensors): loss_j and acc_j (draft argmax == target argmax, over the same positions,
         out-of-vocab targets counting as misses) for each step j.
         """
-        if target_logits is None:
-            with torch.no_grad():
-                target_logits = self.target.logits(batch["last_hidden"])
-        with torch.no_grad():
-            draft_in_target = self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
-            target_probs = target_logits[..., draft_in_target].float().softmax(-1)
-            in_vocab = self.t2d[target_logits.argmax(-1)]
-        features = self.first_features(batch["aux_hidden"])
-        total: torch.Tensor | float = 0.0
-        metrics = {}
         options = self.config.options
-        for j, out in enumerate(self.ttt_features(features, batch["input_ids"], options.ttt_steps)):
-            logits = self.lm_head(self.norm(out))
+        steps, (batch_size, seq) = options.ttt_steps, batch["input_ids"].shape
+        features = self.first_features(batch["aux_hidden"])
+        outs = list(self.ttt_features(features, batch["input_ids"], steps))
+        labelled = torch.stack([label_mask(batch, j + 2) for j in range(steps)])  # [steps, B, S]
+        vocab = self.target.lm_head.out_features
+        # Positions per chunk: the chunk's target logits (over the whole vocabulary, k - 1 rows more for the later
+        # steps) within the score budget, so memory does not grow with the vocabulary beyond one chunk.
+        chunk = max(1, query_chunk(seq, vocab, batch_size) - steps)
+        draft_in_target = self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
+
+        def chunk_sums(start: int, end: int) -> torch.Tensor:
+            """[2, steps]: each step's summed loss and count of agreeing argmaxes over positions start..end-1."""
+            rows = slice(start + 1, end + steps)  # the target's positions that steps 0..k-1 score
             with torch.no_grad():
-                labelled = label_mask(batch, j + 2)
-                counted = (labelled & shift_left(in_vocab, j + 1, False)).float()
-                count = labelled.sum().clamp(min=1)
-                target = shift_left(target_probs, j + 1)
-            step_loss = (soft_cross_entropy(logits, target) * counted).sum() / count
-            total = total + options.ttt_decay**j * step_loss
-            agree = (logits.argmax(-1) == target.argmax(-1)).float()
-            metrics[f"loss_{j}"] = step_loss.detach()
-            metrics[f"acc_{j}"] = ((agree * counted).sum() / count).detach()
-        return cast(torch.Tensor, total), metrics  # a tensor from step 0's loss on (ttt_steps >= 1)
+                if target_logits is None:
+                    logits_t = self.target.logits(batch["last_hidden"][:, rows])
+                else:
+                    logits_t = target_logits[:, rows]
+                logits_t = F.pad(logits_t, (0, 0, 0, end + steps - 1 - start - logits_t.shape[1]))  # past the end
+                in_vocab = self.t2d[logits_t.argmax(-1)]
+                target_probs = logits_t[..., draft_in_target].float().softmax(-1)
+            sums = []
+            for j, out in enumerate(outs):
+                logits = self.lm_head(self.norm(out[:, start:end]))
+                target, counted = target_probs[:, j : j + end - start], labelled[j, :, start:end]
+                counted = counted & in_vocab[:, j : j + end - start]
+                with torch.no_grad():
+                    agree = (logits.argmax(-1) == target.argmax(-1)) & counted
+                sums.append(torch.stack(((soft_cross_entropy(logits, target) * counted).sum(), agree.sum().float())))
+            return torch.stack(sums, 1)
+
+        loss_sums, agree_sums = chunked(chunk_sums, seq, chunk, dim=0).view(-1, 2, steps).sum(0)
+        counts = labelled.flatten(1).sum(1).clamp(min=1)
+        step_losses = loss_sums / counts
+        weights = options.ttt_decay ** torch.arange(steps, device=step_losses.device, dtype=step_losses.dtype)
+        metrics = {}
+        for j in range(steps):
+            metrics[f"loss_{j}"] = step_losses[j].detach()
+            metrics[f"acc_{j}"] = (agree_sums[j] / counts[j]).detach()
+        return (weights * step_losses).sum(), metrics
 
 
 def drafts_in_parallel(options: HeadOptions) -> bool:

@@ -12,6 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from headstart.heads.config import DraftArch
+from headstart.heads.sparse_attention import ttt_attention
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +114,7 @@ class KVCache:
 
     Kept in buffers allocated on the first append and doubled when a sequence outgrows them (as gpt-fast
     does), so a draft step writes its new keys in place instead of copying the whole cache; ``crop`` only
-    moves the length. In-place writes would break autograd, so training-time test uses ``GradKVCache``.
+    moves the length. In-place writes would break autograd, so training-time test uses ``StepKVCache``.
     """
 
     def __init__(self, min_capacity: int = 256):
@@ -176,24 +177,23 @@ class KVCache:
         self.append(k, v)
 
 
-class GradKVCache:
-    """Keys and values that stay in the autograd graph (training-time test): concatenated, never written in place."""
+class StepKVCache:
+    """Training-time test's keys and values, one [B, kv_heads, S, head_dim] pair per step, kept in the autograd
+    graph (never written in place): step j's queries see step 0's keys causally and their own key of each step
+    1..j (``heads.sparse_attention.ttt_attention``; the dense form is ``heads.eagle3.ttt_step_mask``)."""
 
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+    def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None) -> None:
+        self.keys: list[torch.Tensor] = list(keys or [])  # the earlier steps' (a copy: appending leaves them be)
+        self.values: list[torch.Tensor] = list(values or [])
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
-        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
-        return self.k, self.v
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Add this step's keys and values; its queries' attention output [B, heads, S, head_dim]."""
+        self.keys.append(k)
+        self.values.append(v)
+        return ttt_attention(q, self.keys, self.values)
 
 
-def default_positions(input_ids: torch.Tensor, cache: KVCache | GradKVCache | None = None) -> torch.Tensor:
+def default_positions(input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
     """Positions [B, n] of ``input_ids`` continuing ``cache``: its length onwards (0 onwards without one)."""
     start = 0 if cache is None else cache.length
     batch, n = input_ids.shape
@@ -233,9 +233,10 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
-        cache: KVCache | GradKVCache | None = None,
+        cache: KVCache | StepKVCache | None = None,
     ) -> torch.Tensor:
-        """Attend from ``x``'s tokens over the cache and themselves; the new keys are added to ``cache``.
+        """Attend from ``x``'s tokens over the cache and themselves; the new keys are added to ``cache`` (a
+        ``StepKVCache``: training-time test's sparse pattern, ``mask`` unused).
 
         ``mask`` (bool, True = attend, or additive float; broadcast to [B, heads, n, past + n]) defaults to causal.
         """
@@ -244,6 +245,8 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if isinstance(cache, StepKVCache):
+            return self.o_proj(cache.attend(q, k, v).transpose(1, 2).flatten(2))
         past = 0
         if cache is not None:
             past = cache.length

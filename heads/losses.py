@@ -1,4 +1,5 @@
-"""What the heads' training losses share: aligning labels with positions, and the soft cross-entropy."""
+"""What the heads' training losses share: aligning labels with positions, the soft cross-entropy, D-PACE's
+weights and the chain acceptance metrics of block drafters."""
 
 from __future__ import annotations
 
@@ -58,3 +59,23 @@ def dpace_mean(
     full[rows] = confidence.detach().float()
     weights = dpace_weights(full, valid, alpha)[rows]
     return (weights * loss).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def chain_metrics(
+    slot_loss: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, hits: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``loss_j`` (slot j + 1's mean loss) and ``acc_j``: the rate at which slot j + 1 drafts the target's greedy
+    token (``hits`` [R], per scored slot) among blocks whose slots 1..j all did, the chain acceptance rate of
+    position j + 1, so ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks."""
+    with torch.no_grad():
+        agree = torch.zeros_like(labelled)
+        agree[rows] = hits
+        # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
+        right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()
+        tried = labelled & right_before
+        chain = (tried & agree).flatten(0, 1).sum(0) / tried.flatten(0, 1).sum(0).clamp(min=1)
+    metrics = {}
+    for j in range(labelled.shape[-1]):
+        metrics[f"loss_{j}"] = slot_loss[j].detach()
+        metrics[f"acc_{j}"] = chain[j]
+    return metrics

@@ -50,6 +50,10 @@ class Train(Section):
     max_grad_norm: NonNegativeFloat = 1.0  # 0: no clipping
     zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(not_a_flag)] = 2
     dtype: Literal["fp32", "bf16"] = "fp32"  # the head's training precision
+    # Recompute the head's drafting steps (EAGLE-3's training-time-test steps) in backward instead of keeping their
+    # activations: memory per token falls several-fold for one more draft-layer forward per step. auto: for
+    # samples of heads.base.RECOMPUTE_FROM (4096) tokens and more.
+    checkpoint_steps: Literal["auto"] | bool = "auto"
     # true: the target runs inside each step, here; vllm: each batch's states are asked of a vLLM server
     # (capture.base_url, or one started from capture.engine_python); false: the shards in capture.out_dir
     online_capture: bool | Literal["vllm"] = False

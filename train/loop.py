@@ -366,6 +366,8 @@ def fit(
 ) -> None:
     """A recipe's last step: DeepSpeed over ``module`` (``build_engine``), then ``train`` to the end, measuring the
     acceptance where the config asks for it (``train.eval_prompts``), its prompts rendered as the run's data was."""
+    checkpoint_steps = cfg.train.checkpoint_steps
+    head.checkpoint_steps = None if checkpoint_steps == "auto" else checkpoint_steps
     measured = None
     if measures(cfg.train):
         prompts = data_prompt_format(cfg.data.format)

@@ -1,0 +1,128 @@
+"""Attention that computes only the scores a query can see, in chunks of queries recomputed in backward, so that
+training memory grows linearly with the sequence length.
+
+- ``ttt_attention``: training-time test's step j (EAGLE-3, P-EAGLE). Query i sees step 0's keys 0..i (the true
+  prefix) and, at each step 1..j, only the key its own chain wrote there: S causal keys plus j diagonal ones, where
+  the dense form (``heads.eagle3.ttt_step_mask``) scores all (j + 1) S keys.
+- ``block_attention``: N blocks of a block drafter (DFlash and its kin), each over the context before it and
+  itself, a chunk of blocks at a time.
+- ``chunked``: any computation split along its queries (or rows), each chunk recomputed in backward (the
+  losses' logits over the vocabulary too).
+
+Each chunk is one exact softmax over the keys it sees (the causal and the diagonal scores concatenated: their
+log-sum-exp merge, done by the softmax itself), so values and gradients are the dense form's up to float
+rounding; only one chunk's scores live at a time, forward or backward (``torch.utils.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Scores held at once per chunk (elements, all heads and the batch): 2^24 fp32 scores are 64 MB, plus their
+# softmax and gradient in backward.
+SCORE_BUDGET = 1 << 24
+
+
+def query_chunk(queries: int, keys_per_query: int, rows: int, budget: int | None = None) -> int:
+    """How many queries one chunk takes so that its ``rows`` (batch x heads) x queries x keys scores fit ``budget``
+    (default ``SCORE_BUDGET``, read at the call), at least one."""
+    budget = SCORE_BUDGET if budget is None else budget
+    return max(1, min(queries, budget // max(1, rows * keys_per_query)))
+
+
+def chunked(attend: Callable[[int, int], Any], queries: int, chunk: int, dim: int = -2) -> Any:
+    """``attend(start, end)`` (a tensor, or a dict of tensors, for queries start..end-1) over every chunk of ``chunk``
+    queries, joined along ``dim``; with more than one chunk, each is recomputed in backward instead of keeping what
+    its forward made."""
+    if chunk >= queries:
+        return attend(0, queries)
+    parts = [
+        checkpoint(attend, start, min(start + chunk, queries), use_reentrant=False)
+        for start in range(0, queries, chunk)
+    ]
+    if isinstance(parts[0], dict):
+        return {key: torch.cat([part[key] for part in parts], dim) for key in parts[0]}
+    return torch.cat(parts, dim=dim)
+
+
+def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim in at least fp32 (bf16 scores lose the small weights), in the scores' dtype."""
+    return scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
+
+
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], budget: int | None = None
+) -> torch.Tensor:
+    """Training-time-test step j = len(keys) - 1: q [B, heads, S, d]; keys[m], values[m] [B, kv_heads, S, d] of
+    steps m = 0..j. Query i attends to keys[0][..., :i + 1, :] and keys[m][..., i, :] for m >= 1 (each key/value
+    head serving its group of query heads, as SDPA's ``enable_gqa``). Returns [B, heads, S, d]."""
+    batch, heads, seq, dim = q.shape
+    kv_heads = keys[0].shape[1]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, seq, dim)
+    prefix_k, prefix_v, own_k, own_v = keys[0], values[0], keys[1:], values[1:]
+    scale = 1 / math.sqrt(dim)
+
+    def attend(start: int, end: int) -> torch.Tensor:
+        query = grouped[:, :, :, start:end]  # [B, kv, groups, c, d]
+        scores = query @ prefix_k[:, :, None, :end].transpose(-1, -2) * scale  # [B, kv, groups, c, end]
+        later = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]
+        scores = scores.masked_fill(later, float("-inf"))
+        diagonal = [(query * k[:, :, None, start:end]).sum(-1, keepdim=True) * scale for k in own_k]
+        probs = softmax_fp32(torch.cat((scores, *diagonal), -1))
+        out = probs[..., :end] @ prefix_v[:, :, None, :end]
+        for m, v in enumerate(own_v):
+            out = out + probs[..., end + m, None] * v[:, :, None, start:end]
+        return out
+
+    chunk = query_chunk(seq, seq + len(keys), batch * heads, budget)
+    return chunked(attend, seq, chunk).view(batch, heads, seq, dim)
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_k: torch.Tensor,
+    context_v: torch.Tensor,
+    context_visible: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Attention of N blocks of S slots each over the shared context and their own block only.
+
+    q: [batch, heads, N * S, head_dim], blocks laid out one after another; k, v: [batch, kv_heads, N * S,
+    head_dim] and context_k, context_v: [batch, kv_heads, C, head_dim], each key/value head serving its group
+    of query heads (as ``repeat_interleave`` would pair them, without the copies); ``context_visible``
+    [batch, N, C] says which context tokens each block sees (None: all). One softmax over (context, own
+    block), without an [N * S, N * S] score matrix: many blocks per sequence cost N * S * (C + S), computed a
+    chunk of blocks at a time and recomputed in backward where one chunk cannot take them all
+    (``heads.sparse_attention.chunked``: memory linear in the context).
+    """
+    batch, heads, n, dim = q.shape
+    kv_heads, context = k.shape[1], context_k.shape[2]
+    groups, blocks = heads // kv_heads, 1 if context_visible is None else context_visible.shape[1]
+    size, scale = n // blocks, 1 / math.sqrt(dim)
+    # Per key/value head and block: its query heads' slots, [batch, kv_heads, N, groups * S, head_dim].
+    q = q.view(batch, kv_heads, groups, blocks, size, dim).transpose(2, 3).reshape(batch, kv_heads, blocks, -1, dim)
+    k_blocks, v_blocks = (t.view(batch, kv_heads, blocks, size, dim) for t in (k, v))
+    later = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1).repeat(groups, 1) if causal else None
+
+    def attend(start: int, end: int) -> torch.Tensor:
+        query = q[:, :, start:end]
+        context_scores = query.flatten(2, 3) @ context_k.transpose(-1, -2) * scale
+        context_scores = context_scores.view(batch, kv_heads, end - start, groups * size, context)
+        if context_visible is not None:
+            context_scores = context_scores.masked_fill(~context_visible[:, None, start:end, None], float("-inf"))
+        block_scores = query @ k_blocks[:, :, start:end].transpose(-1, -2) * scale  # [batch, kv, n, groups * S, S]
+        if later is not None:
+            block_scores = block_scores.masked_fill(later, float("-inf"))
+        probs = softmax_fp32(torch.cat((context_scores, block_scores), -1))  # never an empty row
+        context_probs, block_probs = probs.split([context, size], dim=-1)
+        return (context_probs.flatten(2, 3) @ context_v).view_as(query) + block_probs @ v_blocks[:, :, start:end]
+
+    out = chunked(attend, blocks, query_chunk(blocks, groups * size * (context + size), batch * kv_heads), dim=2)
+    return out.view(batch, kv_heads, blocks, groups, size, dim).transpose(2, 3).reshape(batch, heads, n, dim)

@@ -1,0 +1,167 @@
+"""Training memory and speed against the sequence length: one head step per head type and length, each in a fresh
+process, at the bundled target's shape or a published one.
+
+    python -m scripts.bench.train_lengths --seq-lens 512,2048,8192,32768 [--heads eagle3,peagle,dflash]
+    python -m scripts.bench.train_lengths --shape llama-3.1-8b --seq-lens 512,1024,2048 --dtype bf16
+
+One step is what training does per micro-batch of one sample of that length: the head's forward, loss (the target's
+distributions from ``last_hidden`` through its lm_head included), backward and an AdamW step, on random states of the
+target's shape (the captured layers and the last hidden state) and random tokens. The target is its borrowed tensors
+only (embedding, final norm, lm_head: what training from shards loads); a published shape gets a random-weight
+checkpoint of them (``scale_borrowed.write_borrowed_checkpoint``). Per line: the process's peak RSS, the step's own
+peak above what was resident before it (``/proc/self/clear_refs`` resets the high-water mark), the step's seconds
+(one step, not warmed up) and tokens/s; then the per-token slope of the step's peak between the two longest lengths
+and, for a GPU of ``--device-gb``, the longest sample it would hold at that slope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headstart.core.models import load_target
+from headstart.core.runtime import resolve_dtype
+from headstart.heads import build_head
+from headstart.scripts.bench.scale_shapes import SHAPES, fused_layers, shape_config
+
+BUNDLED_TARGET = "assets/demo-target"
+HEADS = {  # the head options each measured head type trains with (the demo's sizes)
+    "eagle3": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 2048},
+    "peagle": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 2048, "parallel_drafting": True},
+    "dflash": {"type": "dflash", "block_size": 16, "num_anchors": 512, "draft_vocab_size": 2048},
+}
+
+
+def rss_gb(field: str) -> float:
+    """This process's ``VmRSS`` or ``VmHWM`` (its peak) in GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM back to the current RSS
+
+
+def one_step(target_dir: str, head_name: str, seq_len: int, dtype: str, seed: int, recompute: str) -> dict[str, Any]:
+    """The measurement of one step in this process (the child's work)."""
+    torch.manual_seed(seed)
+    target, _ = load_target(target_dir, "cpu", dtype, borrowed_only=True)
+    text = target.config.get_text_config()
+    layers = fused_layers(text.num_hidden_layers)
+    head = build_head(HEADS[head_name] | {"layer_ids": layers}, target).to(resolve_dtype(dtype))
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    if recompute != "auto":  # train.checkpoint_steps
+        head.checkpoint_steps = recompute == "true"
+    hidden, compute = text.hidden_size, resolve_dtype(dtype)
+    batch = {
+        "input_ids": torch.randint(0, text.vocab_size, (1, seq_len)),
+        "attention_mask": torch.ones(1, seq_len, dtype=torch.long),
+        "loss_mask": torch.ones(1, seq_len, dtype=torch.long),
+        "aux_hidden": torch.randn(1, seq_len, len(layers) * hidden, dtype=compute),
+        "last_hidden": torch.randn(1, seq_len, hidden, dtype=compute),
+    }
+    before = rss_gb("VmRSS")
+    reset_peak()
+    start = time.perf_counter()
+    loss, _ = head.loss(batch)
+    loss.backward()
+    optimizer.step()
+    seconds = time.perf_counter() - start
+    return {
+        "head": head_name,
+        "seq_len": seq_len,
+        "peak_rss_gb": rss_gb("VmHWM"),
+        "step_peak_gb": rss_gb("VmHWM") - before,
+        "seconds": seconds,
+        "tokens_per_s": seq_len / seconds,
+        "loss": float(loss),
+    }
+
+
+def describe(line: dict[str, Any]) -> str:
+    if "error" in line:
+        return str(line["error"])
+    peak, step = line["peak_rss_gb"], line["step_peak_gb"]
+    return f"peak RSS {peak:.2f} GB, step {step:.2f} GB, {line['seconds']:.1f} s, {line['tokens_per_s']:,.0f} tokens/s"
+
+
+def run_child(target_dir: str, head: str, seq_len: int, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, "-m", "headstart.scripts.bench.train_lengths", "--child", target_dir, head]
+    command += [str(seq_len), args.dtype, str(args.seed), args.checkpoint_steps]
+    timeout = args.timeout
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"head": head, "seq_len": seq_len, "error": f"over {timeout} s"}
+    if done.returncode:
+        tail = done.stderr.strip().splitlines()[-1:] or ["killed"]
+        return {"head": head, "seq_len": seq_len, "error": f"exit {done.returncode}: {tail[0][:200]}"}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def longest_fit(lines: list[dict[str, Any]], device_gb: float) -> dict[str, float] | None:
+    """Per-token slope of the step's peak between the two longest measured lengths, and the length whose step
+    peak reaches ``device_gb`` at that slope (linear growth assumed: the point of the measurement)."""
+    done = sorted((line for line in lines if "error" not in line), key=lambda line: line["seq_len"])
+    if len(done) < 2:
+        return None
+    short, long = done[-2], done[-1]
+    slope = (long["step_peak_gb"] - short["step_peak_gb"]) / (long["seq_len"] - short["seq_len"])
+    fixed = long["step_peak_gb"] - slope * long["seq_len"]
+    return {"gb_per_1k_tokens": 1000 * slope, "longest_tokens": (device_gb - fixed) / slope if slope > 0 else 0.0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        folder, name, length, dtype, seed, recompute = sys.argv[2:8]
+        print(json.dumps(one_step(folder, name, int(length), dtype, int(seed), recompute)))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-lens", default="512,2048,8192", help="comma-separated sample lengths")
+    parser.add_argument("--heads", default=",".join(HEADS), help=f"comma-separated, of {', '.join(HEADS)}")
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="a published shape (default: bundled)")
+    parser.add_argument("--dtype", default="fp32", help="the target's and the head's dtype")
+    parser.add_argument("--device-gb", type=float, default=80.0, help="the GPU the longest sample is sized for")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds one step may take")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-steps", default="auto", choices=["auto", "true", "false"], help="train.checkpoint_steps"
+    )
+    parser.add_argument("--out", default=None, help="write the lines as JSON here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as work:
+        target_dir = BUNDLED_TARGET
+        if args.shape is not None:
+            from headstart.scripts.bench.scale_borrowed import write_borrowed_checkpoint
+
+            target_dir = str(Path(work) / args.shape)
+            write_borrowed_checkpoint(Path(target_dir), shape_config(args.shape, 4), args.seed)
+        print(f"target {args.shape or BUNDLED_TARGET} (borrowed tensors, {args.dtype}), one sample per step")
+        results: dict[str, Any] = {"shape": args.shape or "bundled", "dtype": args.dtype, "heads": {}}
+        for head in args.heads.split(","):
+            lines = []
+            for seq_len in (int(n) for n in args.seq_lens.split(",")):
+                line = run_child(target_dir, head, seq_len, args)
+                lines.append(line)
+                print(f"{head:>7} {seq_len:>6} tokens: {describe(line)}")
+            fit = longest_fit(lines, args.device_gb)
+            if fit is not None:
+                slope, longest = fit["gb_per_1k_tokens"], fit["longest_tokens"]
+                print(f"{head:>7}: {slope:.3f} GB per 1k tokens: {longest:,.0f} tokens fit {args.device_gb:g} GB")
+            results["heads"][head] = {"lines": lines, "fit": fit}
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
