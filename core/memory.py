@@ -21,6 +21,8 @@ from transformers import PretrainedConfig
 from headstart.core.runtime import env_count
 from headstart.core.weights import borrowed_names, meta_model
 
+SCORE_BUDGET = 1 << 24  # elements one chunk of attention scores or loss logits holds (heads.sparse_attention)
+
 GB = 1e9
 
 
@@ -94,16 +96,27 @@ def capture_activations(
 
 
 def head_activations(
-    config: PretrainedConfig, tokens: int, n_aux: int, depth: int, draft_vocab: int | None, dtype: torch.dtype
+    config: PretrainedConfig,
+    tokens: int,
+    n_aux: int,
+    depth: int,
+    draft_vocab: int | None,
+    dtype: torch.dtype,
+    recompute: bool = False,
 ) -> int:
     """One training micro-batch of ``tokens`` tokens through a head: the states it reads ((n_aux + 1) x hidden),
-    the target's distribution over the whole vocabulary (the soft labels, fp32), and per drafted depth the draft
-    logits with their softmax and gradient (3 x draft vocabulary, fp32) and the layer's activations (16 x hidden)."""
+    per drafted depth the draft layer's activations (16 x hidden, fp32; 4 x hidden where the steps are recomputed
+    in backward: their inputs, output, keys and values, plus one step's 16 x hidden rebuilt at a time), and the
+    chunks of the sparse attention and of the losses' logits over the whole and the draft vocabulary, each bounded
+    by ``heads.sparse_attention.SCORE_BUDGET`` elements (fp32, with their softmax and gradient: 3x). Linear in the
+    length; the vocabulary only counts below one chunk."""
     text = config.get_text_config()
-    vocab = draft_vocab or text.vocab_size
+    vocab = text.vocab_size + (draft_vocab or text.vocab_size)
     inputs = (n_aux + 1) * text.hidden_size * dtype.itemsize
-    per_depth = (3 * vocab + 16 * text.hidden_size) * 4
-    return tokens * (inputs + 4 * text.vocab_size + depth * per_depth)
+    kept = 4 if recompute else 16
+    per_token = inputs + depth * kept * text.hidden_size * 4 + (16 * text.hidden_size * 4 if recompute else 0)
+    chunks = 3 * 4 * (min(tokens * vocab, SCORE_BUDGET) + SCORE_BUDGET)
+    return tokens * per_token + chunks
 
 
 # Layer types whose cache is a fixed-size recurrent state, not keys and values growing with the context.

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Scores held at once per chunk (elements, all heads and the batch): 2^24 fp32 scores are 64 MB, plus their
-# softmax and gradient in backward.
-SCORE_BUDGET = 1 << 24
+from headstart.core.memory import SCORE_BUDGET
+
+# Scores held at once per chunk: core.memory.SCORE_BUDGET elements, all heads and the batch (2^24 fp32 scores are
+# 64 MB, plus their softmax and gradient in backward); the memory estimate counts them from there.
 
 
 def query_chunk(queries: int, keys_per_query: int, rows: int, budget: int | None = None) -> int:

@@ -197,8 +197,10 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     need.parts |= head_training_parts(head, train.zero_stage, proc.world, train.dtype == "bf16")
     tokens = train.micro_batch_size * cfg.data.max_length
     options = head.config.options
+    head.checkpoint_steps = checkpoint_steps(train)
+    recompute = head.recomputes(cfg.data.max_length)
     need.parts["activations"] = head_activations(
-        config, tokens, len(aux), options.trained_depth(), options.draft_vocab(), dtype
+        config, tokens, len(aux), options.trained_depth(), options.draft_vocab(), dtype, recompute
     )
     if forward_in_step(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
         forward = capture_activations(config, tokens, cfg.data.max_length, len(aux), dtype, proc.tp_size)
@@ -207,6 +209,11 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
         context = cfg.data.max_length + train.eval_new_tokens
         need.parts["measured acceptance KV cache"] = kv_cache_bytes(config, context, dtype, proc.tp_size)
     return need
+
+
+def checkpoint_steps(train: Train) -> bool | None:
+    """The head's ``checkpoint_steps`` for ``train.checkpoint_steps`` (auto: None, the head's own length rule)."""
+    return None if train.checkpoint_steps == "auto" else train.checkpoint_steps
 
 
 class HeadLoss(nn.Module):
@@ -366,8 +373,7 @@ def fit(
 ) -> None:
     """A recipe's last step: DeepSpeed over ``module`` (``build_engine``), then ``train`` to the end, measuring the
     acceptance where the config asks for it (``train.eval_prompts``), its prompts rendered as the run's data was."""
-    checkpoint_steps = cfg.train.checkpoint_steps
-    head.checkpoint_steps = None if checkpoint_steps == "auto" else checkpoint_steps
+    head.checkpoint_steps = checkpoint_steps(cfg.train)
     measured = None
     if measures(cfg.train):
         prompts = data_prompt_format(cfg.data.format)

@@ -10,7 +10,8 @@ target's shape (the captured layers and the last hidden state) and random tokens
 only (embedding, final norm, lm_head: what training from shards loads); a published shape gets a random-weight
 checkpoint of them (``scale_borrowed.write_borrowed_checkpoint``). Per line: the process's peak RSS, the step's own
 peak above what was resident before it (``/proc/self/clear_refs`` resets the high-water mark), the step's seconds
-(one step, not warmed up) and tokens/s; then the per-token slope of the step's peak between the two longest lengths
+(one step, not warmed up) and tokens/s, beside ``core.memory``'s estimate of the step's peak (its activations,
+gradients and AdamW moments); then the per-token slope of the step's peak between the two longest lengths
 and, for a GPU of ``--device-gb``, the longest sample it would hold at that slope.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from headstart.core.memory import head_activations, head_training_parts
 from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.heads import build_head
@@ -70,6 +72,12 @@ def one_step(target_dir: str, head_name: str, seq_len: int, dtype: str, seed: in
         "aux_hidden": torch.randn(1, seq_len, len(layers) * hidden, dtype=compute),
         "last_hidden": torch.randn(1, seq_len, hidden, dtype=compute),
     }
+    options = head.config.options
+    parts = head_training_parts(head, 0, 1, bf16=False)  # what the step adds: gradients and AdamW's moments
+    estimate = parts["gradients"] + parts["optimizer"] + head_activations(
+        target.config, seq_len, len(layers), options.trained_depth(), options.draft_vocab(), compute,
+        head.recomputes(seq_len),
+    )  # fmt: skip
     before = rss_gb("VmRSS")
     reset_peak()
     start = time.perf_counter()
@@ -82,6 +90,8 @@ def one_step(target_dir: str, head_name: str, seq_len: int, dtype: str, seed: in
         "seq_len": seq_len,
         "peak_rss_gb": rss_gb("VmHWM"),
         "step_peak_gb": rss_gb("VmHWM") - before,
+        "estimate_gb": estimate / 1e9,
+        "recomputed": head.recomputes(seq_len),
         "seconds": seconds,
         "tokens_per_s": seq_len / seconds,
         "loss": float(loss),
@@ -92,7 +102,9 @@ def describe(line: dict[str, Any]) -> str:
     if "error" in line:
         return str(line["error"])
     peak, step = line["peak_rss_gb"], line["step_peak_gb"]
-    return f"peak RSS {peak:.2f} GB, step {step:.2f} GB, {line['seconds']:.1f} s, {line['tokens_per_s']:,.0f} tokens/s"
+    estimate = f" (estimate {line['estimate_gb']:.2f})" if "estimate_gb" in line else ""
+    speed = f"{line['seconds']:.1f} s, {line['tokens_per_s']:,.0f} tokens/s"
+    return f"peak RSS {peak:.2f} GB, step {step:.2f} GB{estimate}, {speed}"
 
 
 def run_child(target_dir: str, head: str, seq_len: int, args: argparse.Namespace) -> dict[str, Any]:
