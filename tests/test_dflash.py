@@ -183,6 +183,52 @@ def prompts():
     ]
 
 
+def first_tree(target, proposer):
+    """(the tree ``proposer`` drafts after prompts()[2]'s features are committed, those features [1, 11, n * H])."""
+    tokens = prompts()[2][0]
+    aux, _ = features(target, tokens[None, :-1], proposer.hidden_layers)
+    proposer.reset(Sampling())
+    with torch.no_grad():
+        proposer.update(tokens, aux[0])
+        return proposer.propose(tokens), aux
+
+
+def assert_same_head(imported, head):
+    """An imported block drafter is the exported one: the same tensors and options (the draft layer's width written
+    out)."""
+    mine = head.state_dict()
+    assert imported.state_dict().keys() == mine.keys()
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
+    assert imported.config.options == head.config.options.model_copy(update={"intermediate_size": 96})
+
+
+def block_batch(target, head):
+    """Two samples of 14 random tokens with the target's states: the second padded from 11, the first 4 of each
+    unlabelled and a gap at 9 in the first (a block stops being scored there, where its loss says so)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, V, (2, 14), generator=gen)
+    attention = torch.ones_like(ids)
+    attention[1, 11:] = 0
+    loss_mask = attention.clone()
+    loss_mask[:, :4] = 0
+    loss_mask[0, 9] = 0
+    aux, last = features(target, ids, head.hidden_layers)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux} | {
+        "last_hidden": last
+    }
+
+
+def trained_on(head, batch, steps):
+    """((loss, metrics) before, (loss, metrics) after ``steps`` Adam steps at 1e-2 on ``batch``)."""
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    first = head.loss(batch)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        head.loss(batch)[0].backward()
+        optimizer.step()
+    return first, head.loss(batch)
+
+
 def greedy_reference(target, prompt, new=NEW):
     eos = target.config.eos_token_id
     return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
@@ -192,11 +238,8 @@ def test_the_tree_holds_each_depths_candidates_from_one_block(target):
     head = dflash_head(target)
     proposer = DFlash(head, choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], proposer.hidden_layers)
-    proposer.reset(Sampling())
+    tree, aux = first_tree(target, proposer)
     with torch.no_grad():
-        proposer.update(tokens, aux[0])
-        tree = proposer.propose(tokens)
         top = head.draft_block(tokens[-1], len(tokens) - 1, head.context_kv(aux, torch.arange(11)[None]), 4).topk(2)
     assert tree.depths.tolist() == [1, 1, 2, 2, 2, 3] and tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
     ranks = [0, 1, 0, 1, 0, 0]
@@ -287,10 +330,7 @@ def test_export_for_vllm_and_import_back(target, tmp_path):
     )
 
     imported = load_head(import_head("dflash", out, tmp_path / "imported", str(target_dir)), target)
-    mine = head.state_dict()
-    assert imported.state_dict().keys() == mine.keys()
-    assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
-    assert imported.config.options == head.config.options.model_copy(update={"intermediate_size": 96})
+    assert_same_head(imported, head)
     assert imported.config.arch == head.config.arch
 
     # What the head cannot be is refused by name, not half-imported.

@@ -10,7 +10,18 @@ import torch
 from conftest import assert_matches, block_drafter_run, tiny_llama, world_of_one
 from safetensors.torch import load_file
 from test_decoding_sampling import exact_two_tokens_of
-from test_dflash import NEW, WIDE, V, features, greedy_reference, prompts
+from test_dflash import (
+    NEW,
+    WIDE,
+    V,
+    assert_same_head,
+    block_batch,
+    features,
+    first_tree,
+    greedy_reference,
+    prompts,
+    trained_on,
+)
 
 from headstart.decoding.proposers_heads import DFlash, DFlash2
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
@@ -63,23 +74,9 @@ def test_the_convolution_reads_earlier_slots_of_its_own_block_only():
     torch.testing.assert_close(delta, conv.kernel_projection(x).view(2, 10, 2, 3, 2)[:, :, 1])
 
 
-def batch_of(target, head):
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(2, V, (2, 14), generator=gen)
-    attention = torch.ones_like(ids)
-    attention[1, 11:] = 0
-    loss_mask = attention.clone()
-    loss_mask[:, :4] = 0
-    loss_mask[0, 9] = 0
-    aux, last = features(target, ids, head.hidden_layers)
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux} | {
-        "last_hidden": last
-    }
-
-
 def test_loss_is_the_block_loss_plus_the_selectors_over_every_block_recomputed_through_the_served_block(target):
     head = dflash2_head(target, num_anchors=64, loss_gamma=2.0, selector_weight=0.5)
-    batch = batch_of(target, head)
+    batch = block_batch(target, head)
     ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
     slot_sums, counts, inserted = torch.zeros(3), torch.zeros(3), 0
@@ -119,14 +116,8 @@ def test_loss_is_the_block_loss_plus_the_selectors_over_every_block_recomputed_t
 
 def test_training_raises_the_selectors_chain_accuracy(target):
     head = dflash2_head(target, num_anchors=64)
-    batch = batch_of(target, head)
-    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
-    first = head.loss(batch)
-    for _ in range(40):
-        optimizer.zero_grad()
-        head.loss(batch)[0].backward()
-        optimizer.step()
-    loss, metrics = head.loss(batch)
+    batch = block_batch(target, head)
+    first, (loss, metrics) = trained_on(head, batch, 40)
     assert loss < 0.5 * first[0] and metrics["selector_ce"] < 0.5 * first[1]["selector_ce"]
     assert metrics["acc_0"] > first[1]["acc_0"] and metrics["acc_2"] > 0.5
 
@@ -135,11 +126,8 @@ def test_each_node_is_its_parents_best_candidate_under_the_selector(target):
     head = dflash2_head(target)
     proposer = DFlash2(head, choices=[[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0]])
     tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], proposer.hidden_layers)
-    proposer.reset(Sampling())
+    tree, aux = first_tree(target, proposer)
     with torch.no_grad():
-        proposer.update(tokens, aux[0])
-        tree = proposer.propose(tokens)
         hidden = head.draft_hidden(tokens[-1], 11, head.context_kv(aux, torch.arange(11)[None]), 3)
         first = head.walk_logits(hidden[0], tokens[-1:])[0]
         second = head.walk_logits(hidden[1], first.topk(2).indices[1:])[0]
@@ -247,20 +235,9 @@ def test_export_for_vllm_and_import_back_to_the_same_drafts(target, tmp_path):
     assert "DFlash candidate-head drafts" in readme
 
     imported = load_head(import_head("dflash2", out, tmp_path / "imported", str(target_dir)), target)
-    mine = head.state_dict()
-    assert imported.state_dict().keys() == mine.keys()
-    assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
-    assert imported.config.options == head.config.options.model_copy(update={"intermediate_size": 96})
-    tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], head.hidden_layers)
-    trees = []
-    for one in (head, imported):
-        proposer = DFlash2(one, [[0], [1], [0, 0], [0, 0, 0]])
-        proposer.reset(Sampling())
-        with torch.no_grad():
-            proposer.update(tokens, aux[0])
-            trees.append(proposer.propose(tokens).tokens)
-    assert torch.equal(trees[0], trees[1])
+    assert_same_head(imported, head)
+    trees = [first_tree(target, DFlash2(one, [[0], [1], [0, 0], [0, 0, 0]]))[0] for one in (head, imported)]
+    assert torch.equal(trees[0].tokens, trees[1].tokens)
 
     with pytest.raises(ValueError, match="this is a DFlash-2 draft .*import it --from dflash2"):
         import_head("dflash", out, tmp_path / "as-dflash", str(target_dir))

@@ -10,7 +10,18 @@ import torch.nn.functional as F
 from conftest import assert_matches, block_drafter_run, tiny_llama, world_of_one
 from safetensors.torch import load_file
 from test_decoding_sampling import exact_two_tokens_of
-from test_dflash import NEW, WIDE, V, features, greedy_reference, prompts
+from test_dflash import (
+    NEW,
+    WIDE,
+    V,
+    assert_same_head,
+    block_batch,
+    features,
+    first_tree,
+    greedy_reference,
+    prompts,
+    trained_on,
+)
 
 from headstart.decoding.proposers_dspark import DSpark
 from headstart.decoding.proposers_heads import DFlash
@@ -42,20 +53,6 @@ def dspark_head(target, seed: int = 1, **options):
     return head
 
 
-def batch_of(target, head):
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(2, V, (2, 14), generator=gen)
-    attention = torch.ones_like(ids)
-    attention[1, 11:] = 0
-    loss_mask = attention.clone()
-    loss_mask[:, :4] = 0
-    loss_mask[0, 9] = 0  # a gap: a block stops being scored there
-    aux, last = features(target, ids, head.hidden_layers)
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux} | {
-        "last_hidden": last
-    }
-
-
 @pytest.mark.parametrize("draft_vocab_size", [None, 150])
 def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(target, draft_vocab_size):
     # Every candidate is an anchor (num_anchors >= positions): each block's terms recomputed from the block
@@ -64,7 +61,7 @@ def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(
     head = dspark_head(target, num_anchors=64, draft_vocab_size=draft_vocab_size, loss_gamma=2.0)
     if draft_vocab_size:
         head.set_vocab_mapping(torch.arange(V).flip(0).float())  # the draft vocabulary: the ids 0..149
-    batch = batch_of(target, head)
+    batch = block_batch(target, head)
     ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
     size, total, weight = 4, torch.tensor(0.0), torch.tensor(0.0)
@@ -105,14 +102,8 @@ def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(
 
 def test_training_lowers_every_term_and_the_confidence_head_learns_the_acceptance_rate(target):
     head = dspark_head(target, num_anchors=64)
-    batch = batch_of(target, head)
-    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
-    first = head.loss(batch)
-    for _ in range(120):
-        optimizer.zero_grad()
-        head.loss(batch)[0].backward()
-        optimizer.step()
-    loss, metrics = head.loss(batch)
+    batch = block_batch(target, head)
+    first, (loss, metrics) = trained_on(head, batch, 120)
     assert loss < 0.5 * first[0]
     assert abs(float(metrics["confidence_gap"])) < 0.05 and metrics["acc_0"] > first[1]["acc_0"]
 
@@ -121,11 +112,8 @@ def test_the_tree_adds_each_parents_markov_bias_to_its_depths_logits(target):
     head = dspark_head(target)
     proposer = DSpark(head, choices=[[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0]])
     tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], proposer.hidden_layers)
-    proposer.reset(Sampling())
+    tree, aux = first_tree(target, proposer)
     with torch.no_grad():
-        proposer.update(tokens, aux[0])
-        tree = proposer.propose(tokens)
         hidden = head.draft_hidden(tokens[-1], 11, head.context_kv(aux, torch.arange(11)[None]), 3)
         first = head.markov_logits(hidden[0], tokens[-1]).topk(2).indices
         second = head.markov_logits(hidden[1], first[1]).topk(2).indices
@@ -251,19 +239,13 @@ def test_export_for_vllm_and_import_back_to_the_same_logits(target, tmp_path, co
     assert "Model Runner V2 requires Triton" in readme
 
     imported = load_head(import_head("dspark", out, tmp_path / "imported", str(target_dir)), target)
-    mine = head.state_dict()
-    assert imported.state_dict().keys() == mine.keys()
-    assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
-    assert imported.config.options == head.config.options.model_copy(update={"intermediate_size": 96})
+    assert_same_head(imported, head)
     tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], head.hidden_layers)
     drafted = []
     for one in (head, imported):
         proposer = DSpark(one, [[0], [1], [0, 0], [0, 0, 0]])
-        proposer.reset(Sampling())
+        tree, _ = first_tree(target, proposer)
         with torch.no_grad():
-            proposer.update(tokens, aux[0])
-            tree = proposer.propose(tokens)
             hidden = one.draft_hidden(tokens[-1], 11, proposer.context_kv, 3)
             drafted.append((tree.tokens, one.markov_logits(hidden, tree.tokens[[0, 2, 3]])))
     assert torch.equal(drafted[0][0], drafted[1][0]) and torch.equal(drafted[0][1], drafted[1][1])
