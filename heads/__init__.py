@@ -39,7 +39,7 @@ from headstart.heads.dflash import DFlashHead, DflashOptions
 from headstart.heads.dflash2 import DFlash2Head, Dflash2Options
 from headstart.heads.dspark import DSparkHead, DsparkOptions
 from headstart.heads.eagle import EagleHead, EagleOptions
-from headstart.heads.eagle3 import Eagle3Head, Eagle3Options, build_vocab_mapping, ttt_attention_mask
+from headstart.heads.eagle3 import Eagle3Head, Eagle3Options, build_vocab_mapping
 from headstart.heads.layers import KVCache
 from headstart.heads.medusa import Lora, MedusaHead, MedusaOptions, medusa2_wrap, medusa_loss, medusa_weight_at
 from headstart.heads.registry import (
@@ -56,6 +56,7 @@ from headstart.heads.registry import (
     registered,
     trainers,
 )
+from headstart.heads.sparse_attention import ttt_attention_mask
 from headstart.heads.target import arch_from_target, check_compatible, check_tokenizer
 
 # The head types of this package, one line each (a head type from elsewhere: heads.register(its HEAD_TYPE)).

@@ -81,28 +81,6 @@ def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tu
     return d2t, t2d
 
 
-def ttt_step_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
-    """Bool [S, (step+1)*S] (True = attend) for the queries of training-time-test step ``step``.
-
-    Columns are the keys of steps 0..step, S per step. Query i sees step-0 keys k <= i (the true
-    prefix, causal) and, at each step 1..step, only the key its own chain wrote there (index i).
-    """
-    idx = torch.arange(seq_len, device=device)
-    causal = idx[None, :] <= idx[:, None]
-    own = idx[None, :] == idx[:, None]
-    return torch.cat([causal] + [own] * step, dim=1)
-
-
-def ttt_attention_mask(seq_len: int, steps: int, device: torch.device | None = None) -> torch.Tensor:
-    """The whole step-wise causal mask, bool [steps*S, steps*S]: rows (step j, index i), columns (step m, index k).
-
-    Block (j, m) is causal for m == 0, diagonal for 1 <= m <= j, empty for m > j. Training builds one
-    block row at a time (``ttt_step_mask``); this full form is for inspection and tests.
-    """
-    rows = [ttt_step_mask(seq_len, j, device) for j in range(steps)]
-    return torch.cat([F.pad(r, (0, steps * seq_len - r.shape[1]), value=False) for r in rows], dim=0)
-
-
 class ParallelDrafting(Section):
     """P-EAGLE: present -> the EAGLE-3 head drafts its ``ttt_steps`` depths in ONE forward, as vLLM's
     ``parallel_drafting`` serves it: depth 1 reads the next token and the target's features as usual,
@@ -351,6 +329,17 @@ class Eagle3Head(FeatureDrafter):
             yield out
             features = self.fed_back(out)
 
+    def greedy_in_vocab(self, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None) -> torch.Tensor:
+        """Bool [B, S]: whether the target's greedy token after each position is in the draft vocabulary (else the
+        draft cannot match it); from its whole-vocabulary logits a chunk of positions at a time, none kept."""
+        with torch.no_grad():
+            if target_logits is not None:
+                return self.t2d[target_logits.argmax(-1)]
+            last = batch["last_hidden"]
+            chunk = query_chunk(last.shape[1], self.target.lm_head.out_features, last.shape[0])
+            greedy = [self.target.logits(last[:, a : a + chunk]).argmax(-1) for a in range(0, last.shape[1], chunk)]
+            return self.t2d[torch.cat(greedy, 1)]
+
     def loss(
         self, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -377,31 +366,30 @@ class Eagle3Head(FeatureDrafter):
         features = self.first_features(batch["aux_hidden"])
         outs = list(self.ttt_features(features, batch["input_ids"], steps))
         labelled = torch.stack([label_mask(batch, j + 2) for j in range(steps)])  # [steps, B, S]
-        vocab = self.target.lm_head.out_features
-        # Positions per chunk: the chunk's target logits (over the whole vocabulary, k - 1 rows more for the later
-        # steps) within the score budget, so memory does not grow with the vocabulary beyond one chunk.
-        chunk = max(1, query_chunk(seq, vocab, batch_size) - steps)
+        in_vocab = self.greedy_in_vocab(batch, target_logits)
+        counted = labelled & torch.stack([shift_left(in_vocab, j + 1, False) for j in range(steps)])
         draft_in_target = self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
+        # Positions per chunk: the chunk's target and draft logits over the draft vocabulary (k - 1 target rows more
+        # for the later steps) within the score budget, so memory does not grow with it beyond one chunk.
+        chunk = max(1, query_chunk(seq, len(draft_in_target), batch_size) - steps)
 
         def chunk_sums(start: int, end: int) -> torch.Tensor:
             """[2, steps]: each step's summed loss and count of agreeing argmaxes over positions start..end-1."""
             rows = slice(start + 1, end + steps)  # the target's positions that steps 0..k-1 score
             with torch.no_grad():
                 if target_logits is None:
-                    logits_t = self.target.logits(batch["last_hidden"][:, rows])
+                    logits_t = self.target.logits(batch["last_hidden"][:, rows], draft_in_target)
                 else:
-                    logits_t = target_logits[:, rows]
+                    logits_t = target_logits[:, rows][..., draft_in_target]
                 logits_t = F.pad(logits_t, (0, 0, 0, end + steps - 1 - start - logits_t.shape[1]))  # past the end
-                in_vocab = self.t2d[logits_t.argmax(-1)]
-                target_probs = logits_t[..., draft_in_target].float().softmax(-1)
+                target_probs = logits_t.float().softmax(-1)
             sums = []
             for j, out in enumerate(outs):
                 logits = self.lm_head(self.norm(out[:, start:end]))
-                target, counted = target_probs[:, j : j + end - start], labelled[j, :, start:end]
-                counted = counted & in_vocab[:, j : j + end - start]
+                target, scored = target_probs[:, j : j + end - start], counted[j, :, start:end]
                 with torch.no_grad():
-                    agree = (logits.argmax(-1) == target.argmax(-1)) & counted
-                sums.append(torch.stack(((soft_cross_entropy(logits, target) * counted).sum(), agree.sum().float())))
+                    agree = (logits.argmax(-1) == target.argmax(-1)) & scored
+                sums.append(torch.stack(((soft_cross_entropy(logits, target) * scored).sum(), agree.sum().float())))
             return torch.stack(sums, 1)
 
         loss_sums, agree_sums = chunked(chunk_sums, seq, chunk, dim=0).view(-1, 2, steps).sum(0)

@@ -180,7 +180,7 @@ class KVCache:
 class StepKVCache:
     """Training-time test's keys and values, one [B, kv_heads, S, head_dim] pair per step, kept in the autograd
     graph (never written in place): step j's queries see step 0's keys causally and their own key of each step
-    1..j (``heads.sparse_attention.ttt_attention``; the dense form is ``heads.eagle3.ttt_step_mask``)."""
+    1..j (``heads.sparse_attention.ttt_attention``; the dense form is ``ttt_step_mask`` there)."""
 
     def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None) -> None:
         self.keys: list[torch.Tensor] = list(keys or [])  # the earlier steps' (a copy: appending leaves them be)

@@ -3,7 +3,7 @@ training memory grows linearly with the sequence length.
 
 - ``ttt_attention``: training-time test's step j (EAGLE-3, P-EAGLE). Query i sees step 0's keys 0..i (the true
   prefix) and, at each step 1..j, only the key its own chain wrote there: S causal keys plus j diagonal ones, where
-  the dense form (``heads.eagle3.ttt_step_mask``) scores all (j + 1) S keys.
+  the dense form (``ttt_step_mask``, still used where its scores fit one chunk) scores all (j + 1) S keys.
 - ``block_attention``: N blocks of a block drafter (DFlash and its kin), each over the context before it and
   itself, a chunk of blocks at a time.
 - ``chunked``: any computation split along its queries (or rows), each chunk recomputed in backward (the
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from headstart.core.memory import SCORE_BUDGET
@@ -51,6 +52,28 @@ def chunked(attend: Callable[[int, int], Any], queries: int, chunk: int, dim: in
     return torch.cat(parts, dim=dim)
 
 
+def ttt_step_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """Bool [S, (step+1)*S] (True = attend) for the queries of training-time-test step ``step``.
+
+    Columns are the keys of steps 0..step, S per step. Query i sees step-0 keys k <= i (the true
+    prefix, causal) and, at each step 1..step, only the key its own chain wrote there (index i).
+    """
+    idx = torch.arange(seq_len, device=device)
+    causal = idx[None, :] <= idx[:, None]
+    own = idx[None, :] == idx[:, None]
+    return torch.cat([causal] + [own] * step, dim=1)
+
+
+def ttt_attention_mask(seq_len: int, steps: int, device: torch.device | None = None) -> torch.Tensor:
+    """The whole step-wise causal mask, bool [steps*S, steps*S]: rows (step j, index i), columns (step m, index k).
+
+    Block (j, m) is causal for m == 0, diagonal for 1 <= m <= j, empty for m > j. Training builds one
+    block row at a time (``ttt_step_mask``); this full form is for inspection and tests.
+    """
+    rows = [ttt_step_mask(seq_len, j, device) for j in range(steps)]
+    return torch.cat([F.pad(r, (0, steps * seq_len - r.shape[1]), value=False) for r in rows], dim=0)
+
+
 def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim in at least fp32 (bf16 scores lose the small weights), in the scores' dtype."""
     return scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
@@ -61,8 +84,16 @@ def ttt_attention(
 ) -> torch.Tensor:
     """Training-time-test step j = len(keys) - 1: q [B, heads, S, d]; keys[m], values[m] [B, kv_heads, S, d] of
     steps m = 0..j. Query i attends to keys[0][..., :i + 1, :] and keys[m][..., i, :] for m >= 1 (each key/value
-    head serving its group of query heads, as SDPA's ``enable_gqa``). Returns [B, heads, S, d]."""
+    head serving its group of query heads, as SDPA's ``enable_gqa``). Returns [B, heads, S, d]. Where the dense
+    form's (j + 1) S^2 scores fit the budget it runs as it is (``ttt_step_mask``); beyond, sparsely in chunks."""
     batch, heads, seq, dim = q.shape
+    if batch * heads * len(keys) * seq * seq <= (SCORE_BUDGET if budget is None else budget):
+        # Every score of the dense form fits one chunk: SDPA's fused kernel over all the steps' keys with the mask,
+        # faster there than the matmuls below and keeping less for backward.
+        mask = ttt_step_mask(seq, len(keys) - 1, q.device)
+        return F.scaled_dot_product_attention(
+            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
+        )
     kv_heads = keys[0].shape[1]
     grouped = q.view(batch, kv_heads, heads // kv_heads, seq, dim)
     prefix_k, prefix_v, own_k, own_v = keys[0], values[0], keys[1:], values[1:]

@@ -271,12 +271,18 @@ class TargetParts:
         """
         return F.embedding(input_ids, self.embed_tokens.weight)
 
-    def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, last_hidden: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The target's own logits of its last (normed) hidden states: ``lm_head``, divided by Granite's
         ``logits_scaling``, then the target's final soft-cap, c * tanh(logits / c), where its config sets one
         (Gemma's ``final_logit_softcapping``, which transformers, vLLM and SGLang apply before sampling and
-        verification). The soft labels are these."""
-        logits = self.lm_head(last_hidden.to(self.lm_head.weight.dtype))
+        verification). The soft labels are these. ``ids``: only those tokens' logits (a draft vocabulary's: the
+        lm_head's rows for them, not the whole matmul)."""
+        if ids is None:
+            logits = self.lm_head(last_hidden.to(self.lm_head.weight.dtype))
+        else:
+            bias = None if self.lm_head.bias is None else self.lm_head.bias[ids]
+            weight = self.lm_head.weight[ids]
+            logits = F.linear(last_hidden.to(weight.dtype), weight, bias)
         if self.logit_divisor != 1.0:
             logits = logits / self.logit_divisor
         if self.logit_softcap:

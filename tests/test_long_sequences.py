@@ -10,9 +10,8 @@ from conftest import LAYER_IDS, make_batch, tiny_llama
 
 import headstart.heads.sparse_attention as sparse
 from headstart.heads import build_head
-from headstart.heads.eagle3 import ttt_step_mask
 from headstart.heads.layers import StepKVCache
-from headstart.heads.sparse_attention import block_attention, ttt_attention
+from headstart.heads.sparse_attention import block_attention, ttt_attention, ttt_step_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HEADS = {
@@ -34,7 +33,7 @@ def dense_step_attention(self, q, k, v):
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
-@pytest.mark.parametrize("budget", [None, 300], ids=["whole", "chunks"])
+@pytest.mark.parametrize("budget", [None, 8000, 300], ids=["dense", "one-chunk", "chunks"])
 def test_ttt_attention_equals_the_dense_mask_in_values_and_gradients(budget):
     gen = torch.Generator().manual_seed(0)
     batch, heads, kv_heads, seq, dim = 2, 6, 2, 23, 8
