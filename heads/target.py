@@ -277,12 +277,12 @@ class TargetParts:
         (Gemma's ``final_logit_softcapping``, which transformers, vLLM and SGLang apply before sampling and
         verification). The soft labels are these. ``ids``: only those tokens' logits (a draft vocabulary's: the
         lm_head's rows for them, not the whole matmul)."""
-        if ids is None:
-            logits = self.lm_head(last_hidden.to(self.lm_head.weight.dtype))
-        else:
-            bias = None if self.lm_head.bias is None else self.lm_head.bias[ids]
-            weight = self.lm_head.weight[ids]
-            logits = F.linear(last_hidden.to(weight.dtype), weight, bias)
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if ids is not None:
+            weight, bias = weight[ids], None if bias is None else bias[ids]
+        # As rows: a [1, n, H] input would go through bmm, which copies a bf16 lm_head transposed on every call.
+        rows = last_hidden.reshape(-1, last_hidden.shape[-1]).to(weight.dtype)
+        logits = F.linear(rows, weight, bias).view(*last_hidden.shape[:-1], weight.shape[0])
         if self.logit_divisor != 1.0:
             logits = logits / self.logit_divisor
         if self.logit_softcap:
