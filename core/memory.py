@@ -105,16 +105,16 @@ def head_activations(
     recompute: bool = False,
 ) -> int:
     """One training micro-batch of ``tokens`` tokens through a head: the states it reads ((n_aux + 1) x hidden),
-    per drafted depth what the step keeps for backward, 48 x hidden fp32 (24 x hidden where the steps are recomputed
-    in backward, plus 16 x hidden once for the step being rebuilt: measured, docs/BENCHMARKS.md, "Training memory
-    against the sample length"), and the chunks of the sparse attention and of the losses' logits over the whole
-    and the draft vocabulary, each bounded by ``SCORE_BUDGET`` elements (fp32, with their softmax and gradient: 3x).
-    Linear in the length; the vocabulary only counts below one chunk. fp32 throughout: an upper bound for bf16."""
+    per drafted depth what the step keeps for backward, 48 x hidden values (24 x hidden where the steps are
+    recomputed in backward, plus 16 x hidden once for the step being rebuilt: measured, docs/BENCHMARKS.md, "Training
+    memory against the sample length"), all in ``dtype``, and the chunks of the sparse attention and of the losses'
+    logits over the whole and the draft vocabulary, each bounded by ``SCORE_BUDGET`` elements (fp32, with their
+    softmax and gradient: 3x). Linear in the length; the vocabulary only counts below one chunk."""
     text = config.get_text_config()
     vocab = text.vocab_size + (draft_vocab or text.vocab_size)
     inputs = (n_aux + 1) * text.hidden_size * dtype.itemsize
     kept = 24 if recompute else 48
-    per_token = inputs + depth * kept * text.hidden_size * 4 + (16 * text.hidden_size * 4 if recompute else 0)
+    per_token = inputs + (depth * kept + (16 if recompute else 0)) * text.hidden_size * dtype.itemsize
     chunks = 3 * 4 * (min(tokens * vocab, SCORE_BUDGET) + SCORE_BUDGET)
     return tokens * per_token + chunks
 
