@@ -277,7 +277,8 @@ class TargetParts:
         (Gemma's ``final_logit_softcapping``, which transformers, vLLM and SGLang apply before sampling and
         verification). The soft labels are these. ``ids``: only those tokens' logits (a draft vocabulary's: the
         lm_head's rows for them, not the whole matmul)."""
-        weight, bias = self.lm_head.weight, self.lm_head.bias
+        weight: torch.Tensor = self.lm_head.weight
+        bias: torch.Tensor | None = self.lm_head.bias
         if ids is not None:
             weight, bias = weight[ids], None if bias is None else bias[ids]
         # As rows: a [1, n, H] input would go through bmm, which copies a bf16 lm_head transposed on every call.
