@@ -382,28 +382,28 @@ class DFlashHead(DraftHead):
 
     def target_probs(
         self, batch: dict[str, torch.Tensor], sample: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(target logits [R, V], the target's distribution over the draft vocabulary [R, V_draft]) of the tokens at
-        ``positions`` [R] of samples ``sample`` [R]: its logits one position earlier, from ``last_hidden`` through the
-        frozen lm_head (over a reduced vocabulary: renormalised there, as EAGLE-3 scores)."""
+    ) -> torch.Tensor:
+        """The target's distribution [R, V_draft] over the draft vocabulary of the tokens at ``positions`` [R] of
+        samples ``sample`` [R]: its logits one position earlier, from ``last_hidden`` through the frozen lm_head's
+        draft rows (over a reduced vocabulary: renormalised there, as EAGLE-3 scores)."""
         with torch.no_grad():
-            target_logits = self.target_logits(batch["last_hidden"][sample, positions - 1])
-            return target_logits, target_logits[:, self.draft_ids()].float().softmax(-1)
+            ids = None if self.lm_head is None else self.draft_ids()
+            return self.target.logits(batch["last_hidden"][sample, positions - 1], ids).float().softmax(-1)
 
-    def draft_confidence(self, log_probs: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-        """D-PACE's confidence [R]: the draft's probability of the target's greedy token (0 off its vocabulary), from
-        the draft's log-probabilities [R, V_draft]."""
+    def draft_confidence(self, log_probs: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """D-PACE's confidence [R]: the draft's probability of the target's greedy token ``greedy`` [R] (0 off its
+        vocabulary), from the draft's log-probabilities [R, V_draft]."""
         with torch.no_grad():
-            greedy = target_logits.argmax(-1)
             if self.lm_head is None:
                 return log_probs.gather(1, greedy[:, None])[:, 0].exp()
             draft_index = (self.t2d.long().cumsum(0) - 1)[greedy].clamp(min=0)  # the draft vocabulary keeps id order
             return log_probs.gather(1, draft_index[:, None])[:, 0].exp() * self.t2d[greedy]
 
-    def greedy_hits(self, logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-        """[R]: whether each draft-vocab row's argmax is the target's greedy token (off-vocabulary: a miss)."""
+    def greedy_hits(self, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """[R]: whether each draft-vocab row's argmax is the target's greedy token ``greedy`` (off-vocabulary: a
+        miss)."""
         with torch.no_grad():
-            return self.draft_ids()[logits.argmax(-1)] == target_logits.argmax(-1)
+            return self.draft_ids()[logits.argmax(-1)] == greedy
 
     def weighted_loss(
         self, per_slot: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, confidence: torch.Tensor
@@ -432,27 +432,34 @@ class DFlashHead(DraftHead):
         slots at a time within the score budget (their logits over the whole vocabulary), each chunk recomputed in
         backward: memory does not grow with the vocabulary or the slot count beyond one chunk."""
         states, sample, positions = hidden[rows], rows[0], label_at[rows]
+        greedy = self.target.greedy(batch["last_hidden"][sample, positions - 1])  # whole-vocabulary logits: once
         chunk = query_chunk(len(states), self.target.lm_head.out_features, 1)
 
         def terms(start: int, end: int) -> dict[str, torch.Tensor]:
-            return self.slot_terms(batch, states[start:end], sample[start:end], positions[start:end])
+            part = slice(start, end)
+            return self.slot_terms(batch, states[part], sample[part], positions[part], greedy[part])
 
         return chunked(terms, len(states), chunk, dim=0)
 
     def slot_terms(
-        self, batch: dict[str, torch.Tensor], states: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor
+        self,
+        batch: dict[str, torch.Tensor],
+        states: torch.Tensor,
+        sample: torch.Tensor,
+        positions: torch.Tensor,
+        greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """Per scored slot [R] (outputs ``states`` [R, H], drafting the token at ``positions`` of ``sample``):
-        ``loss``, the soft cross-entropy to the target's distribution; ``hit``, whether its argmax is the target's
-        greedy token; ``confidence``, D-PACE's. Other heads add their own terms; any besides these three are
-        reported as metrics (their mean)."""
-        target_logits, target_probs = self.target_probs(batch, sample, positions)
+        """Per scored slot [R] (outputs ``states`` [R, H], drafting the token at ``positions`` of ``sample``, whose
+        greedy token the target gives as ``greedy``): ``loss``, the soft cross-entropy to the target's distribution;
+        ``hit``, whether its argmax is the target's greedy token; ``confidence``, D-PACE's. Other heads add their
+        own terms; any besides these three are reported as metrics (their mean)."""
+        target_probs = self.target_probs(batch, sample, positions)
         logits = self.draft_logits(states)
         log_probs = logits.float().log_softmax(-1)
         return {
             "loss": -(target_probs * log_probs).sum(-1),
-            "hit": self.greedy_hits(logits, target_logits),
-            "confidence": self.draft_confidence(log_probs.detach(), target_logits),
+            "hit": self.greedy_hits(logits, greedy),
+            "confidence": self.draft_confidence(log_probs.detach(), greedy),
         }
 
     def block_loss(

@@ -172,7 +172,12 @@ class DFlash2Head(DFlashHead):
         return out.scatter(1, rows, scores)
 
     def slot_terms(
-        self, batch: dict[str, torch.Tensor], states: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor
+        self,
+        batch: dict[str, torch.Tensor],
+        states: torch.Tensor,
+        sample: torch.Tensor,
+        positions: torch.Tensor,
+        greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """DFlash's per-slot terms (``DFlashHead.slot_terms``), the selector's in them: ``loss`` adds
         ``selector_weight`` x the selector's cross-entropy over the slot's top-k candidates, scored after the data's
@@ -182,8 +187,8 @@ class DFlash2Head(DFlashHead):
         ``selector_ce`` and ``candidate_recall`` (the target's token among the candidates)."""
         options = self.config.options
         logits = self.draft_logits(states)
-        target_logits, target_probs = self.target_probs(batch, sample, positions)
-        gold = target_logits.argmax(-1, keepdim=True)  # the whole vocabulary: target ids
+        target_probs = self.target_probs(batch, sample, positions)
+        gold = greedy[:, None]  # the whole vocabulary: target ids
         unary, candidates = logits.topk(options.selector_top_k, dim=-1)
         previous = batch["input_ids"][sample, positions - 1]
         pair = self.candidate_selector(states, previous, torch.cat((candidates, gold), -1))

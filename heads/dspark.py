@@ -154,20 +154,25 @@ class DSparkHead(DFlashHead):
         return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"])
 
     def slot_terms(
-        self, batch: dict[str, torch.Tensor], states: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor
+        self,
+        batch: dict[str, torch.Tensor],
+        states: torch.Tensor,
+        sample: torch.Tensor,
+        positions: torch.Tensor,
+        greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """DFlash's per-slot terms with DeepSpec's loss as ``loss``, and ``confidence_bce`` and ``confidence_gap``
         (predicted minus label) with a confidence head."""
         options, ids = self.config.options, batch["input_ids"]
         previous, tokens = ids[sample, positions - 1], ids[sample, positions]
         logits = self.markov_logits(states, previous)
-        target_logits, target_probs = self.target_probs(batch, sample, positions)
+        target_probs = self.target_probs(batch, sample, positions)
         log_probs = logits.float().log_softmax(-1)
         l1 = (log_probs.exp() - target_probs).abs().sum(-1)
         per_slot = options.tv_weight * l1 + options.ce_weight * self.token_cross_entropy(logits, tokens)
         terms = {
-            "hit": self.greedy_hits(logits, target_logits),
-            "confidence": self.draft_confidence(log_probs.detach(), target_logits),
+            "hit": self.greedy_hits(logits, greedy),
+            "confidence": self.draft_confidence(log_probs.detach(), greedy),
         }
         if self.confidence_head is not None:
             label = (1 - l1.detach() / 2).clamp(0, 1)

@@ -331,14 +331,10 @@ class Eagle3Head(FeatureDrafter):
 
     def greedy_in_vocab(self, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None) -> torch.Tensor:
         """Bool [B, S]: whether the target's greedy token after each position is in the draft vocabulary (else the
-        draft cannot match it); from its whole-vocabulary logits a chunk of positions at a time, none kept."""
+        draft cannot match it)."""
         with torch.no_grad():
-            if target_logits is not None:
-                return self.t2d[target_logits.argmax(-1)]
-            last = batch["last_hidden"]
-            chunk = query_chunk(last.shape[1], self.target.lm_head.out_features, last.shape[0])
-            greedy = [self.target.logits(last[:, a : a + chunk]).argmax(-1) for a in range(0, last.shape[1], chunk)]
-            return self.t2d[torch.cat(greedy, 1)]
+            greedy = self.target.greedy(batch["last_hidden"]) if target_logits is None else target_logits.argmax(-1)
+            return self.t2d[greedy]
 
     def loss(
         self, batch: dict[str, torch.Tensor], target_logits: torch.Tensor | None = None

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
 from headstart.heads.config import DraftArch, HeadConfig
+from headstart.heads.sparse_attention import query_chunk
 
 # The draft decoder layer belongs to the head, not to the target: EAGLE-1/2, EAGLE-3, P-EAGLE and DFlash build
 # one dense layer (the engines' Llama layer, or Qwen3's with q/k norm) sized from the target's hidden size,
@@ -258,6 +259,15 @@ class TargetParts:
     lm_head: nn.Linear
     logit_softcap: float | None = None
     logit_divisor: float = 1.0
+
+    def greedy(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's greedy token after each of its last hidden states [..., H] -> [...]: the argmax of its whole
+        vocabulary's logits, a chunk of rows at a time (none kept; no gradient)."""
+        rows = last_hidden.reshape(-1, last_hidden.shape[-1])
+        chunk = query_chunk(len(rows), self.lm_head.out_features, 1)
+        with torch.no_grad():  # max(.., 1): an empty input still gives its (empty) shape
+            greedy = [self.logits(rows[a : a + chunk]).argmax(-1) for a in range(0, max(len(rows), 1), chunk)]
+        return torch.cat(greedy).view(last_hidden.shape[:-1])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the target's embedding table, as the engines embed a draft's tokens: they share the table

@@ -274,6 +274,28 @@ def block_drafter_run(tmp_path, target_dir, data_file, head: dict, save_every: i
     return path, out
 
 
+def metrics_lines(out: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trains_then_resumes_identically(main, path: Path, out: Path) -> tuple[dict, list[dict]]:
+    """(the head's tensors, the metrics records) of ``block_drafter_run``'s run through the recipe ``main``, after
+    checking that the same run resumed from its step-2 checkpoint writes the same head bit for bit and logs the same
+    losses (the blocks come from the generator the loop seeds per micro-batch)."""
+    from safetensors.torch import load_file
+
+    main(["--config", str(path)])
+    straight, lines = load_file(str(out / "head" / "model.safetensors")), metrics_lines(out)
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    main(["--config", str(path)])
+    resumed = load_file(str(out / "head" / "model.safetensors"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    relogged = metrics_lines(out)
+    assert [(r["step"], r["split"], r["loss"]) for r in relogged] == [(r["step"], r["split"], r["loss"]) for r in lines]
+    return straight, lines
+
+
 def subprocess_env():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return env | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

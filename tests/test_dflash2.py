@@ -3,11 +3,10 @@ selector's walk through the verifier (greedy identity for chains and trees, loss
 resume, export for vLLM and import."""
 
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import assert_matches, block_drafter_run, tiny_llama, world_of_one
+from conftest import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
 from safetensors.torch import load_file
 from test_decoding_sampling import exact_two_tokens_of
 from test_dflash import (
@@ -191,20 +190,11 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
     world_of_one(monkeypatch)
     head = {"type": "dflash2", "block_size": 3, "num_anchors": 8, "selector_rank": 8, "loss_weighting": "dpace"}
     path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
-    dflash2_trainer.main(["--config", str(path)])
-    straight = load_file(str(out / "head" / "model.safetensors"))
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    straight, lines = trains_then_resumes_identically(dflash2_trainer.main, path, out)
     heldout = [r for r in lines if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     assert {"selector_ce", "candidate_recall", "acc_0", "acc_1"} <= heldout[1].keys() and "acc_2" not in heldout[1]
     assert {"candidate_selector.successor_codebook", "layers.0.mlp_conv.base_kernel"} <= straight.keys()
-
-    shutil.rmtree(out / "checkpoints" / "step-00000004")
-    dflash2_trainer.main(["--config", str(path)])
-    resumed = load_file(str(out / "head" / "model.safetensors"))
-    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
-    relogged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["split"], r["loss"]) for r in relogged] == [(r["step"], r["split"], r["loss"]) for r in lines]
 
 
 def test_export_for_vllm_and_import_back_to_the_same_drafts(target, tmp_path):

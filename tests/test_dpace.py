@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import block_drafter_run, tiny_llama, world_of_one
+from conftest import block_drafter_run, metrics_lines, tiny_llama, world_of_one
 from test_dflash import WIDE, dflash_head, features
 
 from headstart.heads.losses import dpace_mean, dpace_weights
@@ -136,8 +136,7 @@ def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeyp
         save_every=4,
     )
     dflash_trainer.main(["--config", str(path)])
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    heldout = [r for r in lines if r["split"] == "heldout"]
+    heldout = [r for r in metrics_lines(out) if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     head_config = json.loads((out / "head" / "config.json").read_text())
     assert head_config["loss_weighting"] == "dpace" and head_config["dpace_alpha"] == 0.5

@@ -2,12 +2,11 @@
 trees and every confidence cut, lossless sampling), training with exact resume, export for vLLM and import."""
 
 import json
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_matches, block_drafter_run, tiny_llama, world_of_one
+from conftest import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
 from safetensors.torch import load_file
 from test_decoding_sampling import exact_two_tokens_of
 from test_dflash import (
@@ -196,21 +195,12 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
         gsm8k_file,
         {"type": "dspark", "block_size": 3, "num_anchors": 8, "markov_rank": 8, "loss_weighting": "dpace"},
     )
-    dspark_trainer.main(["--config", str(path)])
-    straight = load_file(str(out / "head" / "model.safetensors"))
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    straight, lines = trains_then_resumes_identically(dspark_trainer.main, path, out)
     heldout = [r for r in lines if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     assert sorted(k for k in heldout[1] if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]  # 3 slots, 3 drafts
     assert "confidence_bce" in heldout[1]
     assert {"markov_head.markov_w1.weight", "confidence_head.proj.bias"} <= straight.keys()
-
-    shutil.rmtree(out / "checkpoints" / "step-00000004")
-    dspark_trainer.main(["--config", str(path)])
-    resumed = load_file(str(out / "head" / "model.safetensors"))
-    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
-    relogged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["split"], r["loss"]) for r in relogged] == [(r["step"], r["split"], r["loss"]) for r in lines]
 
 
 @pytest.mark.parametrize("confidence_head", [True, False])
