@@ -21,9 +21,19 @@ from transformers import PretrainedConfig
 from headstart.core.runtime import env_count
 from headstart.core.weights import borrowed_names, meta_model
 
-SCORE_BUDGET = 1 << 24  # elements one chunk of attention scores or loss logits holds (heads.sparse_attention)
+SCORE_BUDGET = 1 << 24  # elements one chunk of attention scores or loss logits holds on a CPU (heads.sparse_attention)
+# On a GPU chunks 16x larger (2^28 fp32 scores, 1 GiB): a GPU runs a CPU-sized chunk in microseconds, so launching
+# its kernels would bound the step (measured on an H200: docs/BENCHMARKS.md, "Training memory against the sample
+# length"), while the chunk stays a small part of its memory.
+GPU_SCORE_SCALE = 16
 
 GB = 1e9
+
+
+def score_budget(device: torch.device | str) -> int:
+    """The elements one chunk of scores or logits holds on ``device``: ``SCORE_BUDGET``, times ``GPU_SCORE_SCALE``
+    on an accelerator (read at the call, so that tests can shrink it)."""
+    return SCORE_BUDGET * (1 if torch.device(device).type == "cpu" else GPU_SCORE_SCALE)
 
 
 class InsufficientMemoryError(MemoryError):
@@ -103,19 +113,21 @@ def head_activations(
     draft_vocab: int | None,
     dtype: torch.dtype,
     recompute: bool = False,
+    device: torch.device | str = "cpu",
 ) -> int:
     """One training micro-batch of ``tokens`` tokens through a head: the states it reads ((n_aux + 1) x hidden),
     per drafted depth what the step keeps for backward, 48 x hidden values (24 x hidden where the steps are
     recomputed in backward, plus 16 x hidden once for the step being rebuilt: measured, docs/BENCHMARKS.md, "Training
     memory against the sample length"), all in ``dtype``, and the chunks of the sparse attention and of the losses'
-    logits over the whole and the draft vocabulary, each bounded by ``SCORE_BUDGET`` elements (fp32, with their
-    softmax and gradient: 3x). Linear in the length; the vocabulary only counts below one chunk."""
+    logits over the whole and the draft vocabulary, each bounded by ``score_budget(device)`` elements (fp32, with
+    their softmax and gradient: 3x). Linear in the length; the vocabulary only counts below one chunk."""
     text = config.get_text_config()
     vocab = text.vocab_size + (draft_vocab or text.vocab_size)
     inputs = (n_aux + 1) * text.hidden_size * dtype.itemsize
     kept = 24 if recompute else 48
     per_token = inputs + (depth * kept + (16 if recompute else 0)) * text.hidden_size * dtype.itemsize
-    chunks = 3 * 4 * (min(tokens * vocab, SCORE_BUDGET) + SCORE_BUDGET)
+    budget = score_budget(device)
+    chunks = 3 * 4 * (min(tokens * vocab, budget) + budget)
     return tokens * per_token + chunks
 
 

@@ -433,7 +433,7 @@ class DFlashHead(DraftHead):
         backward: memory does not grow with the vocabulary or the slot count beyond one chunk."""
         states, sample, positions = hidden[rows], rows[0], label_at[rows]
         greedy = self.target.greedy(batch["last_hidden"][sample, positions - 1])  # whole-vocabulary logits: once
-        chunk = query_chunk(len(states), self.target.lm_head.out_features, 1)
+        chunk = query_chunk(len(states), self.target.lm_head.out_features, 1, states.device)
 
         def terms(start: int, end: int) -> dict[str, torch.Tensor]:
             part = slice(start, end)

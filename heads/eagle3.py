@@ -367,7 +367,7 @@ class Eagle3Head(FeatureDrafter):
         draft_in_target = self.target_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
         # Positions per chunk: the chunk's target and draft logits over the draft vocabulary (k - 1 target rows more
         # for the later steps) within the score budget, so memory does not grow with it beyond one chunk.
-        chunk = max(1, query_chunk(seq, len(draft_in_target), batch_size) - steps)
+        chunk = max(1, query_chunk(seq, len(draft_in_target), batch_size, features.device) - steps)
 
         def chunk_sums(start: int, end: int) -> torch.Tensor:
             """[2, steps]: each step's summed loss and count of agreeing argmaxes over positions start..end-1."""

@@ -24,16 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from headstart.core.memory import SCORE_BUDGET
+from headstart.core.memory import score_budget
 
-# Scores held at once per chunk: core.memory.SCORE_BUDGET elements, all heads and the batch (2^24 fp32 scores are
-# 64 MB, plus their softmax and gradient in backward); the memory estimate counts them from there.
+# Scores held at once per chunk: core.memory.score_budget(device) elements, all heads and the batch (on a CPU 2^24 fp32
+# scores, 64 MB, plus their softmax and gradient in backward); the memory estimate counts them from there.
 
 
-def query_chunk(queries: int, keys_per_query: int, rows: int, budget: int | None = None) -> int:
+def query_chunk(queries: int, keys_per_query: int, rows: int, device: torch.device, budget: int | None = None) -> int:
     """How many queries one chunk takes so that its ``rows`` (batch x heads) x queries x keys scores fit ``budget``
-    (default ``SCORE_BUDGET``, read at the call), at least one."""
-    budget = SCORE_BUDGET if budget is None else budget
+    (default ``core.memory.score_budget`` of the ``device`` the scores live on), at least one."""
+    budget = score_budget(device) if budget is None else budget
     return max(1, min(queries, budget // max(1, rows * keys_per_query)))
 
 
@@ -87,7 +87,7 @@ def ttt_attention(
     head serving its group of query heads, as SDPA's ``enable_gqa``). Returns [B, heads, S, d]. Where the dense
     form's (j + 1) S^2 scores fit the budget it runs as it is (``ttt_step_mask``); beyond, sparsely in chunks."""
     batch, heads, seq, dim = q.shape
-    if batch * heads * len(keys) * seq * seq <= (SCORE_BUDGET if budget is None else budget):
+    if batch * heads * len(keys) * seq * seq <= (score_budget(q.device) if budget is None else budget):
         # Every score of the dense form fits one chunk: SDPA's fused kernel over all the steps' keys with the mask,
         # faster there than the matmuls below and keeping less for backward.
         mask = ttt_step_mask(seq, len(keys) - 1, q.device)
@@ -111,7 +111,7 @@ def ttt_attention(
             out = out + probs[..., end + m, None] * v[:, :, None, start:end]
         return out
 
-    chunk = query_chunk(seq, seq + len(keys), batch * heads, budget)
+    chunk = query_chunk(seq, seq + len(keys), batch * heads, q.device, budget)
     return chunked(attend, seq, chunk).view(batch, heads, seq, dim)
 
 
@@ -156,5 +156,6 @@ def block_attention(
         context_probs, block_probs = probs.split([context, size], dim=-1)
         return (context_probs.flatten(2, 3) @ context_v).view_as(query) + block_probs @ v_blocks[:, :, start:end]
 
-    out = chunked(attend, blocks, query_chunk(blocks, groups * size * (context + size), batch * kv_heads), dim=2)
+    chunk = query_chunk(blocks, groups * size * (context + size), batch * kv_heads, q.device)
+    out = chunked(attend, blocks, chunk, dim=2)
     return out.view(batch, kv_heads, blocks, groups, size, dim).transpose(2, 3).reshape(batch, heads, n, dim)

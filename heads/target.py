@@ -264,7 +264,7 @@ class TargetParts:
         """The target's greedy token after each of its last hidden states [..., H] -> [...]: the argmax of its whole
         vocabulary's logits, a chunk of rows at a time (none kept; no gradient)."""
         rows = last_hidden.reshape(-1, last_hidden.shape[-1])
-        chunk = query_chunk(len(rows), self.lm_head.out_features, 1)
+        chunk = query_chunk(len(rows), self.lm_head.out_features, 1, rows.device)
         with torch.no_grad():  # max(.., 1): an empty input still gives its (empty) shape
             greedy = [self.logits(rows[a : a + chunk]).argmax(-1) for a in range(0, max(len(rows), 1), chunk)]
         return torch.cat(greedy).view(last_hidden.shape[:-1])

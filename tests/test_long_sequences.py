@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from conftest import LAYER_IDS, make_batch, tiny_llama
 
-import headstart.heads.sparse_attention as sparse
+import headstart.core.memory as memory
 from headstart.heads import build_head
 from headstart.heads.layers import StepKVCache
-from headstart.heads.sparse_attention import block_attention, ttt_attention, ttt_step_mask
+from headstart.heads.sparse_attention import block_attention, query_chunk, ttt_attention, ttt_step_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HEADS = {
@@ -58,6 +58,21 @@ def test_ttt_attention_equals_the_dense_mask_in_values_and_gradients(budget):
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
+def test_a_gpu_takes_chunks_sixteen_times_a_cpus_and_the_estimate_counts_them():
+    # 1,024 queries x 1,031 keys x 32 heads: a CPU's 2^24 scores take 508 queries a chunk, a GPU's 2^28 all of them
+    # (a GPU launching kernels for small chunks trains several times slower: docs/BENCHMARKS.md).
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # only the type is read: no GPU needed
+    assert memory.score_budget(cpu) == 1 << 24 and memory.score_budget(gpu) == 1 << 28
+    assert query_chunk(1024, 1031, 32, cpu) == 508 and query_chunk(1024, 1031, 32, gpu) == 1024
+    assert query_chunk(1024, 1031, 32, gpu, budget=1031 * 32) == 1  # an explicit budget wins, at least one query
+    config = tiny_llama().config
+    estimate = {d: memory.head_activations(config, 4096, 3, 7, 256, torch.float32, device=d) for d in (cpu, gpu)}
+    assert (
+        4096 * (config.vocab_size + 256) < 1 << 24
+    )  # the logits' chunk is their whole on both: only attention's grows
+    assert estimate[gpu] - estimate[cpu] == 3 * 4 * ((1 << 28) - (1 << 24))  # fp32 scores, softmax and gradient
+
+
 def test_chunked_block_attention_equals_one_chunk_in_values_and_gradients(monkeypatch):
     # test_dflash checks one chunk against the dense mask; here many chunks of blocks against one.
     gen = torch.Generator().manual_seed(1)
@@ -70,7 +85,7 @@ def test_chunked_block_attention_equals_one_chunk_in_values_and_gradients(monkey
     visible = torch.arange(ctx) < torch.randint(1, ctx, (batch, blocks), generator=gen)[..., None]
     results = []
     for budget in (1 << 24, 2 * 2 * size * (ctx + size)):  # one chunk, then one block per chunk
-        monkeypatch.setattr(sparse, "SCORE_BUDGET", budget)
+        monkeypatch.setattr(memory, "SCORE_BUDGET", budget)
         out = block_attention(q, k, v, ck, cv, visible, True)
         results.append((out, torch.autograd.grad(out.square().sum(), [q, k, v, ck, cv])))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-12)
@@ -117,7 +132,7 @@ def test_every_heads_loss_and_gradients_are_the_same_whole_or_in_recomputed_chun
             runs.append(loss_and_grads(head, batch))
     runs.append(loss_and_grads(head, batch))  # one chunk, activations kept
     head.checkpoint_steps = True
-    monkeypatch.setattr(sparse, "SCORE_BUDGET", 2000)  # many chunks of attention and of logits
+    monkeypatch.setattr(memory, "SCORE_BUDGET", 2000)  # many chunks of attention and of logits
     runs.append(loss_and_grads(head, batch))
     reference = runs[0]
     assert reference[2], "no gradient at all"
@@ -143,7 +158,7 @@ def test_twenty_training_steps_on_the_new_path_follow_the_dense_path(target, mon
             if dense:
                 patch.setattr(StepKVCache, "attend", dense_step_attention)
             else:
-                patch.setattr(sparse, "SCORE_BUDGET", 2000)
+                patch.setattr(memory, "SCORE_BUDGET", 2000)
                 head.checkpoint_steps = True
             for step in range(20):
                 optimizer.zero_grad()

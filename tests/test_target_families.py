@@ -252,7 +252,7 @@ def test_the_moe_configs_figures_are_what_core_memory_computes(name, tmp_path):
     resolved = resolve_config(config, "eagle")
     hidden = PUBLISHED[name].hidden_size
     assert f"{storage_estimate(1, hidden, 3, torch.bfloat16):,} bytes a token" in text
-    training = training_memory(resolved, Process(0, 8, torch.device("cpu")))
+    training = training_memory(resolved, Process(0, 8, torch.device("cuda")))
     assert f"= {training.total / GB:.2f} GB" in text
     share = TargetSizes.of(PUBLISHED[name]).target_share(torch.bfloat16, 2)
     assert f"{share / GB:.2f} GB of bf16 weights per GPU" in text

@@ -200,7 +200,7 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     head.checkpoint_steps = checkpoint_steps(train)
     recompute = head.recomputes(cfg.data.max_length)
     need.parts["activations"] = head_activations(
-        config, tokens, len(aux), options.trained_depth(), options.draft_vocab(), dtype, recompute
+        config, tokens, len(aux), options.trained_depth(), options.draft_vocab(), dtype, recompute, proc.device
     )
     if forward_in_step(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
         forward = capture_activations(config, tokens, cfg.data.max_length, len(aux), dtype, proc.tp_size)
