@@ -219,7 +219,13 @@ def plan_capture(
     """Load the samples and fix the job: its fingerprinted settings and its shards."""
     target, data, cap = cfg.target, cfg.data, cfg.capture
     samples, report = load_samples(
-        data.source, data.format, tokenizer, data.max_length, data.on_error, limit=data.limit
+        data.source,
+        data.format,
+        tokenizer,
+        data.max_length,
+        data.on_error,
+        limit=data.limit,
+        over_length=data.over_length,
     )
     require_samples(samples, report, data.source, data.max_length)
     num_layers, hidden = config.get_text_config().num_hidden_layers, config.get_text_config().hidden_size
@@ -302,6 +308,7 @@ def finish(job: CaptureJob, digests: dict[int, Future], hasher: ThreadPoolExecut
             "source": str(data.source),
             "format": data.format,
             "max_length": data.max_length,
+            "over_length": data.over_length,
             "samples": len(samples),
             "tokens": sum(len(s.input_ids) for s in samples),
             "loss_tokens": sum(sum(s.loss_mask) for s in samples),

@@ -40,6 +40,7 @@ class RecipeReport:
     read: int = 0
     kept: int = 0
     truncated: int = 0  # kept samples cut to max_length
+    split: int = 0  # conversations past max_length cut into several samples (over_length: split)
     dropped_empty_mask: int = 0  # no assistant token left after truncation: nothing to learn from
     skipped: int = 0  # bad records under on_error="skip"
     skipped_locations: list[str | None] = field(default_factory=list)  # the first 20, each also printed with its reason
@@ -52,7 +53,7 @@ class RecipeReport:
 
     def summary(self) -> str:
         return (
-            f"read {self.read}, kept {self.kept}, truncated {self.truncated}, "
+            f"read {self.read}, kept {self.kept}, truncated {self.truncated}, split {self.split}, "
             f"dropped {self.dropped_empty_mask} (no assistant tokens left), skipped {self.skipped} bad records"
         )
 
@@ -62,7 +63,15 @@ def tokenize_messages(
 ) -> tuple[list[int], list[int], bool]:
     """Token ids and loss mask of one conversation, cut to ``max_length`` (the head is kept).
 
-    Returns ``(input_ids, loss_mask, truncated)``. A single ``text`` message is tokenized raw with every
+    Returns ``(input_ids, loss_mask, truncated)``."""
+    input_ids, loss_mask = whole_conversation(tokenizer, messages)
+    return input_ids[:max_length], loss_mask[:max_length], len(input_ids) > max_length
+
+
+def whole_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of one whole conversation. A single ``text`` message is tokenized raw with every
     token in the loss; a chat uses the template's ``{% generation %}`` blocks when it has them, else the
     character spans of the assistant contents in the rendered text.
     """
@@ -80,8 +89,22 @@ def tokenize_messages(
         input_ids, loss_mask = list(out["input_ids"]), list(out["assistant_masks"])
     else:
         input_ids, loss_mask = _mask_from_spans(tokenizer, messages)
-    truncated = len(input_ids) > max_length
-    return input_ids[:max_length], loss_mask[:max_length], truncated
+    return input_ids, loss_mask
+
+
+def split_at_turns(input_ids: list[int], loss_mask: list[int], max_length: int) -> list[tuple[int, int]]:
+    """[start, end) pieces of at most ``max_length`` tokens covering a conversation (``data.over_length: split``),
+    each ending where a turn ends if one does within reach: a turn ends where an assistant reply does (the loss
+    mask falls from 1 to 0, the next turn's header starting there); a turn longer than ``max_length`` alone is cut
+    at ``max_length``."""
+    ends = [k for k in range(1, len(input_ids)) if loss_mask[k - 1] and not loss_mask[k]] + [len(input_ids)]
+    pieces, start = [], 0
+    while start < len(input_ids):
+        reach = [end for end in ends if start < end <= start + max_length]
+        end = reach[-1] if reach else start + max_length
+        pieces.append((start, end))
+        start = end
+    return pieces
 
 
 def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
@@ -188,12 +211,16 @@ def load_samples(
     on_error: str = "raise",
     split: str = "train",
     limit: int | None = None,
+    over_length: str = "truncate",
 ) -> tuple[list[Sample], RecipeReport]:
     """Read ``source`` as ``format`` and tokenize every record with the target's chat template.
 
     ``on_error="raise"`` stops at the first bad record with a DataError naming its location; ``"skip"``
-    counts it and goes on. ``limit`` stops once that many samples are kept. The report is printed: nothing
-    is truncated, dropped or skipped silently.
+    counts it and goes on. ``limit`` stops once that many samples are kept. A conversation past ``max_length``
+    tokens is, by ``over_length`` (``data.over_length``): cut to it (``truncate``), cut into pieces at its turn
+    ends (``split``, ``split_at_turns``: each piece a sample, without the context before it), or a bad record
+    (``refuse``, under ``on_error``). The report is printed: nothing is truncated, split, dropped or skipped
+    silently.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
@@ -202,22 +229,41 @@ def load_samples(
     samples = []
     for location, messages in read_conversations(source, format, on_error, split, report=report):
         try:
-            input_ids, loss_mask, truncated = tokenize_messages(tokenizer, messages, max_length)
+            input_ids, loss_mask = whole_conversation(tokenizer, messages)
+            pieces = over_length_pieces(input_ids, loss_mask, max_length, over_length)
         except (DataError, TemplateError) as err:
             # Templates reject what they cannot render (roles, alternation) with jinja's raise_exception.
             message = err.message if isinstance(err, DataError) else f"chat template rejected the conversation: {err}"
             _bad_record(DataError(message, location), err, on_error, report)
             continue
-        if not any(loss_mask):
-            report.dropped_empty_mask += 1
-            continue
-        samples.append(Sample(input_ids, loss_mask, location))
-        report.kept += 1
-        report.truncated += truncated
+        report.split += len(pieces) > 1
+        for start, end in pieces:
+            if not any(loss_mask[start:end]):
+                report.dropped_empty_mask += 1
+                continue
+            where = location if len(pieces) == 1 else f"{location} (tokens {start}-{end - 1})"
+            samples.append(Sample(input_ids[start:end], loss_mask[start:end], where))
+            report.kept += 1
+            report.truncated += end < len(input_ids) and len(pieces) == 1  # truncate: the one piece, cut
+            if limit is not None and report.kept >= limit:
+                break
         if limit is not None and report.kept >= limit:
             break
     print(f"{source}: {report.summary()}")
     return samples, report
+
+
+def over_length_pieces(input_ids: list[int], loss_mask: list[int], max_length: int, rule: str) -> list[tuple[int, int]]:
+    """The [start, end) samples ``data.over_length`` makes of one conversation (``load_samples``)."""
+    if len(input_ids) <= max_length:
+        return [(0, len(input_ids))]
+    if rule == "refuse":
+        raise DataError(
+            f"the conversation is {len(input_ids)} tokens, past data.max_length={max_length} "
+            "(data.over_length: refuse): raise data.max_length, or set data.over_length to split (at turn ends) "
+            "or truncate"
+        )
+    return split_at_turns(input_ids, loss_mask, max_length) if rule == "split" else [(0, max_length)]
 
 
 def check_template(tokenizer: PreTrainedTokenizerBase, source: str, format: str) -> None:

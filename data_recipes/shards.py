@@ -414,6 +414,19 @@ def pad_collate(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict
     return batch
 
 
+def pack_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The samples end to end in one row, no padding (``train.pack``): ``position_ids`` restart at 0 for each
+    sample, ``segment_ids`` number them 0.. along the row, and the heads keep each sample's attention and labels
+    to itself (``heads.losses.label_mask``, ``sample_mask``, ``same_sample``; ``heads.sparse_attention``)."""
+    batch = {key: torch.cat([s[key] for s in samples])[None] for key in samples[0] if samples[0][key].ndim}
+    batch |= {key: torch.stack([s[key] for s in samples]) for key in samples[0] if not samples[0][key].ndim}
+    lengths, device = [s["input_ids"].shape[0] for s in samples], samples[0]["input_ids"].device
+    batch["position_ids"] = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    batch["segment_ids"] = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])[None]
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    return batch
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Verify a finished capture: every shard against its manifest.")
     parser.add_argument("out_dir", help="the capture's folder (capture.out_dir)")

@@ -12,23 +12,23 @@ The layout is the one vLLM 0.32 serves as ``method: dflash`` (``qwen3_dflash.py`
 - ``norm``, then the target's frozen ``lm_head``; the block is embedded with the target's frozen
   embedding. Neither is saved: vLLM shares the target's when the draft has none.
 
-A block anchored at position a is [x_a, mask, ..., mask] at positions a .. a + B - 1. It attends to the
-context strictly before a and to every slot of the block (bidirectional unless ``causal``); slot k >= 1
-predicts the token at its own position a + k. Serving: a = the newest token (vLLM's bonus token), the
-context every token the target has verified before it, k = 1 .. num_speculative_tokens.
+A block anchored at position a is [x_a, mask, ..., mask] at positions a .. a + B - 1. It attends to the context
+strictly before a and to every slot of the block (bidirectional unless ``causal``); slot k >= 1 predicts the token at
+its own position a + k. Serving: a = the newest token (vLLM's bonus token), the context every token the target has
+verified before it, k = 1 .. num_speculative_tokens.
 
 Mask token. The mask slots hold ``mask_token_id``, embedded by the target's row for it (frozen, as in
-DFlash/SpecForge/speculators); by default the tokenizer's mask token, else the first embedding row past
-the tokenizer (a row no text ever uses), else pad, else eos (``resolve_mask_token_id``). With
-``mask_embedding: true`` the head learns the mask slots' input vector instead (started from that row);
-vLLM reads it from ``mask_embedding.pt`` and puts it in place of the embedding of ``mask_token_id`` in
-the draft only (``qwen3_dflash.py`` ``embed_input_ids``), as ``embed`` does here.
+DFlash/SpecForge/speculators); by default the tokenizer's mask token, else the first embedding row past the tokenizer
+(a row no text ever uses), else pad, else eos (``resolve_mask_token_id``). With ``mask_embedding: true`` the head
+learns the mask slots' input vector instead (started from that row); vLLM reads it from ``mask_embedding.pt`` and puts
+it in place of the embedding of ``mask_token_id`` in the draft only (``qwen3_dflash.py`` ``embed_input_ids``), as
+``embed`` does here.
 
-Draft vocabulary. By default the head drafts over the target's whole vocabulary with the target's frozen
-lm_head. With ``draft_vocab_size`` it drafts over the most frequent training tokens only: ``lm_head`` holds
-the target lm_head's rows for them (frozen, copied by ``set_vocab_mapping``) and ``d2t`` their target ids
-as offsets; vLLM reads both for DFlash (``draft_vocab_size``, ``compute_logits``), and the lm_head matmul,
-a large share of a tiny draft's time, shrinks in proportion.
+Draft vocabulary. By default the head drafts over the target's whole vocabulary with the target's frozen lm_head. With
+``draft_vocab_size`` it drafts over the most frequent training tokens only: ``lm_head`` holds the target lm_head's
+rows for them (frozen, copied by ``set_vocab_mapping``) and ``d2t`` their target ids as offsets; vLLM reads both for
+DFlash (``draft_vocab_size``, ``compute_logits``), and the lm_head matmul, a large share of a tiny draft's time,
+shrinks in proportion.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from headstart.core.settings import Count, Float, NonNegative, Positive
 from headstart.heads.base import DraftHead
 from headstart.heads.config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.eagle3 import build_vocab_mapping
-from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary, default_positions
-from headstart.heads.losses import chain_metrics, dpace_mean, label_mask
+from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary
+from headstart.heads.losses import batch_positions, chain_metrics, dpace_mean, label_mask, same_sample, sample_anchors
 from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.sparse_attention import block_attention, chunked, query_chunk
 
@@ -340,21 +340,6 @@ class DFlashHead(DraftHead):
         """Target-vocab logits [masks, V] of the tokens after ``root`` from one block (``draft_hidden``)."""
         return self.logits(self.draft_hidden(root, position, context_kv, masks))
 
-    def sample_anchors(self, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(anchors [B, N], real [B, N]): up to ``num_anchors`` distinct positions per sequence drawn uniformly
-        from ``candidates`` [B, S]; ``real`` is False for the fillers of a sequence with fewer candidates.
-
-        Training draws from torch's generator (the loop seeds it per micro-batch: a resumed run draws the
-        same blocks); evaluation uses a fixed seed, so held-out figures compare across steps.
-        """
-        generator = None
-        if not self.training:
-            generator = torch.Generator(candidates.device).manual_seed(0)
-        scores = torch.rand(candidates.shape, generator=generator, device=candidates.device)
-        count = min(self.config.options.num_anchors, candidates.shape[1])
-        top = scores.masked_fill(~candidates, -1.0).topk(count, dim=1)
-        return top.indices, top.values >= 0
-
     def block_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden [B, N, K, H], label_at [B, N, K], labelled [B, N, K]) of the drafting slots of
         blocks at random anchors: slot k of the block at anchor a drafts the token at ``label_at`` = a + k, k =
@@ -365,19 +350,28 @@ class DFlashHead(DraftHead):
         """
         ids = batch["input_ids"]
         seq, first = ids.shape[1], self.first_drafting_slot
-        anchors, real = self.sample_anchors(label_mask(batch, 1))
-        positions = anchors[..., None] + torch.arange(self.config.options.block_size, device=ids.device)  # [B, N, S]
-        block_ids = torch.full_like(positions, self.mask_token_id)
+        # evaluation draws with a fixed seed (held-out figures compare across steps); training from torch's, which the
+        # loop seeds per micro-batch (a resumed run draws alike)
+        segments = batch.get("segment_ids")  # a packed row draws num_anchors per sample it holds
+        count = self.config.options.num_anchors * (1 if segments is None else int(segments[:, -1].max()) + 1)
+        anchors, real = sample_anchors(label_mask(batch, 1), count, not self.training)
+        offsets = torch.arange(self.config.options.block_size, device=ids.device)
+        slots = anchors[..., None] + offsets  # [B, N, S]: the row's positions the block stands for
+        block_ids = torch.full_like(slots, self.mask_token_id)
         block_ids[..., 0] = ids.gather(1, anchors)
-        context_kv = self.context_kv(batch["aux_hidden"], default_positions(ids))
-        before_anchor = torch.arange(seq, device=ids.device) < anchors[..., None]
-        visible = before_anchor & batch["attention_mask"].bool()[:, None, :]
-        hidden = self(block_ids.flatten(1), positions.flatten(1), context_kv, visible)
-        hidden = hidden.view(*positions.shape, -1)[:, :, first:]  # the drafting slots
-        label_at = positions[..., first:] + 1 - first  # [B, N, K]: where each slot's token is
+        positions = batch_positions(batch)  # rotary: a packed sample's own from 0
+        context_kv = self.context_kv(batch["aux_hidden"], positions)
+        rows = torch.arange(seq, device=ids.device)
+        visible = (rows < anchors[..., None]) & batch["attention_mask"].bool()[:, None, :]
+        visible &= same_sample(batch, anchors, rows.expand(len(ids), 1, seq))  # a packed row: its anchor's sample
+        block_positions = positions.gather(1, anchors)[..., None] + offsets
+        hidden = self(block_ids.flatten(1), block_positions.flatten(1), context_kv, visible)
+        hidden = hidden.view(*slots.shape, -1)[:, :, first:]  # the drafting slots
+        label_at = slots[..., first:] + 1 - first  # [B, N, K]: where each slot's token is
         with torch.no_grad():
-            labelled = label_mask(batch, 0).gather(1, label_at.clamp(max=seq - 1).flatten(1)).view_as(label_at)
-            labelled &= (label_at < seq) & real[..., None]
+            inside = label_at.clamp(max=seq - 1)
+            labelled = label_mask(batch, 0).gather(1, inside.flatten(1)).view_as(label_at)
+            labelled &= (label_at < seq) & real[..., None] & same_sample(batch, anchors, inside)
         return hidden, label_at, labelled
 
     def target_probs(

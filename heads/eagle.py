@@ -25,7 +25,7 @@ from headstart.core.settings import NonNegativeFloat
 from headstart.heads.base import FeatureDrafter
 from headstart.heads.config import HeadConfig, HeadSettings, LayerOptions
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
-from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
+from headstart.heads.losses import batch_positions, label_mask, sample_mask, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.target import check_eagle_family
 
@@ -99,7 +99,9 @@ class EagleHead(FeatureDrafter):
         Metrics are detached 0-d tensors: vloss, ploss, acc (argmax agreement with the target).
         """
         features = self.first_features(batch["last_hidden"])
-        logits, predicted = self(shift_left(batch["input_ids"], 1), features)
+        logits, predicted = self(
+            shift_left(batch["input_ids"], 1), features, batch_positions(batch), sample_mask(batch)
+        )
         target_features = shift_left(features, 1)
         with torch.no_grad():
             target_logits = self.logits(target_features)

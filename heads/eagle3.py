@@ -41,7 +41,7 @@ from headstart.core.settings import Count, Decay, NonNegative, Section
 from headstart.heads.base import FeatureDrafter
 from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, LayerOptions, resolved
 from headstart.heads.layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, StepKVCache, default_positions
-from headstart.heads.losses import label_mask, shift_left, soft_cross_entropy
+from headstart.heads.losses import batch_positions, label_mask, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.sparse_attention import chunked, query_chunk
 from headstart.heads.target import NORM_BEFORE_FC_FAMILIES, check_eagle_family
@@ -291,7 +291,14 @@ class Eagle3Head(FeatureDrafter):
         out = self.midlayer(self.embed(input_ids), features.to(dtype), cos, sin, mask, cache)
         return self.lm_head(self.norm(out)), self.fed_back(out)
 
-    def ttt_features(self, features: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    def ttt_features(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        steps: int,
+        positions: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+    ) -> Iterator[torch.Tensor]:
         """Yield the midlayer's output features [B,S,H] (before ``norm``) for training-time-test steps 0..steps-1.
 
         ``features`` are the step-0 inputs (``first_features``). All steps share one cache of keys, one set per
@@ -299,9 +306,11 @@ class Eagle3Head(FeatureDrafter):
         see (``heads.sparse_attention.ttt_attention``: memory linear in the length). P-EAGLE's
         steps 1.. read the mask slots (``mask_slots``) in place of the next token and the previous output. Where
         ``recomputes``, each step keeps only its inputs, output, keys and values, and runs again in backward.
+        A packed row (``positions`` restarting per sample, ``segments`` [B, S] naming each position's sample) keeps
+        every sample's attention within itself.
         """
         dtype = self.fc.weight.dtype
-        positions = default_positions(input_ids)
+        positions = default_positions(input_ids) if positions is None else positions
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         recompute = self.recomputes(input_ids.shape[1])
@@ -313,7 +322,7 @@ class Eagle3Head(FeatureDrafter):
             """(step j's output, its keys, its values): free of side effects, so recomputing it in backward is
             the same computation (the earlier steps' keys as they were then)."""
             cos, sin = self.rotary(positions + j, dtype)
-            cache = StepKVCache(keys[:j], values[:j])
+            cache = StepKVCache(keys[:j], values[:j], segments)
             out = self.midlayer(embeds, inputs, cos, sin, cache=cache)
             return out, cache.keys[-1], cache.values[-1]
 
@@ -360,7 +369,8 @@ class Eagle3Head(FeatureDrafter):
         options = self.config.options
         steps, (batch_size, seq) = options.ttt_steps, batch["input_ids"].shape
         features = self.first_features(batch["aux_hidden"])
-        outs = list(self.ttt_features(features, batch["input_ids"], steps))
+        segments = batch.get("segment_ids")
+        outs = list(self.ttt_features(features, batch["input_ids"], steps, batch_positions(batch), segments))
         labelled = torch.stack([label_mask(batch, j + 2) for j in range(steps)])  # [steps, B, S]
         in_vocab = self.greedy_in_vocab(batch, target_logits)
         counted = labelled & torch.stack([shift_left(in_vocab, j + 1, False) for j in range(steps)])

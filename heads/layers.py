@@ -182,15 +182,21 @@ class StepKVCache:
     graph (never written in place): step j's queries see step 0's keys causally and their own key of each step
     1..j (``heads.sparse_attention.ttt_attention``; the dense form is ``ttt_step_mask`` there)."""
 
-    def __init__(self, keys: list[torch.Tensor] | None = None, values: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        keys: list[torch.Tensor] | None = None,
+        values: list[torch.Tensor] | None = None,
+        segments: torch.Tensor | None = None,
+    ) -> None:
         self.keys: list[torch.Tensor] = list(keys or [])  # the earlier steps' (a copy: appending leaves them be)
         self.values: list[torch.Tensor] = list(values or [])
+        self.segments = segments  # [B, S] sample of each position in a packed row: none sees another's
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Add this step's keys and values; its queries' attention output [B, heads, S, head_dim]."""
         self.keys.append(k)
         self.values.append(v)
-        return ttt_attention(q, self.keys, self.values)
+        return ttt_attention(q, self.keys, self.values, segments=self.segments)
 
 
 def default_positions(input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

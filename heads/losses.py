@@ -18,10 +18,52 @@ def label_mask(batch: dict[str, torch.Tensor], offset: int) -> torch.Tensor:
     """Bool [B, S]: position i's prediction of token ``input_ids[i + offset]`` is trained.
 
     A label counts when it exists (i + offset < S), is not padding, and ``loss_mask`` is 1 at the
-    label's own position (the data pipeline marks the tokens to learn, e.g. assistant replies).
+    label's own position (the data pipeline marks the tokens to learn, e.g. assistant replies); in a packed row
+    (``segment_ids``, ``data_recipes.shards.pack_collate``) it must also belong to position i's sample.
     """
-    valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-    return shift_left(valid, offset, False)
+    valid = shift_left(batch["loss_mask"].bool() & batch["attention_mask"].bool(), offset, False)
+    if "segment_ids" in batch:  # a packed row: the label must be a token of position i's own sample
+        segments = batch["segment_ids"]
+        valid &= shift_left(segments, offset, -1) == segments
+    return valid
+
+
+def sample_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Bool [B, 1, S, S] causal attention within each sample of a packed row (``segment_ids``); None (causal over
+    the row) where the batch is not packed."""
+    if "segment_ids" not in batch:
+        return None
+    segments = batch["segment_ids"]
+    causal = torch.ones(segments.shape[1], segments.shape[1], dtype=torch.bool, device=segments.device).tril()
+    return (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
+
+
+def sample_anchors(candidates: torch.Tensor, count: int, fixed_seed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anchors [B, N], real [B, N]): up to ``count`` distinct positions per row drawn uniformly from ``candidates``
+    [B, S] (a block drafter's blocks); ``real`` is False for the fillers of a row with fewer candidates. Draws from
+    torch's generator, or from one seeded 0 (``fixed_seed``)."""
+    generator = torch.Generator(candidates.device).manual_seed(0) if fixed_seed else None
+    scores = torch.rand(candidates.shape, generator=generator, device=candidates.device)
+    top = scores.masked_fill(~candidates, -1.0).topk(min(count, candidates.shape[1]), dim=1)
+    return top.indices, top.values >= 0
+
+
+def same_sample(batch: dict[str, torch.Tensor], anchors: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Bool [B, N, M] (broadcast): whether the row's positions ``at`` [B, N or 1, M] hold tokens of the sample of
+    each of ``anchors`` [B, N] in a packed row (``segment_ids``); True (a scalar) where a row is one sample."""
+    segments = batch.get("segment_ids")
+    if segments is None:
+        return torch.ones((), dtype=torch.bool, device=anchors.device)
+    return segments.gather(1, at.flatten(1)).view_as(at) == segments.gather(1, anchors)[..., None]
+
+
+def batch_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Rotary positions [B, S] of a training batch: each packed sample's own from 0 (``position_ids``, set by
+    ``data_recipes.shards.pack_collate``), else 0.. along the row."""
+    if "position_ids" in batch:
+        return batch["position_ids"]
+    ids = batch["input_ids"]
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:

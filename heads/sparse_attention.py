@@ -80,17 +80,34 @@ def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
 
 
 def ttt_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], budget: int | None = None
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    budget: int | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Training-time-test step j = len(keys) - 1: q [B, heads, S, d]; keys[m], values[m] [B, kv_heads, S, d] of
     steps m = 0..j. Query i attends to keys[0][..., :i + 1, :] and keys[m][..., i, :] for m >= 1 (each key/value
     head serving its group of query heads, as SDPA's ``enable_gqa``). Returns [B, heads, S, d]. Where the dense
-    form's (j + 1) S^2 scores fit the budget it runs as it is (``ttt_step_mask``); beyond, sparsely in chunks."""
+    form's (j + 1) S^2 scores fit the budget it runs as it is (``ttt_step_mask``); beyond, sparsely in chunks.
+    ``segments`` [B, S] (a packed row's sample of each position): a query sees step 0's keys of its own sample only
+    (its own keys of the later steps are its sample's)."""
     batch, heads, seq, dim = q.shape
+    if segments is not None and batch == 1 and len(bounds := segment_bounds(segments[0])) > 1:
+        # A packed row (train.pack): each sample attends on its own, costing what it would unpacked.
+        return torch.cat(
+            [
+                ttt_attention(q[:, :, a:b], [k[:, :, a:b] for k in keys], [v[:, :, a:b] for v in values], budget)
+                for a, b in bounds
+            ],
+            dim=2,
+        )
     if batch * heads * len(keys) * seq * seq <= (score_budget(q.device) if budget is None else budget):
         # Every score of the dense form fits one chunk: SDPA's fused kernel over all the steps' keys with the mask,
         # faster there than the matmuls below and keeping less for backward.
         mask = ttt_step_mask(seq, len(keys) - 1, q.device)
+        if segments is not None:  # [B, 1, S, (j + 1) S]: every step's key at position k belongs to k's sample
+            mask = mask & (segments[:, :, None] == segments.repeat(1, len(keys))[:, None, :])[:, None]
         return F.scaled_dot_product_attention(
             q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
         )
@@ -102,8 +119,10 @@ def ttt_attention(
     def attend(start: int, end: int) -> torch.Tensor:
         query = grouped[:, :, :, start:end]  # [B, kv, groups, c, d]
         scores = query @ prefix_k[:, :, None, :end].transpose(-1, -2) * scale  # [B, kv, groups, c, end]
-        later = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]
-        scores = scores.masked_fill(later, float("-inf"))
+        hidden = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]  # later
+        if segments is not None:  # or another sample's, in a packed row: [B, 1, 1, c, end]
+            hidden = hidden | (segments[:, None, None, start:end, None] != segments[:, None, None, None, :end])
+        scores = scores.masked_fill(hidden, float("-inf"))
         diagonal = [(query * k[:, :, None, start:end]).sum(-1, keepdim=True) * scale for k in own_k]
         probs = softmax_fp32(torch.cat((scores, *diagonal), -1))
         out = probs[..., :end] @ prefix_v[:, :, None, :end]
@@ -113,6 +132,26 @@ def ttt_attention(
 
     chunk = query_chunk(seq, seq + len(keys), batch * heads, q.device, budget)
     return chunked(attend, seq, chunk).view(batch, heads, seq, dim)
+
+
+def segment_bounds(segments: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal ids in ``segments`` [S] (a packed row's samples, in order)."""
+    starts = [0, *(torch.nonzero(segments[1:] != segments[:-1])[:, 0] + 1).tolist()]
+    return list(zip(starts, [*starts[1:], len(segments)], strict=True))
+
+
+def context_windows(visible: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+    """Blocks grouped by the first context token they see (in a packed row, their sample's first), from ``visible``
+    [N, C]: (the group's blocks, that token, one past the last token any of them sees). A block that sees nothing
+    joins the group starting at 0."""
+    seen, columns = visible.any(1), torch.arange(visible.shape[1], device=visible.device)
+    first = torch.where(visible, columns, visible.shape[1]).amin(1).masked_fill(~seen, 0)
+    last = torch.where(visible, columns, -1).amax(1)
+    windows = []
+    for lo in first.unique().tolist():
+        chosen = (first == lo).nonzero()[:, 0]
+        windows.append((chosen, lo, max(lo, int(last[chosen].max()) + 1)))
+    return windows
 
 
 def block_attention(
@@ -135,6 +174,17 @@ def block_attention(
     (``heads.sparse_attention.chunked``: memory linear in the context).
     """
     batch, heads, n, dim = q.shape
+    if context_visible is not None and batch == 1 and len(windows := context_windows(context_visible[0])) > 1:
+        # A packed row (train.pack): the blocks of each sample over that sample's context only, costing what they
+        # would unpacked instead of every block scoring the whole row.
+        size, out = n // context_visible.shape[1], torch.empty_like(q)
+        for chosen, lo, hi in windows:
+            rows = (chosen[:, None] * size + torch.arange(size, device=q.device)).flatten()
+            context_kv = context_k[:, :, lo:hi], context_v[:, :, lo:hi]
+            visible = context_visible[:, chosen, lo:hi]
+            own = q[:, :, rows], k[:, :, rows], v[:, :, rows]
+            out[:, :, rows] = block_attention(*own, *context_kv, visible, causal)
+        return out
     kv_heads, context = k.shape[1], context_k.shape[2]
     groups, blocks = heads // kv_heads, 1 if context_visible is None else context_visible.shape[1]
     size, scale = n // blocks, 1 / math.sqrt(dim)

@@ -80,7 +80,11 @@ def test_each_verb_has_its_own_help(verb, capsys):
 @pytest.mark.parametrize(
     ("verb", "override", "message"),
     [
-        ("capture", "data.limt=2", "unknown key data.limt (known: format, limit, max_length, on_error, source)"),
+        (
+            "capture",
+            "data.limt=2",
+            "unknown key data.limt (known: format, limit, max_length, on_error, over_length, source)",
+        ),
         ("regenerate", "regenerate.top_p=0", "regenerate.top_p must be > 0, got 0"),
         ("train", "train.lrr=1e-3", "unknown key train.lrr (known: batch_size, betas,"),
         ("eval", "eval.limit=0", "eval.limit must be >= 1, got 0"),

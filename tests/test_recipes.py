@@ -175,6 +175,41 @@ def test_truncation_keeps_the_head_and_is_counted(tmp_path, tokenizers, capsys):
     assert "truncated 1" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("tokenizer_index", [0, 1], ids=["generation-blocks", "spans"])
+def test_a_conversation_past_max_length_splits_at_its_turn_ends_losing_nothing(tmp_path, tokenizers, tokenizer_index):
+    tokenizer, chat = tokenizers[tokenizer_index], CHATS[1]  # system, user, assistant, user, assistant
+    full_ids, full_mask, _ = tokenize_messages(tokenizer, chat, 1024)
+    turn_end = next(k for k in range(1, len(full_ids)) if full_mask[k - 1] and not full_mask[k])  # first reply's end
+    assert len(full_ids) - turn_end < turn_end + 2  # the second exchange alone fits what the first does
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": chat}])
+    samples, report = load_samples(source, "messages", tokenizer, max_length=turn_end + 2, over_length="split")
+    assert [len(s.input_ids) for s in samples] == [turn_end, len(full_ids) - turn_end]  # cut where the turn ends
+    assert sum((s.input_ids for s in samples), []) == full_ids and sum((s.loss_mask for s in samples), []) == full_mask
+    assert [s.source for s in samples] == [
+        f"{source}:1 (tokens 0-{turn_end - 1})",
+        f"{source}:1 (tokens {turn_end}-{len(full_ids) - 1})",
+    ]
+    assert (report.kept, report.split, report.truncated) == (2, 1, 0)
+    # A turn longer than max_length alone is cut inside it: every reply token still trains, no piece past 5 tokens.
+    samples, report = load_samples(source, "messages", tokenizer, max_length=5, over_length="split")
+    assert sum(sum(s.loss_mask) for s in samples) == sum(full_mask) and max(len(s.input_ids) for s in samples) <= 5
+    assert report.split == 1 and report.dropped_empty_mask > 0  # the pieces of only system and user tokens
+
+
+def test_a_conversation_past_max_length_is_refused_naming_it_when_asked(tmp_path, tokenizers, capsys):
+    tokenizer = tokenizers[0]
+    full_ids, _, _ = tokenize_messages(tokenizer, CHATS[1], 1024)
+    source = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHATS[0]}, {"messages": CHATS[1]}])
+    expected = rf"chats.jsonl:2: the conversation is {len(full_ids)} tokens, past data.max_length={len(full_ids) - 1}"
+    with pytest.raises(DataError, match=expected):
+        load_samples(source, "messages", tokenizer, max_length=len(full_ids) - 1, over_length="refuse")
+    samples, report = load_samples(
+        source, "messages", tokenizer, max_length=len(full_ids) - 1, on_error="skip", over_length="refuse"
+    )
+    assert [s.source for s in samples] == [f"{source}:1"] and (report.skipped, report.truncated) == (1, 0)
+    assert "skipping" in capsys.readouterr().out
+
+
 def test_samples_without_assistant_tokens_are_dropped_and_counted(tmp_path, tokenizers):
     tokenizer = tokenizers[0]
     _, full_mask, _ = tokenize_messages(tokenizer, get_format("gsm8k")(GSM8K_ROW), 1024)
@@ -241,7 +276,7 @@ def test_skip_counts_bad_records_and_keeps_the_good_ones(tmp_path, tokenizers, c
     assert (report.read, report.kept, report.skipped) == (4, 2, 2)
     assert report.skipped_locations == [f"{source}:2", f"{source}:3"]
     assert report.summary() == (
-        "read 4, kept 2, truncated 0, dropped 0 (no assistant tokens left), skipped 2 bad records"
+        "read 4, kept 2, truncated 0, split 0, dropped 0 (no assistant tokens left), skipped 2 bad records"
     )
     assert capsys.readouterr().out.splitlines() == [
         f"skipping {source}:2: not valid JSON (Expecting property name enclosed in double quotes at column 2)",

@@ -57,6 +57,9 @@ class Train(Section):
     # true: the target runs inside each step, here; vllm: each batch's states are asked of a vLLM server
     # (capture.base_url, or one started from capture.engine_python); false: the shards in capture.out_dir
     online_capture: bool | Literal["vllm"] = False
+    # true: each micro-batch's samples end to end in one row (data_recipes.shards.pack_collate), no padding; every
+    # sample attends and is scored within itself. From shards only: the target's own forward would see across them.
+    pack: bool = False
     heldout_samples: NonNegative = 0
     eval_every: NonNegative = 0  # 0: held-out eval at the end only
     # Measured acceptance at each held-out evaluation (train/measured.py): the head drafts greedy chains at its
@@ -143,6 +146,11 @@ def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
         problems.append(
             "train.online_capture: vllm asks the server the capture section describes: set capture.engine: vllm "
             "(and capture.base_url for a running server, else one starts from capture.engine_python)"
+        )
+    if train.pack and train.online_capture:
+        problems.append(
+            "train.pack lays a micro-batch's samples end to end in one row, and the target's forward inside the step "
+            "(train.online_capture) would attend across them: pack shards (train.online_capture: false)"
         )
     if cfg.lora and train.online_capture == "vllm":
         problems.append(

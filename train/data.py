@@ -19,7 +19,7 @@ from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.runtime import mix_seed, resolve_dtype
 from headstart.data_recipes.capture import check_max_length, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
-from headstart.data_recipes.shards import ShardDataset, check_manifest, pad_collate
+from headstart.data_recipes.shards import ShardDataset, check_manifest, pack_collate, pad_collate
 from headstart.data_recipes.states import EngineCapture, OnlineCapture, resolve_aux_layers
 from headstart.heads import HeadOptions, head_type
 from headstart.train.config import Train, TrainConfig
@@ -51,6 +51,7 @@ class TrainData:
     aux_layers: list[int]  # the target layers the head fuses (EAGLE-3), [] otherwise
     capture: OnlineCapture | None  # set when the states are computed in the step
     pad_id: int
+    pack: bool = False  # train.pack: a micro-batch is one row of its samples end to end
 
 
 def fuses_layers(options: HeadOptions) -> bool:
@@ -85,8 +86,9 @@ def load_data(
     if train.online_capture:
         check_max_length(data.max_length, target.config, cfg.target.path)
         samples, report = load_samples(
-            data.source, data.format, tokenizer, data.max_length, data.on_error, limit=data.limit
-        )
+            data.source, data.format, tokenizer, data.max_length, data.on_error, limit=data.limit,
+            over_length=data.over_length,
+        )  # fmt: skip
         require_samples(samples, report, data.source, data.max_length)
         dataset: SampleDataset | ShardDataset = SampleDataset(samples)
         store_dtype = resolve_dtype(cap.store_dtype)
@@ -116,7 +118,7 @@ def load_data(
             f"do not fill one batch of train.batch_size={train.batch_size}"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TrainData(dataset, train_ids, heldout_ids, aux_layers, capture, pad_id)
+    return TrainData(dataset, train_ids, heldout_ids, aux_layers, capture, pad_id, train.pack)
 
 
 def data_fingerprint(data: TrainData) -> str:
@@ -181,7 +183,7 @@ def heldout_batches(data: TrainData, micro_batch_size: int, rank: int, world: in
 
 
 def _loader(data: TrainData, plan: list[list[int]], num_workers: int) -> DataLoader:
-    collate = partial(pad_collate, pad_id=data.pad_id)
+    collate = pack_collate if data.pack else partial(pad_collate, pad_id=data.pad_id)
     return DataLoader(data.dataset, batch_sampler=plan, collate_fn=collate, num_workers=num_workers)
 
 

@@ -1,13 +1,15 @@
 """Head-training throughput (tokens/s) of each head type on a config's target.
 
     python -m scripts.bench.train [--config configs/demo-eagle3.yaml] [--steps 10] [--batch-size 4] [--online]
+        [--pack]
 
 Times what one training step costs the head alone: forward, loss (EAGLE-3's includes the target
 lm_head over last_hidden), backward and an AdamW step, on real samples of the config's data. The
 target's hidden states are captured once beforehand (as offline shards would hold them), so the
 number is the trainer's ceiling on one process, without DeepSpeed's communication. ``--online`` also
 times each step with the target's forward inside it (``train.online_capture``), side by side, and prints
-the ratio: what training without shards costs per step against training from them.
+the ratio: what training without shards costs per step against training from them. ``--pack`` also times the
+same samples packed end to end in one row per batch (``train.pack``) against padded, side by side.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from headstart.core.runtime import resolve_dtype
 from headstart.core.settings import parse
 from headstart.core.timing import timed
 from headstart.data_recipes.recipes import Sample, load_samples
-from headstart.data_recipes.shards import pad_collate
+from headstart.data_recipes.shards import pack_collate, pad_collate
 from headstart.data_recipes.states import OnlineCapture, resolve_aux_layers
 from headstart.heads import HEAD_TYPES, DraftHead, HeadOptions, build_head
 from headstart.train.config import TrainConfig
@@ -51,6 +53,17 @@ def step_batches(
         raw.append({key: v.to(device) for key, v in batch.items()})
         batches.append(capture(raw[-1]))
     return raw, batches
+
+
+def packed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A padded batch's samples end to end in one row (``train.pack``), their states too: a causal target's states
+    of a right-padded row's real tokens are the sample's own."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    rows = [
+        {key: value[i] if value.ndim == 1 else value[i, :n] for key, value in batch.items()}
+        for i, n in enumerate(lengths)
+    ]
+    return pack_collate([{key: value for key, value in row.items() if key != "attention_mask"} for row in rows])
 
 
 def bench(
@@ -85,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--heads", nargs="+", default=sorted(HEAD_TYPES), choices=sorted(HEAD_TYPES))
     parser.add_argument("--online", action="store_true", help="also time steps that run the target (online capture)")
+    parser.add_argument("--pack", action="store_true", help="also time the batches packed in one row (train.pack)")
     args = parser.parse_args(argv)
     cfg = parse(load_config(args.config), TrainConfig, args.config)
     target, tokenizer = load_target(
@@ -100,6 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     raw, batches = step_batches(samples, args.batch_size, pad_id, capture)
     print(f"target {cfg.target.path} ({target.dtype}, {target.device}), batches of {args.batch_size} samples")
+    if args.pack:
+        real = sum(int(batch["attention_mask"].sum()) for batch in batches)
+        print(
+            f"padding: {1 - real / sum(batch['attention_mask'].numel() for batch in batches):.1%} of the padded slots"
+        )
     for head_type in args.heads:
         torch.manual_seed(0)
         head = build_head(head_options(cfg, head_type, aux_layers), target)
@@ -108,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.online:
             online = bench(head, raw, args.steps, capture)
             line += f", {online:,.0f} tokens/s with the target in the step ({online / offline:.2f}x)"
+        if args.pack:
+            pack = bench(head, [packed(batch) for batch in batches], args.steps)
+            line += f", {pack:,.0f} tokens/s packed ({pack / offline:.2f}x)"
         print(line)
 
 
