@@ -12,6 +12,10 @@ training memory grows linearly with the sequence length.
 Each chunk is one exact softmax over the keys it sees (the causal and the diagonal scores concatenated: their
 log-sum-exp merge, done by the softmax itself), so values and gradients are the dense form's up to float
 rounding; only one chunk's scores live at a time, forward or backward (``torch.utils.checkpoint``).
+
+A packed row (``train.pack``: several samples end to end, ``segment_ids`` naming them) attends within each sample:
+one row is computed sample by sample (``segment_bounds``; a block drafter's blocks grouped by the context they see,
+``context_windows``), so it costs what its samples would unpacked; several rows are masked.
 """
 
 from __future__ import annotations
