@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from headstart.heads.layers import causal_mask, default_positions
+
 
 def shift_left(x: torch.Tensor, k: int, fill: float | int | bool = 0) -> torch.Tensor:
     """x[:, i + k] at position i along dim 1; the last k positions are ``fill``."""
@@ -34,8 +36,9 @@ def sample_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     if "segment_ids" not in batch:
         return None
     segments = batch["segment_ids"]
-    causal = torch.ones(segments.shape[1], segments.shape[1], dtype=torch.bool, device=segments.device).tril()
-    return (causal & (segments[:, :, None] == segments[:, None, :]))[:, None]
+    return (causal_mask(segments.shape[1], 0, segments.device) & (segments[:, :, None] == segments[:, None, :]))[
+        :, None
+    ]
 
 
 def sample_anchors(candidates: torch.Tensor, count: int, fixed_seed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +63,7 @@ def same_sample(batch: dict[str, torch.Tensor], anchors: torch.Tensor, at: torch
 def batch_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Rotary positions [B, S] of a training batch: each packed sample's own from 0 (``position_ids``, set by
     ``data_recipes.shards.pack_collate``), else 0.. along the row."""
-    if "position_ids" in batch:
-        return batch["position_ids"]
-    ids = batch["input_ids"]
-    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return batch["position_ids"] if "position_ids" in batch else default_positions(batch["input_ids"])
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ log-sum-exp merge, done by the softmax itself), so values and gradients are the 
 rounding; only one chunk's scores live at a time, forward or backward (``torch.utils.checkpoint``).
 
 A packed row (``train.pack``: several samples end to end, ``segment_ids`` naming them) attends within each sample:
-one row is computed sample by sample (``segment_bounds``; a block drafter's blocks grouped by the context they see,
-``context_windows``), so it costs what its samples would unpacked; several rows are masked.
+training-time test runs each row sample by sample (``segment_bounds``), and one row's blocks of a block drafter are
+grouped by the context they see (``context_windows``; several rows: their ``context_visible`` mask), so a packed
+row costs what its samples would unpacked.
 """
 
 from __future__ import annotations
@@ -94,24 +95,18 @@ def ttt_attention(
     steps m = 0..j. Query i attends to keys[0][..., :i + 1, :] and keys[m][..., i, :] for m >= 1 (each key/value
     head serving its group of query heads, as SDPA's ``enable_gqa``). Returns [B, heads, S, d]. Where the dense
     form's (j + 1) S^2 scores fit the budget it runs as it is (``ttt_step_mask``); beyond, sparsely in chunks.
-    ``segments`` [B, S] (a packed row's sample of each position): a query sees step 0's keys of its own sample only
-    (its own keys of the later steps are its sample's)."""
-    batch, heads, seq, dim = q.shape
-    if segments is not None and batch == 1 and len(bounds := segment_bounds(segments[0])) > 1:
-        # A packed row (train.pack): each sample attends on its own, costing what it would unpacked.
+    ``segments`` [B, S] (packed rows' sample of each position): each sample attends on its own, row by row, costing
+    what it would unpacked (its own keys of the later steps are its sample's already)."""
+    if segments is not None:
+        rows = [(slice(r, r + 1), segments[r]) for r in range(len(q))]
         return torch.cat(
-            [
-                ttt_attention(q[:, :, a:b], [k[:, :, a:b] for k in keys], [v[:, :, a:b] for v in values], budget)
-                for a, b in bounds
-            ],
-            dim=2,
+            [_per_sample(q[r], [k[r] for k in keys], [v[r] for v in values], budget, at) for r, at in rows]
         )
+    batch, heads, seq, dim = q.shape
     if batch * heads * len(keys) * seq * seq <= (score_budget(q.device) if budget is None else budget):
         # Every score of the dense form fits one chunk: SDPA's fused kernel over all the steps' keys with the mask,
         # faster there than the matmuls below and keeping less for backward.
         mask = ttt_step_mask(seq, len(keys) - 1, q.device)
-        if segments is not None:  # [B, 1, S, (j + 1) S]: every step's key at position k belongs to k's sample
-            mask = mask & (segments[:, :, None] == segments.repeat(1, len(keys))[:, None, :])[:, None]
         return F.scaled_dot_product_attention(
             q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=True
         )
@@ -123,10 +118,8 @@ def ttt_attention(
     def attend(start: int, end: int) -> torch.Tensor:
         query = grouped[:, :, :, start:end]  # [B, kv, groups, c, d]
         scores = query @ prefix_k[:, :, None, :end].transpose(-1, -2) * scale  # [B, kv, groups, c, end]
-        hidden = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]  # later
-        if segments is not None:  # or another sample's, in a packed row: [B, 1, 1, c, end]
-            hidden = hidden | (segments[:, None, None, start:end, None] != segments[:, None, None, None, :end])
-        scores = scores.masked_fill(hidden, float("-inf"))
+        later = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]
+        scores = scores.masked_fill(later, float("-inf"))
         diagonal = [(query * k[:, :, None, start:end]).sum(-1, keepdim=True) * scale for k in own_k]
         probs = softmax_fp32(torch.cat((scores, *diagonal), -1))
         out = probs[..., :end] @ prefix_v[:, :, None, :end]
@@ -136,6 +129,19 @@ def ttt_attention(
 
     chunk = query_chunk(seq, seq + len(keys), batch * heads, q.device, budget)
     return chunked(attend, seq, chunk).view(batch, heads, seq, dim)
+
+
+def _per_sample(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], budget: int | None, segments: torch.Tensor
+) -> torch.Tensor:
+    """``ttt_attention`` of one batch row (``q`` [1, heads, S, d], its keys and values) a sample (``segments`` [S])
+    at a time."""
+    bounds = segment_bounds(segments)
+    parts = [
+        ttt_attention(q[:, :, a:b], [k[:, :, a:b] for k in keys], [v[:, :, a:b] for v in values], budget)
+        for a, b in bounds
+    ]
+    return torch.cat(parts, dim=2)
 
 
 def segment_bounds(segments: torch.Tensor) -> list[tuple[int, int]]:

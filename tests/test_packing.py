@@ -112,8 +112,8 @@ def test_packing_with_the_targets_forward_in_the_step_is_refused_naming_why(make
 
 @pytest.mark.parametrize("budget", [None, 300], ids=["dense-mask", "chunks"])
 def test_ttt_attention_keeps_each_sample_of_packed_rows_to_itself(budget):
-    # Two packed rows with different boundaries (one row is split per sample instead): the masked forms equal each
-    # sample attended on its own, in values and gradients.
+    # Two packed rows with different boundaries, each sample's scores dense or in chunks: they equal each sample
+    # attended on its own, in values and gradients.
     torch.manual_seed(0)
     segments = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
     q = torch.randn(2, 4, 16, 8, requires_grad=True)
@@ -132,4 +132,4 @@ def test_ttt_attention_keeps_each_sample_of_packed_rows_to_itself(budget):
     for got, want in zip(grads, torch.autograd.grad((alone * weights).sum(), [q, *keys, *values]), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     one_row = ttt_attention(q[:1], [k[:1] for k in keys], [v[:1] for v in values], budget, segments[:1])
-    torch.testing.assert_close(one_row, alone[:1], rtol=1e-5, atol=1e-6)  # one row: split per sample
+    torch.testing.assert_close(one_row, alone[:1], rtol=1e-5, atol=1e-6)  # one row alone: the same
