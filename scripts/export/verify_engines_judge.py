@@ -115,7 +115,7 @@ def served(
 def overall(heads: list[dict[str, Any]]) -> str:
     statuses = [e["speculators"]["status"] for e in heads] + [r["status"] for e in heads for r in e["served"]]
     statuses += [e["schedule"]["status"] for e in heads if "schedule" in e]
-    statuses = [s for s in statuses if s != "N/A"]
+    statuses = [s for s in statuses if s not in ("N/A", "UNSERVED")]  # UNSERVED: named, the engine's own refusal
     return "PASS" if statuses and all(s == "PASS" for s in statuses) else "FAIL"
 
 

