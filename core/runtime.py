@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import random
@@ -117,7 +118,16 @@ def join_process_group(device: torch.device, tp_size: int = 1) -> Ranks:
         return Ranks()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(leave_process_group)
     return Ranks(dist.get_rank(), dist.get_world_size(), tp_size)
+
+
+def leave_process_group() -> None:
+    """Destroy this process's group, at exit: a rank that exits with the group alive can abort in its
+    communication threads' teardown ("terminate called without an active exception", SIGABRT under torchrun)
+    while the other ranks are still finishing."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier() -> None:

@@ -42,6 +42,7 @@ from headstart.core.models import load_target
 from headstart.core.runtime import (
     Ranks,
     cosine_with_warmup,
+    leave_process_group,
     mix_seed,
     rank_device,
     resolve_dtype,
@@ -122,7 +123,7 @@ def init_distributed(device_name: str, tp_size: int = 1) -> Process:
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
         # Destroyed at exit, not when main() returns: DeepSpeed caches groups made from this one, so a
         # second main() in the same process (the tests) must find the same group.
-        atexit.register(_shutdown)
+        atexit.register(leave_process_group)
     return Process(dist.get_rank(), dist.get_world_size(), device, tp_size)
 
 
@@ -130,11 +131,6 @@ def _free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return str(s.getsockname()[1])
-
-
-def _shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def load_run_target(cfg: TrainConfig, proc: Process) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
