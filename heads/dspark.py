@@ -77,7 +77,11 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(hidden_size + rank, 1)
 
     def forward(self, hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
-        return self.proj(torch.cat((hidden, markov_embedding.to(hidden.dtype)), -1))[..., 0]
+        # In the head's own dtype (bf16 on a GPU, where the whole head is cast); the logit in fp32 for the BCE
+        # and the log-survival sums.
+        dtype = self.proj.weight.dtype
+        features = torch.cat((hidden.to(dtype), markov_embedding.to(dtype)), -1)
+        return self.proj(features)[..., 0].float()
 
 
 class DSparkHead(DFlashHead):
@@ -119,7 +123,7 @@ class DSparkHead(DFlashHead):
         """The confidence head's logit [...] for slots with outputs ``hidden`` and previous tokens ``previous``."""
         if self.confidence_head is None:
             raise ValueError("this DSpark head was trained without a confidence head (head.confidence_head: false)")
-        return self.confidence_head(hidden.float(), self.markov_head.markov_w1(previous).float())
+        return self.confidence_head(hidden, self.markov_head.markov_w1(previous))
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """DeepSpec's DSpark loss over random anchors (``block_states``): per scored slot,

@@ -1,6 +1,7 @@
 """DSpark block drafters: DeepSpec's loss term by term, drafting through the verifier (greedy identity for chains,
 trees and every confidence cut, lossless sampling), training with exact resume, export for vLLM and import."""
 
+import copy
 import json
 
 import pytest
@@ -134,6 +135,23 @@ def test_greedy_output_equals_target_greedy_at_every_confidence_cut(target, choi
         depths.append(stats.target_forwards)
     outputs, _ = generate_batch(target, [DSpark(head, choices) for _ in prompts()], prompts(), NEW)
     assert all(torch.equal(out, greedy_reference(target, p)) for out, p in zip(outputs, prompts()))
+
+
+def test_a_bf16_head_and_target_score_confidence_and_decode_as_the_bf16_target(target):
+    """On a GPU the whole head is cast to bf16 (eval --dtype bf16, DeepSpeed's bf16 training): the confidence
+    head computes in its own dtype and hands back an fp32 logit (it once met fp32 inputs and failed)."""
+    head = dspark_head(target)
+    half_head, half_target = dspark_head(target).to(torch.bfloat16), copy.deepcopy(target).to(torch.bfloat16)
+    hidden, previous = torch.randn(6, head.config.arch.hidden_size), torch.arange(6)
+    logit = half_head.confidence_logit(hidden.to(torch.bfloat16), previous)
+    assert logit.dtype == torch.float32
+    torch.testing.assert_close(logit, head.confidence_logit(hidden, previous), atol=0.05, rtol=0.05)
+    proposer = DSpark(half_head, min_confidence=0.3)
+    for prompt in prompts():
+        out, _ = generate(half_target, proposer, prompt, NEW, eos_token_id=target.config.eos_token_id)
+        assert torch.equal(out, greedy_reference(half_target, prompt))
+    loss, metrics = half_head.loss(block_batch(half_target, half_head))
+    assert torch.isfinite(loss) and metrics["confidence_bce"].dtype == torch.float32
 
 
 def test_the_confidence_cut_drafts_less_where_the_head_doubts(target):
