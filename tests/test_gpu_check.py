@@ -62,8 +62,8 @@ def test_the_checks_and_report_on_step_outputs(tmp_path) -> None:
         {"name": "capture-tp2", "skipped": "skipped: 1 GPU visible"},
         {"name": "eval-tp2", "skipped": "skipped: 1 GPU visible"},
     ]
-    two_gpus = {s.name: s.command for s in gpu_check.plan(gpu_check.Settings.for_device("cuda"), tmp_path, [], 2)}
-    assert "--tp-size" in two_gpus["eval-tp2"] and "target.tp_size=2" in two_gpus["capture-tp2"]
+    two_gpus = {s.name: s.commands for s in gpu_check.plan(gpu_check.Settings.for_device("cuda"), tmp_path, [], 2)}
+    assert "--tp-size" in two_gpus["eval-tp2"][0] and "target.tp_size=2" in two_gpus["capture-tp2"][0]
 
     report = {"machine": "m", "device": "cuda", "gpus": 1, "torch": "t", "steps": []}
     report["steps"] = [
@@ -78,6 +78,31 @@ def test_the_checks_and_report_on_step_outputs(tmp_path) -> None:
     text = (tmp_path / "gpu_check.md").read_text()
     assert text.startswith("# gpu-check: FAILED") and "| capture-tp2 | skipped: 1 GPU visible |" in text
     assert "| eval-bf16 | **FAIL** | 2.0 |" in text and "`c \\| d`" in text
+
+
+def test_heads_bf16_trains_every_demo_recipe_in_bf16_then_evaluates_them_all(tmp_path) -> None:
+    (capture, *trains, evaluate) = gpu_check.heads_bf16_commands(gpu_check.Settings.for_device("cuda"), tmp_path)
+    assert "data_recipes.capture" in capture and "data.limit=64" in capture
+    trainers = [next(a for a in command if a.startswith("train/")) for command in trains]
+    assert trainers == [f"train/{t}.py" for t in ("eagle", "eagle", "eagle", "medusa", "dflash", "dspark", "dflash2")]
+    for recipe, command in zip(gpu_check.DEMO_RECIPES, trains):
+        assert f"configs/{recipe}.yaml" in command and "train.dtype=bf16" in command
+        assert f"capture.out_dir={tmp_path / 'capture'}" in command and "target.device=cuda" in command
+    assert evaluate[evaluate.index("--dtype") + 1] == "bf16"
+    assert evaluate[evaluate.index("--method") + 1] == "vanilla,eagle,eagle3,peagle,medusa,dflash,dspark,dflash2"
+    assert evaluate[evaluate.index("--head") + 1].split(",")[-1] == str(tmp_path / "demo-dflash2" / "head")
+
+    near = {"near_tie": True, "logit_gap": 0.001}
+    _eval_report(tmp_path / "eval", {"vanilla": _method(1.0, True), "dspark": _method(2.0, False, [near])})
+    for i, recipe in enumerate(gpu_check.DEMO_RECIPES):
+        (tmp_path / recipe).mkdir()
+        lines = [{"step": 1, "split": "train", "loss": 9.0}, {"step": 2, "split": "train", "loss": 5.0 + i}]
+        lines.append({"step": 2, "split": "heldout", "loss": 1.0})
+        (tmp_path / recipe / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    passed, details = gpu_check.check_heads_bf16(tmp_path)
+    assert passed and details["last_train_loss"]["demo-eagle"] == 5.0 and details["methods"]["dspark"]["near_ties"] == 1
+    (tmp_path / "demo-dspark" / "metrics.jsonl").write_text('{"step": 2, "split": "train", "loss": NaN}\n')
+    assert gpu_check.check_heads_bf16(tmp_path)[0] is False
 
 
 def test_allow_cpu_runs_the_step_and_records_it(tmp_path, monkeypatch) -> None:

@@ -17,10 +17,15 @@ killed run keeps what finished):
    (the hidden states' largest difference is reported);
 4. ``eval-tp2``: ``eval.acceptance --tp-size 2`` under torchrun in fp32; passes when every method's tau,
    target forwards, new tokens and greedy_identical equal ``eval-fp32``'s (report.json holds no token ids);
-5. ``families``: ``scripts.dev.tiny_families`` on CUDA in fp32: tiny random targets of every family a serving
+5. ``heads-bf16``: every demo recipe (EAGLE-1/2, EAGLE-3.1, P-EAGLE, Medusa, DFlash, DSpark, DFlash-2) trained a
+   few steps in bf16 (``train.dtype=bf16``: DeepSpeed's bf16, the whole head cast) from a capture of its own,
+   then ``eval.acceptance --dtype bf16`` with every trained head; passes when each trained and every
+   divergence is a near-tie, as ``eval-bf16``. It needs no ``--head``: every head type's bf16 path runs on CUDA
+   (a head cast to bf16 once crashed there in DSpark's confidence head, found only when a DSpark head was named);
+6. ``families``: ``scripts.dev.tiny_families`` on CUDA in fp32: tiny random targets of every family a serving
    engine drafts for (MoE, MLA, sliding-window, linear-attention and Mamba hybrids); passes when n-gram and
    EAGLE-3 speculative decoding give each one's own greedy output (the windows and recurrent rollback on CUDA);
-6. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
+7. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
    (its GPU column: capture vs forward, head steps, verify curve); passes when it writes its report.
 
 The tensor-parallel steps need 2 visible GPUs; with one they are recorded as ``skipped: 1 GPU visible``. On a
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -49,13 +55,24 @@ import torch
 
 from headstart.core.io import atomic_write_text
 from headstart.eval.results import MethodResult, read_methods
+from headstart.heads.registry import drafting_owner
 
 REPO = Path(__file__).resolve().parents[2]  # scripts/dev/gpu_check.py: the repository root
 TARGET = "assets/demo-target"
 BENCH = "assets/data/gsm8k_test.jsonl"
 CAPTURE_CONFIG = "configs/demo-eagle3.yaml"
 MAX_TP = 2  # the bundled target's key/value heads: each rank holds whole heads
-STEPS = ("eval-fp32", "eval-bf16", "capture-tp1", "capture-tp2", "eval-tp2", "families", "bench-scale")
+STEPS = ("eval-fp32", "eval-bf16", "capture-tp1", "capture-tp2", "eval-tp2", "heads-bf16", "families", "bench-scale")
+# The demo's recipes (configs/<recipe>.yaml, all on the EAGLE-3 demo's capture) and the method each head drafts with.
+DEMO_RECIPES = {
+    "demo-eagle": "eagle",
+    "demo-eagle3": "eagle3",
+    "demo-peagle": "peagle",
+    "demo-medusa": "medusa",
+    "demo-dflash": "dflash",
+    "demo-dspark": "dspark",
+    "demo-dflash2": "dflash2",
+}
 NO_GPU = (
     "scripts.dev.gpu_check runs what CI cannot (the CUDA evaluation path, tensor parallelism over GPUs, the GPU bench) "
     "and needs a CUDA GPU: torch.cuda.is_available() is False here (torch {torch}). Run it on a GPU machine, or "
@@ -71,6 +88,7 @@ class Settings:
     prompts: int
     new_tokens: int
     capture_samples: int
+    train_steps: int  # heads-bf16: optimizer steps per recipe
     bench: tuple[str, ...]
 
     @classmethod
@@ -78,18 +96,19 @@ class Settings:
         if device == "cuda":  # the 8B shape at full depth (16 GB in bf16), short sequences: a few minutes
             bench = "--shape llama-3.1-8b --dtype bf16 --seq-len 1024 --capture-samples 4 --head-steps 2 "
             bench += "--kv-length 1024 --max-nodes 64 --repeats 2"
-            return cls("cuda", prompts=8, new_tokens=64, capture_samples=64, bench=tuple(bench.split()))
+            return cls("cuda", prompts=8, new_tokens=64, capture_samples=64, train_steps=10, bench=tuple(bench.split()))
         bench = "--shape tiny --layers 4 --dtype fp32 --seq-len 32 --capture-samples 2 --draft-vocab 256 "
         bench += "--ttt-steps 2 --head-steps 1 --kv-length 16 --max-nodes 8 --repeats 1"
-        return cls("cpu", prompts=1, new_tokens=8, capture_samples=4, bench=tuple(bench.split()))
+        return cls("cpu", prompts=1, new_tokens=8, capture_samples=4, train_steps=2, bench=tuple(bench.split()))
 
 
 @dataclass
 class Step:
-    """One subprocess and the check of what it wrote: ``check`` returns (passed, details)."""
+    """Subprocesses run in order (the first to fail ends the step) and the check of what they wrote: ``check``
+    returns (passed, details)."""
 
     name: str
-    command: list[str]
+    commands: list[list[str]]
     check: Callable[[], tuple[bool, dict[str, Any]]]
     out_dir: Path
 
@@ -207,19 +226,19 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
     steps: list[Step | dict[str, Any]] = [
         Step(
             "eval-fp32",
-            eval_command(s, methods, heads, "fp32", d["eval-fp32"], 1),
+            [eval_command(s, methods, heads, "fp32", d["eval-fp32"], 1)],
             lambda: check_fp32(d["eval-fp32"]),
             d["eval-fp32"],
         ),
         Step(
             "eval-bf16",
-            eval_command(s, methods, heads, "bf16", d["eval-bf16"], 1),
+            [eval_command(s, methods, heads, "bf16", d["eval-bf16"], 1)],
             lambda: check_bf16(d["eval-bf16"]),
             d["eval-bf16"],
         ),
         Step(
             "capture-tp1",
-            capture_command(s, d["capture-tp1"], 1),
+            [capture_command(s, d["capture-tp1"], 1)],
             lambda: check_capture(d["capture-tp1"]),
             d["capture-tp1"],
         ),
@@ -232,31 +251,69 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
         steps += [
             Step(
                 "capture-tp2",
-                capture_command(s, d["capture-tp2"], tp),
+                [capture_command(s, d["capture-tp2"], tp)],
                 lambda: check_capture_tp(d["capture-tp1"], d["capture-tp2"]),
                 d["capture-tp2"],
             ),
             Step(
                 "eval-tp2",
-                eval_command(s, methods, heads, "fp32", d["eval-tp2"], tp),
+                [eval_command(s, methods, heads, "fp32", d["eval-tp2"], tp)],
                 lambda: check_eval_tp(d["eval-fp32"], d["eval-tp2"]),
                 d["eval-tp2"],
             ),
         ]
+    steps.append(
+        Step(
+            "heads-bf16",
+            heads_bf16_commands(s, d["heads-bf16"]),
+            lambda: check_heads_bf16(d["heads-bf16"]),
+            d["heads-bf16"],
+        )
+    )
     families = [sys.executable, "-m", "scripts.dev.tiny_families", "--device", s.device, "--dtype", "fp32"]
     steps.append(
-        Step("families", [*families, "--out", str(d["families"])], lambda: check_families(d["families"]), d["families"])
+        Step(
+            "families", [[*families, "--out", str(d["families"])]], lambda: check_families(d["families"]), d["families"]
+        )
     )
     bench = [sys.executable, "-m", "scripts.bench.scale", *s.bench, "--device", s.device]
     steps.append(
         Step(
             "bench-scale",
-            [*bench, "--out", str(d["bench-scale"])],
+            [[*bench, "--out", str(d["bench-scale"])]],
             lambda: check_bench(d["bench-scale"]),
             d["bench-scale"],
         )
     )
     return steps
+
+
+def heads_bf16_commands(s: Settings, out: Path) -> list[list[str]]:
+    """A capture of ``s.capture_samples`` conversations, each demo recipe trained ``s.train_steps`` steps on it with
+    a bf16 head (the target, and so the captured states, as the recipe says), then one bf16 evaluation of them all."""
+    capture = out / "capture"
+    commands = [capture_command(s, capture, 1)]
+    for recipe, method in DEMO_RECIPES.items():
+        trainer = drafting_owner(method).trainer
+        command = [*torchrun(1), f"train/{trainer}.py", "--config", f"configs/{recipe}.yaml"]
+        command += [f"capture.out_dir={capture}", f"data.limit={s.capture_samples}", f"target.device={s.device}"]
+        command += [f"train.out_dir={out / recipe}", "train.dtype=bf16", f"train.max_steps={s.train_steps}"]
+        command += [f"train.heldout_samples={max(1, s.capture_samples // 8)}", f"train.save_every={s.train_steps}"]
+        command += ["train.batch_size=2", "train.micro_batch_size=2"]  # what the CPU's 3 training samples fill
+        commands.append(command + [f"train.eval_every={s.train_steps}", "train.eval_prompts=1"])
+    heads = [str(out / recipe / "head") for recipe in DEMO_RECIPES]
+    return commands + [eval_command(s, ["vanilla", *DEMO_RECIPES.values()], heads, "bf16", out / "eval", 1)]
+
+
+def check_heads_bf16(out: Path) -> tuple[bool, dict[str, Any]]:
+    """check_bf16 of the trained heads' evaluation, with each recipe's last training loss (finite, or it fails)."""
+    losses = {}
+    for recipe in DEMO_RECIPES:
+        records = [json.loads(line) for line in (out / recipe / "metrics.jsonl").read_text().splitlines()]
+        losses[recipe] = [r["loss"] for r in records if r.get("split") == "train" and "loss" in r][-1]
+    passed, details = check_bf16(out / "eval")
+    finite = all(math.isfinite(loss) for loss in losses.values())
+    return passed and finite, details | {"last_train_loss": losses}
 
 
 def methods_of_head_folders(heads: list[str]) -> list[str]:
@@ -303,20 +360,25 @@ def run_step(step: Step, logs: Path, timeout_s: float) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.setdefault("WANDB_MODE", "disabled")
     log = logs / f"{step.name}.log"
-    start = time.perf_counter()
+    start, returncode = time.perf_counter(), 0
     with log.open("w") as f:
-        proc = subprocess.Popen(
-            step.command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            returncode = proc.wait()
+        for command in step.commands:
+            f.write(f"$ {shlex.join(command)}\n")
+            f.flush()
+            proc = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                returncode = proc.wait(timeout=max(timeout_s - (time.perf_counter() - start), 0))
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                returncode = proc.wait()
+            if returncode:
+                break
     wall = time.perf_counter() - start
     record: dict[str, Any] = {
         "name": step.name,
-        "command": shlex.join(step.command),
+        "command": " && ".join(shlex.join(command) for command in step.commands),
         "wall_s": round(wall, 1),
         "returncode": returncode,
         "log": str(log),
