@@ -6,7 +6,7 @@ confidence head once met fp32 inputs there)."""
 import pytest
 import torch
 from conftest import LAYER_IDS, tiny_llama
-from test_dflash import WIDE, features, greedy_reference, prompts
+from test_dflash import WIDE, V, features, greedy_reference, prompts
 
 from headstart.decoding.methods import proposer_for
 from headstart.decoding.tree_config import TreeSpec
@@ -50,7 +50,7 @@ def bf16_head(target, settings: dict):
 
 def bf16_batch(target, head) -> dict[str, torch.Tensor]:
     """Two samples of 14 random ids with the bf16 target's states, the second padded from 11."""
-    ids = torch.randint(2, WIDE.get("vocab_size", 300), (2, 14), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(2, V, (2, 14), generator=torch.Generator().manual_seed(3))
     attention = torch.ones_like(ids)
     attention[1, 11:] = 0
     aux, last = features(target, ids, head.hidden_layers)
