@@ -92,7 +92,11 @@ def is_complete(stamp_path: Path, key: str, outputs: list[Path]) -> bool:
 
 
 def run_stages(cfg: DemoConfig, only: set[str] | None = None) -> dict[str, Any]:
-    """Run (or skip) every stage in order; returns the timings, also written to ``<out_dir>/timings.json``."""
+    """Run (or skip) every stage in order; returns the timings, also written to ``<out_dir>/timings.json``.
+
+    A stage is skipped when its key (``stage_key``) matches its stamp and its outputs exist. A stage that runs
+    first drops the stamps of every stage after it, so what was made from its old outputs runs again (a retrained
+    head is evaluated and exported anew)."""
     out_dir = Path(cfg.out_dir)
     stamps = out_dir / "stages"
     settings = {k: v for k, v in as_dict(cfg).items() if k != "stages"}  # the {key}s a command may name
@@ -114,6 +118,8 @@ def run_stages(cfg: DemoConfig, only: set[str] | None = None) -> dict[str, Any]:
             print(f"{header}: done, skipped (outputs complete; it took {seconds:.1f} s when it ran)", flush=True)
             timings["stages"][name] = {"status": "skipped", "seconds": 0.0, "seconds_when_run": seconds}
             continue
+        for later in stages[index:]:  # made from this stage's old outputs: they run again, even after a kill
+            (stamps / f"{later.name}.json").unlink(missing_ok=True)
         print(f"{header}: running\n    {shlex.join(command)}", flush=True)
         began = time.perf_counter()
         code = subprocess.run(command).returncode

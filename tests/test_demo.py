@@ -1,4 +1,5 @@
-"""The demo's stage runner: a finished stage is skipped, a changed input or upstream stage re-runs, a failure says so.
+"""The demo's stage runner: a finished stage is skipped; a changed input, or an upstream stage that ran, re-runs it; a
+failure says so.
 
 The stages here are small shell-free Python one-liners that append to a log, so the tests see exactly
 which commands ran. The real pipeline under SIGKILL is tests/test_fault_injection.py.
@@ -63,6 +64,12 @@ def test_finished_stages_are_skipped_and_changes_rerun_what_they_affect(tmp_path
 
     (tmp_path / "b.txt").unlink()  # a missing output: that stage again, not its upstream
     run(cfg)
+    assert ran(tmp_path) == ["second"]
+
+    (tmp_path / "a.txt").unlink()  # a stage that runs again: everything made from its outputs too
+    run(cfg, only={"first"})
+    assert ran(tmp_path) == ["first"]
+    run(cfg)  # a later invocation still knows: the stale stage's stamp went when its upstream ran
     assert ran(tmp_path) == ["second"]
 
     (tmp_path / "input.txt").write_text("v2")  # a changed input: its stage and everything after it
