@@ -6,7 +6,7 @@ confidence head once met fp32 inputs there)."""
 import pytest
 import torch
 from conftest import LAYER_IDS, tiny_llama
-from test_dflash import WIDE, V, features, greedy_reference, prompts
+from test_dflash import WIDE, block_batch, greedy_reference, prompts
 
 from headstart.decoding.methods import proposer_for
 from headstart.decoding.tree_config import TreeSpec
@@ -48,22 +48,11 @@ def bf16_head(target, settings: dict):
     return head.to(torch.bfloat16)
 
 
-def bf16_batch(target, head) -> dict[str, torch.Tensor]:
-    """Two samples of 14 random ids with the bf16 target's states, the second padded from 11."""
-    ids = torch.randint(2, V, (2, 14), generator=torch.Generator().manual_seed(3))
-    attention = torch.ones_like(ids)
-    attention[1, 11:] = 0
-    aux, last = features(target, ids, head.hidden_layers)
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": attention.clone(), "aux_hidden": aux} | {
-        "last_hidden": last
-    }
-
-
 @pytest.mark.parametrize("name", HEADS)
 def test_a_bf16_head_trains_and_decodes_as_the_bf16_target(bf16_target, name):
     head = bf16_head(bf16_target, HEADS[name])
     assert all(p.dtype == torch.bfloat16 for p in head.parameters())
-    loss, metrics = head.loss(bf16_batch(bf16_target, head))
+    loss, metrics = head.loss(block_batch(bf16_target, head))  # the states from the bf16 target
     loss.backward()
     assert torch.isfinite(loss) and loss > 0, name
     assert all(torch.isfinite(v).all() for v in metrics.values()), name
