@@ -44,6 +44,14 @@ test: install lint
 gpu-check: install
 	$(PY) -m scripts.dev.gpu_check --out runs/gpu-check $(GPU_CHECK_FLAGS)
 
+# On a CUDA machine: capture, head steps (tokens/s, memory, MFU at 1K-32K tokens), the verify curve, the draft step
+# and vanilla decoding against the weight-read floor and HF generate, at the Llama-3.1-8B shape, beside issue #52's
+# goals, in runs/gpu-bench/gpu_bench.{json,md} within 5 minutes (scripts/bench/gpu.py). GPU_BENCH_FLAGS=--allow-cpu:
+# the same stages at a tiny shape on a CPU, in seconds.
+.PHONY: gpu-bench
+gpu-bench: install
+	$(PY) -m scripts.bench.gpu --out runs/gpu-bench $(GPU_BENCH_FLAGS)
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -136,11 +136,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def collective_device() -> torch.device:
+    """Where a tensor must live for the process group's collectives: NCCL (the group of CUDA ranks) reduces this
+    rank's GPU tensors only, gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def sum_over_ranks(value: int) -> int:
     """``value`` summed over the job's ranks (itself without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    total = torch.tensor([value], dtype=torch.long)
+    total = torch.tensor([value], dtype=torch.long, device=collective_device())
     dist.all_reduce(total)
     return int(total.item())
 

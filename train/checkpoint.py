@@ -46,6 +46,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
 from headstart.core.io import atomic_dir, atomic_write_text
+from headstart.core.runtime import collective_device
 from headstart.data_recipes.shards import file_sha256
 
 MARKER = "COMPLETE"
@@ -188,7 +189,7 @@ def has_frozen_parameters(engine: deepspeed.DeepSpeedEngine) -> bool:
 def all_finite(engine: deepspeed.DeepSpeedEngine) -> bool:
     """Every trained weight on every rank is finite (ZeRO-3 ranks check their own partition)."""
     ok = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.module.parameters())
-    flag = torch.tensor([float(ok)])
+    flag = torch.tensor([float(ok)], device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

@@ -41,6 +41,7 @@ from headstart.core.memory import (
 from headstart.core.models import load_target
 from headstart.core.runtime import (
     Ranks,
+    collective_device,
     cosine_with_warmup,
     leave_process_group,
     mix_seed,
@@ -295,9 +296,9 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 def _reduce_mean(values: list[torch.Tensor], count: int) -> list[float]:
     """Sum across ranks and divide by the number of micro-batches that contributed (all ranks)."""
-    packed = torch.stack([v.detach().float().cpu() for v in values])
+    packed = torch.stack([v.detach().float() for v in values]).to(collective_device())
     dist.all_reduce(packed)
-    return (packed / max(count, 1)).tolist()
+    return (packed.cpu() / max(count, 1)).tolist()
 
 
 def train_step(
@@ -307,22 +308,24 @@ def train_step(
     start = time.perf_counter()
     lr = engine.get_lr()[0]  # the rate this step's update uses (the schedule advances in engine.step)
     sums: dict[str, torch.Tensor] = {}
-    tokens = torch.zeros(())
+    tokens = torch.zeros((), device=proc.device)  # metrics stay on the device until the step's one reduction
     for m, batch in enumerate(batches):
         # Dropout (Medusa-2's LoRA) draws from a generator set per micro-batch chunk: the same numbers for
         # a resumed run, for any number of processes, and on every rank of a tensor-parallel group.
         torch.manual_seed(mix_seed(seed, step, m * proc.dp_world + proc.dp_rank))
         batch = _to(batch, proc.device)
         loss, metrics = engine(batch, step)
-        finite = torch.tensor([float(torch.isfinite(loss.detach()).item())])
+        # The step's one host synchronisation before the reduction: a non-finite loss must stop every rank
+        # before its update.
+        finite = torch.isfinite(loss.detach()).float().reshape(1).to(collective_device())
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
             raise NonFiniteLoss(f"non-finite loss ({loss.item()}) at step {step + 1}")
         engine.backward(loss)
         engine.step()
         for key, value in {"loss": loss, **metrics}.items():
-            sums[key] = sums.get(key, 0) + value.detach().float().cpu()
-        tokens += batch["attention_mask"].sum().cpu()
+            sums[key] = sums.get(key, 0) + value.detach().float()
+        tokens += batch["attention_mask"].sum()
     means = _reduce_mean(list(sums.values()), len(batches) * proc.world)
     total_tokens = _reduce_mean([tokens], proc.tp_size)[0]  # each group's ranks all counted its tokens
     seconds = time.perf_counter() - start

@@ -55,6 +55,20 @@ def step_batches(
     return raw, batches
 
 
+def random_batch(
+    vocab_size: int, hidden_size: int, layers: int, seq_len: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """One sample of ``seq_len`` random tokens, every one a label, with random captured states (``layers`` fused
+    layers and the last hidden state): a head step's input at a shape, without running the target."""
+    return {
+        "input_ids": torch.randint(0, vocab_size, (1, seq_len), device=device),
+        "attention_mask": torch.ones(1, seq_len, dtype=torch.long, device=device),
+        "loss_mask": torch.ones(1, seq_len, dtype=torch.long, device=device),
+        "aux_hidden": torch.randn(1, seq_len, layers * hidden_size, dtype=dtype, device=device),
+        "last_hidden": torch.randn(1, seq_len, hidden_size, dtype=dtype, device=device),
+    }
+
+
 def packed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A padded batch's samples end to end in one row (``train.pack``), their states too: a causal target's states
     of a right-padded row's real tokens are the sample's own."""

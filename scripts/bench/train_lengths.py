@@ -38,6 +38,7 @@ from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.heads import build_head
 from headstart.scripts.bench.scale_shapes import SHAPES, fused_layers, shape_config
+from headstart.scripts.bench.train import random_batch
 
 BUNDLED_TARGET = "assets/demo-target"
 HEADS = {  # the head options each measured head type trains with (the demo's sizes)
@@ -105,14 +106,8 @@ def one_step(
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     if recompute != "auto":  # train.checkpoint_steps
         head.checkpoint_steps = recompute == "true"
-    hidden, compute = text.hidden_size, resolve_dtype(dtype)
-    batch = {
-        "input_ids": torch.randint(0, text.vocab_size, (1, seq_len), device=where),
-        "attention_mask": torch.ones(1, seq_len, dtype=torch.long, device=where),
-        "loss_mask": torch.ones(1, seq_len, dtype=torch.long, device=where),
-        "aux_hidden": torch.randn(1, seq_len, len(layers) * hidden, dtype=compute, device=where),
-        "last_hidden": torch.randn(1, seq_len, hidden, dtype=compute, device=where),
-    }
+    compute = resolve_dtype(dtype)
+    batch = random_batch(text.vocab_size, text.hidden_size, len(layers), seq_len, compute, where)
     options = head.config.options
     parts = head_training_parts(head, 0, 1, bf16=False)  # what the step adds: gradients and AdamW's moments
     estimate = parts["gradients"] + parts["optimizer"] + head_activations(

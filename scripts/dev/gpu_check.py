@@ -353,6 +353,18 @@ def kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def failure_tail(log: str, lines: int = 15, longest: int = 30) -> list[str]:
+    """What a failed step's report shows of its log: the last Python traceback where there is one (under torchrun
+    the log ends in torchrun's own summary, which names no cause), else the last ``lines`` lines."""
+    text = log.splitlines()
+    starts = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
+    if not starts:
+        return text[-lines:]
+    block = text[starts[-1] :]
+    summary = next((i for i, line in enumerate(block) if line.startswith("====")), len(block))  # torchrun's
+    return block[:summary][-longest:]
+
+
 def run_step(step: Step, logs: Path, timeout_s: float) -> dict[str, Any]:
     """The step's command in a fresh folder, its output in ``logs``; the check only when it exited 0. A step past
     ``timeout_s`` (a collective that hangs) is killed with its whole process group, torchrun's workers included."""
@@ -385,8 +397,10 @@ def run_step(step: Step, logs: Path, timeout_s: float) -> dict[str, Any]:
     }
     if returncode:
         why = f"killed after {timeout_s:.0f} s (--step-timeout)" if wall >= timeout_s else f"exit {returncode}"
-        tail = log.read_text(errors="replace").splitlines()[-15:]
-        return record | {"passed": False, "details": {"why": why, "log_tail": tail}}
+        return record | {
+            "passed": False,
+            "details": {"why": why, "log_tail": failure_tail(log.read_text(errors="replace"))},
+        }
     try:
         passed, details = step.check()
     except (OSError, KeyError, ValueError) as error:  # an output missing or not as expected
