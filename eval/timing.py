@@ -110,17 +110,17 @@ def measure_verify(
         for n in nodes:
             trees, roots = [chain(context[:n])] * batch, rows[:, -1]
             times = []
-            for _ in range(repeats):
+            for _ in range(repeats + 1):  # the first step of a shape warms up (a GPU picks its kernels) untimed
                 times.append(_ms(context.device, verify_batch, target, cache, valid, roots, trees, Sampling()))
                 cache.crop(length - cache.get_seq_length())
-            ms.append(statistics.median(times))
+            ms.append(statistics.median(times[1:]))
         out[batch] = ms
     return out
 
 
 def drafting_tokens(widths: Sequence[int], repeats: int, accepted: int) -> int:
-    """Context tokens ``measure_drafting`` commits after its start."""
-    return 2 * len(widths) * repeats * (accepted + 1)
+    """Context tokens ``measure_drafting`` commits after its start (each cycle's warm-up included)."""
+    return 2 * len(widths) * (repeats + 1) * (accepted + 1)
 
 
 @torch.no_grad()
@@ -153,12 +153,12 @@ def measure_drafting(
         proposer.choices = choices
         proposer.update(context[: start + 1], None if hidden is None else hidden[:start])
         propose_ms, update_ms = [], []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):  # the first cycle of a tree shape warms up untimed
             propose_ms.append(_ms(context.device, proposer.propose, context[: start + 1]))
             rows = None if hidden is None else hidden[start : start + m]
             update_ms.append(_ms(context.device, proposer.update, context[: start + 1 + m], rows))
             start += m
-        return statistics.median(propose_ms), statistics.median(update_ms)
+        return statistics.median(propose_ms[1:]), statistics.median(update_ms[1:])
 
     level_ms, base = [], []
     for k in widths:

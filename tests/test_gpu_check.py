@@ -114,3 +114,25 @@ def test_allow_cpu_runs_the_step_and_records_it(tmp_path, monkeypatch) -> None:
     assert step["details"] == {"greedy_identical": {"vanilla": True, "ngram": True}}
     assert report["passed"] is True and json.loads((tmp_path / "gpu_check.json").read_text()) == report
     assert json.loads((tmp_path / "eval-fp32" / "report.json").read_text())["device"] == "cpu"
+
+
+def test_a_failed_steps_report_shows_the_traceback_not_torchruns_summary() -> None:
+    log = "\n".join(
+        [
+            "$ python -m torch.distributed.run train/eagle.py",
+            "train:   0%|",
+            "[rank0]: Traceback (most recent call last):",
+        ]
+        + [f'[rank0]:   File "train/loop.py", line {n}, in train_step' for n in range(3)]
+        + ["[rank0]: RuntimeError: No backend type associated with device type cpu", "E1128 failed (exitcode: 1)"]
+        + ["Traceback (most recent call last):", '  File "torch/distributed/run.py", line 994', "ChildFailedError: "]
+        + ["=" * 60, "train/eagle.py FAILED", "Root Cause (first observed failure):", "[0]:"]
+    )
+    tail = gpu_check.failure_tail(log)
+    # torchrun's own traceback is the last one and names ChildFailedError: the rank's, above it, is the cause.
+    assert tail[0] == "[rank0]: Traceback (most recent call last):" and len(tail) == 6
+    assert tail[-2:] == [
+        "[rank0]: RuntimeError: No backend type associated with device type cpu",
+        "E1128 failed (exitcode: 1)",
+    ]
+    assert gpu_check.failure_tail("a\nb\nc", lines=2) == ["b", "c"]

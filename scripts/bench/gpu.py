@@ -33,6 +33,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from headstart.core.timing import timed
 from headstart.decoding.proposers import Vanilla
 from headstart.decoding.proposers_heads import head_drafter
 from headstart.decoding.verify import generate
-from headstart.eval.timing import machine, measure_drafting, peak_memory_mb
+from headstart.eval.timing import drafting_tokens, machine, measure_drafting, peak_memory_mb
 from headstart.heads import build_head
 from headstart.heads import head_type as registered_type
 from headstart.scripts.bench.capture import best_seconds
@@ -107,7 +108,7 @@ class Settings:
         if device.type == "cuda":
             return cls("llama-3.1-8b", None, torch.bfloat16, (4, 1024), (1024, 2048, 8192, 32768), 2048, 2, 32000,
                        1024, 64, 64, 2)  # fmt: skip
-        return cls("tiny", 4, torch.float32, (2, 64), (64, 128, 256), 128, 1, 256, 64, 16, 8, 1)
+        return cls("tiny", 4, torch.float32, (2, 64), (64, 128, 256), 128, 1, 256, 64, 16, 8, 2)
 
 
 def head_options(name: str, layers: list[int], draft_vocab: int) -> dict[str, Any]:
@@ -158,9 +159,10 @@ def measure_draft_step(target: PreTrainedModel, s: Settings, one_token_ms: float
     layers = fused_layers(target.config.num_hidden_layers)
     torch.manual_seed(0)
     head = build_head(head_options("eagle3", layers, s.draft_vocab), target).to(target.device, s.dtype).eval()
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randint(target.config.vocab_size, (s.kv_length + 64,), generator=generator).to(target.device)
-    base_ms, (level_ms,) = measure_drafting(head_drafter(head), target, context, s.kv_length, [1], max(s.repeats, 2))
+    generator, repeats = torch.Generator().manual_seed(0), max(s.repeats, 2)
+    length = s.kv_length + drafting_tokens([1], repeats, 2) + 1
+    context = torch.randint(target.config.vocab_size, (length,), generator=generator).to(target.device)
+    base_ms, (level_ms,) = measure_drafting(head_drafter(head), target, context, s.kv_length, [1], repeats)
     return {
         "kv_length": s.kv_length,
         "level_ms": level_ms,
@@ -174,8 +176,10 @@ def measure_draft_step(target: PreTrainedModel, s: Settings, one_token_ms: float
 def read_bytes(target: PreTrainedModel) -> int:
     """The bytes a one-token decoding step reads: every parameter, but a row alone of an untied input embedding."""
     embedding = target.get_input_embeddings().weight
+    assert isinstance(embedding, torch.Tensor), "a causal LM's input embedding holds a weight tensor"
+    output = target.get_output_embeddings()
     total = sum(p.numel() * p.element_size() for p in target.parameters())
-    tied = embedding is target.get_output_embeddings().weight
+    tied = isinstance(output, torch.nn.Module) and embedding is output.weight
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("draft_step", lambda: measure_draft_step(target, s, result["verify"]["ms"][0])),
     ]
     # Every head at a length before any at the next: a tight budget drops the longest samples, not a head type.
-    stages += [(f"heads/{h}/{n}", lambda h=h, n=n: head_step(target, h, n, s, peak)) for n in s.lengths for h in HEADS]
+    stages += [(f"heads/{h}/{n}", partial(head_step, target, h, n, s, peak)) for n in s.lengths for h in HEADS]
     # Decoding before the longest samples (the slowest steps); HF's static cache last: it compiles for minutes.
     stages.insert(-len(HEADS), ("decoding", lambda: measure_decoding(target, s, peak)))
     stages.append(("hf_static", lambda: measure_hf_static(target, s)))

@@ -354,15 +354,17 @@ def kill_tree(pid: int) -> None:
 
 
 def failure_tail(log: str, lines: int = 15, longest: int = 30) -> list[str]:
-    """What a failed step's report shows of its log: the last Python traceback where there is one (under torchrun
-    the log ends in torchrun's own summary, which names no cause), else the last ``lines`` lines."""
+    """What a failed step's report shows of its log: the end of the last Python traceback that is not torchrun's
+    own (a rank's traceback comes first, then the launcher's ChildFailedError, which names no cause), else the last
+    ``lines`` lines."""
     text = log.splitlines()
     starts = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
-    if not starts:
+    summary = next((i for i, line in enumerate(text) if line.startswith("====")), len(text))  # torchrun's
+    blocks = [text[start:end] for start, end in zip(starts, [*starts[1:], summary], strict=False) if start < end]
+    causes = [block for block in blocks if not any("ChildFailedError" in line for line in block)]
+    if not (causes or blocks):
         return text[-lines:]
-    block = text[starts[-1] :]
-    summary = next((i for i, line in enumerate(block) if line.startswith("====")), len(block))  # torchrun's
-    return block[:summary][-longest:]
+    return (causes or blocks)[-1][-longest:]
 
 
 def run_step(step: Step, logs: Path, timeout_s: float) -> dict[str, Any]:
