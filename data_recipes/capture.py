@@ -57,6 +57,7 @@ from headstart.data_recipes.shards import (
     RECAPTURE,
     ShardError,
     StatesError,
+    WriteBehind,
     check_finite,
     check_states,
     file_sha256,
@@ -80,22 +81,48 @@ def capture_shard(
     store_dtype: torch.dtype,
     hidden_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One shard's tensors: its samples' states, as stored (``store_hidden``), concatenated along the tokens.
+    """One shard's tensors: its samples' states, as stored (``store_hidden``), end to end along the tokens.
 
     Each sample's states are checked first (``check_states``: a row per token, the target's ``hidden_size``,
     float, finite), and again once cast to ``store_dtype`` (fp16 overflows where bf16 does not): concatenated,
-    one sample's extra rows and another's missing ones would pass for aligned."""
+    one sample's extra rows and another's missing ones would pass for aligned.
+
+    On a GPU the host waits once per shard: each sample's stored values are copied without blocking into one
+    pinned host buffer per tensor, and their finiteness is read in the same synchronisation; only a shard that
+    fails is checked again sample by sample, to name the first bad one."""
     found = states(samples, sample_ids)
     if len(found) != len(samples):
         raise StatesError(f"samples {sample_ids[:8]}...: {len(found)} states for {len(samples)} samples")
-    pieces: dict[str, list[torch.Tensor]] = {}
     for sample, sample_id, one in zip(samples, sample_ids, found):
-        check_states(one, len(sample.input_ids), hidden_size, n_aux, f"sample {sample_id}")
-        for key, value in store_hidden(one, store_dtype, n_aux).items():
-            if value.dtype != FP8:
-                check_finite(value, f"sample {sample_id}: {key} stored as {store_dtype} (capture.store_dtype)")
-            pieces.setdefault(key, []).append(value.cpu())
-    return token_tensors(samples, sample_ids) | {key: torch.cat(chunks) for key, chunks in pieces.items() if chunks}
+        check_states(one, len(sample.input_ids), hidden_size, n_aux, f"sample {sample_id}", finite=False)
+    stored = [store_hidden(one, store_dtype, n_aux) for one in found]
+    flags = [torch.isfinite(v).all() for one in (*found, *stored) for v in one.values() if v.dtype != FP8]
+    host = host_buffers(stored)
+    if flags and not bool(torch.stack(flags).all()):  # the shard's one wait for the device
+        for sample, sample_id, one, kept in zip(samples, sample_ids, found, stored):
+            check_states(one, len(sample.input_ids), hidden_size, n_aux, f"sample {sample_id}")
+            for key, value in kept.items():
+                if value.dtype != FP8:
+                    check_finite(value, f"sample {sample_id}: {key} stored as {store_dtype} (capture.store_dtype)")
+    return token_tensors(samples, sample_ids) | host
+
+
+def host_buffers(stored: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each key's per-sample tensors end to end in one host tensor: pinned and filled by non-blocking copies
+    when they are on a GPU (complete once the device is synchronised), plain copies on the CPU."""
+    out = {}
+    for key in stored[0] if stored else {}:
+        pieces = [one[key] for one in stored]
+        first = pieces[0]
+        pinned = first.device.type == "cuda"
+        rows = sum(len(piece) for piece in pieces)
+        buffer = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, pin_memory=pinned)
+        start = 0
+        for piece in pieces:
+            buffer[start : start + len(piece)].copy_(piece, non_blocking=pinned)
+            start += len(piece)
+        out[key] = buffer
+    return out
 
 
 def token_tensors(samples: list[Sample], sample_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -272,21 +299,30 @@ def announce(job: CaptureJob, done: set[int]) -> None:
 def capture_mine(
     job: CaptureJob, mine: list[int], model: PreTrainedModel | None, pad_id: int, hasher: ThreadPoolExecutor
 ) -> tuple[dict[int, Future], int, float]:
-    """Capture and write this rank's shards ``mine``, each one's sha256 read back by ``hasher`` while the next is
-    captured: (the digests by shard, the tokens captured, the seconds it took once the states' source was up)."""
+    """Capture and write this rank's shards ``mine``: each shard is written (atomically, by ``WriteBehind``'s
+    thread) while the target computes the next one, then its sha256 read back by ``hasher``.
+
+    Returns the digests by shard, the tokens captured and the seconds it took once the states' source was up."""
     samples, plan, ranks, out_dir = job.samples, job.plan, job.ranks, job.out_dir
     my_tokens = sum(len(samples[i].input_ids) for k in mine for i in plan[k])
     desc = f"capture rank {ranks.rank}" if ranks.world > 1 else "capture"
     bar = tqdm(total=my_tokens, unit="tok", unit_scale=True, desc=desc)
     digests: dict[int, Future] = {}
-    with state_source(job.cfg, model, job.aux_layers, pad_id, out_dir, started=bool(mine)) as states:
+
+    def write(k: int, tensors: dict[str, torch.Tensor]) -> None:
+        write_shard(out_dir / shard_name(k), tensors, job.fingerprint)
+        digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
+
+    with (
+        state_source(job.cfg, model, job.aux_layers, pad_id, out_dir, started=bool(mine)) as states,
+        WriteBehind() as writer,
+    ):
         start = time.perf_counter()  # after a server's start: the rate is the capture's own
         for k in mine:
             shard = [samples[i] for i in plan[k]]
             tensors = capture_shard(states, shard, plan[k], len(job.aux_layers), job.store_dtype, job.hidden_size)
             if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
-                write_shard(out_dir / shard_name(k), tensors, job.fingerprint)
-                digests[k] = hasher.submit(file_sha256, out_dir / shard_name(k))
+                writer.put(write, k, tensors)
             bar.update(len(tensors["input_ids"]))
     bar.close()
     return digests, my_tokens, time.perf_counter() - start

@@ -30,7 +30,8 @@ import hashlib
 import json
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,36 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], fingerprint: str) 
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": fingerprint})
 
 
+class WriteBehind:
+    """Shard writes on one writer thread, while the caller computes the next shard (``with WriteBehind() as w:
+    w.put(write_shard, path, tensors, fingerprint)``). One write at most is in flight: ``put`` first waits for the
+    last one, raising its error (a full disk stops the run at the next shard, not after all of them), so the host
+    holds two shards at most. Leaving the block waits for the last write and raises its error."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._pending: Future | None = None
+
+    def put(self, write: Callable[..., object], *args: Any) -> None:
+        self.wait()
+        self._pending = self._pool.submit(write, *args)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(self, error_type: type[BaseException] | None, *rest: object) -> None:
+        try:
+            if error_type is None:
+                self.wait()
+        finally:
+            self._pool.shutdown(wait=True)  # a write under way ends (atomically) before the error goes on
+
+
 def open_shard(path: Path) -> safe_open:
     """``safe_open`` whose errors name the file (a truncated file or a corrupt header fails here)."""
     try:
@@ -105,12 +136,18 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int, where: str) -> Non
 
 
 def check_states(
-    states: dict[str, torch.Tensor], tokens: int, hidden_size: int | None, aux_layers: int, what: str
+    states: dict[str, torch.Tensor],
+    tokens: int,
+    hidden_size: int | None,
+    aux_layers: int,
+    what: str,
+    finite: bool = True,
 ) -> None:
     """StatesError unless ``states`` are what a shard may store for a sample of ``tokens`` tokens: ``last_hidden``
     [tokens, H] and, with ``aux_layers`` k > 0, ``aux_hidden`` [tokens, k*H], float, every value finite.
     ``hidden_size`` None: H is ``last_hidden``'s width. Checked before a shard is written: the shard itself
-    cannot tell one sample's extra rows from the next sample's missing ones."""
+    cannot tell one sample's extra rows from the next sample's missing ones. ``finite`` False leaves the values'
+    check (which waits for the device) to the caller."""
     if hidden_size is None:
         last = states.get("last_hidden")
         hidden_size = last.shape[-1] if last is not None and last.ndim == 2 else 0
@@ -126,7 +163,7 @@ def check_states(
             )
         if not value.dtype.is_floating_point:
             raise StatesError(f"{what}: {key} is {value.dtype}, not a float dtype")
-        if value.dtype != FP8:  # fp8 values come scaled into range (quantize_fp8); their scales are checked
+        if finite and value.dtype != FP8:  # fp8 values come scaled into range (quantize_fp8); scales are checked
             check_finite(value, f"{what}: {key}")
 
 

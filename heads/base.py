@@ -93,6 +93,8 @@ class DraftHead(nn.Module):
         # Training's activation recomputation of the head's drafting steps (``train.checkpoint_steps``; True, False
         # or None: from RECOMPUTE_FROM tokens per sample). Not part of the head: never saved.
         self.checkpoint_steps: bool | None = None
+        # Training's attention kernel (``train.attention: fused``; heads.sparse_attention): not saved either.
+        self.fused_attention = False
 
     def recomputes(self, seq_len: int) -> bool:
         """Whether a training step over samples of ``seq_len`` tokens recomputes its drafting steps in backward."""

@@ -322,7 +322,7 @@ class Eagle3Head(FeatureDrafter):
             """(step j's output, its keys, its values): free of side effects, so recomputing it in backward is
             the same computation (the earlier steps' keys as they were then)."""
             cos, sin = self.rotary(positions + j, dtype)
-            cache = StepKVCache(keys[:j], values[:j], segments)
+            cache = StepKVCache(keys[:j], values[:j], segments, self.fused_attention)
             out = self.midlayer(embeds, inputs, cos, sin, cache=cache)
             return out, cache.keys[-1], cache.values[-1]
 

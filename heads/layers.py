@@ -187,16 +187,18 @@ class StepKVCache:
         keys: list[torch.Tensor] | None = None,
         values: list[torch.Tensor] | None = None,
         segments: torch.Tensor | None = None,
+        fused: bool = False,
     ) -> None:
         self.keys: list[torch.Tensor] = list(keys or [])  # the earlier steps' (a copy: appending leaves them be)
         self.values: list[torch.Tensor] = list(values or [])
         self.segments = segments  # [B, S] sample of each position in a packed row: none sees another's
+        self.fused = fused  # ttt_attention_fused: the device's fused kernel (train.attention: fused)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Add this step's keys and values; its queries' attention output [B, heads, S, head_dim]."""
         self.keys.append(k)
         self.values.append(v)
-        return ttt_attention(q, self.keys, self.values, segments=self.segments)
+        return ttt_attention(q, self.keys, self.values, segments=self.segments, fused=self.fused)
 
 
 def default_positions(input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -90,18 +90,22 @@ def ttt_attention(
     values: list[torch.Tensor],
     budget: int | None = None,
     segments: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Training-time-test step j = len(keys) - 1: q [B, heads, S, d]; keys[m], values[m] [B, kv_heads, S, d] of
     steps m = 0..j. Query i attends to keys[0][..., :i + 1, :] and keys[m][..., i, :] for m >= 1 (each key/value
     head serving its group of query heads, as SDPA's ``enable_gqa``). Returns [B, heads, S, d]. Where the dense
     form's (j + 1) S^2 scores fit the budget it runs as it is (``ttt_step_mask``); beyond, sparsely in chunks.
     ``segments`` [B, S] (packed rows' sample of each position): each sample attends on its own, row by row, costing
-    what it would unpacked (its own keys of the later steps are its sample's already)."""
+    what it would unpacked (its own keys of the later steps are its sample's already). ``fused``: by
+    ``ttt_attention_fused`` instead, the same values."""
     if segments is not None:
         rows = [(slice(r, r + 1), segments[r]) for r in range(len(q))]
         return torch.cat(
-            [_per_sample(q[r], [k[r] for k in keys], [v[r] for v in values], budget, at) for r, at in rows]
+            [_per_sample(q[r], [k[r] for k in keys], [v[r] for v in values], budget, at, fused) for r, at in rows]
         )
+    if fused:
+        return ttt_attention_fused(q, keys, values)
     batch, heads, seq, dim = q.shape
     if batch * heads * len(keys) * seq * seq <= (score_budget(q.device) if budget is None else budget):
         # Every score of the dense form fits one chunk: SDPA's fused kernel over all the steps' keys with the mask,
@@ -131,14 +135,67 @@ def ttt_attention(
     return chunked(attend, seq, chunk).view(batch, heads, seq, dim)
 
 
+def ttt_attention_fused(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """``ttt_attention`` (one row of samples, no packing) by the device's fused attention kernel: the causal part
+    over step 0's keys with its log-sum-exp (``causal_attention_lse``), merged with the j diagonal scores by
+    log-sum-exp. No S x S scores exist in forward or backward, on any device; values and gradients are the exact
+    path's up to float rounding (``tests/test_long_sequences.py``)."""
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=True)
+    batch, heads, seq, dim = q.shape
+    kv_heads, scale = keys[0].shape[1], 1 / math.sqrt(dim)
+    wide = torch.promote_types(q.dtype, torch.float32)  # the merge's precision: at least fp32, as softmax_fp32
+    causal, causal_lse = causal_attention_lse(q, keys[0], values[0], scale)
+    grouped = q.view(batch, kv_heads, heads // kv_heads, seq, dim)  # each key/value head serves its group
+    diagonal = [(grouped * k[:, :, None]).sum(-1).to(wide).view(batch, heads, seq) * scale for k in keys[1:]]
+    lse = torch.logsumexp(torch.stack([causal_lse, *diagonal]), 0)
+    out = torch.exp(causal_lse - lse)[..., None] * causal.to(wide)
+    for score, v in zip(diagonal, values[1:], strict=True):
+        weight = torch.exp(score - lse).view(batch, kv_heads, heads // kv_heads, seq, 1)
+        out = out + (weight * v[:, :, None].to(wide)).view(batch, heads, seq, dim)
+    return out.to(q.dtype)
+
+
+def causal_attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of ``q`` [B, heads, S, d] over ``k``, ``v`` [B, kv_heads, S, d] by the fused kernel of
+    the device (CUDA: memory-efficient attention, fp32 and bf16; CPU: its flash kernel), and its log-sum-exp per
+    query [B, heads, S] in at least fp32.
+
+    The kernels give the log-sum-exp as a value without a gradient. Its gradient (d lse_i / d s_ik = p_ik) is
+    attached by a second fused pass, attention over ``k`` as the values, b_i = sum_k p_ik k_k: d lse_i / d q_i =
+    scale b_i, and the gradient reaching ``k`` through b's values is scale sum_i g_i p_ik q_i, what lse_i's
+    gradient g_i owes it. The added terms are zero in value, exactly (x + x - 2x)."""
+    groups = q.shape[1] // k.shape[1]
+    k_all, v_all = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # these kernels take no GQA
+    if q.device.type == "cuda":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k_all, v_all, None, True, 0.0, True, scale=scale
+        )
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_all, v_all, 0.0, True, scale=scale)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    lse = lse[..., : q.shape[2]].detach().to(wide)  # CUDA pads it to a multiple of 32 queries
+    b = F.scaled_dot_product_attention(q.detach(), k.detach(), k, is_causal=True, enable_gqa=True, scale=scale)
+    q_, b_ = q.detach(), b.detach()
+    attached = (q * b_).sum(-1) + (q_ * b).sum(-1) - 2 * (q_ * b_).sum(-1)
+    return out, lse + scale * attached.to(wide)
+
+
 def _per_sample(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], budget: int | None, segments: torch.Tensor
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    budget: int | None,
+    segments: torch.Tensor,
+    fused: bool,
 ) -> torch.Tensor:
     """``ttt_attention`` of one batch row (``q`` [1, heads, S, d], its keys and values) a sample (``segments`` [S])
     at a time."""
     bounds = segment_bounds(segments)
     parts = [
-        ttt_attention(q[:, :, a:b], [k[:, :, a:b] for k in keys], [v[:, :, a:b] for v in values], budget)
+        ttt_attention(q[:, :, a:b], [k[:, :, a:b] for k in keys], [v[:, :, a:b] for v in values], budget, fused=fused)
         for a, b in bounds
     ]
     return torch.cat(parts, dim=2)

@@ -289,3 +289,64 @@ def test_each_format_captures_the_fresh_forward(fmt, tiny_target_dir, tmp_path):
     )
     torch.testing.assert_close(sample["last_hidden"], fresh[-1][0], atol=1e-5, rtol=1e-4)
     assert sample["loss_mask"].all() if fmt == "text" else 0 < sample["loss_mask"].sum() < len(sample["loss_mask"])
+
+
+def test_a_shard_holds_the_bytes_the_per_sample_copies_wrote(tiny_target_dir, gsm8k_file, tmp_path):
+    # capture_shard fills one host buffer per tensor and checks finiteness once per shard: the shard file must be
+    # the one the plain recipe writes (each sample's states stored, copied to the host, concatenated).
+    from headstart.data_recipes.capture import capture_shard, token_tensors
+    from headstart.data_recipes.shards import store_hidden, write_shard
+    from headstart.data_recipes.states import forward_states
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    samples, _ = load_samples(str(gsm8k_file), "gsm8k", tokenizer, 64, limit=8)
+    states = forward_states(model, [1, 3, 4], 256, tokenizer.pad_token_id)
+    for store in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        ids = list(range(len(samples)))
+        with torch.no_grad():
+            pieces = [store_hidden(one, store, 3) for one in states(samples, ids)]
+        plain = token_tensors(samples, ids) | {k: torch.cat([p[k].cpu() for p in pieces]) for k in pieces[0]}
+        write_shard(tmp_path / "plain.safetensors", plain, "fp")
+        with torch.no_grad():
+            write_shard(tmp_path / "now.safetensors", capture_shard(states, samples, ids, 3, store), "fp")
+        assert (tmp_path / "now.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes(), store
+
+
+def test_a_nan_in_a_later_sample_is_named_after_the_shards_one_check():
+    from headstart.data_recipes.capture import capture_shard
+    from headstart.data_recipes.recipes import Sample
+    from headstart.data_recipes.shards import StatesError
+
+    samples = [Sample(list(range(1, n + 1)), [1] * n, f"d.jsonl:{n}") for n in (5, 4, 6)]
+    found = [{"last_hidden": torch.ones(n, 4), "aux_hidden": torch.ones(n, 8)} for n in (5, 4, 6)]
+    found[2]["aux_hidden"][2, 5] = float("nan")
+    message = r"sample 12: aux_hidden holds 1 NaN or infinite values, the first at token 2"
+    with pytest.raises(StatesError, match=message):
+        capture_shard(lambda s, i: found, samples, [10, 11, 12], 2, torch.float32)
+    found[2]["aux_hidden"][2, 5] = 1.0
+    tensors = capture_shard(lambda s, i: found, samples, [10, 11, 12], 2, torch.float32)
+    assert tensors["aux_hidden"].shape == (15, 8) and tensors["sample_offsets"].tolist() == [0, 5, 9, 15]
+
+
+def test_write_behind_raises_a_failed_write_at_the_next_put_and_waits_on_exit(tmp_path):
+    from headstart.data_recipes.shards import WriteBehind
+
+    written: list[int] = []
+
+    def write(k: int) -> None:
+        time.sleep(0.05)  # slower than the caller: the next put must wait for it
+        if k == 1:
+            raise OSError(28, "No space left on device")
+        written.append(k)
+
+    with pytest.raises(OSError, match="No space left"), WriteBehind() as writer:
+        for k in range(4):
+            writer.put(write, k)
+    assert written == [0]  # write 1 failed: put(2) raised it, so nothing after it was queued
+
+    with WriteBehind() as writer:
+        writer.put(write, 5)
+    assert written == [0, 5]  # the block's end waited for the last write
+    with pytest.raises(OSError), WriteBehind() as writer:
+        writer.put(write, 1)  # a failed last write is raised at the block's end

@@ -41,7 +41,8 @@ def test_allow_cpu_writes_every_figure_and_goal(tmp_path) -> None:
             assert row["tokens_per_s"] > 0 and row["tflops_per_step"] > 0 and row["mfu"] is None
     # What a CPU can measure is measured; MFU and the floor need a GPU's datasheet.
     measured = {k for k, v in written["figures"].items() if v is not None}
-    assert measured == {"capture_vs_forward", "eagle3_long_vs_short", "vanilla_vs_hf_best", "verify_64_vs_one_token"}
+    expected = {"capture_vs_forward", "eagle3_long_vs_short", "eagle3_fused_long_vs_short", "vanilla_vs_hf_best"}
+    assert measured == expected | {"verify_64_vs_one_token"}
     decoding = result["decoding"]
     assert decoding["floor_tokens_per_s"] is None and result["hf_static"]["compiled"] is False
     assert written["figures"]["vanilla_vs_hf_best"] == pytest.approx(
@@ -73,6 +74,8 @@ def test_figures_and_verdicts_follow_the_goals() -> None:
         "capture_vs_forward": 0.95,
         "eagle3_long_vs_short": 0.3,
         "eagle3_mfu_at_2k": 0.4,
+        "eagle3_fused_long_vs_short": None,  # no fused rows in this result
+        "eagle3_fused_mfu_at_2k": None,
         "vanilla_vs_floor": 0.5,
         "vanilla_vs_hf_best": 3.75,
         "verify_64_vs_one_token": 1.4,
@@ -82,6 +85,8 @@ def test_figures_and_verdicts_follow_the_goals() -> None:
         "capture_vs_forward": "met",
         "eagle3_long_vs_short": "missed",
         "eagle3_mfu_at_2k": "met",
+        "eagle3_fused_long_vs_short": "not measured",
+        "eagle3_fused_mfu_at_2k": "not measured",
         "vanilla_vs_floor": "missed",
         "vanilla_vs_hf_best": "met",
         "verify_64_vs_one_token": "missed",

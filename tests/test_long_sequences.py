@@ -58,6 +58,34 @@ def test_ttt_attention_equals_the_dense_mask_in_values_and_gradients(budget):
             torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_ttt_attention_equals_the_exact_path_in_values_and_gradients(dtype):
+    # train.attention: fused. The causal part by the fused kernel (its log-sum-exp's gradient attached by a second
+    # pass), the diagonal keys merged by log-sum-exp; packed rows sample by sample as the exact path.
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, kv_heads, seq, dim = 2, 6, 2, 29, 8
+    tolerance = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    segments = torch.tensor([[0] * 12 + [1] * 17, [0] * 29])
+    for step in range(4):
+        q = torch.randn(batch, heads, seq, dim, generator=gen, dtype=dtype).requires_grad_()
+        keys = [torch.randn(batch, kv_heads, seq, dim, generator=gen, dtype=dtype) for _ in range(step + 1)]
+        values = [torch.randn(batch, kv_heads, seq, dim, generator=gen, dtype=dtype) for _ in range(step + 1)]
+        inputs = [q, *keys, *values]
+        for t in inputs:
+            t.requires_grad_()
+        weights = torch.randn(q.shape, generator=gen, dtype=dtype)
+        for packed in (None, segments):
+            exact = ttt_attention(q, keys, values, budget=300, segments=packed)
+            fused = ttt_attention(q, keys, values, segments=packed, fused=True)
+            torch.testing.assert_close(fused, exact, **tolerance)
+            for mine, theirs in zip(
+                torch.autograd.grad((fused * weights).sum(), inputs),
+                torch.autograd.grad((exact * weights).sum(), inputs),
+                strict=True,
+            ):
+                torch.testing.assert_close(mine, theirs, **tolerance)
+
+
 def test_a_gpu_takes_chunks_sixteen_times_a_cpus_and_the_estimate_counts_them():
     # 1,024 queries x 1,031 keys x 32 heads: a CPU's 2^24 scores take 508 queries a chunk, a GPU's 2^28 all of them
     # (a GPU launching kernels for small chunks trains several times slower: docs/BENCHMARKS.md).
@@ -133,6 +161,8 @@ def test_every_heads_loss_and_gradients_are_the_same_whole_or_in_recomputed_chun
     runs.append(loss_and_grads(head, batch))  # one chunk, activations kept
     head.checkpoint_steps = True
     monkeypatch.setattr(memory, "SCORE_BUDGET", 2000)  # many chunks of attention and of logits
+    runs.append(loss_and_grads(head, batch))
+    head.fused_attention = True  # train.attention: fused (only training-time test reads it)
     runs.append(loss_and_grads(head, batch))
     reference = runs[0]
     assert reference[2], "no gradient at all"

@@ -54,6 +54,10 @@ class Train(Section):
     # activations: memory per token falls several-fold for one more draft-layer forward per step. auto: for
     # samples of heads.base.RECOMPUTE_FROM (4096) tokens and more.
     checkpoint_steps: Literal["auto"] | bool = "auto"
+    # EAGLE-3's training-time-test attention. exact: the reference, its scores computed in chunks (memory linear in
+    # the length); fused: the causal part by the device's fused attention kernel, the diagonal keys merged by
+    # log-sum-exp (heads.sparse_attention.ttt_attention_fused): no S x S scores, equal up to float rounding.
+    attention: Literal["exact", "fused"] = "exact"
     # true: the target runs inside each step, here; vllm: each batch's states are asked of a vLLM server
     # (capture.base_url, or one started from capture.engine_python); false: the shards in capture.out_dir
     online_capture: bool | Literal["vllm"] = False

@@ -195,6 +195,7 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     tokens = train.micro_batch_size * cfg.data.max_length
     options = head.config.options
     head.checkpoint_steps = checkpoint_steps(train)
+    head.fused_attention = train.attention == "fused"
     recompute = head.recomputes(cfg.data.max_length)
     need.parts["activations"] = head_activations(
         config, tokens, len(aux), options.trained_depth(), options.draft_vocab(), dtype, recompute, proc.device
@@ -373,6 +374,7 @@ def fit(
     """A recipe's last step: DeepSpeed over ``module`` (``build_engine``), then ``train`` to the end, measuring the
     acceptance where the config asks for it (``train.eval_prompts``), its prompts rendered as the run's data was."""
     head.checkpoint_steps = checkpoint_steps(cfg.train)
+    head.fused_attention = cfg.train.attention == "fused"
     measured = None
     if measures(cfg.train):
         prompts = data_prompt_format(cfg.data.format)

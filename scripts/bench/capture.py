@@ -33,7 +33,7 @@ from headstart.data_recipes.capture import capture_shard
 from headstart.data_recipes.engine_capture import EngineStates, engine_states_for
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.settings import CaptureConfig
-from headstart.data_recipes.shards import write_shard
+from headstart.data_recipes.shards import WriteBehind, write_shard
 from headstart.data_recipes.states import StateSource, forward_states, length_batches, resolve_aux_layers
 
 
@@ -59,11 +59,12 @@ def capture_to(
     out: Path, states: StateSource, samples: list[Sample], n_aux: int, store_dtype: torch.dtype, shard_samples: int
 ) -> None:
     """What ``data_recipes.capture`` does for ``samples``: ``capture_shard`` per shard from ``states`` (the target
-    here, ``forward_states``, or a vLLM server), then the atomic write."""
-    for k in range(0, len(samples), shard_samples):
-        shard = samples[k : k + shard_samples]
-        tensors = capture_shard(states, shard, list(range(k, k + len(shard))), n_aux, store_dtype)
-        write_shard(out / f"shard-{k:05d}.safetensors", tensors, "bench")
+    here, ``forward_states``, or a vLLM server), each shard's atomic write behind the next one's capture."""
+    with WriteBehind() as writer:
+        for k in range(0, len(samples), shard_samples):
+            shard = samples[k : k + shard_samples]
+            tensors = capture_shard(states, shard, list(range(k, k + len(shard))), n_aux, store_dtype)
+            writer.put(write_shard, out / f"shard-{k:05d}.safetensors", tensors, "bench")
 
 
 def best_seconds(device: torch.device, sides: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:

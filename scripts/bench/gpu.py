@@ -5,7 +5,8 @@
 At the Llama-3.1-8B shape (random weights built on the GPU, bf16, all 32 layers) one run measures, side by side:
 
 1. capture: ``data_recipes.capture``'s path against a bare forward of the same batches (``scale_target``);
-2. head training steps (forward, loss, backward, AdamW) of EAGLE-3, EAGLE-3.1, DFlash, DFlash-2 and DSpark at the
+2. head training steps (forward, loss, backward, AdamW) of EAGLE-3 (its exact and its fused training-time-test
+   attention, ``train.attention``), EAGLE-3.1, DFlash, DFlash-2 and DSpark at the
    real head shape on one sample of 1K, 2K, 8K and 32K tokens: tokens/s, peak memory and MFU (the step's FLOPs,
    counted from the shapes of the ops it ran by ``torch.utils.flop_counter`` during its warm-up step, over the
    timed step's seconds and the GPU's datasheet bf16 rate, ``scripts.bench.devices``);
@@ -49,7 +50,6 @@ from headstart.decoding.proposers import Vanilla
 from headstart.decoding.proposers_heads import head_drafter
 from headstart.decoding.verify import generate
 from headstart.eval.timing import drafting_tokens, machine, measure_drafting, peak_memory_mb
-from headstart.heads import build_head
 from headstart.heads import head_type as registered_type
 from headstart.scripts.bench.capture import best_seconds
 from headstart.scripts.bench.devices import DevicePeak, device_peak
@@ -61,12 +61,14 @@ from headstart.scripts.bench.scale_target import (
     random_samples,
     reset_peak,
 )
-from headstart.scripts.bench.train import random_batch
+from headstart.scripts.bench.train import bench_head, random_batch
 
 # The heads at the published drafts' shapes over an 8B target: a 32k draft vocabulary, EAGLE's 7 TTT steps, DFlash's
-# block of 16 with 512 anchors. Options a head type does not have are left out (DFlash-2 drafts over the full vocab).
+# block of 16 with 512 anchors. Options a head type does not have are left out (DFlash-2 drafts over the full vocab);
+# "attention" is train.attention's (eagle3_fused: heads.sparse_attention.ttt_attention_fused).
 HEADS: dict[str, dict[str, Any]] = {
     "eagle3": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 32000},
+    "eagle3_fused": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 32000, "attention": "fused"},
     "eagle31": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 32000, "fc_norm": True, "norm_output": True},
     "dflash": {"type": "dflash", "draft_vocab_size": 32000},
     "dflash2": {"type": "dflash2"},
@@ -76,6 +78,8 @@ GOALS = {  # figure: (comparison, bound), as issue #52 states them
     "capture_vs_forward": (">=", 0.9),
     "eagle3_long_vs_short": (">=", 0.4),
     "eagle3_mfu_at_2k": (">=", 0.35),
+    "eagle3_fused_long_vs_short": (">=", 0.4),
+    "eagle3_fused_mfu_at_2k": (">=", 0.35),
     "vanilla_vs_floor": (">=", 0.6),
     "vanilla_vs_hf_best": (">=", 1.0),
     "verify_64_vs_one_token": ("<=", 1.3),
@@ -111,13 +115,11 @@ class Settings:
         return cls("tiny", 4, torch.float32, (2, 64), (64, 128, 256), 128, 1, 256, 64, 16, 8, 2)
 
 
-def head_options(name: str, layers: list[int], draft_vocab: int) -> dict[str, Any]:
-    """``HEADS[name]`` with the fused layers (and ``draft_vocab`` where it has a draft vocabulary), less what its
-    head type has no option for."""
+def head_spec(name: str, draft_vocab: int) -> dict[str, Any]:
+    """``HEADS[name]`` with ``draft_vocab`` where it has a draft vocabulary, less the options its head type lacks."""
     fields = registered_type(HEADS[name]["type"]).options.model_fields
-    vocab = {"draft_vocab_size": draft_vocab} if "draft_vocab_size" in HEADS[name] else {}
-    options = HEADS[name] | {"layer_ids": layers} | vocab
-    return {key: value for key, value in options.items() if key == "type" or key in fields}
+    spec = HEADS[name] | ({"draft_vocab_size": draft_vocab} if "draft_vocab_size" in HEADS[name] else {})
+    return {key: value for key, value in spec.items() if key in ("type", "attention") or key in fields}
 
 
 def head_step(target: PreTrainedModel, name: str, seq_len: int, s: Settings, peak: DevicePeak | None) -> dict[str, Any]:
@@ -126,7 +128,7 @@ def head_step(target: PreTrainedModel, name: str, seq_len: int, s: Settings, pea
     device, text = target.device, target.config
     layers = fused_layers(text.num_hidden_layers)
     torch.manual_seed(0)
-    head = build_head(head_options(name, layers, s.draft_vocab), target).to(device, s.dtype)
+    head = bench_head(head_spec(name, s.draft_vocab), layers, target).to(device, s.dtype)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     batch = random_batch(text.vocab_size, text.hidden_size, len(layers), seq_len, s.dtype, device)
 
@@ -158,7 +160,7 @@ def measure_draft_step(target: PreTrainedModel, s: Settings, one_token_ms: float
     commit base of a step, each in the target's one-token steps (``one_token_ms``)."""
     layers = fused_layers(target.config.num_hidden_layers)
     torch.manual_seed(0)
-    head = build_head(head_options("eagle3", layers, s.draft_vocab), target).to(target.device, s.dtype).eval()
+    head = bench_head(head_spec("eagle3", s.draft_vocab), layers, target).to(target.device, s.dtype).eval()
     generator, repeats = torch.Generator().manual_seed(0), max(s.repeats, 2)
     length = s.kv_length + drafting_tokens([1], repeats, 2) + 1
     context = torch.randint(target.config.vocab_size, (length,), generator=generator).to(target.device)
@@ -233,18 +235,19 @@ def measured(value: Any) -> Any:
 
 def figures(result: dict[str, Any], s: Settings) -> dict[str, float | None]:
     """The goals' figures from what the stages measured (None where a stage did not run or failed)."""
-    eagle3 = result.get("heads", {}).get("eagle3", {})
-    short, long, at_mfu = (measured(eagle3.get(str(n))) for n in (s.lengths[0], s.lengths[-1], s.mfu_length))
     capture, verify, decoding, static = (
         measured(result.get(k)) for k in ("capture", "verify", "decoding", "hf_static")
     )
     out: dict[str, float | None] = dict.fromkeys(GOALS)
     if capture:
         out["capture_vs_forward"] = capture["capture_vs_forward"]
-    if short and long:
-        out["eagle3_long_vs_short"] = long["tokens_per_s"] / short["tokens_per_s"]
-    if at_mfu:
-        out["eagle3_mfu_at_2k"] = at_mfu["mfu"]
+    for name in ("eagle3", "eagle3_fused"):
+        rows = result.get("heads", {}).get(name, {})
+        short, long, at_mfu = (measured(rows.get(str(n))) for n in (s.lengths[0], s.lengths[-1], s.mfu_length))
+        if short and long:
+            out[f"{name}_long_vs_short"] = long["tokens_per_s"] / short["tokens_per_s"]
+        if at_mfu:
+            out[f"{name}_mfu_at_2k"] = at_mfu["mfu"]
     if verify:
         out["verify_64_vs_one_token"] = verify["relative"][-1]
     if decoding:

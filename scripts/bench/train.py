@@ -15,8 +15,10 @@ same samples packed end to end in one row per batch (``train.pack``) against pad
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from headstart.core.config import load_config
 from headstart.core.models import load_target
@@ -53,6 +55,15 @@ def step_batches(
         raw.append({key: v.to(device) for key, v in batch.items()})
         batches.append(capture(raw[-1]))
     return raw, batches
+
+
+def bench_head(spec: dict[str, Any], layers: list[int], target: PreTrainedModel) -> DraftHead:
+    """A bench's head from ``spec``: head options, plus ``"attention": "fused"`` for ``train.attention``'s fused
+    training-time-test attention (a training setting, set on the head as training sets it)."""
+    options = {key: value for key, value in spec.items() if key != "attention"}
+    head = build_head(options | {"layer_ids": layers}, target)
+    head.fused_attention = spec.get("attention") == "fused"
+    return head
 
 
 def random_batch(

@@ -36,13 +36,13 @@ from headstart.core import memory as core_memory
 from headstart.core.memory import head_activations, head_training_parts
 from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
-from headstart.heads import build_head
 from headstart.scripts.bench.scale_shapes import SHAPES, fused_layers, shape_config
-from headstart.scripts.bench.train import random_batch
+from headstart.scripts.bench.train import bench_head, random_batch
 
 BUNDLED_TARGET = "assets/demo-target"
 HEADS = {  # the head options each measured head type trains with (the demo's sizes)
     "eagle3": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 2048},
+    "eagle3_fused": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 2048, "attention": "fused"},
     "peagle": {"type": "eagle3", "ttt_steps": 7, "draft_vocab_size": 2048, "parallel_drafting": True},
     "dflash": {"type": "dflash", "block_size": 16, "num_anchors": 512, "draft_vocab_size": 2048},
 }
@@ -102,7 +102,7 @@ def one_step(
     target, _ = load_target(target_dir, device, dtype, borrowed_only=True)
     text = target.config.get_text_config()
     layers = fused_layers(text.num_hidden_layers)
-    head = build_head(HEADS[head_name] | {"layer_ids": layers}, target).to(where, resolve_dtype(dtype))
+    head = bench_head(HEADS[head_name], layers, target).to(where, resolve_dtype(dtype))
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     if recompute != "auto":  # train.checkpoint_steps
         head.checkpoint_steps = recompute == "true"
