@@ -38,7 +38,8 @@ test: install lint
 
 # On a CUDA machine, what CI cannot run: the CUDA evaluation path (fp32 identical, bf16 mismatches near-ties),
 # tensor-parallel capture and evaluation over 2 GPUs against one process, every demo recipe trained and evaluated
-# with a bf16 head, and bench_scale's GPU column, in runs/gpu-check/gpu_check.md (scripts/dev/gpu_check.py).
+# with a bf16 head, train.attention: fused against the exact path, and bench_scale's GPU column, in
+# runs/gpu-check/gpu_check.md (scripts/dev/gpu_check.py).
 # Evaluate trained heads too with GPU_CHECK_FLAGS="--head DIR,DIR".
 .PHONY: gpu-check
 gpu-check: install

@@ -136,3 +136,20 @@ def test_a_failed_steps_report_shows_the_traceback_not_torchruns_summary() -> No
         "E1128 failed (exitcode: 1)",
     ]
     assert gpu_check.failure_tail("a\nb\nc", lines=2) == ["b", "c"]
+
+
+def test_fused_ttt_step_compares_the_two_attention_paths_and_fails_on_a_gap(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    report = gpu_check.main(["--out", str(tmp_path), "--allow-cpu", "--steps", "fused-ttt"])
+    (step,) = report["steps"]
+    assert step["passed"] is True and "-m scripts.dev.fused_ttt --device cpu --seq-len 64" in step["command"]
+    worst = step["details"]["worst"]
+    assert worst["fp32_fused"] < 1e-5 and 0 < worst["bf16_fused"] < 2e-2  # bf16 rounds, fp32 does not
+    written = json.loads((tmp_path / "fused-ttt" / "fused_ttt.json").read_text())
+    written["steps"][0] |= {"bf16_fused": 0.5, "passed": False}
+    written["passed"] = False
+    (tmp_path / "fused-ttt" / "fused_ttt.json").write_text(json.dumps(written))
+    assert gpu_check.check_fused_ttt(tmp_path / "fused-ttt") == (
+        False,
+        {"seq_len": 64, "worst": worst | {"bf16_fused": 0.5}},
+    )

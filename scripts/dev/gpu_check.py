@@ -22,10 +22,13 @@ killed run keeps what finished):
    then ``eval.acceptance --dtype bf16`` with every trained head; passes when each trained and every
    divergence is a near-tie, as ``eval-bf16``. It needs no ``--head``: every head type's bf16 path runs on CUDA
    (a head cast to bf16 once crashed there in DSpark's confidence head, found only when a DSpark head was named);
-6. ``families``: ``scripts.dev.tiny_families`` on CUDA in fp32: tiny random targets of every family a serving
+6. ``fused-ttt``: ``scripts.dev.fused_ttt``: ``train.attention: fused`` against the exact training-time-test
+   attention on CUDA, values and gradients, fp32 (equal to rounding) and bf16 (no worse than twice the exact
+   path's own bf16 error), 2,048 tokens at the 8B head's shape;
+7. ``families``: ``scripts.dev.tiny_families`` on CUDA in fp32: tiny random targets of every family a serving
    engine drafts for (MoE, MLA, sliding-window, linear-attention and Mamba hybrids); passes when n-gram and
    EAGLE-3 speculative decoding give each one's own greedy output (the windows and recurrent rollback on CUDA);
-7. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
+8. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
    (its GPU column: capture vs forward, head steps, verify curve); passes when it writes its report.
 
 The tensor-parallel steps need 2 visible GPUs; with one they are recorded as ``skipped: 1 GPU visible``. On a
@@ -62,7 +65,17 @@ TARGET = "assets/demo-target"
 BENCH = "assets/data/gsm8k_test.jsonl"
 CAPTURE_CONFIG = "configs/demo-eagle3.yaml"
 MAX_TP = 2  # the bundled target's key/value heads: each rank holds whole heads
-STEPS = ("eval-fp32", "eval-bf16", "capture-tp1", "capture-tp2", "eval-tp2", "heads-bf16", "families", "bench-scale")
+STEPS = (
+    "eval-fp32",
+    "eval-bf16",
+    "capture-tp1",
+    "capture-tp2",
+    "eval-tp2",
+    "heads-bf16",
+    "fused-ttt",
+    "families",
+    "bench-scale",
+)
 # The demo's recipes (configs/<recipe>.yaml, all on the EAGLE-3 demo's capture) and the method each head drafts with.
 DEMO_RECIPES = {
     "demo-eagle": "eagle",
@@ -89,6 +102,7 @@ class Settings:
     new_tokens: int
     capture_samples: int
     train_steps: int  # heads-bf16: optimizer steps per recipe
+    fused_ttt: tuple[str, ...]  # scripts.dev.fused_ttt's sizes
     bench: tuple[str, ...]
 
     @classmethod
@@ -96,10 +110,12 @@ class Settings:
         if device == "cuda":  # the 8B shape at full depth (16 GB in bf16), short sequences: a few minutes
             bench = "--shape llama-3.1-8b --dtype bf16 --seq-len 1024 --capture-samples 4 --head-steps 2 "
             bench += "--kv-length 1024 --max-nodes 64 --repeats 2"
-            return cls("cuda", prompts=8, new_tokens=64, capture_samples=64, train_steps=10, bench=tuple(bench.split()))
+            fused = ("--seq-len", "2048", "--steps", "7")  # the 8B head's 32 heads, 8 key/value heads of 128
+            return cls("cuda", 8, 64, 64, 10, fused, tuple(bench.split()))
         bench = "--shape tiny --layers 4 --dtype fp32 --seq-len 32 --capture-samples 2 --draft-vocab 256 "
         bench += "--ttt-steps 2 --head-steps 1 --kv-length 16 --max-nodes 8 --repeats 1"
-        return cls("cpu", prompts=1, new_tokens=8, capture_samples=4, train_steps=2, bench=tuple(bench.split()))
+        fused = ("--seq-len", "64", "--steps", "3", "--heads", "4", "2", "16")
+        return cls("cpu", 1, 8, 4, 2, fused, tuple(bench.split()))
 
 
 @dataclass
@@ -206,6 +222,12 @@ def check_families(out: Path) -> tuple[bool, dict[str, Any]]:
     return bool(report["passed"]), {"greedy_identical": identical}
 
 
+def check_fused_ttt(out: Path) -> tuple[bool, dict[str, Any]]:
+    result = json.loads((out / "fused_ttt.json").read_text())
+    worst = {key: max(row[key] for row in result["steps"]) for key in ("fp32_fused", "bf16_exact", "bf16_fused")}
+    return bool(result["passed"]), {"seq_len": result["seq_len"], "worst": worst}
+
+
 def check_bench(out: Path) -> tuple[bool, dict[str, Any]]:
     result = json.loads((out / "bench_scale.json").read_text())
     cap, heads = result["capture"], result["heads"]
@@ -268,6 +290,15 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
             heads_bf16_commands(s, d["heads-bf16"]),
             lambda: check_heads_bf16(d["heads-bf16"]),
             d["heads-bf16"],
+        )
+    )
+    fused = [sys.executable, "-m", "scripts.dev.fused_ttt", "--device", s.device, *s.fused_ttt]
+    steps.append(
+        Step(
+            "fused-ttt",
+            [[*fused, "--out", str(d["fused-ttt"])]],
+            lambda: check_fused_ttt(d["fused-ttt"]),
+            d["fused-ttt"],
         )
     )
     families = [sys.executable, "-m", "scripts.dev.tiny_families", "--device", s.device, "--dtype", "fp32"]
