@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 import time
@@ -107,16 +108,23 @@ def capture_shard(
     return token_tensors(samples, sample_ids) | host
 
 
+# Page-locked host memory is scarce (the OS cannot swap it) and slow to allocate in large blocks: a shard tensor
+# larger than this is copied into pageable memory, one blocking copy per sample, as before pinning.
+PINNED_BYTES = 2 * 2**30
+
+
 def host_buffers(stored: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each key's per-sample tensors end to end in one host tensor: pinned and filled by non-blocking copies
-    when they are on a GPU (complete once the device is synchronised), plain copies on the CPU."""
+    """Each key's per-sample tensors end to end in one host tensor: from a GPU, a pinned buffer (up to
+    ``PINNED_BYTES``) filled by non-blocking copies, complete once the device is synchronised; plain copies
+    otherwise."""
     out = {}
     for key in stored[0] if stored else {}:
         pieces = [one[key] for one in stored]
         first = pieces[0]
-        pinned = first.device.type == "cuda"
         rows = sum(len(piece) for piece in pieces)
-        buffer = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, pin_memory=pinned)
+        shape = (rows, *first.shape[1:])
+        pinned = first.device.type == "cuda" and math.prod(shape) * first.element_size() <= PINNED_BYTES
+        buffer = torch.empty(shape, dtype=first.dtype, pin_memory=pinned)
         start = 0
         for piece in pieces:
             buffer[start : start + len(piece)].copy_(piece, non_blocking=pinned)

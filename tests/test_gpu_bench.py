@@ -43,6 +43,7 @@ def test_allow_cpu_writes_every_figure_and_goal(tmp_path) -> None:
     measured = {k for k, v in written["figures"].items() if v is not None}
     expected = {"capture_vs_forward", "eagle3_long_vs_short", "eagle3_fused_long_vs_short", "vanilla_vs_hf_best"}
     assert measured == expected | {"verify_64_vs_one_token"}
+    assert result["capture"]["shards"] == 2  # several shards: each written behind the next one's forward
     decoding = result["decoding"]
     assert decoding["floor_tokens_per_s"] is None and result["hf_static"]["compiled"] is False
     assert written["figures"]["vanilla_vs_hf_best"] == pytest.approx(

@@ -4,7 +4,8 @@
 
 At the Llama-3.1-8B shape (random weights built on the GPU, bf16, all 32 layers) one run measures, side by side:
 
-1. capture: ``data_recipes.capture``'s path against a bare forward of the same batches (``scale_target``);
+1. capture: ``data_recipes.capture``'s path against a bare forward of the same batches (``scale_target``), 16
+   samples of 1,024 tokens in 4 shards, so that each shard's write runs behind the next one's forward;
 2. head training steps (forward, loss, backward, AdamW) of EAGLE-3 (its exact and its fused training-time-test
    attention, ``train.attention``), EAGLE-3.1, DFlash, DFlash-2 and DSpark at the
    real head shape on one sample of 1K, 2K, 8K and 32K tokens: tokens/s, peak memory and MFU (the step's FLOPs,
@@ -97,7 +98,7 @@ class Settings:
     shape: str
     layers: int | None  # None: as published
     dtype: torch.dtype
-    capture: tuple[int, int]  # samples, tokens each
+    capture: tuple[int, int, int]  # samples, tokens each, samples per shard
     lengths: tuple[int, ...]  # head-step sample lengths: the first is "short", the last "long"
     mfu_length: int
     head_steps: int  # timed, after one counted warm-up
@@ -110,9 +111,9 @@ class Settings:
     @classmethod
     def for_device(cls, device: torch.device) -> Settings:
         if device.type == "cuda":
-            return cls("llama-3.1-8b", None, torch.bfloat16, (4, 1024), (1024, 2048, 8192, 32768), 2048, 2, 32000,
+            return cls("llama-3.1-8b", None, torch.bfloat16, (16, 1024, 4), (1024, 2048, 8192, 32768), 2048, 2, 32000,
                        1024, 64, 64, 2)  # fmt: skip
-        return cls("tiny", 4, torch.float32, (2, 64), (64, 128, 256), 128, 1, 256, 64, 16, 8, 2)
+        return cls("tiny", 4, torch.float32, (4, 64, 2), (64, 128, 256), 128, 1, 256, 64, 16, 8, 2)
 
 
 def head_spec(name: str, draft_vocab: int) -> dict[str, Any]:
@@ -347,10 +348,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "budget_s": args.budget_s,
         "skipped": [],
     }
-    samples = random_samples(target.config.vocab_size, *s.capture, torch.Generator().manual_seed(0))
+    samples = random_samples(target.config.vocab_size, *s.capture[:2], torch.Generator().manual_seed(0))
     layers = fused_layers(target.config.num_hidden_layers)
     stages: list[tuple[str, Callable[[], Any]]] = [
-        ("capture", lambda: measure_capture(target, samples, layers, "bf16", args.out, s.repeats)),
+        ("capture", lambda: measure_capture(target, samples, layers, "bf16", args.out, s.repeats, s.capture[2])),
         ("verify", lambda: measure_verify_curve(target, s.kv_length, s.max_nodes, s.repeats, torch.Generator())),
         ("draft_step", lambda: measure_draft_step(target, s, result["verify"]["ms"][0])),
     ]

@@ -45,15 +45,19 @@ def reset_peak(device: torch.device) -> None:
 
 
 def measure_capture(
-    target: PreTrainedModel, samples: list[Sample], layers: list[int], store_dtype: str, out: Path, repeats: int
+    target: PreTrainedModel,
+    samples: list[Sample],
+    layers: list[int],
+    store_dtype: str,
+    out: Path,
+    repeats: int,
+    shard_samples: int = Capture.model_fields["shard_samples"].default,
 ) -> dict[str, Any]:
-    """Tokens/s of the bare forward, the decoder alone and capture over the same batches, best of ``repeats``."""
+    """Tokens/s of the bare forward, the decoder alone and capture over the same batches, best of ``repeats``;
+    ``shard_samples`` below the samples makes several shards, each written behind the next one's forward as a
+    long capture does."""
     device, dtype = target.device, resolve_dtype(store_dtype)
-    # Capture's own defaults, so that the batches are the ones a real capture forwards.
-    batch_tokens, shard_samples = (
-        Capture.model_fields["batch_tokens"].default,
-        Capture.model_fields["shard_samples"].default,
-    )
+    batch_tokens = Capture.model_fields["batch_tokens"].default  # capture's, so that the batches are a real run's
     reset_peak(device)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         sides = {
@@ -74,6 +78,7 @@ def measure_capture(
     rates = {name: tokens / s for name, s in seconds.items()}
     return {
         "samples": len(samples),
+        "shards": -(-len(samples) // shard_samples),
         "tokens": tokens,
         "batch_tokens": batch_tokens,
         "aux_layers": layers,
