@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     DynamicLayer,
@@ -119,6 +120,62 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
     return cache
 
 
+class SlotLayer(DynamicLayer):
+    """An attention layer's keys and values in [1, kv_heads, capacity, head_dim] buffers, the layer of
+    ``decoding.static_cache``'s static cache.
+
+    ``update`` writes a forward's rows at ``position`` (a device tensor, so that a replayed CUDA graph writes where
+    the sequence is now, and advances it) and returns the whole buffers; ``length`` counts the rows on the host. A
+    commit or crop (``commit_rows``, ``crop_attention``) sets both; rows past ``length`` are stale, and masked."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self.position: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(*key_states.shape[:2], self.capacity, key_states.shape[3])
+        self.values = value_states.new_zeros(*value_states.shape[:2], self.capacity, value_states.shape[3])
+        self.position = torch.full((1,), self.length, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows = key_states.shape[-2]
+        if self.length + rows > self.capacity:
+            raise ValueError(
+                f"the static KV cache holds {self.capacity} positions and this forward needs {self.length + rows}: "
+                "set it up with a larger capacity (prompt + new tokens + the largest tree's queries)"
+            )
+        assert self.position is not None and self.keys is not None and self.values is not None
+        slots = self.position + torch.arange(rows, device=self.device)
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        self.position.add_(rows)
+        self.length += rows
+        return self.keys, self.values
+
+    def set_length(self, length: int) -> None:
+        """Keep the first ``length`` rows: the host count and the device position."""
+        self.length = length
+        if self.position is not None:
+            self.position.fill_(length)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0  # a mask transformers builds spans the buffer and hides the slots past the queries
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the rows to remove as a negative count, got {tokens_to_remove}")
+        self.set_length(max(self.length + tokens_to_remove, 0))
+
+
 def layer_masks(
     target: PreTrainedModel, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor | None]:
@@ -142,7 +199,7 @@ def layer_masks(
     return per_type
 
 
-def commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> None:
+def commit_rows(cache: Cache, prefix_len: int, rows: torch.Tensor) -> None:
     """Per sequence b, move the attention layers' cache slots ``rows[b]`` ([B, keep], after ``prefix_len``) to the
     slots right after the prefix and drop everything past them. Layers without keys (recurrent-only, shared-KV
     dummies) are left alone: ``restore_states`` handles recurrent state."""
@@ -157,11 +214,13 @@ def commit_rows(cache: DynamicCache, prefix_len: int, rows: torch.Tensor) -> Non
     crop_attention(cache, prefix_len + keep)
 
 
-def crop_attention(cache: DynamicCache, length: int) -> None:
+def crop_attention(cache: Cache, length: int) -> None:
     """Crop every attention layer to its first ``length`` slots. ``Cache.crop`` would also crop recurrent layers,
     which refuse (their state is not per position); a hybrid layer's attention part is cropped on its own."""
     for layer in cache.layers:
-        if isinstance(layer, DynamicLayer) and layer.get_seq_length() > length:
+        if isinstance(layer, SlotLayer):
+            layer.set_length(length)
+        elif isinstance(layer, DynamicLayer) and layer.get_seq_length() > length:
             DynamicLayer.crop(layer, length - layer.get_seq_length())  # a negative count: rows to drop
 
 
@@ -169,7 +228,7 @@ def crop_attention(cache: DynamicCache, length: int) -> None:
 States = list[tuple[dict, dict, dict]]
 
 
-def snapshot_states(cache: DynamicCache) -> States:
+def snapshot_states(cache: Cache) -> States:
     """Copies of every recurrent layer's states, which a forward updates in place."""
 
     def copies(states: dict) -> dict:
@@ -182,7 +241,7 @@ def snapshot_states(cache: DynamicCache) -> States:
     ]
 
 
-def restore_states(cache: DynamicCache, saved: States) -> None:
+def restore_states(cache: Cache, saved: States) -> None:
     """Put every recurrent layer's states back as ``snapshot_states`` saw them. A state the forward created (an
     empty prefix) goes back to uninitialised, as transformers' ``reset`` leaves it."""
     layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]

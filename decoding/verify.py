@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from headstart.decoding.static_cache import StaticCache, bucket, span_buffer, static_decoding
 from headstart.decoding.target_cache import (
     States,
     commit_rows,
@@ -212,7 +213,7 @@ def verify_queries(device: torch.device, trees: list[Tree]) -> int:
 
 def verify_batch(
     target: PreTrainedModel,
-    cache: DynamicCache,
+    cache: Cache,
     valid: torch.Tensor,
     roots: torch.Tensor,
     trees: list[Tree],
@@ -227,22 +228,30 @@ def verify_batch(
     each sequence's root and accepted nodes follow the old slots (its bonus is its new root).
     """
     prefix_len, recurrent = valid.shape[1], recurrent_target(target)
+    static = cache.engine if isinstance(cache, StaticCache) else None
     if recurrent:
         check_recurrent(target, len(trees), trees[0])
     # Padding queries would run through a recurrent layer's state: a recurrent target runs the tree's rows only.
     queries = 1 + len(trees[0]) if recurrent else verify_queries(target.device, trees)
-    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, queries)
+    # A static cache's forwards come in buckets of queries (one CUDA graph each).
+    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, bucket(queries) if static else queries)
     ids[:, 0] = roots
     key_positions = torch.cat((valid.long().cumsum(1) - 1, positions), dim=1)  # committed slots count up
     saved = snapshot_states(cache) if recurrent and len(trees[0]) else None
-    out = target(
-        input_ids=ids,
-        attention_mask=layer_masks(target, mask, positions, key_positions),
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=bool(hidden_layers),
-    )
+    if static is not None:  # the keys are the whole buffer: its slots past this step's rows are hidden
+        mask, key_positions = span_buffer(mask, key_positions, static.capacity)
+    masks = layer_masks(target, mask, positions, key_positions)
+    if static is not None:
+        out = static.forward(ids, masks, positions, bool(hidden_layers))
+    else:
+        out = target(
+            input_ids=ids,
+            attention_mask=masks,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+        )
     paths, bonuses = zip(*(accept(tree, out.logits[b, : len(tree) + 1], sampling) for b, tree in enumerate(trees)))
     for b, tree in enumerate(trees):
         if tree.want_target_argmax:
@@ -279,7 +288,7 @@ def replays(tree: Tree, path: torch.Tensor) -> bool:
 
 def replay(
     target: PreTrainedModel,
-    cache: DynamicCache,
+    cache: Cache,
     saved: States,
     prefix_len: int,
     ids: torch.Tensor,
@@ -297,7 +306,7 @@ def replay(
 
 def verify(
     target: PreTrainedModel,
-    cache: DynamicCache,
+    cache: Cache,
     root: torch.Tensor,
     tree: Tree,
     sampling: Sampling,
@@ -314,7 +323,7 @@ def verify(
 
 
 def _prefill(
-    target: PreTrainedModel, cache: DynamicCache, seqs: list[torch.Tensor], layers: tuple[int, ...]
+    target: PreTrainedModel, cache: Cache, seqs: list[torch.Tensor], layers: tuple[int, ...]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Read every sequence but its last token into ``cache``, right-padded: (valid [B, P], hidden per sequence)."""
     lengths = [len(s) - 1 for s in seqs]
@@ -363,7 +372,8 @@ def generate_batch(
     recurrent = recurrent_target(target)
     if recurrent:
         check_recurrent(target, len(prompts))
-    cache = new_cache(target)
+    static = static_decoding(target) if len(prompts) == 1 else None  # one sequence: setup_static_cache's engine
+    cache = static.cache() if static is not None else new_cache(target)
     valid, hidden = _prefill(target, cache, seqs, layers)
     active = list(range(len(seqs))) if max_new_tokens > 0 else []
     # Rows a proposer has not read: while the schedule says nobody drafts, the proposers skip their reading

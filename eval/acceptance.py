@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import transformers
@@ -52,6 +52,7 @@ from headstart.decoding.methods import (
     head_tree_configs,
 )
 from headstart.decoding.proposers import check_draft_vocab
+from headstart.decoding.static_cache import bucket, setup_static_cache
 from headstart.decoding.tree_config import check_tree_vocab
 from headstart.decoding.verify import Proposer, Sampling
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
@@ -92,6 +93,11 @@ class Eval(CommandFlags, TreeSettings):
     device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Dtype = "fp32"
     tp_size: Count = Field(1, description="split the target across this many torchrun processes")
+    kv_cache: Literal["dynamic", "static"] = Field(
+        "dynamic",
+        description="static: the target's KV cache in fixed buffers and, on CUDA, each verify forward replayed as a "
+        "CUDA graph (decoding.static_cache); one sequence at a time",
+    )
     attn_implementation: str = Field(
         "auto", description="the target's attention kernel: auto (SDPA where the family has it), eager, sdpa, ..."
     )
@@ -199,6 +205,10 @@ def load(args: Eval) -> Loaded:
     )
     device = target.device
     prepare_decoding(device)
+    if args.kv_cache == "static":
+        if args.tp_size > 1:
+            raise ValueError("--kv-cache static decodes one process's target: leave --tp-size at 1")
+        setup_static_cache(target, context + bucket(args.total_tokens + 1))  # the last step's bucketed queries
     draft = load_model(args.draft, device, dtype) if args.draft and "draft_model" in args.method else None
     if draft is not None and args.draft:
         check_draft_vocab(draft, target, args.draft, args.target)
@@ -268,6 +278,7 @@ def settings(args: Eval, loaded: Loaded) -> dict:
         "device": str(loaded.device),
         "dtype": args.dtype,
         "tp_size": args.tp_size,
+        "kv_cache": args.kv_cache,
         "machine": machine(loaded.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -42,7 +42,8 @@ def test_allow_cpu_writes_every_figure_and_goal(tmp_path) -> None:
     # What a CPU can measure is measured; MFU and the floor need a GPU's datasheet.
     measured = {k for k, v in written["figures"].items() if v is not None}
     expected = {"capture_vs_forward", "eagle3_long_vs_short", "eagle3_fused_long_vs_short", "vanilla_vs_hf_best"}
-    assert measured == expected | {"verify_64_vs_one_token"}
+    assert measured == expected | {"verify_64_vs_one_token", "vanilla_graphs_vs_hf_best"}
+    assert result["graphs"]["greedy_identical"] is True and result["graphs"]["graphs"] is False  # eager on a CPU
     assert result["capture"]["shards"] == 2  # several shards: each written behind the next one's forward
     decoding = result["decoding"]
     assert decoding["floor_tokens_per_s"] is None and result["hf_static"]["compiled"] is False
@@ -79,6 +80,8 @@ def test_figures_and_verdicts_follow_the_goals() -> None:
         "eagle3_fused_mfu_at_2k": None,
         "vanilla_vs_floor": 0.5,
         "vanilla_vs_hf_best": 3.75,
+        "vanilla_graphs_vs_floor": None,  # no graphs stage in this result
+        "vanilla_graphs_vs_hf_best": None,
         "verify_64_vs_one_token": 1.4,
     }
     verdicts = {name: gpu_bench.verdict(name, value) for name, value in figures.items()}
@@ -90,6 +93,8 @@ def test_figures_and_verdicts_follow_the_goals() -> None:
         "eagle3_fused_mfu_at_2k": "not measured",
         "vanilla_vs_floor": "missed",
         "vanilla_vs_hf_best": "met",
+        "vanilla_graphs_vs_floor": "not measured",
+        "vanilla_graphs_vs_hf_best": "not measured",
         "verify_64_vs_one_token": "missed",
     }
     assert gpu_bench.verdict("capture_vs_forward", None) == "not measured"

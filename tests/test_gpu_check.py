@@ -64,6 +64,7 @@ def test_the_checks_and_report_on_step_outputs(tmp_path) -> None:
     ]
     two_gpus = {s.name: s.commands for s in gpu_check.plan(gpu_check.Settings.for_device("cuda"), tmp_path, [], 2)}
     assert "--tp-size" in two_gpus["eval-tp2"][0] and "target.tp_size=2" in two_gpus["capture-tp2"][0]
+    assert two_gpus["eval-graphs"][0][-2:] == ["--kv-cache", "static"]  # eval-fp32 through the CUDA graphs
 
     report = {"machine": "m", "device": "cuda", "gpus": 1, "torch": "t", "steps": []}
     report["steps"] = [

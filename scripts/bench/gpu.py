@@ -17,7 +17,8 @@ At the Llama-3.1-8B shape (random weights built on the GPU, bf16, all 32 layers)
 5. vanilla decoding at batch 1: ours (``decoding.verify.generate``) against the weight-read floor (the datasheet
    bandwidth over the bytes one step reads: every parameter but the input embedding's, of which it reads a row)
    and against HF ``generate`` with its default cache and with a static cache (which transformers compiles with
-   CUDA graphs on CUDA).
+   CUDA graphs on CUDA); and ours again with our static cache, each forward a CUDA graph (``decoding.static_cache``,
+   ``graphs``: its greedy output checked against the dynamic cache's).
 
 Every figure sits beside its goal in gpu_bench.json and gpu_bench.md under ``--out``, written after every stage
 (a killed run keeps what finished). The stages run cheapest first; one that would start after ``--budget-s``
@@ -49,6 +50,7 @@ from headstart.core.runtime import prepare_decoding
 from headstart.core.timing import timed
 from headstart.decoding.proposers import Vanilla
 from headstart.decoding.proposers_heads import head_drafter
+from headstart.decoding.static_cache import clear_static_cache, setup_static_cache
 from headstart.decoding.verify import generate
 from headstart.eval.timing import drafting_tokens, machine, measure_drafting, peak_memory_mb
 from headstart.heads import head_type as registered_type
@@ -83,6 +85,8 @@ GOALS = {  # figure: (comparison, bound), as issue #52 states them
     "eagle3_fused_mfu_at_2k": (">=", 0.35),
     "vanilla_vs_floor": (">=", 0.6),
     "vanilla_vs_hf_best": (">=", 1.0),
+    "vanilla_graphs_vs_floor": (">=", 0.6),
+    "vanilla_graphs_vs_hf_best": (">=", 1.0),
     "verify_64_vs_one_token": ("<=", 1.3),
 }
 NO_GPU = (
@@ -220,6 +224,27 @@ def measure_decoding(target: PreTrainedModel, s: Settings, peak: DevicePeak | No
     }
 
 
+def measure_graphs(target: PreTrainedModel, s: Settings) -> dict[str, Any]:
+    """Our vanilla decoding with the static KV cache (``decoding.static_cache``; CUDA graphs on CUDA, eager on a
+    CPU): best of ``s.repeats`` after a first run that captures the graphs; the greedy output checked against the
+    dynamic cache's."""
+    prompt = decoding_prompt(target, s)
+    dynamic, _ = generate(target, Vanilla(), prompt, s.new_tokens)
+    setup_static_cache(target, s.kv_length + s.new_tokens + 1)
+    try:
+        (first, _), first_s = timed(target.device, generate, target, Vanilla(), prompt, s.new_tokens)
+        run = {"graphs": lambda: generate(target, Vanilla(), prompt, s.new_tokens)}
+        seconds = best_seconds(target.device, run, s.repeats)["graphs"]
+    finally:
+        clear_static_cache(target)
+    return {
+        "tokens_per_s": s.new_tokens / seconds,
+        "first_run_s": first_s,
+        "graphs": target.device.type == "cuda",
+        "greedy_identical": bool(torch.equal(first, dynamic)),
+    }
+
+
 def measure_hf_static(target: PreTrainedModel, s: Settings) -> dict[str, Any]:
     """HF ``generate`` with a static cache, which transformers compiles (CUDA graphs) on CUDA: best of
     ``s.repeats`` after a first run that compiles."""
@@ -236,8 +261,8 @@ def measured(value: Any) -> Any:
 
 def figures(result: dict[str, Any], s: Settings) -> dict[str, float | None]:
     """The goals' figures from what the stages measured (None where a stage did not run or failed)."""
-    capture, verify, decoding, static = (
-        measured(result.get(k)) for k in ("capture", "verify", "decoding", "hf_static")
+    capture, verify, decoding, static, graphs = (
+        measured(result.get(k)) for k in ("capture", "verify", "decoding", "hf_static", "graphs")
     )
     out: dict[str, float | None] = dict.fromkeys(GOALS)
     if capture:
@@ -256,6 +281,9 @@ def figures(result: dict[str, Any], s: Settings) -> dict[str, float | None]:
         out["vanilla_vs_floor"] = None if floor is None else ours / floor
         hf = [decoding["hf_default_tokens_per_s"], *([static["tokens_per_s"]] if static else [])]
         out["vanilla_vs_hf_best"] = ours / max(hf)
+        if graphs:
+            out["vanilla_graphs_vs_floor"] = None if floor is None else graphs["tokens_per_s"] / floor
+            out["vanilla_graphs_vs_hf_best"] = graphs["tokens_per_s"] / max(hf)
     return out
 
 
@@ -295,7 +323,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {head} | {length} | {row['tokens_per_s']:,.0f} | {row['step_s']:.3f} | "
                 f"{row['tflops_per_step'] * 1e3:,.1f} | {mfu} | {row['peak_memory_mb']:,.0f} |"
             )
-    for stage in ("capture", "verify", "draft_step", "decoding", "hf_static"):
+    for stage in ("capture", "verify", "draft_step", "decoding", "graphs", "hf_static"):
         if stage in result:
             lines += ["", f"**{stage}**: `{json.dumps(result[stage])}`"]
     if result["skipped"]:
@@ -359,6 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stages += [(f"heads/{h}/{n}", partial(head_step, target, h, n, s, peak)) for n in s.lengths for h in HEADS]
     # Decoding before the longest samples (the slowest steps); HF's static cache last: it compiles for minutes.
     stages.insert(-len(HEADS), ("decoding", lambda: measure_decoding(target, s, peak)))
+    stages.insert(-len(HEADS), ("graphs", lambda: measure_graphs(target, s)))
     stages.append(("hf_static", lambda: measure_hf_static(target, s)))
     for stage, run in stages:
         if time.perf_counter() - started > args.budget_s or (

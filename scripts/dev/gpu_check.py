@@ -11,24 +11,26 @@ killed run keeps what finished):
    passes when every method's greedy output is token-for-token vanilla's (``greedy_identical``);
 2. ``eval-bf16``: the same in bf16, where the tree forward and the one-token forward may round a near-tie
    differently: it reports each method's mismatches and passes when every divergence is a near-tie;
-3. ``capture-tp1`` / ``capture-tp2``: ``data_recipes.capture`` of the same samples in one process and under
+3. ``eval-graphs``: ``eval-fp32`` with ``--kv-cache static``: the static KV cache, every verify forward replayed as
+   a CUDA graph (``decoding.static_cache``); passes when every method's greedy output is vanilla's;
+4. ``capture-tp1`` / ``capture-tp2``: ``data_recipes.capture`` of the same samples in one process and under
    ``torchrun --nproc_per_node 2 ... target.tp_size=2`` (the bundled target's 2 key/value heads allow 2 at
    most); passes when the split capture's token ids, loss masks and sample ids equal the one-process capture's
    (the hidden states' largest difference is reported);
-4. ``eval-tp2``: ``eval.acceptance --tp-size 2`` under torchrun in fp32; passes when every method's tau,
+5. ``eval-tp2``: ``eval.acceptance --tp-size 2`` under torchrun in fp32; passes when every method's tau,
    target forwards, new tokens and greedy_identical equal ``eval-fp32``'s (report.json holds no token ids);
-5. ``heads-bf16``: every demo recipe (EAGLE-1/2, EAGLE-3.1, P-EAGLE, Medusa, DFlash, DSpark, DFlash-2) trained a
+6. ``heads-bf16``: every demo recipe (EAGLE-1/2, EAGLE-3.1, P-EAGLE, Medusa, DFlash, DSpark, DFlash-2) trained a
    few steps in bf16 (``train.dtype=bf16``: DeepSpeed's bf16, the whole head cast) from a capture of its own,
    then ``eval.acceptance --dtype bf16`` with every trained head; passes when each trained and every
    divergence is a near-tie, as ``eval-bf16``. It needs no ``--head``: every head type's bf16 path runs on CUDA
    (a head cast to bf16 once crashed there in DSpark's confidence head, found only when a DSpark head was named);
-6. ``fused-ttt``: ``scripts.dev.fused_ttt``: ``train.attention: fused`` against the exact training-time-test
+7. ``fused-ttt``: ``scripts.dev.fused_ttt``: ``train.attention: fused`` against the exact training-time-test
    attention on CUDA, values and gradients, fp32 (equal to rounding) and bf16 (no worse than twice the exact
    path's own bf16 error), 2,048 tokens at the 8B head's shape;
-7. ``families``: ``scripts.dev.tiny_families`` on CUDA in fp32: tiny random targets of every family a serving
+8. ``families``: ``scripts.dev.tiny_families`` on CUDA in fp32: tiny random targets of every family a serving
    engine drafts for (MoE, MLA, sliding-window, linear-attention and Mamba hybrids); passes when n-gram and
    EAGLE-3 speculative decoding give each one's own greedy output (the windows and recurrent rollback on CUDA);
-8. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
+9. ``bench-scale``: ``scripts.bench.scale`` on CUDA at the llama-3.1-8b shape, full depth, small settings
    (its GPU column: capture vs forward, head steps, verify curve); passes when it writes its report.
 
 The tensor-parallel steps need 2 visible GPUs; with one they are recorded as ``skipped: 1 GPU visible``. On a
@@ -68,6 +70,7 @@ MAX_TP = 2  # the bundled target's key/value heads: each rank holds whole heads
 STEPS = (
     "eval-fp32",
     "eval-bf16",
+    "eval-graphs",
     "capture-tp1",
     "capture-tp2",
     "eval-tp2",
@@ -110,7 +113,8 @@ class Settings:
         if device == "cuda":  # the 8B shape at full depth (16 GB in bf16), short sequences: a few minutes
             bench = "--shape llama-3.1-8b --dtype bf16 --seq-len 1024 --capture-samples 4 --head-steps 2 "
             bench += "--kv-length 1024 --max-nodes 64 --repeats 2"
-            fused = ("--seq-len", "2048", "--steps", "7")  # the 8B head's 32 heads, 8 key/value heads of 128
+            # fused-ttt at the 8B head's 32 heads, 8 key/value heads of 128 (the script's default shape)
+            fused: tuple[str, ...] = ("--seq-len", "2048", "--steps", "7")
             return cls("cuda", 8, 64, 64, 10, fused, tuple(bench.split()))
         bench = "--shape tiny --layers 4 --dtype fp32 --seq-len 32 --capture-samples 2 --draft-vocab 256 "
         bench += "--ttt-steps 2 --head-steps 1 --kv-length 16 --max-nodes 8 --repeats 1"
@@ -257,6 +261,12 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
             [eval_command(s, methods, heads, "bf16", d["eval-bf16"], 1)],
             lambda: check_bf16(d["eval-bf16"]),
             d["eval-bf16"],
+        ),
+        Step(
+            "eval-graphs",
+            [[*eval_command(s, methods, heads, "fp32", d["eval-graphs"], 1), "--kv-cache", "static"]],
+            lambda: check_fp32(d["eval-graphs"]),
+            d["eval-graphs"],
         ),
         Step(
             "capture-tp1",
