@@ -86,7 +86,7 @@ def test_each_verb_has_its_own_help(verb, capsys):
             "unknown key data.limt (known: format, limit, max_length, on_error, over_length, source)",
         ),
         ("regenerate", "regenerate.top_p=0", "regenerate.top_p must be > 0, got 0"),
-        ("train", "train.lrr=1e-3", "unknown key train.lrr (known: batch_size, betas,"),
+        ("train", "train.lrr=1e-3", "unknown key train.lrr (known: attention, batch_size, betas,"),
         ("eval", "eval.limit=0", "eval.limit must be >= 1, got 0"),
         ("export", "export.format=vlm", "export.format must be one of 'vllm', 'sglang', 'speculators' or 'medusa'"),
     ],
@@ -151,7 +151,8 @@ EVERY_KEY = {
         "max_new_tokens": 7, "temperature": 0.5, "temperatures": [0.0, 1.0],
         "top_p": 0.9, "top_k": 4, "tree": "static", "top_k_draft": 2, "depth": 3, "total_tokens": 9, "exit_layer": 2,
         "min_confidence": 0.25,
-        "seed": 5, "device": "cpu", "dtype": "bf16", "tp_size": 2, "attn_implementation": "eager", "out": "o",
+        "seed": 5, "device": "cpu", "dtype": "bf16", "tp_size": 2, "kv_cache": "static", "attn_implementation": "eager",
+        "out": "o",
     },
     "autotune": {
         "target": "t", "head": "h", "allow_other_tokenizer": True, "bench": "b", "prompt_format": "chat", "offset": 2,
