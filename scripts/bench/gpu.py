@@ -77,6 +77,7 @@ HEADS: dict[str, dict[str, Any]] = {
     "dflash2": {"type": "dflash2"},
     "dspark": {"type": "dspark", "draft_vocab_size": 32000},
 }
+GOAL_ROWS = ("eagle3", "eagle3_fused")  # the HEADS rows whose long-sample ratio and MFU have goals
 GOALS = {  # figure: (comparison, bound), as issue #52 states them
     "capture_vs_forward": (">=", 0.9),
     "eagle3_long_vs_short": (">=", 0.4),
@@ -267,7 +268,7 @@ def figures(result: dict[str, Any], s: Settings) -> dict[str, float | None]:
     out: dict[str, float | None] = dict.fromkeys(GOALS)
     if capture:
         out["capture_vs_forward"] = capture["capture_vs_forward"]
-    for name in ("eagle3", "eagle3_fused"):
+    for name in GOAL_ROWS:
         rows = result.get("heads", {}).get(name, {})
         short, long, at_mfu = (measured(rows.get(str(n))) for n in (s.lengths[0], s.lengths[-1], s.mfu_length))
         if short and long:
