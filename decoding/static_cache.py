@@ -4,9 +4,9 @@ A GPU decodes a small target launch-bound: a forward of a 22M model is hundreds 
 longer to issue than to run. A CUDA graph replays them all from one launch, but only over the same memory with
 the same shapes. So, once ``setup_static_cache(target, capacity)`` has been called:
 
-- every attention layer keeps its keys and values in buffers of ``capacity`` slots (``SlotLayer``), written in
-  place at a position the device holds, and each forward attends over the whole buffer, the mask hiding the
-  slots past the committed ones: the shapes no longer change as the sequence grows;
+- every attention layer keeps its keys and values in buffers of ``capacity`` slots (``target_cache.SlotLayer``),
+  written in place at a position the device holds, and each forward attends over the whole buffer, the mask hiding
+  the slots past the committed ones: the shapes no longer change as the sequence grows;
 - the verification core (``decoding.verify``) rounds a step's queries up to a bucket (``QUERY_BUCKETS``: padding
   queries see only the root and are ignored, as on a CPU already) and runs the forward through
   ``StaticDecoding.forward``: on CUDA one graph per bucket, captured at its first use and replayed after; on a CPU
@@ -70,9 +70,7 @@ class StaticDecoding:
             layer.set_length(0)
         return StaticCache(self.layers, self)
 
-    def forward(
-        self, ids: torch.Tensor, mask: Any, positions: torch.Tensor, hidden: bool
-    ) -> Any:  # fmt: skip
+    def forward(self, ids: torch.Tensor, mask: Any, positions: torch.Tensor, hidden: bool) -> Any:
         """The target's forward over ``ids`` [1, q] (q a bucket) with ``mask`` spanning the buffer: replayed from its
         graph on CUDA once captured, eager otherwise. Returns the model output (logits, hidden states)."""
         if not self.graphs:
