@@ -118,7 +118,7 @@ class Settings:
         if device.type == "cuda":
             return cls("llama-3.1-8b", None, torch.bfloat16, (16, 1024, 4), (1024, 2048, 8192, 32768), 2048, 2, 32000,
                        1024, 64, 64, 2)  # fmt: skip
-        return cls("tiny", 4, torch.float32, (4, 64, 2), (64, 128, 256), 128, 1, 256, 64, 16, 8, 2)
+        return cls("tiny", 4, torch.float32, (4, 64, 2), (64, 128), 128, 1, 256, 64, 16, 8, 2)
 
 
 def head_spec(name: str, draft_vocab: int) -> dict[str, Any]:
