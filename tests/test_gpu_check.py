@@ -10,7 +10,7 @@ import sys
 
 from conftest import REPO
 
-from headstart.scripts.dev import gpu_check
+from headstart.scripts.dev import gpu_check, steps
 
 
 def test_without_cuda_it_refuses_and_says_what_it_needs(tmp_path) -> None:
@@ -129,14 +129,14 @@ def test_a_failed_steps_report_shows_the_traceback_not_torchruns_summary() -> No
         + ["Traceback (most recent call last):", '  File "torch/distributed/run.py", line 994', "ChildFailedError: "]
         + ["=" * 60, "train/eagle.py FAILED", "Root Cause (first observed failure):", "[0]:"]
     )
-    tail = gpu_check.failure_tail(log)
+    tail = steps.failure_tail(log)
     # torchrun's own traceback is the last one and names ChildFailedError: the rank's, above it, is the cause.
     assert tail[0] == "[rank0]: Traceback (most recent call last):" and len(tail) == 6
     assert tail[-2:] == [
         "[rank0]: RuntimeError: No backend type associated with device type cpu",
         "E1128 failed (exitcode: 1)",
     ]
-    assert gpu_check.failure_tail("a\nb\nc", lines=2) == ["b", "c"]
+    assert steps.failure_tail("a\nb\nc", lines=2) == ["b", "c"]
 
 
 def test_fused_ttt_step_compares_the_two_attention_paths_and_fails_on_a_gap(tmp_path, monkeypatch) -> None:

@@ -41,17 +41,10 @@ with tiny settings (tensor parallelism over 2 gloo processes): what the test sui
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +54,7 @@ import torch
 from headstart.core.io import atomic_write_text
 from headstart.eval.results import MethodResult, read_methods
 from headstart.heads.registry import drafting_owner
+from headstart.scripts.dev.steps import Step, run_step
 
 REPO = Path(__file__).resolve().parents[2]  # scripts/dev/gpu_check.py: the repository root
 TARGET = "assets/demo-target"
@@ -120,17 +114,6 @@ class Settings:
         bench += "--ttt-steps 2 --head-steps 1 --kv-length 16 --max-nodes 8 --repeats 1"
         fused = ("--seq-len", "64", "--steps", "3", "--heads", "4", "2", "16")
         return cls("cpu", 1, 8, 4, 2, fused, tuple(bench.split()))
-
-
-@dataclass
-class Step:
-    """Subprocesses run in order (the first to fail ends the step) and the check of what they wrote: ``check``
-    returns (passed, details)."""
-
-    name: str
-    commands: list[list[str]]
-    check: Callable[[], tuple[bool, dict[str, Any]]]
-    out_dir: Path
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -275,25 +258,7 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
             d["capture-tp1"],
         ),
     ]
-    tp = min(MAX_TP, gpus) if s.device == "cuda" else MAX_TP  # on a CPU: gloo processes
-    if tp < 2:
-        why = f"skipped: {gpus} GPU visible"
-        steps += [{"name": "capture-tp2", "skipped": why}, {"name": "eval-tp2", "skipped": why}]
-    else:
-        steps += [
-            Step(
-                "capture-tp2",
-                [capture_command(s, d["capture-tp2"], tp)],
-                lambda: check_capture_tp(d["capture-tp1"], d["capture-tp2"]),
-                d["capture-tp2"],
-            ),
-            Step(
-                "eval-tp2",
-                [eval_command(s, methods, heads, "fp32", d["eval-tp2"], tp)],
-                lambda: check_eval_tp(d["eval-fp32"], d["eval-tp2"]),
-                d["eval-tp2"],
-            ),
-        ]
+    steps += tp_steps(s, d, methods, heads, gpus)
     steps.append(
         Step(
             "heads-bf16",
@@ -327,6 +292,30 @@ def plan(s: Settings, out: Path, heads: list[str], gpus: int) -> list[Step | dic
         )
     )
     return steps
+
+
+def tp_steps(
+    s: Settings, d: dict[str, Path], methods: list[str], heads: list[str], gpus: int
+) -> list[Step | dict[str, Any]]:
+    """Capture and evaluation over 2 processes, against one's; each a dict saying why where 2 GPUs are not seen."""
+    tp = min(MAX_TP, gpus) if s.device == "cuda" else MAX_TP  # on a CPU: gloo processes
+    if tp < 2:
+        why = f"skipped: {gpus} GPU visible"
+        return [{"name": "capture-tp2", "skipped": why}, {"name": "eval-tp2", "skipped": why}]
+    return [
+        Step(
+            "capture-tp2",
+            [capture_command(s, d["capture-tp2"], tp)],
+            lambda: check_capture_tp(d["capture-tp1"], d["capture-tp2"]),
+            d["capture-tp2"],
+        ),
+        Step(
+            "eval-tp2",
+            [eval_command(s, methods, heads, "fp32", d["eval-tp2"], tp)],
+            lambda: check_eval_tp(d["eval-fp32"], d["eval-tp2"]),
+            d["eval-tp2"],
+        ),
+    ]
 
 
 def heads_bf16_commands(s: Settings, out: Path) -> list[list[str]]:
@@ -364,91 +353,6 @@ def methods_of_head_folders(heads: list[str]) -> list[str]:
     from headstart.eval.acceptance import heads_by_method
 
     return list(heads_by_method(heads))
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc (Linux; elsewhere none): torchrun starts its workers in sessions
-    of their own, out of reach of a signal to its process group."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(stat.parent.name))
-    found, frontier = [], [pid]
-    while frontier:
-        children = parents.get(frontier.pop(), [])
-        found += children
-        frontier += children
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant (listed first: they are orphaned once it dies)."""
-    below = descendants(pid)
-    for target in [pid, *below]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(target, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def failure_tail(log: str, lines: int = 15, longest: int = 30) -> list[str]:
-    """What a failed step's report shows of its log: the end of the last Python traceback that is not torchrun's
-    own (a rank's traceback comes first, then the launcher's ChildFailedError, which names no cause), else the last
-    ``lines`` lines."""
-    text = log.splitlines()
-    starts = [i for i, line in enumerate(text) if "Traceback (most recent call last)" in line]
-    summary = next((i for i, line in enumerate(text) if line.startswith("====")), len(text))  # torchrun's
-    blocks = [text[start:end] for start, end in zip(starts, [*starts[1:], summary], strict=False) if start < end]
-    causes = [block for block in blocks if not any("ChildFailedError" in line for line in block)]
-    if not (causes or blocks):
-        return text[-lines:]
-    return (causes or blocks)[-1][-longest:]
-
-
-def run_step(step: Step, logs: Path, timeout_s: float) -> dict[str, Any]:
-    """The step's command in a fresh folder, its output in ``logs``; the check only when it exited 0. A step past
-    ``timeout_s`` (a collective that hangs) is killed with its whole process group, torchrun's workers included."""
-    shutil.rmtree(step.out_dir, ignore_errors=True)  # a capture that finished before would skip its work
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    env.setdefault("WANDB_MODE", "disabled")
-    log = logs / f"{step.name}.log"
-    start, returncode = time.perf_counter(), 0
-    with log.open("w") as f:
-        for command in step.commands:
-            f.write(f"$ {shlex.join(command)}\n")
-            f.flush()
-            proc = subprocess.Popen(
-                command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                returncode = proc.wait(timeout=max(timeout_s - (time.perf_counter() - start), 0))
-            except subprocess.TimeoutExpired:
-                kill_tree(proc.pid)
-                returncode = proc.wait()
-            if returncode:
-                break
-    wall = time.perf_counter() - start
-    record: dict[str, Any] = {
-        "name": step.name,
-        "command": " && ".join(shlex.join(command) for command in step.commands),
-        "wall_s": round(wall, 1),
-        "returncode": returncode,
-        "log": str(log),
-    }
-    if returncode:
-        why = f"killed after {timeout_s:.0f} s (--step-timeout)" if wall >= timeout_s else f"exit {returncode}"
-        return record | {
-            "passed": False,
-            "details": {"why": why, "log_tail": failure_tail(log.read_text(errors="replace"))},
-        }
-    try:
-        passed, details = step.check()
-    except (OSError, KeyError, ValueError) as error:  # an output missing or not as expected
-        passed, details = False, {"why": f"{type(error).__name__}: {error}"}
-    return record | {"passed": passed, "details": details}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -529,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if name not in args.steps:
             continue
         print(f"gpu-check: {name} ...", flush=True)
-        record = step if isinstance(step, dict) else run_step(step, out / "logs", args.step_timeout)
+        record = step if isinstance(step, dict) else run_step(step, out / "logs", args.step_timeout, REPO)
         report["steps"].append(record)
         write_report(report, out)
         print(f"gpu-check: {name}: {record.get('skipped') or ('pass' if record['passed'] else 'FAIL')}", flush=True)
