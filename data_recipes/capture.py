@@ -99,7 +99,9 @@ def capture_shard(
     stored = [store_hidden(one, store_dtype, n_aux) for one in found]
     flags = [torch.isfinite(v).all() for one in (*found, *stored) for v in one.values() if v.dtype != FP8]
     host = host_buffers(stored)
-    if flags and not bool(torch.stack(flags).all()):  # the shard's one wait for the device
+    # The shard's one wait for the device, after the copies were queued: it also completes them before the writer
+    # thread reads the buffers (every shard has float states to check, so the wait always happens).
+    if flags and not bool(torch.stack(flags).all()):
         for sample, sample_id, one, kept in zip(samples, sample_ids, found, stored):
             check_states(one, len(sample.input_ids), hidden_size, n_aux, f"sample {sample_id}")
             for key, value in kept.items():
