@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 
-from headstart.decoding.target_cache import SlotLayer, recurrent_target
+from headstart.decoding.target_cache import SlotLayer, recurrent_target, target_forward
 
 QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a verify forward's queries, rounded up: one graph each
 ENGINE_ATTRIBUTE = "_headstart_static_decoding"
@@ -87,15 +87,7 @@ class StaticDecoding:
         return step.out
 
     def _eager(self, ids: torch.Tensor, mask: Any, positions: torch.Tensor, hidden: bool) -> Any:
-        cache = StaticCache(self.layers, self)
-        return self.target(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=hidden,
-        )
+        return target_forward(self.target, StaticCache(self.layers, self), ids, mask, positions, hidden)
 
     def _capture(self, ids: torch.Tensor, mask: Any, positions: torch.Tensor, hidden: bool) -> GraphedStep:
         """Warm the bucket's forward up on a side stream (CUDA's rule before a capture), then capture it over

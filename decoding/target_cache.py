@@ -176,6 +176,21 @@ class SlotLayer(DynamicLayer):
         self.set_length(max(self.length + tokens_to_remove, 0))
 
 
+def target_forward(
+    target: PreTrainedModel, cache: Cache, ids: torch.Tensor, masks: Any, positions: torch.Tensor, hidden: bool
+) -> Any:
+    """One decoding forward of ``target`` over ``ids`` into ``cache``, with ``layer_masks``' masks and explicit
+    positions; ``hidden``: with every layer's hidden states."""
+    return target(
+        input_ids=ids,
+        attention_mask=masks,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=hidden,
+    )
+
+
 def layer_masks(
     target: PreTrainedModel, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor | None]:

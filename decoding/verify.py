@@ -35,6 +35,7 @@ from headstart.decoding.target_cache import (
     recurrent_target,
     restore_states,
     snapshot_states,
+    target_forward,
     why_chains,
 )
 from headstart.decoding.tree import Tree, additive_mask, capped, empty_tree, is_chain, tree_batch_inputs
@@ -240,18 +241,11 @@ def verify_batch(
     saved = snapshot_states(cache) if recurrent and len(trees[0]) else None
     if static is not None:  # the keys are the whole buffer: its slots past this step's rows are hidden
         mask, key_positions = span_buffer(mask, key_positions, static.capacity)
-    masks = layer_masks(target, mask, positions, key_positions)
+    masks, states = layer_masks(target, mask, positions, key_positions), bool(hidden_layers)
     if static is not None:
-        out = static.forward(ids, masks, positions, bool(hidden_layers))
+        out = static.forward(ids, masks, positions, states)
     else:
-        out = target(
-            input_ids=ids,
-            attention_mask=masks,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=bool(hidden_layers),
-        )
+        out = target_forward(target, cache, ids, masks, positions, states)
     paths, bonuses = zip(*(accept(tree, out.logits[b, : len(tree) + 1], sampling) for b, tree in enumerate(trees)))
     for b, tree in enumerate(trees):
         if tree.want_target_argmax:

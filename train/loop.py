@@ -194,8 +194,7 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     need.parts |= head_training_parts(head, train.zero_stage, proc.world, train.dtype == "bf16")
     tokens = train.micro_batch_size * cfg.data.max_length
     options = head.config.options
-    head.checkpoint_steps = checkpoint_steps(train)
-    head.fused_attention = train.attention == "fused"
+    set_training_kernels(head, train)
     recompute = head.recomputes(cfg.data.max_length)
     need.parts["activations"] = head_activations(
         config, tokens, len(aux), options.trained_depth(), options.draft_vocab(), dtype, recompute, proc.device
@@ -209,9 +208,11 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     return need
 
 
-def checkpoint_steps(train: Train) -> bool | None:
-    """The head's ``checkpoint_steps`` for ``train.checkpoint_steps`` (auto: None, the head's own length rule)."""
-    return None if train.checkpoint_steps == "auto" else train.checkpoint_steps
+def set_training_kernels(head: DraftHead, train: Train) -> None:
+    """What the head computes its training steps with, not saved with it: ``train.checkpoint_steps`` (auto: None,
+    the head's own length rule) and ``train.attention``."""
+    head.checkpoint_steps = None if train.checkpoint_steps == "auto" else train.checkpoint_steps
+    head.fused_attention = train.attention == "fused"
 
 
 class HeadLoss(nn.Module):
@@ -316,8 +317,8 @@ def train_step(
         torch.manual_seed(mix_seed(seed, step, m * proc.dp_world + proc.dp_rank))
         batch = _to(batch, proc.device)
         loss, metrics = engine(batch, step)
-        # The step's one host synchronisation before the reduction: a non-finite loss must stop every rank
-        # before its update.
+        # One host wait per micro-batch, before its update: a non-finite loss stops every rank while the weights
+        # are still finite (and can be saved).
         finite = torch.isfinite(loss.detach()).float().reshape(1).to(collective_device())
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         if not finite.item():
@@ -373,8 +374,7 @@ def fit(
 ) -> None:
     """A recipe's last step: DeepSpeed over ``module`` (``build_engine``), then ``train`` to the end, measuring the
     acceptance where the config asks for it (``train.eval_prompts``), its prompts rendered as the run's data was."""
-    head.checkpoint_steps = checkpoint_steps(cfg.train)
-    head.fused_attention = cfg.train.attention == "fused"
+    set_training_kernels(head, cfg.train)
     measured = None
     if measures(cfg.train):
         prompts = data_prompt_format(cfg.data.format)
