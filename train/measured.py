@@ -45,7 +45,7 @@ from headstart.decoding.proposers import DepthRecorder
 from headstart.decoding.verify import Sampling, generate
 from headstart.heads import DraftHead, drafting_of
 from headstart.train.checkpoint import digest_problems, file_digests, save_head_files
-from headstart.train.config import TrainConfig, measures
+from headstart.train.config import TrainConfig, measures_acceptance
 from headstart.train.data import TrainData, token_rows
 
 PROMPTS_FILE = "eval_prompts.jsonl"
@@ -78,7 +78,7 @@ def check_eval_bench(cfg: TrainConfig) -> None:
     Checked as training decodes them (each item's first turn, ``train.eval_new_tokens``) and with the tree budget
     of the ``acceptance_command`` it prints, so that command measures the same file too."""
     train = cfg.train
-    if not (measures(train) and train.eval_bench):
+    if not (measures_acceptance(train) and train.eval_bench):
         return
     tokenizer = load_tokenizer(cfg.target.path)
     positions = AutoConfig.from_pretrained(cfg.target.path).get_text_config().max_position_embeddings
