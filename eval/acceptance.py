@@ -31,6 +31,7 @@ from pydantic import Field
 from transformers import AutoConfig
 
 from headstart.core.config import run_command, save_config
+from headstart.core.io import check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.settings import CommandFlags, Count, Device, Dtype, Float, Folder, NonNegative, NonNegativeFloat
@@ -339,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(args: Eval) -> dict:
     """The evaluation ``args`` describe (from flags, or a config's ``eval:`` section): its report."""
+    check_writable(args.out)  # before the evaluation, whose measurements an unwritable --out would lose
     loaded = load(args)
     header = settings(args, loaded)
     if args.temperatures:

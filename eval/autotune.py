@@ -52,7 +52,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from headstart.core.config import run_command, save_config
-from headstart.core.io import atomic_write_text
+from headstart.core.io import atomic_write_text, check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
 from headstart.core.settings import CommandFlags, Count, Device, Dtype, Folder, NonNegative
@@ -349,6 +349,8 @@ def validate_choice(args: Autotune, run: Session, pick: Picked) -> tuple[list[di
 
 def run(args: Autotune) -> dict:
     """The tuning ``args`` describe (from flags, or a config's ``autotune:`` section): its result."""
+    for folder in [args.out] + ([args.head] if args.write_head and args.head else []):
+        check_writable(folder)  # before the tuning, whose result an unwritable folder would lose
     session = start(args)
     tuned = tune_sources(args, session)
     pick = choose(args, tuned)

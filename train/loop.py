@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.config import save_config
-from headstart.core.io import atomic_write_text
+from headstart.core.io import atomic_write_text, check_writable
 from headstart.core.memory import (
     MemoryNeed,
     TargetSizes,
@@ -165,7 +165,8 @@ def runs_target(cfg: TrainConfig) -> bool:
 
 def start_processes(cfg: TrainConfig) -> Process:
     """This rank's process, once the run is known to fit its device (``training_memory``); the target splits
-    across ``target.tp_size`` ranks only where training runs it."""
+    across ``target.tp_size`` ranks only where training runs it; ``train.out_dir`` is writable."""
+    check_writable(cfg.train.out_dir)  # before the target loads, not at the first checkpoint
     proc = init_distributed(cfg.target.device, cfg.target.tp_size if runs_target(cfg) else 1)
     line = check_memory(training_memory(cfg, proc), proc.device, MEMORY_REMEDY)
     if proc.rank == 0:
