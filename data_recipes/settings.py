@@ -13,6 +13,8 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from headstart.core.settings import (
+    AUTO_ATTENTION,
+    AttentionKernel,
     Count,
     Device,
     Dtype,
@@ -41,7 +43,7 @@ class Target(Section):
     tp_size: Count = 1  # processes one copy of the target is split across (torchrun; docs/TRAINING.md)
     # auto: SDPA where transformers has it for the family, else the family's default (gpt-oss: eager); or
     # eager, sdpa, flash_attention_2, flex_attention, a hub kernel (core.models.attention_implementation)
-    attn_implementation: str = "auto"
+    attn_implementation: AttentionKernel = AUTO_ATTENTION
 
 
 class Data(Section):
