@@ -7,6 +7,7 @@ that read them, ``CaptureConfig`` (``python -m data_recipes.capture``) and ``Reg
 from __future__ import annotations
 
 import urllib.parse
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
@@ -129,7 +130,20 @@ class Capture(Section):
                 "section_rule",
                 "states_dir is only read with base_url (a server started here writes under out_dir/engine)",
             )
+        if self.states_dir and self.out_dir and _nested(Path(self.states_dir), Path(self.out_dir)):
+            raise PydanticCustomError(
+                "section_rule",
+                "states_dir {states} and out_dir {out} are one folder or one inside the other: the capture deletes "
+                "the server's files in states_dir and writes shards in out_dir, so keep them apart",
+                {"states": repr(self.states_dir), "out": repr(self.out_dir)},
+            )
         return self
+
+
+def _nested(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are the same folder or one holds the other (as the file system resolves them)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
 
 
 class CaptureToDisk(Capture):
