@@ -52,7 +52,7 @@ class Data(Section):
     format: FormatName
     max_length: Count | None = None  # tokens per sample; required where samples are tokenized
     on_error: Literal["raise", "skip"] = "raise"
-    limit: Count | None = None  # null: every record
+    limit: Count | None = None  # samples kept (over_length split: each piece counts); null: every record
     # A conversation past max_length: truncate (kept up to it), split (into samples at its turn ends, each without
     # the turns before it), or refuse (a bad record, under on_error). Each is counted in the printed report.
     over_length: Literal["truncate", "split", "refuse"] = "truncate"
