@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -201,12 +202,13 @@ class MeasuredAcceptance:
         return measured_record(step, total, time.perf_counter() - start)
 
     def command(self, head: DraftHead) -> str:
-        """The ``eval.acceptance`` command that measures ``<out_dir>/head`` on the same prompts the same way."""
-        return (
-            f"python -m eval.acceptance --target {self.target_path} --head {self.out_dir / 'head'} "
-            f"--method {drafting_of(head.config).method} --bench {self.out_dir / PROMPTS_FILE} "
-            f"--max-new-tokens {self.new_tokens} --tree static --depth {head.config.trained_depth} "
-            f"--out {self.out_dir / 'measured-eval'}"
+        """The ``eval.acceptance`` command that measures ``<out_dir>/head`` on the same prompts the same way, each
+        value quoted for the shell (a path with a space or a ``;`` stays one argument when the line is pasted)."""
+        return shlex.join(
+            ["python", "-m", "eval.acceptance", "--target", str(self.target_path), "--head", str(self.out_dir / "head")]
+            + ["--method", drafting_of(head.config).method, "--bench", str(self.out_dir / PROMPTS_FILE)]
+            + ["--max-new-tokens", str(self.new_tokens), "--tree", "static", "--depth", str(head.config.trained_depth)]
+            + ["--out", str(self.out_dir / "measured-eval")]
         )
 
 
