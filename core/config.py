@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from headstart.core.io import NotWritableError, atomic_write_text
+
 MAX_CONFIG_BYTES = 1_000_000  # the largest bundled config is a few KB
 MAX_CONFIG_VALUES = 100_000  # scalars and collections once aliases are expanded
 QUOTE_CHARS = 200  # of a value quoted in an error
@@ -123,13 +125,18 @@ def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, A
     return config
 
 
+# What a command refuses before its work, said without a traceback: a config, flag or input that cannot be used, and
+# an output folder nothing can be written to (``core.io.check_writable``, checked before the work it would lose).
+REFUSALS: tuple[type[Exception], ...] = (ConfigError, NotWritableError)
+
+
 def run_command(main: Callable[[], Any], prog: str) -> Any:
-    """A command's ``main`` run as its ``__main__`` (``python -m ...``, ``torchrun train/eagle.py``): a ConfigError, a
-    refusal of what it was given, ends with its message alone on stderr and exit code 2, as ``headstart VERB`` and
+    """A command's ``main`` run as its ``__main__`` (``python -m ...``, ``torchrun train/eagle.py``): a refusal of
+    what it was given (``REFUSALS``) ends with its message alone on stderr and exit code 2, as ``headstart VERB`` and
     argparse end theirs; any other exception is a fault and keeps its traceback."""
     try:
         return main()
-    except ConfigError as err:
+    except REFUSALS as err:
         sys.stderr.write(f"{prog}: {err}\n")
         raise SystemExit(2) from None
 
@@ -137,7 +144,5 @@ def run_command(main: Callable[[], Any], prog: str) -> Any:
 def save_config(config: dict[str, Any], path: str | Path, note: str = "") -> None:
     """Write the resolved config beside the artifact it produced (atomically); ``note``, what the keys alone do
     not say (what an ``auto`` became), as a YAML comment above them."""
-    from headstart.core.io import atomic_write_text
-
     comment = "".join(f"# {line}\n" for line in note.splitlines())
     atomic_write_text(path, comment + yaml.safe_dump(config, sort_keys=False))

@@ -25,9 +25,8 @@ from headstart.core.runtime import (
     resolve_dtype,
     slow_dtype_warning,
 )
+from headstart.core.settings import AUTO_ATTENTION
 from headstart.core.weights import borrowed_model
-
-AUTO_ATTENTION = "auto"  # the default of target.attn_implementation and --attn-implementation
 
 
 def attention_implementation(config: Any, requested: str = AUTO_ATTENTION) -> str | None:

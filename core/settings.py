@@ -33,6 +33,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError
 
 from headstart.core.config import ConfigError, quoted
@@ -81,6 +82,31 @@ def _a_device(name: str) -> str:
 
 
 Device = Annotated[str, AfterValidator(_a_device)]  # auto: CUDA when present, else the CPU
+
+AUTO_ATTENTION = "auto"  # the default of target.attn_implementation and --attn-implementation
+
+
+def _an_attention_kernel(name: str) -> str:
+    # Imported here: transformers loads when a config is checked, not when a command merely imports its schema.
+    from transformers.integrations.hub_kernels import is_kernel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = [AUTO_ATTENTION, "eager", *ALL_ATTENTION_FUNCTIONS]
+    if name not in known and not is_kernel(name):  # else refused only once the target is loading
+        raise PydanticCustomError(
+            "value",
+            "must be {known} or a hub kernel (org/repo), got '{name}'",
+            {"known": ", ".join(known), "name": name},
+        )
+    return name
+
+
+# The target's attention kernel, as transformers names it (core.models.attention_implementation).
+AttentionKernel = Annotated[
+    str,
+    AfterValidator(_an_attention_kernel),
+    Field(description="the target's attention kernel: auto (SDPA where the family has it), eager, sdpa, ..."),
+]
 Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
 StoreDtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8_e4m3"]  # shards only
 
@@ -232,7 +258,7 @@ class CommandFlags(Section):
         the model's, declared once."""
         for name, field in cls.model_fields.items():
             scalar, many, choices = _flag_shape(field.annotation)
-            registered = next((m for m in field.metadata if isinstance(m, Registered)), None)
+            registered = _registered(field)
             choices = list(registered.names()) if registered is not None else choices
             # Choices are the model's to check (argparse would say it in other words than a config's check).
             shown = [f"one of {', '.join(map(str, choices))}"] if choices else []
@@ -303,6 +329,15 @@ class CommandFlags(Section):
             default = "required" if field.is_required() else f"default {json.dumps(field.default)}"
             lines.append(f"{cls.section}.{name}: {_describe(field.annotation)} ({default})")
         return lines
+
+
+def _registered(field: FieldInfo) -> Registered | None:
+    """The registry a name field, or each name of a list field, is checked against."""
+    metadata = list(field.metadata)
+    for member in _union_args(field.annotation):
+        if typing.get_origin(member) is list:
+            metadata += getattr(typing.get_args(member)[0], "__metadata__", ())
+    return next((m for m in metadata if isinstance(m, Registered)), None)
 
 
 def _flag_shape(annotation: Any) -> tuple[Any, bool, list[Any] | None]:

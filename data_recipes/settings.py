@@ -7,12 +7,15 @@ that read them, ``CaptureConfig`` (``python -m data_recipes.capture``) and ``Reg
 from __future__ import annotations
 
 import urllib.parse
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import Field, field_serializer, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from headstart.core.settings import (
+    AUTO_ATTENTION,
+    AttentionKernel,
     Count,
     Device,
     Dtype,
@@ -41,7 +44,7 @@ class Target(Section):
     tp_size: Count = 1  # processes one copy of the target is split across (torchrun; docs/TRAINING.md)
     # auto: SDPA where transformers has it for the family, else the family's default (gpt-oss: eager); or
     # eager, sdpa, flash_attention_2, flex_attention, a hub kernel (core.models.attention_implementation)
-    attn_implementation: str = "auto"
+    attn_implementation: AttentionKernel = AUTO_ATTENTION
 
 
 class Data(Section):
@@ -49,7 +52,7 @@ class Data(Section):
     format: FormatName
     max_length: Count | None = None  # tokens per sample; required where samples are tokenized
     on_error: Literal["raise", "skip"] = "raise"
-    limit: Count | None = None  # null: every record
+    limit: Count | None = None  # samples kept (over_length split: each piece counts); null: every record
     # A conversation past max_length: truncate (kept up to it), split (into samples at its turn ends, each without
     # the turns before it), or refuse (a bad record, under on_error). Each is counted in the printed report.
     over_length: Literal["truncate", "split", "refuse"] = "truncate"
@@ -127,7 +130,20 @@ class Capture(Section):
                 "section_rule",
                 "states_dir is only read with base_url (a server started here writes under out_dir/engine)",
             )
+        if self.states_dir and self.out_dir and _nested(Path(self.states_dir), Path(self.out_dir)):
+            raise PydanticCustomError(
+                "section_rule",
+                "states_dir {states} and out_dir {out} are one folder or one inside the other: the capture deletes "
+                "the server's files in states_dir and writes shards in out_dir, so keep them apart",
+                {"states": repr(self.states_dir), "out": repr(self.out_dir)},
+            )
         return self
+
+
+def _nested(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are the same folder or one holds the other (as the file system resolves them)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
 
 
 class CaptureToDisk(Capture):

@@ -31,9 +31,22 @@ from pydantic import Field
 from transformers import AutoConfig
 
 from headstart.core.config import run_command, save_config
+from headstart.core.io import check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
-from headstart.core.settings import CommandFlags, Count, Device, Dtype, Float, Folder, NonNegative, NonNegativeFloat
+from headstart.core.settings import (
+    AUTO_ATTENTION,
+    AttentionKernel,
+    CommandFlags,
+    Count,
+    Device,
+    Dtype,
+    Float,
+    Folder,
+    NonNegative,
+    NonNegativeFloat,
+    Registered,
+)
 from headstart.core.weights import safetensors_bytes
 from headstart.data_recipes.bench import (
     BenchItem,
@@ -75,7 +88,8 @@ class Eval(CommandFlags, TreeSettings):
     allow_other_tokenizer: bool = Field(
         False, description="evaluate heads trained with another tokenizer than the target's (refused by default)"
     )
-    method: Annotated[list[str], Field(min_length=1, description=f"of: {', '.join(all_methods())}")]
+    # A name checked against the registered methods when the flags are parsed: a typo is refused before any load.
+    method: Annotated[list[Annotated[str, Registered(all_methods)]], Field(min_length=1, description="methods to run")]
     bench: str = Field(description="JSONL: Spec-Bench, GSM8K, messages, prompt/text or input_ids records")
     prompt_format: PromptFormat = Field("auto", description=PROMPT_FORMAT_HELP)
     limit: Count | None = Field(None, description="prompts to run, round-robin over categories; null: every prompt")
@@ -98,9 +112,7 @@ class Eval(CommandFlags, TreeSettings):
         description="static: the target's KV cache in fixed buffers and, on CUDA, each verify forward replayed as a "
         "CUDA graph (decoding.static_cache); one sequence at a time",
     )
-    attn_implementation: str = Field(
-        "auto", description="the target's attention kernel: auto (SDPA where the family has it), eager, sdpa, ..."
-    )
+    attn_implementation: AttentionKernel = AUTO_ATTENTION
     out: Folder = Field(description="the report folder")
 
 
@@ -119,10 +131,6 @@ def heads_by_method(head_dirs: list[str]) -> dict[str, HeadFolder]:
 
 def check_methods(methods: list[str], heads: dict[str, str], draft: str | None) -> None:
     """Fail before loading anything when a method lacks what it needs (or a head would go unused)."""
-    known = all_methods()
-    unknown = [m for m in methods if m not in known]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; known: {list(known)}")
     for method in methods:
         if method in head_methods() and method not in heads:
             given = f" (given: {', '.join(f'{d} is {t}' for t, d in heads.items())})" if heads else ""
@@ -339,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(args: Eval) -> dict:
     """The evaluation ``args`` describe (from flags, or a config's ``eval:`` section): its report."""
+    check_writable(args.out)  # before the evaluation, whose measurements an unwritable --out would lose
     loaded = load(args)
     header = settings(args, loaded)
     if args.temperatures:

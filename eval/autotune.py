@@ -52,10 +52,19 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from headstart.core.config import run_command, save_config
-from headstart.core.io import atomic_write_text
+from headstart.core.io import atomic_write_text, check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
-from headstart.core.settings import CommandFlags, Count, Device, Dtype, Folder, NonNegative
+from headstart.core.settings import (
+    AUTO_ATTENTION,
+    AttentionKernel,
+    CommandFlags,
+    Count,
+    Device,
+    Dtype,
+    Folder,
+    NonNegative,
+)
 from headstart.core.weights import safetensors_bytes
 from headstart.data_recipes.bench import (
     check_token_ids,
@@ -111,9 +120,7 @@ class Autotune(CommandFlags):
     device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Dtype = "fp32"
     tp_size: Count = Field(1, description="split the target across this many torchrun processes")
-    attn_implementation: str = Field(
-        "auto", description="the target's attention kernel: auto (SDPA where the family has it), eager, sdpa, ..."
-    )
+    attn_implementation: AttentionKernel = AUTO_ATTENTION
     seed: NonNegative = 0
     out: Folder = Field(description="folder for tree.json, autotune.json/.md/.png")
     write_head: bool = Field(False, description="also write <head>/tree.json (eval.acceptance reads it)")
@@ -349,6 +356,8 @@ def validate_choice(args: Autotune, run: Session, pick: Picked) -> tuple[list[di
 
 def run(args: Autotune) -> dict:
     """The tuning ``args`` describe (from flags, or a config's ``autotune:`` section): its result."""
+    for folder in [args.out] + ([args.head] if args.write_head and args.head else []):
+        check_writable(folder)  # before the tuning, whose result an unwritable folder would lose
     session = start(args)
     tuned = tune_sources(args, session)
     pick = choose(args, tuned)

@@ -71,25 +71,47 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: settings, the per-method table, per-category tau, warnings first."""
     methods: dict[str, MethodResult] = report["methods"]
     lines = [f"# Acceptance report: {report['target']}", ""]
-    broken = [m for m, e in methods.items() if e.greedy_identical is False]
-    if broken:
-        lines += [
-            f"> **WARNING: {', '.join(broken)} did NOT reproduce vanilla greedy decoding token for token** "
-            "(see mismatched_prompts in report.json). Their speedups are not comparable.",
-            "",
-        ]
-        for m in broken:
-            for d in methods[m].divergences:
-                gap = "a stop" if d["logit_gap"] is None else f"target logit gap {d['logit_gap']:.4f}"
-                verdict = "near-tie: reduced-precision rounding" if d["near_tie"] else "**not a near-tie**"
-                lines.append(
-                    f"> - {m}: {d['prompt']} turn {d['turn']} first differs at token {d['token']} ({gap}; {verdict})"
-                )
-        lines.append("")
+    lines += _divergence_warning(methods)
     if not methods["vanilla"].requested:
         lines += ["Vanilla was not requested; it ran anyway as the speedup baseline.", ""]
-    tree = report["tree"]
+    lines += _settings_lines(report)
+    lines += _method_table(methods)
+    lines += _category_table(methods)
+    lines += _tuned_trees(methods)
+    lines += _acceptance_by_depth(methods)
     lines += [
+        "",
+        "predicted = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)): the chain model (each draft accepted with "
+        "probability alpha once its parent was), k the draft depth, c one draft call's cost in target forwards.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _divergence_warning(methods: dict[str, MethodResult]) -> list[str]:
+    """The warning that opens a report whose methods did not reproduce vanilla greedy decoding, with where each
+    first differed; nothing when all did."""
+    broken = [m for m, e in methods.items() if e.greedy_identical is False]
+    if not broken:
+        return []
+    lines = [
+        f"> **WARNING: {', '.join(broken)} did NOT reproduce vanilla greedy decoding token for token** "
+        "(see mismatched_prompts in report.json). Their speedups are not comparable.",
+        "",
+    ]
+    for m in broken:
+        for d in methods[m].divergences:
+            gap = "a stop" if d["logit_gap"] is None else f"target logit gap {d['logit_gap']:.4f}"
+            verdict = "near-tie: reduced-precision rounding" if d["near_tie"] else "**not a near-tie**"
+            lines.append(
+                f"> - {m}: {d['prompt']} turn {d['turn']} first differs at token {d['token']} ({gap}; {verdict})"
+            )
+    return lines + [""]
+
+
+def _settings_lines(report: dict[str, Any]) -> list[str]:
+    tree = report["tree"]
+    return [
         f"- bench: `{report['bench']}`, {report['prompts']} prompts (limit {report['limit']}), "
         f"{report['max_new_tokens']} new tokens per turn",
         f"- prompts: {prompts_rendered(report['prompt_format'], report['prompt_format_resolved'])}",
@@ -99,6 +121,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"- machine: {report['machine']} ({report['device']}, {report['dtype']}); "
         f"torch {report['torch']}, transformers {report['transformers']}",
         "",
+    ]
+
+
+def _method_table(methods: dict[str, MethodResult]) -> list[str]:
+    lines = [
         "| method | tau | training predicted tau | training measured tau | alpha | mean accepted | target forwards "
         "| tokens/s | speedup | predicted (k, c) | peak MB | greedy identical |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -111,32 +138,42 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {e.tokens_per_s:.1f} | {e.speedup_vs_vanilla:.3f} | {e.predicted_speedup:.3f} "
             f"({e.draft_depth}, {e.draft_cost_ratio:.3f}) | {e.peak_memory_mb:.0f} | {_identical(e.greedy_identical)} |"
         )
+    return lines
+
+
+def _category_table(methods: dict[str, MethodResult]) -> list[str]:
     categories = sorted({c for e in methods.values() for c in e.per_category})
-    lines += ["", "## tau (speedup vs vanilla) per category", "", "| method | " + " | ".join(categories) + " |"]
+    lines = ["", "## tau (speedup vs vanilla) per category", "", "| method | " + " | ".join(categories) + " |"]
     lines.append("|---" * (len(categories) + 1) + "|")
     for name, e in methods.items():
         cells = [_category_cell(e.per_category.get(c)) for c in categories]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    tuned = [(name, e.tree_config) for name, e in methods.items() if e.tree_config]
-    for name, tree in tuned:
+    return lines
+
+
+def _tuned_trees(methods: dict[str, MethodResult]) -> list[str]:
+    """One line per method that decoded with an autotuned tree.json."""
+    lines: list[str] = []
+    for name, e in methods.items():
+        if not e.tree_config:
+            continue
+        tree = e.tree_config
         where = f", tuned on {tree['machine']}" if "machine" in tree else ""
         lines += [
             "",
             f"{name} tree (tree.json): {tree['shape']}, depth {tree['depth']}, top-k {tree['top_k']}, "
             f"{tree['total_tokens']} nodes{where}",
         ]
-    lines += ["", "## acceptance rate by draft depth (depth d accepted, given d - 1 was)", ""]
+    return lines
+
+
+def _acceptance_by_depth(methods: dict[str, MethodResult]) -> list[str]:
+    lines = ["", "## acceptance rate by draft depth (depth d accepted, given d - 1 was)", ""]
     for name, e in methods.items():
         if e.acceptance_by_depth:
             rates = ["-" if r is None else f"{r:.3f}" for r in e.acceptance_by_depth]
             lines.append(f"- {name}: " + ", ".join(rates) + (" (- never tried)" if "-" in rates else ""))
-    lines += [
-        "",
-        "predicted = (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)): the chain model (each draft accepted with "
-        "probability alpha once its parent was), k the draft depth, c one draft call's cost in target forwards.",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def _tau(value: float | None) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import import_module
 
-from headstart.core.config import ConfigError, apply_overrides, load_config
+from headstart.core.config import REFUSALS, apply_overrides, load_config
 from headstart.core.settings import parse
 from headstart.heads import trainers
 from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS, PipelineConfig
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             if verb.pipeline_config:
                 check_whole_file(args.args)
             run_module(verb.module, args.args, prog)
-    except ConfigError as err:
+    except REFUSALS as err:
         parser.exit(2, f"{prog}: {err}\n")
 
 

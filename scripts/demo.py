@@ -7,8 +7,10 @@ subprocess commands a user would type, one after the other, then prints the repo
 resumable on its own (capture keeps finished shards, training resumes from its last complete
 checkpoint, writes are atomic), and the demo adds one thing on top: once a stage's command exits 0,
 it writes ``<out_dir>/stages/<name>.json`` with a key over the command, the contents of its input
-files and the keys of the stages before it. A re-run skips every stage whose key still matches and
-whose outputs exist, and re-runs the rest. ``<out_dir>/timings.json`` holds each stage's wall time.
+files and the stages before it (their keys and the size and modification time of their outputs), and
+its own outputs' sizes and times. A re-run skips every stage whose key still matches and whose outputs
+exist, and re-runs the rest: a head retrained in place is evaluated and exported again. A damaged stamp
+counts as none. ``<out_dir>/timings.json`` holds each stage's wall time.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, model_validator
 
 from headstart.core.config import ConfigError, load_config, run_command
 from headstart.core.io import atomic_write_text
@@ -32,8 +36,15 @@ from headstart.core.settings import Count, Folder, Section, as_dict, parse
 from headstart.train.metrics import ACCEPTANCE_PLOT
 
 
+def plain_name(name: str) -> str:
+    """A stage's name is its stamp's file name in <out_dir>/stages: a plain name, never a path out of that folder."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise ValueError(f"{name!r} is not a plain name (letters, digits, '.', '_', '-'; a letter or digit first)")
+    return name
+
+
 class DemoStage(Section):
-    name: str
+    name: Annotated[str, AfterValidator(plain_name)]
     cmd: str  # {python}, {bin} and {key} (a top-level key of the config) are filled in
     inputs: list[str] = []  # files whose bytes key the stage
     outputs: list[str] = []  # files that must exist for the stage to count as done
@@ -50,6 +61,13 @@ class DemoConfig(Section):
     target: str | None = None  # a folder the stage commands name as {target}
     heads: str | None = None  # where stages after training read the heads, as {heads}
     stages: Annotated[list[DemoStage], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> DemoConfig:
+        names = [stage.name for stage in self.stages]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"stage names {twice} are given more than once: each stage needs its own stamp")
+        return self
 
 
 def stage_key(stage: DemoStage, settings: dict[str, Any], upstream: str) -> str:
@@ -85,10 +103,57 @@ def expand(stage: DemoStage, settings: dict[str, Any]) -> list[str]:
     return shlex.split(fill(stage, "cmd", stage.cmd, fields))
 
 
-def is_complete(stamp_path: Path, key: str, outputs: list[Path]) -> bool:
-    if not stamp_path.is_file() or json.loads(stamp_path.read_text())["key"] != key:
-        return False
-    return all(p.exists() for p in outputs)
+def outputs_fingerprint(outputs: list[Path]) -> dict[str, list[int]]:
+    """Each output's size and modification time (ns): cheap, and changed by any rewrite (a head retrained in place)."""
+    return {str(path): [stat.st_size, stat.st_mtime_ns] for path in outputs if path.exists() for stat in [path.stat()]}
+
+
+def chained(key: str, fingerprint: dict[str, list[int]]) -> str:
+    """What the stages after one are keyed on: its key and what its outputs are now."""
+    return hashlib.sha256((key + json.dumps(fingerprint, sort_keys=True)).encode()).hexdigest()[:16]
+
+
+def read_stamp(path: Path, header: str) -> dict[str, Any] | None:
+    """The stamp of a finished stage; None when there is none, or when it is damaged (said, with its path: the stage
+    runs again rather than the demo stopping on it)."""
+    if not path.is_file():
+        return None
+    try:
+        stamp = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        why = f"not UTF-8 JSON: {err}"
+    else:
+        why = stamp_problem(stamp)
+        if not why:
+            return stamp
+    print(f"{header}: its stamp {path} is damaged ({why}); running the stage again", flush=True)
+    return None
+
+
+def stamp_problem(stamp: Any) -> str:
+    """What makes a parsed stamp unusable ('' when nothing does)."""
+    if not isinstance(stamp, dict):
+        return f"a JSON {type(stamp).__name__}, not an object"
+    if not isinstance(stamp.get("key"), str):
+        return "no key string"
+    seconds = stamp.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return "no seconds number"
+    if not isinstance(stamp.get("outputs", {}), dict):
+        return "outputs is not an object"
+    return ""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One stage as this run sees it: its command and key, its outputs, its stamp and the stamps made from it."""
+
+    header: str  # "[3/11] stage train-eagle3"
+    command: list[str]
+    key: str
+    outputs: list[Path]
+    stamp: Path
+    later_stamps: list[Path]
 
 
 def run_stages(cfg: DemoConfig, only: set[str] | None = None) -> dict[str, Any]:
@@ -96,7 +161,8 @@ def run_stages(cfg: DemoConfig, only: set[str] | None = None) -> dict[str, Any]:
 
     A stage is skipped when its key (``stage_key``) matches its stamp and its outputs exist. A stage that runs
     first drops the stamps of every stage after it, so what was made from its old outputs runs again (a retrained
-    head is evaluated and exported anew)."""
+    head is evaluated and exported anew); an output that changed since its stage ran changes the keys of the
+    stages after it, so they run again too."""
     out_dir = Path(cfg.out_dir)
     stamps = out_dir / "stages"
     settings = {k: v for k, v in as_dict(cfg).items() if k != "stages"}  # the {key}s a command may name
@@ -105,38 +171,60 @@ def run_stages(cfg: DemoConfig, only: set[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     upstream = ""
     for index, stage in enumerate(stages, 1):
-        name = stage.name
-        command = expand(stage, settings)
-        key = stage_key(stage, settings, upstream)
-        upstream = key
-        stamp_path = stamps / f"{name}.json"
-        if only is not None and name not in only:
-            continue  # its key still feeds the stages after it, so a partial run keys them as a full one does
-        header = f"[{index}/{len(stages)}] stage {name}"
-        if is_complete(stamp_path, key, stage_paths(stage, "outputs", settings)):
-            seconds = json.loads(stamp_path.read_text())["seconds"]
-            print(f"{header}: done, skipped (outputs complete; it took {seconds:.1f} s when it ran)", flush=True)
-            timings["stages"][name] = {"status": "skipped", "seconds": 0.0, "seconds_when_run": seconds}
-            continue
-        for later in stages[index:]:  # made from this stage's old outputs: they run again, even after a kill
-            (stamps / f"{later.name}.json").unlink(missing_ok=True)
-        print(f"{header}: running\n    {shlex.join(command)}", flush=True)
-        began = time.perf_counter()
-        code = subprocess.run(command).returncode
-        seconds = time.perf_counter() - began
-        if code != 0:
-            raise SystemExit(
-                f"{header}: failed (exit code {code}) after {seconds:.1f} s; see its message above. "
-                f"Run the demo again to resume: finished stages and finished work inside this one are kept."
-            )
-        atomic_write_text(stamp_path, json.dumps({"key": key, "seconds": seconds, "command": command}, indent=1))
-        print(f"{header}: done in {seconds:.1f} s", flush=True)
-        timings["stages"][name] = {"status": "ran", "seconds": seconds, "seconds_when_run": seconds}
+        step = Step(
+            header=f"[{index}/{len(stages)}] stage {stage.name}",
+            command=expand(stage, settings),
+            key=stage_key(stage, settings, upstream),
+            outputs=stage_paths(stage, "outputs", settings),
+            stamp=stamps / f"{stage.name}.json",
+            later_stamps=[stamps / f"{later.name}.json" for later in stages[index:]],
+        )
+        if only is None or stage.name in only:
+            timings["stages"][stage.name] = run_or_skip(step)
+        upstream = chained(step.key, outputs_fingerprint(step.outputs))  # a skipped stage keys the ones after it
     timings["total_s"] = time.perf_counter() - start
     timings["all_stages_when_run_s"] = sum(t["seconds_when_run"] for t in timings["stages"].values())
     timings["load_average_at_end"] = os.getloadavg()
     atomic_write_text(out_dir / "timings.json", json.dumps(timings, indent=1) + "\n")
     return timings
+
+
+def run_or_skip(step: Step) -> dict[str, Any]:
+    """Skip the stage when its stamp's key matches and its outputs exist, else run it and stamp it; its timing."""
+    stamp = read_stamp(step.stamp, step.header)
+    if stamp is not None and stamp["key"] == step.key and all(p.exists() for p in step.outputs):
+        print(f"{step.header}: done, skipped ({skip_reason(step, stamp)})", flush=True)
+        return {"status": "skipped", "seconds": 0.0, "seconds_when_run": stamp["seconds"]}
+    for later in step.later_stamps:  # made from this stage's old outputs: they run again, even after a kill
+        later.unlink(missing_ok=True)
+    print(f"{step.header}: running\n    {shlex.join(step.command)}", flush=True)
+    began = time.perf_counter()
+    code = subprocess.run(step.command).returncode
+    seconds = time.perf_counter() - began
+    if code != 0:
+        raise SystemExit(
+            f"{step.header}: failed (exit code {code}) after {seconds:.1f} s; see its message above. "
+            f"Run the demo again to resume: finished stages and finished work inside this one are kept."
+        )
+    stamp = {"key": step.key, "seconds": seconds, "command": step.command, "outputs": outputs_fingerprint(step.outputs)}
+    atomic_write_text(step.stamp, json.dumps(stamp, indent=1))
+    print(f"{step.header}: done in {seconds:.1f} s", flush=True)
+    return {"status": "ran", "seconds": seconds, "seconds_when_run": seconds}
+
+
+def skip_reason(step: Step, stamp: dict[str, Any]) -> str:
+    """What a skip compared, in words; an output rewritten since the stage ran is named, and re-stamped: the stages
+    after it are keyed on it as it is now, so they run again once, not on every later run."""
+    now = outputs_fingerprint(step.outputs)
+    reason = (
+        f"outputs complete: {', '.join(map(str, step.outputs)) or 'none listed'}; the same command, input files, "
+        f"and earlier stages and their outputs as when it ran, which took {stamp['seconds']:.1f} s"
+    )
+    changed = [path for path, seen in now.items() if stamp.get("outputs", {}).get(path) != seen]
+    if changed:
+        atomic_write_text(step.stamp, json.dumps(stamp | {"outputs": now}, indent=1))
+        reason += f"; {', '.join(changed)} changed since then: the stages after it run again"
+    return reason
 
 
 def summary(cfg: DemoConfig, timings: dict[str, Any]) -> str:

@@ -35,7 +35,7 @@ from headstart.scripts.demo import DemoConfig
 from headstart.scripts.dev import build_demo_models
 from headstart.scripts.dev.build_demo_models import BuildDemoModelsConfig, DemoModel, ModelTraining
 from headstart.train import eagle, medusa
-from headstart.train.config import Metrics, Train, TrainConfig, Wandb
+from headstart.train.config import Metrics, Train, TrainConfig, Wandb, resolve_config
 
 HEAD_OPTIONS = head_options_models()
 # Which commands read each bundled config; the rest (the head configs) drive capture and training.
@@ -328,3 +328,11 @@ def test_a_tree_file_is_looked_for_when_eval_runs_not_when_the_pipeline_file_is_
     assert parse({"eval": settings}, PipelineConfig).eval.tree_file() == Path(later)
     with pytest.raises(FileNotFoundError, match=f"--tree {later}: expected static, dynamic or a tree.json file"):
         acceptance.run(parse({"eval": settings | {"method": ["vanilla"], "head": []}}, PipelineConfig).eval)
+
+
+@pytest.mark.parametrize("kernel", ["", "flashy", "SDPA"])
+def test_a_target_attention_kernel_transformers_does_not_know_is_refused_with_the_config(kernel):
+    """Checked with the config, not when the target loads after the run has started writing."""
+    config = load_config(REPO / "configs" / "demo-eagle3.yaml", [f"target.attn_implementation={kernel}"])
+    with pytest.raises(ConfigError, match=f"target.attn_implementation must be auto, eager, .*got '{kernel}'"):
+        resolve_config(config, "eagle")

@@ -148,3 +148,59 @@ def test_the_bundled_demo_config_chains_every_stage_the_issue_asks_for():
     for method in ("vanilla", "ngram", "draft_model", "eagle3", "medusa", "dflash", "dflash2"):
         assert method in eval_cmd
     assert "--out runs/demo" in eval_cmd and cfg["report"] == "runs/demo/report.md"
+
+
+@pytest.mark.parametrize("name", ["../../victim", "/tmp/victim", "a/b", ".hidden", ""])
+def test_a_stage_name_that_is_not_a_plain_name_is_refused_with_the_config(tmp_path, name):
+    """A stage's name is its stamp's file name: ``../../victim`` would write, then delete, a file outside out_dir."""
+    victim = tmp_path / "victim.json"
+    victim.write_text("keep")
+    cfg = pipeline(tmp_path)
+    cfg["out_dir"] = str(tmp_path / "a" / "b")
+    cfg["stages"][1]["name"] = name
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.name: .* is not a plain name"):
+        run(cfg)
+    assert victim.read_text() == "keep" and ran(tmp_path) == []
+
+
+def test_two_stages_of_one_name_are_refused(tmp_path):
+    cfg = pipeline(tmp_path)
+    cfg["stages"][1]["name"] = "first"
+    with pytest.raises(ConfigError, match=r"stage names \['first'\] are given more than once"):
+        run(cfg)
+
+
+def test_an_output_changed_in_place_reruns_the_stages_after_it_once(tmp_path, capsys):
+    """A head retrained in its stage's folder: the evaluation and export made from the old one run again."""
+    cfg = pipeline(tmp_path)
+    run(cfg)
+    assert ran(tmp_path) == ["first", "second"]
+    (tmp_path / "a.txt").write_text("first, retrained with more steps")
+    capsys.readouterr()
+    run(cfg)
+    assert ran(tmp_path) == ["second"]
+    out = capsys.readouterr().out
+    assert f"stage first: done, skipped (outputs complete: {tmp_path / 'a.txt'}; the same command" in out
+    assert f"{tmp_path / 'a.txt'} changed since then: the stages after it run again" in out
+    run(cfg)
+    assert ran(tmp_path) == []
+    assert "changed since then" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"", b"[]", b'"seconds"', b'{"key": "K", "seconds": "12"}', b'{"key": "K"}', b"\xff\xfe{", b'{"seconds": 1}'],
+)
+def test_a_damaged_stamp_counts_as_none_and_is_named(tmp_path, capsys, damage):
+    cfg = pipeline(tmp_path)
+    run(cfg)
+    assert ran(tmp_path) == ["first", "second"]
+    stamp = tmp_path / "run" / "stages" / "second.json"
+    key = json.loads(stamp.read_text())["key"]
+    stamp.write_bytes(damage.replace(b'"K"', json.dumps(key).encode()))
+    capsys.readouterr()
+    run(cfg)
+    assert ran(tmp_path) == ["second"]
+    assert f"stage second: its stamp {stamp} is damaged (" in capsys.readouterr().out
+    run(cfg)
+    assert ran(tmp_path) == []

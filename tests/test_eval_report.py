@@ -2,6 +2,7 @@
 models."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -211,7 +212,6 @@ def test_vanilla_runs_as_baseline_when_not_requested(tiny_target_dir, models, tm
         (["--method", "eagle3", "--head", "HEAD,HEAD"], "both eagle3 heads"),
         (["--method", "draft_model"], "needs --draft"),
         (["--method", "vanilla", "--head", "HEAD"], "not in --method"),
-        (["--method", "beam"], "unknown method"),
     ],
 )
 def test_missing_head_or_draft_fails_before_any_work(models, tmp_path, extra, message):
@@ -220,6 +220,22 @@ def test_missing_head_or_draft_fails_before_any_work(models, tmp_path, extra, me
     argv = ["--target", str(tmp_path / "none"), "--bench", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]
     with pytest.raises(ValueError, match=message):
         main(argv + extra)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "vanilla,beam"], r"--method\[1\] must be one of 'vanilla', .* got 'beam'"),
+        (["--method", "vanilla", "--attn-implementation", ""], "--attn-implementation must be auto, eager, .* got ''"),
+        (["--method", "vanilla", "--attn-implementation", "flashy"], "--attn-implementation must be .* got 'flashy'"),
+    ],
+)
+def test_a_misspelt_method_or_attention_kernel_is_refused_by_the_flags_with_exit_2(tmp_path, capsys, extra, message):
+    # The target and bench do not exist: the flags are refused before anything is loaded.
+    argv = ["--target", str(tmp_path / "none"), "--bench", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as stop:
+        main(argv + extra)
+    assert stop.value.code == 2 and re.search(message, capsys.readouterr().err)
 
 
 def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):

@@ -200,6 +200,18 @@ def test_import_errors_name_the_problem(target, tiny_llama_dir, tmp_path):
     assert not (tmp_path / "back").exists()
 
 
+@pytest.mark.parametrize(
+    "damage, said",
+    [(b'{"architectures": [', "not UTF-8 JSON"), (b"\xff\xfe{}", "not UTF-8 JSON"), (b"[1, 2]", "a JSON list")],
+)
+def test_a_malformed_config_json_is_refused_naming_the_file(target, tiny_llama_dir, tmp_path, damage, said):
+    out = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "export")
+    (out / "config.json").write_bytes(damage)
+    with pytest.raises(ValueError, match=re.escape(f"{out / 'config.json'}: {said}")):
+        import_head("eagle3", out, tmp_path / "back", tiny_llama_dir)
+    assert not (tmp_path / "back").exists()
+
+
 def test_cli(target, tiny_llama_dir, tmp_path, capsys):
     out = export_head(make_head(target, tmp_path, "eagle3"), "speculators", tmp_path / "export")
     main(["--from", "speculators", str(out), "--out", str(tmp_path / "back"), "--target", tiny_llama_dir])

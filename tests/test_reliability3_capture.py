@@ -260,6 +260,20 @@ def test_a_bad_server_url_is_refused_by_its_key_before_any_work(tiny_target_dir,
         parse(config(tiny_target_dir, gsm8k_file, tmp_path, base_url="http://127.0.0.1:8000/v1"), CaptureConfig)
 
 
+@pytest.mark.parametrize("states", ["out", "out/states", "."])
+def test_a_states_dir_that_is_or_holds_or_sits_in_out_dir_is_refused(tiny_target_dir, gsm8k_file, tmp_path, states):
+    """The capture deletes the server's files in states_dir: never in the folder its shards are written to."""
+    url = "http://127.0.0.1:8000/v1"
+    cfg = config(tiny_target_dir, gsm8k_file, tmp_path, base_url=url, states_dir=str(tmp_path / states))
+    with pytest.raises(
+        ConfigError, match="capture.states_dir .* and out_dir .* are one folder or one inside the other"
+    ):
+        parse(cfg, CaptureConfig)
+    parse(
+        config(tiny_target_dir, gsm8k_file, tmp_path, base_url=url, states_dir=str(tmp_path / "states")), CaptureConfig
+    )
+
+
 def test_an_engines_venv_without_vllm_is_refused_before_any_work(tiny_target_dir, gsm8k_file, tmp_path):
     missing = config(tiny_target_dir, gsm8k_file, tmp_path, engine_python=str(tmp_path / "no" / "python"))
     with pytest.raises(FileNotFoundError, match=f"capture.engine_python: no engines-venv interpreter {tmp_path}"):

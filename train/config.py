@@ -139,6 +139,15 @@ def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
             f"train.batch_size ({train.batch_size}) must be a multiple of train.micro_batch_size "
             f"({train.micro_batch_size}) times the number of processes"
         )
+    problems += _state_source_problems(cfg)
+    problems += _lora_problems(cfg, trainer)
+    problems += cfg.head.length_problems(cfg.data.max_length)
+    return problems + _measurement_problems(train)
+
+
+def _state_source_problems(cfg: TrainConfig) -> list[str]:
+    """Where the hidden states come from (shards, the step's own forward, a server) against what needs them."""
+    train, problems = cfg.train, []
     if not train.online_capture and not cfg.capture.out_dir:
         problems.append("capture.out_dir is required unless train.online_capture is true (where are the shards?)")
     if cfg.lora and not train.online_capture:
@@ -161,6 +170,12 @@ def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
             "Medusa-2 (a lora: section) trains the target itself, so a server's states (train.online_capture: "
             "vllm) are not its states: set train.online_capture: true"
         )
+    return problems
+
+
+def _lora_problems(cfg: TrainConfig, trainer: str) -> list[str]:
+    """Medusa-2 (a lora: section) against the target's split and the recipe."""
+    problems = []
     if cfg.lora and cfg.target.tp_size > 1:
         problems.append(
             f"Medusa-2 (a lora: section) cannot train a split target (target.tp_size={cfg.target.tp_size}): "
@@ -171,18 +186,23 @@ def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
         )
     if cfg.lora and trainer != LORA_TRAINER:
         problems.append("a lora: section (Medusa-2) is only read by train/medusa.py")
-    problems += cfg.head.length_problems(cfg.data.max_length)
+    return problems
+
+
+def _measurement_problems(train: Train) -> list[str]:
+    """Held-out evaluation and measured acceptance asked for without the prompts they need."""
+    problems = []
     if train.eval_every and not train.heldout_samples:
         problems.append("train.eval_every needs train.heldout_samples > 0 (nothing held out to evaluate)")
     # Only where prompts are decoded: a short run overriding heldout_samples=0 eval_every=0 measures nothing, so
     # a config's eval_prompts (the demo's 8) is no reason to refuse it.
-    if measures(train) and not train.eval_bench and train.eval_prompts > train.heldout_samples:
+    if measures_acceptance(train) and not train.eval_bench and train.eval_prompts > train.heldout_samples:
         problems.append(
             f"train.eval_prompts ({train.eval_prompts}) exceeds train.heldout_samples ({train.heldout_samples}): "
             "measured acceptance decodes held-out prompts at every evaluation, the last step's included (or set "
             "train.eval_bench to a benchmark file)"
         )
-    if train.keep_best == "measured_tau" and not measures(train):
+    if train.keep_best == "measured_tau" and not measures_acceptance(train):
         problems.append(
             f"train.keep_best: measured_tau needs train.eval_prompts > 0 (now {train.eval_prompts}) and prompts to "
             f"draw them from, train.heldout_samples > 0 (now {train.heldout_samples}) or train.eval_bench: nothing "
@@ -191,7 +211,7 @@ def consistency_problems(cfg: TrainConfig, trainer: str) -> list[str]:
     return problems
 
 
-def measures(train: Train) -> bool:
+def measures_acceptance(train: Train) -> bool:
     """Whether the run measures acceptance (``train.measured``): prompts asked for (``eval_prompts``) and somewhere
     to draw them from, a benchmark file or held-out samples. Each evaluation decodes them, the last step's always."""
     return train.eval_prompts > 0 and (train.eval_bench is not None or train.heldout_samples > 0)

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.config import save_config
-from headstart.core.io import atomic_write_text
+from headstart.core.io import atomic_write_text, check_writable
 from headstart.core.memory import (
     MemoryNeed,
     TargetSizes,
@@ -60,7 +60,7 @@ from headstart.heads import (
     read_head_config,
 )
 from headstart.train.checkpoint import all_finite, last_good, loads_universal, newest_marker, resume, save_checkpoint
-from headstart.train.config import Train, TrainConfig, measures
+from headstart.train.config import Train, TrainConfig, measures_acceptance
 from headstart.train.data import TrainData, data_fingerprint, fuses_layers, head_settings, heldout_batches, step_batches
 from headstart.train.measured import (
     MeasuredAcceptance,
@@ -160,12 +160,13 @@ def runs_target(cfg: TrainConfig) -> bool:
     (``train.eval_prompts``). From shards, or from a server's states (``online_capture: vllm``), without measured
     acceptance, it only borrows the embedding, final norm and lm_head (``core.models.load_target(borrowed_only=True)``).
     """
-    return forward_in_step(cfg) or measures(cfg.train)
+    return forward_in_step(cfg) or measures_acceptance(cfg.train)
 
 
 def start_processes(cfg: TrainConfig) -> Process:
     """This rank's process, once the run is known to fit its device (``training_memory``); the target splits
-    across ``target.tp_size`` ranks only where training runs it."""
+    across ``target.tp_size`` ranks only where training runs it; ``train.out_dir`` is writable."""
+    check_writable(cfg.train.out_dir)  # before the target loads, not at the first checkpoint
     proc = init_distributed(cfg.target.device, cfg.target.tp_size if runs_target(cfg) else 1)
     line = check_memory(training_memory(cfg, proc), proc.device, MEMORY_REMEDY)
     if proc.rank == 0:
@@ -202,7 +203,9 @@ def training_memory(cfg: TrainConfig, proc: Process) -> MemoryNeed:
     if forward_in_step(cfg):  # the target's forward inside the step (its backward too for Medusa-2's LoRA)
         forward = capture_activations(config, tokens, cfg.data.max_length, len(aux), dtype, proc.tp_size)
         need.parts["target activations"] = forward * (3 if cfg.lora else 1)
-    if measures(train):  # measured acceptance: one sequence's KV cache, its prompt (at most max_length) and reply
+    if measures_acceptance(
+        train
+    ):  # measured acceptance: one sequence's KV cache, its prompt (at most max_length) and reply
         context = cfg.data.max_length + train.eval_new_tokens
         need.parts["measured acceptance KV cache"] = kv_cache_bytes(config, context, dtype, proc.tp_size)
     return need
@@ -376,7 +379,7 @@ def fit(
     acceptance where the config asks for it (``train.eval_prompts``), its prompts rendered as the run's data was."""
     set_training_kernels(head, cfg.train)
     measured = None
-    if measures(cfg.train):
+    if measures_acceptance(cfg.train):
         prompts = data_prompt_format(cfg.data.format)
         measured = MeasuredAcceptance(cfg, target, tokenizer, data, prompts, proc.rank, proc.tp_size)
     engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))

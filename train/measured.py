@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from headstart.decoding.proposers import DepthRecorder
 from headstart.decoding.verify import Sampling, generate
 from headstart.heads import DraftHead, drafting_of
 from headstart.train.checkpoint import digest_problems, file_digests, save_head_files
-from headstart.train.config import TrainConfig, measures
+from headstart.train.config import TrainConfig, measures_acceptance
 from headstart.train.data import TrainData, token_rows
 
 PROMPTS_FILE = "eval_prompts.jsonl"
@@ -78,7 +79,7 @@ def check_eval_bench(cfg: TrainConfig) -> None:
     Checked as training decodes them (each item's first turn, ``train.eval_new_tokens``) and with the tree budget
     of the ``acceptance_command`` it prints, so that command measures the same file too."""
     train = cfg.train
-    if not (measures(train) and train.eval_bench):
+    if not (measures_acceptance(train) and train.eval_bench):
         return
     tokenizer = load_tokenizer(cfg.target.path)
     positions = AutoConfig.from_pretrained(cfg.target.path).get_text_config().max_position_embeddings
@@ -201,12 +202,13 @@ class MeasuredAcceptance:
         return measured_record(step, total, time.perf_counter() - start)
 
     def command(self, head: DraftHead) -> str:
-        """The ``eval.acceptance`` command that measures ``<out_dir>/head`` on the same prompts the same way."""
-        return (
-            f"python -m eval.acceptance --target {self.target_path} --head {self.out_dir / 'head'} "
-            f"--method {drafting_of(head.config).method} --bench {self.out_dir / PROMPTS_FILE} "
-            f"--max-new-tokens {self.new_tokens} --tree static --depth {head.config.trained_depth} "
-            f"--out {self.out_dir / 'measured-eval'}"
+        """The ``eval.acceptance`` command that measures ``<out_dir>/head`` on the same prompts the same way, each
+        value quoted for the shell (a path with a space or a ``;`` stays one argument when the line is pasted)."""
+        return shlex.join(
+            ["python", "-m", "eval.acceptance", "--target", str(self.target_path), "--head", str(self.out_dir / "head")]
+            + ["--method", drafting_of(head.config).method, "--bench", str(self.out_dir / PROMPTS_FILE)]
+            + ["--max-new-tokens", str(self.new_tokens), "--tree", "static", "--depth", str(head.config.trained_depth)]
+            + ["--out", str(self.out_dir / "measured-eval")]
         )
 
 

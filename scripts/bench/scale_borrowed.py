@@ -96,26 +96,8 @@ def write_borrowed_checkpoint(
         if (BUNDLED_TARGET / name).exists():
             shutil.copy(BUNDLED_TARGET / name, folder / name)
     model = meta_model(config)
-    roles = borrowed_names(model)
-    tied = config.get_text_config().tie_word_embeddings
-    names = [n for n in model.state_dict() if not (tied and n == roles.get("lm_head"))]
-    files = {"embed": "model-embed.safetensors", "lm_head": "model-lm-head.safetensors"}
-    files["norm"] = files["lm_head"] if "lm_head" in roles and not tied else files["embed"]
-    borrowed = {roles[role]: files[role] for role in roles if roles[role] in names}
-    layers = config.get_text_config().num_hidden_layers
-    weight_map: dict[str, str] = {}
-    missing: set[str] = set()
-    garbage: set[str] = set()
-    for name in names:
-        if name in borrowed:
-            weight_map[name] = borrowed[name]
-            continue
-        match = re.search(r"\.layers\.(\d+)\.", name)
-        if match is None:
-            raise ValueError(f"{name}: neither a borrowed tensor nor a decoder layer's; this checkpoint has no file")
-        layer = int(match.group(1))
-        weight_map[name] = file = f"model-layer-{layer + 1:05d}-of-{layers:05d}.safetensors"
-        (garbage if layer % 2 else missing).add(file)
+    names, borrowed = _borrowed_files(model, config)
+    weight_map, missing, garbage = _decoder_files(names, borrowed, config.get_text_config().num_hidden_layers)
     for file in sorted(garbage):
         (folder / file).write_bytes(os.urandom(4096))  # no safetensors header: any read raises
     generator = torch.Generator().manual_seed(seed)
@@ -135,6 +117,37 @@ def write_borrowed_checkpoint(
         "decoder_files_garbage": len(garbage),
         "bytes_on_disk": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
     }
+
+
+def _borrowed_files(model: torch.nn.Module, config: PretrainedConfig) -> tuple[list[str], dict[str, str]]:
+    """The checkpoint's tensor names (a tied lm_head is not one) and the file each borrowed tensor goes to: the
+    embedding in one, lm_head and the final norm in another (the norm beside the embedding when lm_head is tied)."""
+    roles = borrowed_names(model)
+    tied = config.get_text_config().tie_word_embeddings
+    names = [n for n in model.state_dict() if not (tied and n == roles.get("lm_head"))]
+    files = {"embed": "model-embed.safetensors", "lm_head": "model-lm-head.safetensors"}
+    files["norm"] = files["lm_head"] if "lm_head" in roles and not tied else files["embed"]
+    return names, {roles[role]: files[role] for role in roles if roles[role] in names}
+
+
+def _decoder_files(
+    names: list[str], borrowed: dict[str, str], layers: int
+) -> tuple[dict[str, str], set[str], set[str]]:
+    """The index's weight map, and the decoder layers' files left missing (even layers) or garbage (odd)."""
+    weight_map: dict[str, str] = {}
+    missing: set[str] = set()
+    garbage: set[str] = set()
+    for name in names:
+        if name in borrowed:
+            weight_map[name] = borrowed[name]
+            continue
+        match = re.search(r"\.layers\.(\d+)\.", name)
+        if match is None:
+            raise ValueError(f"{name}: neither a borrowed tensor nor a decoder layer's; this checkpoint has no file")
+        layer = int(match.group(1))
+        weight_map[name] = file = f"model-layer-{layer + 1:05d}-of-{layers:05d}.safetensors"
+        (garbage if layer % 2 else missing).add(file)
+    return weight_map, missing, garbage
 
 
 def run_borrowed_child(folder: Path, dtype: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from headstart.core.config import run_command, save_config
 from headstart.core.fingerprint import tokenizer_hash
-from headstart.core.io import atomic_dir
+from headstart.core.io import atomic_dir, check_writable
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
 from headstart.heads import (
     CONFIG_NAME,
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: Export) -> None:
     """The export ``args`` describe (from flags, or a config's ``export:`` section)."""
+    check_writable(args.out)  # before the target loads for the parity check
     try:
         out = export_head(
             args.head,

@@ -171,9 +171,17 @@ def check_out(
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file from elsewhere (an engine's config.json, an index); ValueError naming the file when
+    it is not UTF-8 JSON or not an object."""
     if not path.is_file():
         raise FileNotFoundError(f"missing {path.name} in {path.parent}")
-    return json.loads(path.read_text())
+    try:
+        found = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not UTF-8 JSON ({err})") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{path}: a JSON {type(found).__name__}, where a JSON object was expected")
+    return found
 
 
 def load_pickled_tensors(source: Path | bytes, where: str | Path) -> Any:
