@@ -133,7 +133,8 @@ __all__ = [
 
 
 def _type_of(settings: HeadSettings) -> str:
-    return settings.type if isinstance(settings, HeadOptions) else settings.get("type")  # type: ignore[return-value]
+    # A mapping without a type names none of the head types: head_type refuses "" with the known ones.
+    return settings.type if isinstance(settings, HeadOptions) else settings.get("type", "")
 
 
 def _head_class(name: str) -> type[DraftHead]:

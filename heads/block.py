@@ -71,7 +71,6 @@ def resolve_mask_token_id(target_config: PretrainedConfig, tokenizer: PreTrained
     return next((c for c in candidates if isinstance(c, int) and 0 <= c < vocab), vocab - 1)
 
 
-
 def only(value: bool | None, why: str) -> BeforeValidator:
     """The check of an option a block drafter's layout fixes at ``value`` (its options model types it so): any other
     setting is refused by the config check, saying ``why``."""
@@ -508,4 +507,3 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         """
         hidden, label_at, labelled = self.block_states(batch)
         return self.block_loss(batch, hidden, label_at, labelled)
-

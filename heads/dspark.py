@@ -156,8 +156,8 @@ class DSparkHead(BlockDrafter[DsparkOptions]):
         positions: torch.Tensor,
         greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """The per-slot terms (``BlockDrafter.slot_terms``) with DeepSpec's loss as ``loss``, and ``confidence_bce`` and ``confidence_gap``
-        (predicted minus label) with a confidence head."""
+        """The per-slot terms (``BlockDrafter.slot_terms``) with DeepSpec's loss as ``loss``, and ``confidence_bce``
+        and ``confidence_gap`` (predicted minus label) with a confidence head."""
         options, ids = self.config.options, batch["input_ids"]
         previous, tokens = ids[sample, positions - 1], ids[sample, positions]
         logits = self.markov_logits(states, previous)
