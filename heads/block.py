@@ -98,7 +98,7 @@ class BlockOptions(LayerOptions):
     num_layers: Count = 1  # draft decoder layers (Qwen3-style, q/k norm)
     block_size: Annotated[int, Field(ge=2)] = 16  # one forward: the real token + block_size - 1 mask slots
     # The token fed in the mask slots; null: the tokenizer's mask token, else the first row past the
-    # tokenizer (an unused embedding row), else pad, else eos (heads/dflash.py, resolve_mask_token_id).
+    # tokenizer (an unused embedding row), else pad, else eos (resolve_mask_token_id).
     mask_token_id: NonNegative | None = None
     mask_embedding: bool = False  # learn the mask slots' input vector (vLLM: mask_embedding.pt) instead of its row
     # null: draft over the target's whole vocabulary with its lm_head. A number: the most frequent training
@@ -113,7 +113,7 @@ class BlockOptions(LayerOptions):
     dpace_alpha: Annotated[Float, Field(gt=0, le=1)] = 0.5  # D-PACE's smoothing q~ = alpha + (1 - alpha) q
 
     def trained_depth(self) -> int:
-        return self.block_size - 1  # the mask slots, where the newest token's slot drafts nothing (DFlash's)
+        return self.block_size - 1  # the mask slots: the newest token's slot drafts nothing (DSpark's says more)
 
     def draft_vocab(self) -> int | None:
         return self.draft_vocab_size
