@@ -338,7 +338,7 @@ class DFlash(HeadProposer):
         self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, drafts: int | None = None
     ) -> None:
         self.check_head(head)
-        self.head: BlockDrafter[Any] = cast(BlockDrafter[Any], head)
+        self.head = cast(BlockDrafter[Any], head)
         self.drafts = drafts or head.config.trained_depth  # the block's drafting slots
         chain = [[0] * d for d in range(1, self.drafts + 1)]
         self.choices = [list(c) for c in choices] if choices is not None else chain
