@@ -33,7 +33,7 @@ from headstart.decoding.tree import (
 )
 from headstart.decoding.tree_config import TreeSpec, chain_choices
 from headstart.decoding.verify import Proposer, Sampling, probabilities
-from headstart.heads import HEAD_TYPES, DFlashHead, DraftHead, Eagle3Head, KVCache, MedusaHead, drafting_of
+from headstart.heads import HEAD_TYPES, BlockDrafter, DraftHead, Eagle3Head, KVCache, MedusaHead, drafting_of
 from headstart.heads.base import FeatureDrafter
 
 if TYPE_CHECKING:
@@ -338,7 +338,7 @@ class DFlash(HeadProposer):
         self, head: DraftHead, choices: Sequence[Sequence[int]] | None = None, drafts: int | None = None
     ) -> None:
         self.check_head(head)
-        self.head = cast(DFlashHead, head)
+        self.head = cast(BlockDrafter[Any], head)
         self.drafts = drafts or head.config.trained_depth  # the block's drafting slots
         chain = [[0] * d for d in range(1, self.drafts + 1)]
         self.choices = [list(c) for c in choices] if choices is not None else chain

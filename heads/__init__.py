@@ -9,7 +9,8 @@ check_head_config(read_head_config("runs/x/head"), target_config, "runs/x/head/c
 One file per job: ``registry`` (the head types: one ``HeadType`` entry each), ``config`` (the typed head config
 and its config.json), ``target`` (the target's layer shape, the families served, compatibility and tokenizer
 checks), ``base`` (``DraftHead``: build, save, load), ``layers`` (the Llama draft layer: norm, rotary, attention
-over the KV cache, MLP), ``losses`` (label alignment, soft cross-entropy), and one file per head type, which
+over the KV cache, MLP), ``losses`` (label alignment, soft cross-entropy), ``block`` (``BlockDrafter``: the
+backbone DFlash, DSpark and DFlash-2 share), and one file per head type, which
 declares its options, module and ``HEAD_TYPE`` entry: ``eagle``, ``eagle3``, ``medusa``, ``dflash``, ``dspark``,
 ``dflash2``.
 """
@@ -25,6 +26,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.settings import TaggedUnion
 from headstart.heads import dflash, dflash2, dspark, eagle, eagle3, medusa
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
+from headstart.heads.block import BlockDrafter, BlockOptions
 from headstart.heads.config import (
     CONFIG_NAME,
     DraftArch,
@@ -87,6 +89,8 @@ __all__ = [
     "register",
     "registered",
     "trainers",
+    "BlockDrafter",
+    "BlockOptions",
     "DflashOptions",
     "Dflash2Options",
     "Eagle3Options",
@@ -129,7 +133,8 @@ __all__ = [
 
 
 def _type_of(settings: HeadSettings) -> str:
-    return settings.type if isinstance(settings, HeadOptions) else settings.get("type")  # type: ignore[return-value]
+    # A mapping without a type names none of the head types: head_type refuses "" with the known ones.
+    return settings.type if isinstance(settings, HeadOptions) else settings.get("type", "")
 
 
 def _head_class(name: str) -> type[DraftHead]:

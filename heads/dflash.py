@@ -1,439 +1,30 @@
-"""DFlash: a block drafter. One forward drafts a whole block of tokens from the target's fused layers.
+"""DFlash: the block drafter of ``heads/block.py`` as vLLM 0.32 serves it as ``method: dflash`` (``qwen3_dflash.py``,
+architecture ``DFlashDraftModel``).
 
-The layout is the one vLLM 0.32 serves as ``method: dflash`` (``qwen3_dflash.py``, architecture
-``DFlashDraftModel``), with its loader's weight names (no ``model.`` prefix):
-
-- ``fc`` [H, n * H_target] and ``hidden_norm``: the context, hidden_norm(fc(the target's layers
-  ``layer_ids``, concatenated in ascending order)), one vector per context token.
-- ``layers.{i}``: Qwen3 decoder layers (per-head q/k RMSNorm, SiLU MLP, no biases) whatever the target's
-  family. Each layer attends over the context through its OWN ``k_proj``/``v_proj`` (then ``k_norm`` and
-  rotary at the context token's position): the same context feeds every layer, never its
-  input_layernorm or MLP, and it does not flow from layer to layer (``precompute_and_store_context_kv``).
-- ``norm``, then the target's frozen ``lm_head``; the block is embedded with the target's frozen
-  embedding. Neither is saved: vLLM shares the target's when the draft has none.
-
-A block anchored at position a is [x_a, mask, ..., mask] at positions a .. a + B - 1. It attends to the context
-strictly before a and to every slot of the block (bidirectional unless ``causal``); slot k >= 1 predicts the token at
-its own position a + k. Serving: a = the newest token (vLLM's bonus token), the context every token the target has
-verified before it, k = 1 .. num_speculative_tokens.
-
-Mask token. The mask slots hold ``mask_token_id``, embedded by the target's row for it (frozen, as in
-DFlash/SpecForge/speculators); by default the tokenizer's mask token, else the first embedding row past the tokenizer
-(a row no text ever uses), else pad, else eos (``resolve_mask_token_id``). With ``mask_embedding: true`` the head
-learns the mask slots' input vector instead (started from that row); vLLM reads it from ``mask_embedding.pt`` and puts
-it in place of the embedding of ``mask_token_id`` in the draft only (``qwen3_dflash.py`` ``embed_input_ids``), as
-``embed`` does here.
-
-Draft vocabulary. By default the head drafts over the target's whole vocabulary with the target's frozen lm_head. With
-``draft_vocab_size`` it drafts over the most frequent training tokens only: ``lm_head`` holds the target lm_head's
-rows for them (frozen, copied by ``set_vocab_mapping``) and ``d2t`` their target ids as offsets; vLLM reads both for
-DFlash (``draft_vocab_size``, ``compute_logits``), and the lm_head matmul, a large share of a tiny draft's time,
-shrinks in proportion.
+Slot 0 of the block anchored at a holds x_a and drafts nothing; slot k >= 1 predicts the token at its own position
+a + k. Serving: a = the newest token (vLLM's bonus token), the context every token the target has verified before
+it, k = 1 .. num_speculative_tokens. The loss is the soft cross-entropy of every slot to the target's
+distribution (``slot_terms``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, cast
+from typing import Literal
 
 import torch
-from pydantic import Field
-from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.core.models import default_aux_layers
-from headstart.core.settings import Count, Float, NonNegative, Positive
-from headstart.heads.base import DraftHead
-from headstart.heads.config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
-from headstart.heads.eagle3 import build_vocab_mapping
-from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary
-from headstart.heads.losses import batch_positions, chain_metrics, dpace_mean, label_mask, same_sample, sample_anchors
+from headstart.heads.block import BlockDrafter, BlockOptions
 from headstart.heads.registry import Drafting, HeadType
-from headstart.heads.sparse_attention import block_attention, chunked, query_chunk
-
-ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
 
 
-def resolve_mask_token_id(target_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None) -> int:
-    """The id fed in the mask slots: the tokenizer's mask token, else the first embedding row past the
-    tokenizer (never produced by text), else pad, else eos (SpecForge's order), else the last row."""
-    vocab = target_config.vocab_size
-    if tokenizer is not None:
-        if tokenizer.mask_token_id is not None:
-            return tokenizer.mask_token_id
-        if len(tokenizer) < vocab:
-            return len(tokenizer)
-        candidates = [tokenizer.pad_token_id, tokenizer.eos_token_id]
-    else:
-        candidates = [getattr(target_config, "pad_token_id", None), getattr(target_config, "eos_token_id", None)]
-    return next((c for c in candidates if isinstance(c, int) and 0 <= c < vocab), vocab - 1)
-
-
-class DflashOptions(LayerOptions):
+class DflashOptions(BlockOptions):
     type: Literal["dflash"] = "dflash"
-    # Target layers fused by fc, in capture.aux_layers' convention (HF hidden_states index; vLLM's
-    # dflash_config.target_layer_ids is one less). null: the capture's layers; its auto default
-    # (2, L//2, L-3) is EAGLE-3's, so one capture feeds both heads.
-    layer_ids: list[NonNegative] | None = None
-    num_layers: Count = 1  # draft decoder layers (Qwen3-style, q/k norm)
-    block_size: Annotated[int, Field(ge=2)] = 16  # one forward: the real token + block_size - 1 mask slots
-    # The token fed in the mask slots; null: the tokenizer's mask token, else the first row past the
-    # tokenizer (an unused embedding row), else pad, else eos (heads/dflash.py, resolve_mask_token_id).
-    mask_token_id: NonNegative | None = None
-    mask_embedding: bool = False  # learn the mask slots' input vector (vLLM: mask_embedding.pt) instead of its row
-    # null: draft over the target's whole vocabulary with its lm_head. A number: the most frequent training
-    # tokens only, with the target lm_head's rows for them (frozen), shipped as lm_head + d2t (a smaller matmul).
-    draft_vocab_size: Count | None = None
-    causal: bool = False  # causal attention inside the block (the DFlash paper's blocks are bidirectional)
-    num_anchors: Count = 512  # blocks sampled per sequence and training step
-    loss_gamma: Positive = 7.0  # block position k's loss weight exp(-(k-1)/gamma): 7 for blocks of 16
-    # decay: the fixed loss_gamma schedule. dpace: D-PACE (arXiv 2605.18810), each block's position weights from
-    # the draft's confidence in it (heads/losses.py, dpace_weights); loss_gamma is then unused.
-    loss_weighting: Literal["decay", "dpace"] = "decay"
-    dpace_alpha: Annotated[Float, Field(gt=0, le=1)] = 0.5  # D-PACE's smoothing q~ = alpha + (1 - alpha) q
-
-    def trained_depth(self) -> int:
-        return self.block_size - 1  # the mask slots: the newest token's slot drafts nothing
-
-    def draft_vocab(self) -> int | None:
-        return self.draft_vocab_size
-
-    def length_problems(self, max_length: int) -> list[str]:
-        if self.block_size <= max_length:
-            return []
-        # Every step holds num_anchors blocks of block_size slots per sequence (5000 slots: 120 GB, after the
-        # target has loaded); slots past a sample's max_length tokens are never scored anyway.
-        return [
-            f"head.block_size ({self.block_size}) must not exceed data.max_length ({max_length}): "
-            "a block's slots past the end of a sample have no token to learn"
-        ]
 
 
-class DFlashLayer(nn.Module):
-    """A pre-norm Qwen3 decoder layer whose attention also reads the context's keys and values."""
-
-    def __init__(self, arch: DraftArch):
-        super().__init__()
-        hidden, eps = arch.hidden_size, arch.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(arch, hidden)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = MLP(arch)
-
-    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (k_norm, then rotary) and values [B, kv_heads, n, head_dim] of the inputs ``x`` [B, n, H]."""
-        attn = self.self_attn
-        b, n, _ = x.shape
-        k = attn.k_norm(attn.k_proj(x).view(b, n, attn.n_kv, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(x).view(b, n, attn.n_kv, attn.head_dim).transpose(1, 2)
-        return apply_rotary(k, cos, sin), v
-
-    def attend(
-        self,
-        normed: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
-        context_visible: torch.Tensor | None,
-        causal: bool,
-    ) -> torch.Tensor:
-        """The attention sublayer's output (after o_proj) for its normed inputs [B, n, H]: ``block_attention``."""
-        attn = self.self_attn
-        b, n, _ = normed.shape
-        q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k, v = self.key_values(normed, cos, sin)
-        out = block_attention(q, k, v, *context_kv, context_visible, causal)
-        return attn.o_proj(out.transpose(1, 2).flatten(2))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
-        context_visible: torch.Tensor | None,
-        causal: bool,
-    ) -> torch.Tensor:
-        x = x + self.attend(self.input_layernorm(x), cos, sin, context_kv, context_visible, causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DFlashHead(DraftHead):
+class DFlashHead(BlockDrafter[DflashOptions]):
     head_type = "dflash"
     options_model = DflashOptions
-    shape_keys = (
-        *DraftHead.shape_keys,
-        "arch.intermediate_size",
-        "layer_ids",
-        "num_layers",
-        "mask_embedding",
-        "draft_vocab_size",
-    )
-    config: HeadConfig[DflashOptions]
-    # The first block slot that drafts. DFlash's slot 0 holds the newest token and drafts nothing, slot k >= 1
-    # the token at its own position; a head whose anchor slot drafts too (DSpark) says 0, slot k then drafting
-    # the token after its position. Either way the drafting slots' tokens are at anchor + 1, anchor + 2, ...
-    first_drafting_slot: ClassVar[int] = 1
-    lm_head: nn.Linear | None  # the draft vocabulary's rows of the target's lm_head (draft_vocab_size), else None
-    d2t: torch.Tensor  # buffers with lm_head, as EAGLE-3's
-    t2d: torch.Tensor
-
-    @classmethod
-    def make_config(cls, settings: HeadSettings, target_config: PretrainedConfig) -> HeadConfig[DflashOptions]:
-        config = super().make_config(settings, target_config)
-        options, arch = config.options, config.arch
-        # vLLM builds the draft's layers as Qwen3's (q/k norm, SiLU, biases only with attention_bias,
-        # which would add one to o_proj too), whatever the target family.
-        arch.qk_norm, arch.qkv_bias, arch.hidden_act = True, False, "silu"
-        layers = target_config.num_hidden_layers
-        options.layer_ids = sorted(set(options.layer_ids or default_aux_layers(layers)))
-        # Our id i is the residual stream entering layer i; vLLM's dflash id is i - 1 (the output of layer
-        # i - 1), so id 0 (the embeddings) has no DFlash name.
-        bad = [i for i in options.layer_ids if not 1 <= i < layers]
-        if bad:
-            raise ValueError(f"DFlash layer_ids {bad} out of range: the target's layers 1..{layers - 1} can be fused")
-        if options.draft_vocab_size is not None and options.draft_vocab_size >= config.vocab_size:
-            options.draft_vocab_size = None  # the whole vocabulary: the target's own lm_head
-        mask = options.mask_token_id
-        if mask is not None and not 0 <= mask < config.vocab_size:
-            rows = config.vocab_size
-            raise ValueError(f"head.mask_token_id {mask} is not a row of the target's {rows} embeddings")
-        return config
-
-    @classmethod
-    def build(
-        cls, settings: HeadSettings, target_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None
-    ) -> DFlashHead:
-        options = cast(DflashOptions, cls.options_of(settings))
-        if options.mask_token_id is None:
-            options.mask_token_id = resolve_mask_token_id(target_model.config, tokenizer)
-        head = super().build(options, target_model, tokenizer)
-        if head.mask_embedding is not None:  # a learned vector starts from the row it replaces
-            row = head.target.embed_tokens.weight[head.mask_token_id]
-            head.mask_embedding.data.copy_(row.detach().float())
-        if head.lm_head is not None:  # until set_vocab_mapping: the first draft_vocab_size target ids
-            head.set_vocab_mapping(torch.arange(head.config.vocab_size, 0, -1))
-        return head
-
-    def __init__(self, config: HeadConfig[DflashOptions]):
-        super().__init__(config)
-        arch, options = config.arch, config.options
-        hidden = arch.hidden_size
-        self.fc = nn.Linear(
-            len(resolved(options.layer_ids, "layer_ids")) * config.target_hidden_size, hidden, bias=False
-        )
-        self.hidden_norm = RMSNorm(hidden, arch.rms_norm_eps)
-        self.layers = nn.ModuleList(self.new_layer() for _ in range(options.num_layers))
-        self.norm = RMSNorm(hidden, arch.rms_norm_eps)
-        self.rotary = RotaryEmbedding(arch)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden)) if options.mask_embedding else None
-        self.lm_head = None
-        if options.draft_vocab_size is not None:
-            draft_vocab = options.draft_vocab_size
-            self.lm_head = nn.Linear(hidden, draft_vocab, bias=False).requires_grad_(False)  # the target's rows
-            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-            self.register_buffer("t2d", torch.arange(config.vocab_size) < draft_vocab)
-
-    def new_layer(self) -> DFlashLayer:
-        """One draft decoder layer (DFlash-2's convolves around each sublayer)."""
-        return DFlashLayer(self.config.arch)
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """The fused target layers (``hidden_states`` indices, ascending)."""
-        return tuple(resolved(self.config.options.layer_ids, "layer_ids"))
-
-    @property
-    def mask_token_id(self) -> int:
-        return resolved(self.config.options.mask_token_id, "mask_token_id")
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The target's embeddings of ``input_ids``; with ``mask_embedding``, that vector at the mask id."""
-        embeds = self.target.embed(input_ids).to(self.fc.weight.dtype)
-        if self.mask_embedding is None:
-            return embeds
-        return torch.where((input_ids == self.mask_token_id)[..., None], self.mask_embedding, embeds)
-
-    def context_kv(self, aux_hidden: torch.Tensor, position_ids: torch.Tensor) -> ContextKV:
-        """Every layer's keys and values for context tokens with target states ``aux_hidden`` [B, C, n * H_t]
-        at ``position_ids`` [B, C]."""
-        dtype = self.fc.weight.dtype
-        context = self.hidden_norm(self.fc(aux_hidden.to(dtype)))
-        cos, sin = self.rotary(position_ids, dtype)
-        return [cast(DFlashLayer, layer).key_values(context, cos, sin) for layer in self.layers]
-
-    def forward(
-        self,
-        block_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        context_kv: ContextKV,
-        context_visible: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Normed outputs [B, N * S, H] of N blocks of S slots (``block_ids``, ``position_ids`` [B, N * S]),
-        each seeing the context tokens ``context_visible`` [B, N, C] marks (None: all); see ``block_attention``."""
-        dtype = self.fc.weight.dtype
-        cos, sin = self.rotary(position_ids, dtype)
-        x = self.embed(block_ids)
-        for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, kv, context_visible, self.config.options.causal)
-        return self.norm(x)
-
-    def picks_draft_vocab(self) -> bool:
-        return self.lm_head is not None
-
-    def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
-        """Draft over the ``draft_vocab_size`` most frequent target ids of ``token_counts`` [V] (training
-        tokens): ``d2t``/``t2d`` as EAGLE-3 keeps them, and ``lm_head`` the target lm_head's rows for them."""
-        if self.lm_head is None:
-            raise ValueError(
-                "set_vocab_mapping needs a reduced draft vocabulary: this DFlash head has no draft_vocab_size"
-            )
-        d2t, t2d = build_vocab_mapping(token_counts, self.lm_head.out_features)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        target_rows = self.target.lm_head.weight.detach()[self.draft_ids().to(self.target.lm_head.weight.device)]
-        self.lm_head.weight.data.copy_(target_rows)
-
-    def draft_ids(self) -> torch.Tensor:
-        """The target ids of the draft vocabulary (every id without a reduced one)."""
-        if self.lm_head is None:
-            return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits of normed outputs: the draft's lm_head rows, else the target's frozen lm_head."""
-        lm_head = self.lm_head if self.lm_head is not None else self.target.lm_head
-        return lm_head(hidden.to(lm_head.weight.dtype))
-
-    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's own logits of its normed last hidden states (soft-capped where it caps them)."""
-        return self.target.logits(hidden)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Target-vocab logits of normed outputs (-inf off a reduced draft vocabulary)."""
-        return self.to_target_vocab(self.draft_logits(hidden))
-
-    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., draft vocab] -> [..., V], -inf off a reduced draft vocabulary (the whole vocabulary: as it is)."""
-        if self.lm_head is None:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., self.draft_ids()] = logits
-        return out
-
-    def walk_logits(self, hidden: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        """Target-vocab logits [P, V] of the slot with normed output ``hidden`` [H] after each parent token [P]
-        (``decoding.proposers_heads.BlockWalk``): DFlash's depend on the slot only; DSpark and DFlash-2 add the
-        parent's own term."""
-        return self.logits(hidden).expand(len(parents), -1)
-
-    def draft_hidden(self, root: torch.Tensor, position: int, context_kv: ContextKV, drafts: int) -> torch.Tensor:
-        """Normed outputs [drafts, H] of the slots drafting the ``drafts`` tokens after ``root`` (the newest token, at
-        ``position``): one block [root, mask, ...] over the context before it, as vLLM drafts with ``drafts``
-        speculative tokens (DFlash: root + ``drafts`` masks; DSpark: root + ``drafts`` - 1 masks)."""
-        first = self.first_drafting_slot
-        block = torch.cat((root.view(1), root.new_full((drafts + first - 1,), self.mask_token_id)))
-        positions = torch.arange(position, position + len(block), device=root.device)
-        return self(block[None], positions[None], context_kv)[0, first:]
-
-    def draft_block(self, root: torch.Tensor, position: int, context_kv: ContextKV, masks: int) -> torch.Tensor:
-        """Target-vocab logits [masks, V] of the tokens after ``root`` from one block (``draft_hidden``)."""
-        return self.logits(self.draft_hidden(root, position, context_kv, masks))
-
-    def block_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden [B, N, K, H], label_at [B, N, K], labelled [B, N, K]) of the drafting slots of
-        blocks at random anchors: slot k of the block at anchor a drafts the token at ``label_at`` = a + k, k =
-        1..K, which is scored where it is a label.
-
-        Anchors are positions whose next token is a label. Each block sees the context strictly before its anchor
-        (serving has no target state of the newest token yet) and its own slots.
-        """
-        ids = batch["input_ids"]
-        seq, first = ids.shape[1], self.first_drafting_slot
-        # evaluation draws with a fixed seed (held-out figures compare across steps); training from torch's, which the
-        # loop seeds per micro-batch (a resumed run draws alike)
-        segments = batch.get("segment_ids")  # a packed row draws num_anchors per sample it holds
-        count = self.config.options.num_anchors * (1 if segments is None else int(segments[:, -1].max()) + 1)
-        anchors, real = sample_anchors(label_mask(batch, 1), count, not self.training)
-        offsets = torch.arange(self.config.options.block_size, device=ids.device)
-        slots = anchors[..., None] + offsets  # [B, N, S]: the row's positions the block stands for
-        block_ids = torch.full_like(slots, self.mask_token_id)
-        block_ids[..., 0] = ids.gather(1, anchors)
-        positions = batch_positions(batch)  # rotary: a packed sample's own from 0
-        context_kv = self.context_kv(batch["aux_hidden"], positions)
-        rows = torch.arange(seq, device=ids.device)
-        visible = (rows < anchors[..., None]) & batch["attention_mask"].bool()[:, None, :]
-        visible &= same_sample(batch, anchors, rows.expand(len(ids), 1, seq))  # a packed row: its anchor's sample
-        block_positions = positions.gather(1, anchors)[..., None] + offsets
-        hidden = self(block_ids.flatten(1), block_positions.flatten(1), context_kv, visible)
-        hidden = hidden.view(*slots.shape, -1)[:, :, first:]  # the drafting slots
-        label_at = slots[..., first:] + 1 - first  # [B, N, K]: where each slot's token is
-        with torch.no_grad():
-            inside = label_at.clamp(max=seq - 1)
-            labelled = label_mask(batch, 0).gather(1, inside.flatten(1)).view_as(label_at)
-            labelled &= (label_at < seq) & real[..., None] & same_sample(batch, anchors, inside)
-        return hidden, label_at, labelled
-
-    def target_probs(
-        self, batch: dict[str, torch.Tensor], sample: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """The target's distribution [R, V_draft] over the draft vocabulary of the tokens at ``positions`` [R] of
-        samples ``sample`` [R]: its logits one position earlier, from ``last_hidden`` through the frozen lm_head's
-        draft rows (over a reduced vocabulary: renormalised there, as EAGLE-3 scores)."""
-        with torch.no_grad():
-            ids = None if self.lm_head is None else self.draft_ids()
-            return self.target.logits(batch["last_hidden"][sample, positions - 1], ids).float().softmax(-1)
-
-    def draft_confidence(self, log_probs: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        """D-PACE's confidence [R]: the draft's probability of the target's greedy token ``greedy`` [R] (0 off its
-        vocabulary), from the draft's log-probabilities [R, V_draft]."""
-        with torch.no_grad():
-            if self.lm_head is None:
-                return log_probs.gather(1, greedy[:, None])[:, 0].exp()
-            draft_index = (self.t2d.long().cumsum(0) - 1)[greedy].clamp(min=0)  # the draft vocabulary keeps id order
-            return log_probs.gather(1, draft_index[:, None])[:, 0].exp() * self.t2d[greedy]
-
-    def greedy_hits(self, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        """[R]: whether each draft-vocab row's argmax is the target's greedy token ``greedy`` (off-vocabulary: a
-        miss)."""
-        with torch.no_grad():
-            return self.draft_ids()[logits.argmax(-1)] == greedy
-
-    def weighted_loss(
-        self, per_slot: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, confidence: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss, each drafting slot's mean loss [K]) of the scored slots' losses ``per_slot`` [R]: position k's
-        mean weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1;
-        with ``loss_weighting: dpace``, D-PACE's weighted mean over every scored slot (heads/losses.py) from the
-        draft's ``confidence`` [R] in each."""
-        options, depth = self.config.options, labelled.shape[-1]
-        slot = rows[2]
-        counts = torch.bincount(slot, minlength=depth)
-        slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts.clamp(min=1)
-        if options.loss_weighting == "dpace":
-            return dpace_mean(per_slot, confidence, rows, labelled, options.dpace_alpha), slot_loss
-        weights = torch.exp(-torch.arange(depth, device=per_slot.device) / options.loss_gamma)
-        return (weights * slot_loss).sum() / weights.sum(), slot_loss
-
-    def scored_slots(
-        self,
-        batch: dict[str, torch.Tensor],
-        hidden: torch.Tensor,
-        rows: tuple[torch.Tensor, ...],
-        label_at: torch.Tensor,
-    ) -> dict[str, torch.Tensor]:
-        """``slot_terms`` of every scored slot (``rows`` of ``hidden`` [B, N, K, H] and ``label_at``), a chunk of
-        slots at a time within the score budget (their logits over the whole vocabulary), each chunk recomputed in
-        backward: memory does not grow with the vocabulary or the slot count beyond one chunk."""
-        states, sample, positions = hidden[rows], rows[0], label_at[rows]
-        greedy = self.target.greedy(batch["last_hidden"][sample, positions - 1])  # whole-vocabulary logits: once
-        chunk = query_chunk(len(states), self.target.lm_head.out_features, 1, states.device)
-
-        def terms(start: int, end: int) -> dict[str, torch.Tensor]:
-            part = slice(start, end)
-            return self.slot_terms(batch, states[part], sample[part], positions[part], greedy[part])
-
-        return chunked(terms, len(states), chunk, dim=0)
+    first_drafting_slot = 1
 
     def slot_terms(
         self,
@@ -443,10 +34,11 @@ class DFlashHead(DraftHead):
         positions: torch.Tensor,
         greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """Per scored slot [R] (outputs ``states`` [R, H], drafting the token at ``positions`` of ``sample``, whose
-        greedy token the target gives as ``greedy``): ``loss``, the soft cross-entropy to the target's distribution;
-        ``hit``, whether its argmax is the target's greedy token; ``confidence``, D-PACE's. Other heads add their
-        own terms; any besides these three are reported as metrics (their mean)."""
+        """``loss``: the soft cross-entropy of each slot to the target's distribution over the token it drafts (its
+        logits one position earlier, from ``last_hidden`` through the frozen lm_head). Soft labels rather than the
+        data tokens: acceptance is decided by the target's distribution, and the data need not be the target's own
+        text (over a reduced draft vocabulary: that distribution renormalised over it, a target token outside it a
+        miss). ``hit``: the slot's argmax is the target's greedy token."""
         target_probs = self.target_probs(batch, sample, positions)
         logits = self.draft_logits(states)
         log_probs = logits.float().log_softmax(-1)
@@ -455,32 +47,6 @@ class DFlashHead(DraftHead):
             "hit": self.greedy_hits(logits, greedy),
             "confidence": self.draft_confidence(log_probs.detach(), greedy),
         }
-
-    def block_loss(
-        self, batch: dict[str, torch.Tensor], hidden: torch.Tensor, label_at: torch.Tensor, labelled: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss and metrics of the scored slots ``labelled`` [B, N, K] (``scored_slots``), weighted by
-        ``weighted_loss``; metrics: ``chain_metrics`` and the mean of each extra term."""
-        rows = labelled.nonzero(as_tuple=True)
-        terms = self.scored_slots(batch, hidden, rows, label_at)
-        total, slot_loss = self.weighted_loss(terms["loss"], rows, labelled, terms["confidence"])
-        metrics = {k: v.detach().float().mean() for k, v in terms.items() if k not in ("loss", "hit", "confidence")}
-        return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"])
-
-    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Block loss over random anchors (``block_states``): soft cross-entropy of each mask slot to the target's
-        distribution.
-
-        Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, ``last_hidden``. Slot k of
-        the block at anchor a is scored on the target's distribution over the token at a + k (its logits at
-        a + k - 1, from ``last_hidden`` through the frozen lm_head), where that token is a label. Soft labels
-        rather than the data tokens: acceptance is decided by the target's distribution, and the data need not be
-        the target's own text (over a reduced draft vocabulary: that distribution renormalised over it, a target
-        token outside it a miss). Weighted by ``weighted_loss`` (a fixed decay over positions, or D-PACE from the
-        draft's probability of the target's greedy token). Metrics: ``chain_metrics``.
-        """
-        hidden, label_at, labelled = self.block_states(batch)
-        return self.block_loss(batch, hidden, label_at, labelled)
 
 
 HEAD_TYPE = HeadType(

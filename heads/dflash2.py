@@ -2,7 +2,7 @@
 ranks each slot's top tokens given the token before it.
 
 The layout is the one vLLM 0.32 serves as ``DFlash2DraftModel`` (``qwen3_dflash2.py``, launched as ``method:
-dflash``), on top of the DFlash Qwen3 backbone of ``heads/dflash.py`` (the block [x_a, mask, ...] over the context
+dflash``), on top of the DFlash Qwen3 backbone of ``heads/block.py`` (the block [x_a, mask, ...] over the context
 strictly before a; slot k >= 1 drafts the token at a + k):
 
 - ``layers.{i}.attention_conv`` and ``layers.{i}.mlp_conv``: a two-sided grouped depthwise convolution of ``taps``
@@ -23,7 +23,7 @@ forcing) and the same position weights; a target token outside the candidates re
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, cast
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +32,22 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from headstart.core.settings import Count, Float
+from headstart.heads.block import BlockDrafter, BlockLayer, BlockOptions, only
 from headstart.heads.config import DraftArch, HeadConfig, HeadSettings
-from headstart.heads.dflash import DFlashHead, DFlashLayer, DflashOptions
 from headstart.heads.registry import Drafting, HeadType
 
 
-class Dflash2Options(DflashOptions):
-    type: Literal["dflash2"] = "dflash2"  # type: ignore[assignment]
+class Dflash2Options(BlockOptions):
+    type: Literal["dflash2"] = "dflash2"
+    # The whole vocabulary: the key stays in the options a run saves (null).
+    draft_vocab_size: Annotated[
+        None,
+        only(
+            None,
+            "DFlash-2 picks its candidates over the target's whole vocabulary (vLLM's selector reads the target's "
+            "lm_head and has no d2t)",
+        ),
+    ] = None
     conv_kernel_size: Count = 2  # taps of each sublayer's convolution (vLLM's dflash_config key; the public drafts' 2)
     conv_group_size: Count = 16  # channels sharing one kernel delta: must divide the hidden size
     selector_rank: Count = 256  # r of the selector's codebooks [V, r] and hidden_projection [r, H]
@@ -79,8 +88,8 @@ class GroupedConv(nn.Module):
         return out
 
 
-class DFlash2Layer(DFlashLayer):
-    """DFlash's layer with each sublayer's input and output convolved along the block (``GroupedConv``)."""
+class DFlash2Layer(BlockLayer):
+    """The backbone's layer with each sublayer's input and output convolved along the block (``GroupedConv``)."""
 
     def __init__(self, arch: DraftArch, taps: int, group_size: int):
         super().__init__(arch)
@@ -123,23 +132,16 @@ class CandidateSelector(nn.Module):
         return torch.einsum("rd,rcd->rc", query, self.successor_codebook[candidates])
 
 
-class DFlash2Head(DFlashHead):
+class DFlash2Head(BlockDrafter[Dflash2Options]):
     head_type = "dflash2"
-    options_model = Dflash2Options  # type: ignore[assignment]
-    shape_keys = (*DFlashHead.shape_keys, "conv_kernel_size", "conv_group_size", "selector_rank")
-    config: HeadConfig[Dflash2Options]  # type: ignore[assignment]
+    options_model = Dflash2Options
+    shape_keys = (*BlockDrafter.shape_keys, "conv_kernel_size", "conv_group_size", "selector_rank")
+    first_drafting_slot = 1  # DFlash's block: the newest token's slot drafts nothing
 
     @classmethod
-    def make_config(  # type: ignore[override]
-        cls, settings: HeadSettings, target_config: PretrainedConfig
-    ) -> HeadConfig[Dflash2Options]:
-        config = cast(HeadConfig[Dflash2Options], super().make_config(settings, target_config))
+    def make_config(cls, settings: HeadSettings, target_config: PretrainedConfig) -> HeadConfig[Dflash2Options]:
+        config = super().make_config(settings, target_config)
         options, hidden = config.options, config.arch.hidden_size
-        if options.draft_vocab_size is not None:
-            raise ValueError(
-                "head.draft_vocab_size: DFlash-2 picks its candidates over the target's whole vocabulary (vLLM's "
-                "selector reads the target's lm_head and has no d2t); leave it null"
-            )
         if hidden % options.conv_group_size:
             raise ValueError(f"head.conv_group_size {options.conv_group_size} must divide the hidden size {hidden}")
         if options.selector_top_k > config.vocab_size:
@@ -149,7 +151,7 @@ class DFlash2Head(DFlashHead):
         return config
 
     def __init__(self, config: HeadConfig[Dflash2Options]):
-        super().__init__(config)  # type: ignore[arg-type]
+        super().__init__(config)
         hidden, rank = config.arch.hidden_size, config.options.selector_rank
         self.candidate_selector = CandidateSelector(hidden, config.vocab_size, rank)
 

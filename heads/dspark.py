@@ -1,8 +1,8 @@
-"""DSpark: a DFlash block drafter whose anchor slot drafts too, plus a Markov head and a confidence head
+"""DSpark: a block drafter whose anchor slot drafts too, plus a Markov head and a confidence head
 (DeepSeek's DeepSpec, arXiv 2607.05147).
 
 The layout is the one vLLM 0.32 serves as ``method: dspark`` (``qwen3_dspark.py``, architecture
-``Qwen3DSparkModel``, on top of the DFlash Qwen3 backbone of ``heads/dflash.py``):
+``Qwen3DSparkModel``, on top of the DFlash Qwen3 backbone of ``heads/block.py``):
 
 - The block at anchor a is [x_a, mask, ..., mask] at positions a .. a + B - 1 over the context strictly before a,
   bidirectional, and every slot drafts: slot k the token at a + k + 1 (vLLM's ``sample_from_anchor``). B slots
@@ -23,26 +23,30 @@ exp(-k / loss_gamma) (or by D-PACE).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, cast
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
-from transformers import PretrainedConfig
 
 from headstart.core.settings import Count, Float, Positive
-from headstart.heads.config import HeadConfig, HeadSettings
-from headstart.heads.dflash import DFlashHead, DflashOptions
+from headstart.heads.block import BlockDrafter, BlockOptions, only
+from headstart.heads.config import HeadConfig
 from headstart.heads.losses import chain_metrics, dpace_mean
 from headstart.heads.registry import Drafting, HeadType
 
 Weight = Annotated[Float, Field(ge=0)]
 
 
-class DsparkOptions(DflashOptions):
-    type: Literal["dspark"] = "dspark"  # type: ignore[assignment]
+class DsparkOptions(BlockOptions):
+    type: Literal["dspark"] = "dspark"
     block_size: Annotated[int, Field(ge=2)] = 7  # slots = drafted tokens: the anchor + 6 masks (DeepSpec's)
+    # The mask slots hold the embedding row of mask_token_id; the key stays in every saved config (false).
+    mask_embedding: Annotated[
+        Literal[False],
+        only(False, "vLLM's DSpark ignores a learned mask vector (it masks with the embedding row of mask_token_id)"),
+    ] = False
     loss_gamma: Positive = 4.0  # slot k's (k = 0..) loss weight exp(-k / 4), DeepSpec's
     markov_rank: Count = 256  # r of the Markov head's markov_w1 [V, r] and markov_w2 [V_draft, r]
     confidence_head: bool = True  # the acceptance estimate that stops a draft (eval --min-confidence)
@@ -84,27 +88,14 @@ class ConfidenceHead(nn.Module):
         return self.proj(features)[..., 0].float()
 
 
-class DSparkHead(DFlashHead):
+class DSparkHead(BlockDrafter[DsparkOptions]):
     head_type = "dspark"
-    options_model = DsparkOptions  # type: ignore[assignment]
-    shape_keys = (*DFlashHead.shape_keys, "markov_rank", "confidence_head")
+    options_model = DsparkOptions
+    shape_keys = (*BlockDrafter.shape_keys, "markov_rank", "confidence_head")
     first_drafting_slot = 0
-    config: HeadConfig[DsparkOptions]  # type: ignore[assignment]
-
-    @classmethod
-    def make_config(  # type: ignore[override]
-        cls, settings: HeadSettings, target_config: PretrainedConfig
-    ) -> HeadConfig[DsparkOptions]:
-        config = cast(HeadConfig[DsparkOptions], super().make_config(settings, target_config))
-        if config.options.mask_embedding:
-            raise ValueError(
-                "head.mask_embedding: vLLM's DSpark ignores a learned mask vector (it masks with the embedding row "
-                "of mask_token_id); leave it false"
-            )
-        return config
 
     def __init__(self, config: HeadConfig[DsparkOptions]):
-        super().__init__(config)  # type: ignore[arg-type]
+        super().__init__(config)
         options, hidden = config.options, config.arch.hidden_size
         draft_vocab = options.draft_vocab_size or config.vocab_size
         self.markov_head = MarkovHead(config.vocab_size, draft_vocab, options.markov_rank)
@@ -165,8 +156,8 @@ class DSparkHead(DFlashHead):
         positions: torch.Tensor,
         greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """DFlash's per-slot terms with DeepSpec's loss as ``loss``, and ``confidence_bce`` and ``confidence_gap``
-        (predicted minus label) with a confidence head."""
+        """The per-slot terms (``BlockDrafter.slot_terms``) with DeepSpec's loss as ``loss``, and ``confidence_bce``
+        and ``confidence_gap`` (predicted minus label) with a confidence head."""
         options, ids = self.config.options, batch["input_ids"]
         previous, tokens = ids[sample, positions - 1], ids[sample, positions]
         logits = self.markov_logits(states, previous)

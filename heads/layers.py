@@ -39,13 +39,13 @@ def rope_config(arch: DraftArch) -> LlamaConfig:
     )
 
 
-def rope_parameters(config: LlamaConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2], attention scaling) of the target's rotary type, by transformers' own
-    functions (``ROPE_INIT_FUNCTIONS``: linear, dynamic, yarn, longrope, llama3; Llama's for the default).
+def rope_parameters(config: LlamaConfig, kind: str, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2], attention scaling) of the target's rotary type ``kind`` (the config's
+    ``rope_type``), by transformers' own functions (``ROPE_INIT_FUNCTIONS``: linear, dynamic, yarn, longrope,
+    llama3; Llama's for the default).
 
     ``seq_len`` matters to the types whose frequencies follow the sequence length (dynamic, longrope).
     """
-    kind = config.rope_parameters["rope_type"]  # type: ignore[index]  # the config's __init__ always sets it
     if kind == "default":
         inv_freq, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     elif kind in ROPE_INIT_FUNCTIONS:
@@ -71,9 +71,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, arch: DraftArch):
         super().__init__()
         self.config = rope_config(arch)
-        # Plain attributes, not buffers: ``head.to(bf16)`` must not round the frequencies.
-        self.inv_freq, self.attention_scaling = rope_parameters(self.config)
         self.kind = arch.rope["rope_type"]
+        # Plain attributes, not buffers: ``head.to(bf16)`` must not round the frequencies.
+        self.inv_freq, self.attention_scaling = rope_parameters(self.config, self.kind)
         # Sequences longer than this get other frequencies (None: every length gets the same ones).
         self.short_len = {
             "dynamic": arch.max_position_embeddings,
@@ -92,7 +92,7 @@ class RotaryEmbedding(nn.Module):
         if self.kind == "longrope":
             seq_len = self.short_len + 1  # one long set for every length past the pretraining one
         if self.long is None or self.long[0] != seq_len:
-            self.long = (seq_len, rope_parameters(self.config, seq_len)[0].to(position_ids.device))
+            self.long = (seq_len, rope_parameters(self.config, self.kind, seq_len)[0].to(position_ids.device))
         return self.long[1]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

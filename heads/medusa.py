@@ -164,7 +164,7 @@ def medusa2_wrap(target: PreTrainedModel, lora: Lora | dict[str, Any]) -> PeftMo
     settings = lora if isinstance(lora, Lora) else parse_section(Lora, lora, "lora")
     config = LoraConfig(
         r=settings.r,
-        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft types it int; it only divides it by r
+        lora_alpha=cast(int, settings.alpha),  # peft annotates it int; it only divides it by r, as it does a float
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
         task_type="CAUSAL_LM",

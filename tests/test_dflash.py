@@ -27,7 +27,7 @@ from headstart.decoding.proposers_heads import DFlash
 from headstart.decoding.tree_config import comb_choices
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
 from headstart.heads import build_head, load_head
-from headstart.heads.dflash import resolve_mask_token_id
+from headstart.heads.block import resolve_mask_token_id
 from headstart.heads.sparse_attention import block_attention
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.command import main as export_main
