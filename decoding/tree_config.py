@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal, cast, get_args
 
 from pydantic import Field
 
@@ -38,7 +38,7 @@ from headstart.core.settings import Count, Dtype, Fraction, NonNegative, Registe
 from headstart.heads import draftings
 
 TreeShape = Literal["static", "dynamic"]
-TREE_SHAPES: tuple[TreeShape, ...] = ("static", "dynamic")
+TREE_SHAPES: tuple[TreeShape, ...] = get_args(TreeShape)
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
 PREDICTED_KEYS = ("predicted_tau", "predicted_tokens_per_s", "predicted_vanilla_tokens_per_s")
