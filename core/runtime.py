@@ -13,15 +13,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from headstart.core.settings import dtype_name
+
 T = TypeVar("T")
 
-_DTYPES = {
+_DTYPES = {  # by the settings' names (core.settings.Dtype, StoreDtype)
     "fp32": torch.float32,
-    "float32": torch.float32,
     "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
-    "float16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,  # capture.store_dtype only: the schema allows it nowhere else
 }
 
@@ -167,10 +166,11 @@ def rank_zero_value(value: T) -> T:
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a settings' dtype name, or of another spelling of it (a script's own flag)."""
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name]
+        return _DTYPES[dtype_name(name)]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 

@@ -107,8 +107,21 @@ AttentionKernel = Annotated[
     AfterValidator(_an_attention_kernel),
     Field(description="the target's attention kernel: auto (SDPA where the family has it), eager, sdpa, ..."),
 ]
-Dtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]
-StoreDtype = Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16", "fp8_e4m3"]  # shards only
+
+# A dtype has one name in the settings; torch's and Hugging Face's spellings of it are read as that name when a
+# config or flag is parsed, so the code compares and records that name alone (core.runtime.resolve_dtype: its torch
+# dtype).
+DTYPE_SPELLINGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_name(value: Any) -> Any:
+    """A dtype spelling as the settings' name for it (``bfloat16`` -> ``bf16``); anything else as it is."""
+    return DTYPE_SPELLINGS.get(value, value) if isinstance(value, str) else value
+
+
+Dtype = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(dtype_name)]
+TrainDtype = Annotated[Literal["fp32", "bf16"], BeforeValidator(dtype_name)]  # what a head trains in
+StoreDtype = Annotated[Literal["fp32", "bf16", "fp16", "fp8_e4m3"], BeforeValidator(dtype_name)]  # shards only
 
 
 _SECTIONS: list[type[Section]] = []  # every section model, in the order they were declared

@@ -1,5 +1,6 @@
-"""The proposer of every decoding method: one place that turns a method name, the tree flags and the models
-(a draft model, the target, trained heads) or a tree.json into the ``Proposer`` the verification core drives.
+"""The proposer of every decoding method: one place that turns a method name, the tree to draft (the tree flags, or a
+tuned tree.json, both a ``TreeSpec``) and the models (a draft model, the target, trained heads) into the
+``Proposer`` the verification core drives.
 
 Used by the evaluation harness (``eval.acceptance``, ``eval.autotune``), export checks and training's measured
 acceptance (``train.measured``): every consumer decodes a method the same way.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from headstart.decoding.proposers_heads import DraftSource
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
 from headstart.decoding.target_cache import recurrent_target, why_chains
 from headstart.decoding.tree import Tree, first_chain, is_chain
-from headstart.decoding.tree_config import TreeSpec, check_tree_vocab, load_tree_config
+from headstart.decoding.tree_config import TREE_SHAPES, TreeShape, TreeSpec, check_tree_vocab, load_tree
 from headstart.decoding.verify import Proposer
 from headstart.heads import DraftHead, HeadConfig, HeadFolder, drafting_of, draftings
 
@@ -43,12 +43,9 @@ def all_methods() -> tuple[str, ...]:
     return MODEL_METHODS + head_methods()
 
 
-TREE_SHAPES = ("static", "dynamic")
-
-
 class TreeSettings(Section):
     """The tree flags of the commands that decode (``eval.acceptance``'s section is made of these): declared
-    once, here, with their defaults."""
+    once, here, with their defaults; the drafters get them as a ``TreeSpec`` (``tree_spec``)."""
 
     tree: str | None = Field(
         None,
@@ -73,41 +70,43 @@ class TreeSettings(Section):
         "DSpark: its confidence head); 0: the full depth; a tree.json carries its own",
     )
 
+    def tree_shape(self) -> TreeShape | None:
+        """The shape ``tree`` names, if it names one (else each method's usual, or a tree.json's)."""
+        return next((shape for shape in TREE_SHAPES if shape == self.tree), None)
+
     def tree_file(self) -> Path | None:
         """The tree.json ``tree`` names, if it names one."""
         return Path(self.tree) if self.tree is not None and self.tree not in TREE_SHAPES else None
 
-
-_TREE = TreeSettings.model_fields
-
-
-@dataclass(frozen=True)
-class TreeFlags:
-    """How methods draft when no tree.json says otherwise: ``shape`` None (each method's usual: chains
-    for ngram, draft_model, self_spec and DFlash, Medusa's fixed tree, EAGLE's dynamic tree), "static" (chains;
-    Medusa its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model, self_spec and EAGLE too; DFlash stays a
-    chain). suffix drafts a tree of at most ``depth`` nodes, lookahead its window and pool n-grams (own sizes)."""
-
-    # The defaults are TreeSettings': declared once, there.
-    shape: str | None = None
-    top_k: int = _TREE["top_k_draft"].default
-    depth: int = _TREE["depth"].default
-    total_tokens: int = _TREE["total_tokens"].default
-    exit_layer: int | None = None  # self_spec: the target layers that draft (None: half of them)
-    min_confidence: float = 0.0  # adaptive depth (``decoding.tree.confident``); 0: always the full depth
+    def tree_spec(self) -> TreeSpec:
+        """The flags as the tree the methods draft when no tree.json says otherwise: ``shape`` None (each method's
+        usual: chains for ngram, draft_model, self_spec and DFlash, Medusa's fixed tree, EAGLE's dynamic tree),
+        "static" (chains; Medusa its fixed tree) or "dynamic" (EAGLE-2 trees for draft_model, self_spec and EAGLE
+        too; DFlash stays a chain); ``file``: the tree.json --tree names. suffix drafts a tree of at most ``depth``
+        nodes, lookahead its window and pool n-grams (own sizes)."""
+        return TreeSpec(
+            shape=self.tree_shape(),
+            depth=self.depth,
+            top_k=self.top_k_draft,
+            total_tokens=self.total_tokens,
+            min_confidence=self.min_confidence,
+            exit_layer=self.exit_layer,
+            file=self.tree_file(),
+        )
 
 
 def build_proposer(
     method: str,
-    flags: TreeFlags,
+    flags: TreeSpec,
     draft: PreTrainedModel | None = None,
     heads: dict[str, DraftHead] | None = None,
-    tree_config: dict | None = None,
+    tuned: TreeSpec | None = None,
     target: PreTrainedModel | None = None,
 ) -> Proposer:
     """The proposer of ``method`` (``all_methods()``): ``draft`` for draft_model, ``target`` for self_spec,
-    ``heads[method]`` for the head methods; an EAGLE, DFlash, draft_model or self_spec method drafts ``tree_config``
-    (a tree.json; self_spec's names its exit layer) when given, else the tree ``flags``.
+    ``heads[method]`` for the head methods; an EAGLE, DFlash, draft_model or self_spec method drafts the ``tuned``
+    tree (a tree.json's; self_spec's names its exit layer) when given, else the tree ``flags``
+    (``TreeSettings.tree_spec``).
 
     On a recurrent ``target`` (linear attention, Mamba: ``decoding.target_cache``) every method drafts chains: the
     verifier cannot run a tree's siblings through the recurrence in one forward."""
@@ -117,19 +116,20 @@ def build_proposer(
     if method == "draft_model" and draft is not None and recurrent_target(draft):
         raise ValueError(f"draft_model crops its draft's cache, but {why_chains(draft)}")
     if target is None or not recurrent_target(target) or method == "vanilla":
-        return _build(method, flags, draft, heads, tree_config, target)
+        return _build(method, flags, draft, heads, tuned, target)
     if method == "self_spec":
         raise ValueError(f"self_spec drafts with the target's layers and crops their cache, but {why_chains(target)}")
     log.warning("%s drafts chains of %d (its tree settings are set aside): %s", method, flags.depth, why_chains(target))
-    return ChainOnly(_build(method, replace(flags, shape="static"), draft, heads, None, target))
+    chains = flags.model_copy(update={"shape": "static"})
+    return ChainOnly(_build(method, chains, draft, heads, None, target))
 
 
 def _build(
     method: str,
-    flags: TreeFlags,
+    flags: TreeSpec,
     draft: PreTrainedModel | None,
     heads: dict[str, DraftHead] | None,
-    tree_config: dict | None,
+    tuned: TreeSpec | None,
     target: PreTrainedModel | None,
 ) -> Proposer:
     if method == "vanilla":
@@ -144,9 +144,9 @@ def _build(
         drafter = draft if method == "draft_model" else target
         if drafter is None:
             raise ValueError(f"the {method} method needs a {'draft' if method == 'draft_model' else 'target'} model")
-        if tree_config is not None:  # tuned by eval.autotune --draft / --self-spec (which names the exit layer)
-            source = drafter if method == "draft_model" else early_exit(drafter, int(tree_config["exit_layer"]))
-            return proposer_for(source, TreeSpec.from_config(tree_config))
+        if tuned is not None:  # tuned by eval.autotune --draft / --self-spec (which names the exit layer)
+            source = drafter if method == "draft_model" else early_exit(drafter, self_spec_exit_layer(tuned))
+            return proposer_for(source, tuned)
         model = (
             partial(DraftModel, drafter) if method == "draft_model" else partial(SelfSpec, drafter, flags.exit_layer)
         )
@@ -159,17 +159,22 @@ def _build(
         raise ValueError(f"the {method} method needs its head")
     head = heads[method]
     proposer = draftings()[method].proposer_class()
-    if tree_config is not None and proposer.tunable:  # a tuned tree.json (Medusa drafts its own fixed tree)
-        return proposer_for(head, TreeSpec.from_config(tree_config))
-    built = proposer.for_flags(head, flags)
-    if flags.min_confidence > 0:
-        if not proposer.adapts_depth(head):
-            raise ValueError(
-                f"min_confidence (adaptive depth) needs a drafter that drafts level by level or estimates acceptance "
-                f"itself; {method} drafts every depth in one forward"
-            )
-        built.min_confidence = flags.min_confidence
-    return built
+    if tuned is not None and proposer.tunable:  # a tuned tree.json (Medusa drafts its own fixed tree)
+        return proposer_for(head, tuned)
+    if flags.min_confidence > 0 and not proposer.adapts_depth(head):
+        raise ValueError(
+            f"min_confidence (adaptive depth) needs a drafter that drafts level by level or estimates acceptance "
+            f"itself; {method} drafts every depth in one forward"
+        )
+    return proposer.for_flags(head, flags)
+
+
+def self_spec_exit_layer(tree: TreeSpec) -> int:
+    """The target layers a self_spec tree.json drafts with: it names them (eval.autotune --self-spec writes it)."""
+    if tree.exit_layer is None:
+        raise ValueError(f"{tree.file or 'tree config'}: a self_spec tree needs its 'exit_layer' (eval.autotune "
+                         "--self-spec writes it)")  # fmt: skip
+    return tree.exit_layer
 
 
 class ChainOnly(ProposerWrapper):
@@ -200,27 +205,23 @@ def draft_vocab_size(config: HeadConfig) -> int:
     return min(config.options.draft_vocab() or config.vocab_size, config.vocab_size)
 
 
-def head_tree_configs(
-    heads: dict[str, HeadFolder], tree: str | Path | None, wanted: Sequence[str] = ()
-) -> dict[str, dict]:
-    """Head method that drafts tuned trees -> the tree.json it decodes with: ``tree`` when it is a file, else its
-    head folder's tree.json (as ``eval.autotune --write-head`` leaves it); "static" or "dynamic" (the tree flags)
-    and methods without one get none. A tree.json tuned for a draft model or self-speculation (its ``method``)
-    goes to that one of the ``wanted`` methods."""
+def tuned_trees(heads: dict[str, HeadFolder], flags: TreeSpec, wanted: Sequence[str] = ()) -> dict[str, TreeSpec]:
+    """Head method that drafts tuned trees -> the tree.json it decodes with: the flags' ``file`` when given, else its
+    head folder's tree.json (as ``eval.autotune --write-head`` leaves it); a ``shape`` in the flags and methods
+    without one get none. A tree.json tuned for a draft model or self-speculation (its ``method``) goes to that one
+    of the ``wanted`` methods."""
     found = {}
-    if isinstance(tree, Path):
-        config = load_tree_config(tree)
-        if config.get("method") in ("draft_model", "self_spec") and config["method"] in wanted:
-            if config["method"] == "self_spec" and not isinstance(config.get("exit_layer"), int):
-                raise ValueError(
-                    f"{tree}: a self_spec tree needs its 'exit_layer' (eval.autotune --self-spec writes it)"
-                )
-            found[config["method"]] = config
+    if flags.file is not None:
+        tuned = load_tree(flags.file)
+        if tuned.method in ("draft_model", "self_spec") and tuned.method in wanted:
+            if tuned.method == "self_spec":
+                self_spec_exit_layer(tuned)  # refused here, before any model loads
+            found[tuned.method] = tuned
     for method, head in heads.items():
-        path = tree if isinstance(tree, Path) else Path(head.path) / "tree.json"
+        path = flags.file or Path(head.path) / "tree.json"
         tunable = draftings()[method].proposer_class().tunable
-        if tunable and tree not in ("static", "dynamic") and path.is_file():
-            found[method] = load_tree_config(path)
+        if tunable and flags.shape is None and path.is_file():
+            found[method] = load_tree(path)
             # From the head's config: a head folder's own tree.json fails here, before any model loads.
             check_tree_vocab(found[method], draft_vocab_size(head.config), str(path), f"the head {head.path}")
     return found

@@ -15,7 +15,7 @@ Greedy runs propose top-k tokens; sampling runs draw from the draft's q and hand
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -36,13 +36,11 @@ from headstart.decoding.verify import Proposer, Sampling, probabilities
 from headstart.heads import HEAD_TYPES, BlockDrafter, DraftHead, Eagle3Head, KVCache, MedusaHead, drafting_of
 from headstart.heads.base import FeatureDrafter
 
-if TYPE_CHECKING:
-    from headstart.decoding.methods import TreeFlags
-
 
 class HeadProposer:
     """A proposer that drafts with a trained head: what a head type's ``Drafting`` names. Built in its default
-    shape (``cls(head)``), from the tree flags (``for_flags``) or from a tuned tree (``for_tree``)."""
+    shape (``cls(head)``), from the tree flags (``for_flags``: ``decoding.methods.TreeSettings.tree_spec``) or from a
+    tuned tree (``for_tree``)."""
 
     title: ClassVar[str]  # "EAGLE drafting needs ..."
     level_by_level: ClassVar[bool] = False  # each tree level costs a draft forward (then stopping early pays)
@@ -69,7 +67,8 @@ class HeadProposer:
         raise NotImplementedError(f"no engine serves {cls.title} drafting")
 
     @classmethod
-    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+    def for_flags(cls, head: DraftHead, flags: TreeSpec) -> Proposer:
+        """Its usual drafting at the flags' sizes: their ``min_confidence`` only where it ``adapts_depth``."""
         raise NotImplementedError
 
     @classmethod
@@ -198,10 +197,10 @@ class Eagle(HeadProposer):
         return cls(head, top_k=1, depth=k, total_tokens=k)
 
     @classmethod
-    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
-        if flags.shape == "static":  # a chain of depth: the one-wide dynamic tree
-            return cls.served_chain(head, flags.depth)
-        return cls(head, top_k=flags.top_k, depth=flags.depth, total_tokens=flags.total_tokens)
+    def for_flags(cls, head: DraftHead, flags: TreeSpec) -> Proposer:
+        chain = flags.shape == "static"  # a chain of depth: the one-wide dynamic tree (as served_chain drafts it)
+        top_k, total_tokens = (1, flags.depth) if chain else (flags.top_k, flags.total_tokens)
+        return cls(head, top_k, flags.depth, total_tokens, min_confidence=flags.min_confidence)
 
     @classmethod
     def for_tree(cls, head: DraftHead, tree: TreeSpec) -> Proposer:
@@ -272,7 +271,7 @@ class PEagle(HeadProposer):
         return cls(head, depth=k)  # vLLM's parallel drafting: k depths from one forward
 
     @classmethod
-    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+    def for_flags(cls, head: DraftHead, flags: TreeSpec) -> Proposer:
         return cls.served_chain(head, flags.depth)
 
     @classmethod
@@ -314,7 +313,7 @@ class Medusa(HeadProposer):
         return per_depth_tree(self.head.draft(self.last_hidden)[0, : self.depth], self.choices, self.sampling)
 
     @classmethod
-    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
+    def for_flags(cls, head: DraftHead, flags: TreeSpec) -> Proposer:
         depth = min(flags.depth, head.config.trained_depth)
         # MC_SIM_7B_63 lists paths by how often they are accepted, parents first: a prefix is a smaller tree.
         return cls(head, [c for c in MC_SIM_7B_63 if len(c) <= depth][: flags.total_tokens])
@@ -390,9 +389,10 @@ class DFlash(HeadProposer):
         return cls(head, drafts=k)  # vLLM's block: the newest token and the slots drafting k tokens
 
     @classmethod
-    def for_flags(cls, head: DraftHead, flags: TreeFlags) -> Proposer:
-        """One forward drafts every depth at once: a chain of them."""
-        return cls(head, choices=chain_choices(min(flags.depth, head.config.trained_depth)))
+    def for_flags(cls, head: DraftHead, flags: TreeSpec) -> Proposer:
+        """One forward drafts every depth at once: a chain of them (DSpark's cut by its ``min_confidence``)."""
+        chain = chain_choices(min(flags.depth, head.config.trained_depth))
+        return cls.for_tree(head, TreeSpec.static(chain, flags.min_confidence))
 
     @classmethod
     def shaped(cls, head: DraftHead, choices: list[list[int]]) -> Proposer:

@@ -15,25 +15,30 @@ it in a head's folder, and by the exports' model cards, ``scripts.export.card``)
   takes (``vllm/v1/spec_decode/dynamic/utils.py``);
 - plus what the tuner predicted and where it ran (machine, device, dtype, torch_threads, ...).
 
-Every reader gets it through ``load_tree_config`` (a tree given in code through ``TreeSpec.from_config``): one
-schema, ``TreeFile`` (strict types, ranges, no unknown key) plus the rules across keys and vLLM's schedule rules
-(``check_tree``), each problem named with the file, the key and the value; where the drafter is known, its
-vocabulary bounds the ranks (``check_tree_vocab``).
+Every reader gets it through ``load_tree_config`` (its content: what the model cards and reports print) or
+``load_tree`` (the tree to draft; a tree given in code through ``TreeSpec.from_config``): one schema, ``TreeFile``
+(strict types, ranges, no unknown key) plus the rules across keys and vLLM's schedule rules (``check_tree``), each
+problem named with the file, the key and the value; where the drafter is known, its vocabulary bounds the ranks
+(``check_tree_vocab``).
+
+``TreeSpec`` is the one tree model: a tree.json parses into it, the tree flags do (``decoding.methods
+.TreeSettings.tree_spec``), eval.autotune's candidates are made of it, and the drafters draft it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast, get_args
 
 from pydantic import Field
 
-from headstart.core.settings import Count, Dtype, NonNegative, Registered, Section, check
+from headstart.core.settings import Count, Dtype, Fraction, NonNegative, Registered, Section, check
 from headstart.heads import draftings
 
+TreeShape = Literal["static", "dynamic"]
+TREE_SHAPES: tuple[TreeShape, ...] = get_args(TreeShape)
 TREE_KEYS = ("shape", "choices", "depth", "top_k", "total_tokens")
 SCHEDULE_KEYS = ("depth_per_batch_size", "num_speculative_tokens_per_batch_size")
 PREDICTED_KEYS = ("predicted_tau", "predicted_tokens_per_s", "predicted_vanilla_tokens_per_s")
@@ -56,10 +61,11 @@ def drafting_methods() -> tuple[str, ...]:
 
 class TreeFile(Section):
     """tree.json, the one schema of every reader (``check_tree``): the tree, what the tuner predicted for it and
-    where it was tuned. Keys a file leaves out stay out of what the readers get (they test ``in``), so the defaults
-    of the optional keys below are never read; none of them takes null, which a reader would print or compare."""
+    where it was tuned. The tree reaches the drafters as a ``TreeSpec`` (``load_tree``); the cards and reports print
+    the keys a file holds as written (``load_tree_config``), so the defaults of the optional keys below are never
+    printed; none of them takes null, which a reader would print or compare."""
 
-    shape: Literal["static", "dynamic"]
+    shape: TreeShape
     choices: list[RankPath] | None = None  # static: the rank paths; dynamic: null
     depth: Count
     top_k: Count
@@ -121,47 +127,52 @@ def _tree_rules(tree: TreeFile, given: dict) -> list[str]:
     return problems
 
 
-def check_tree(config: object, where: str) -> dict:
+def check_tree(config: object, where: str) -> TreeFile:
     """``config`` (a tree.json's content, or a tree config given in code) checked against ``TreeFile`` and the
-    schedule rules; ValueError naming ``where``, each key and its value. Returns ``config`` itself: its own keys."""
+    schedule rules; ValueError naming ``where``, each key and its value."""
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object of tree keys, got {type(config).__name__}")
-    _, problems = check(config, TreeFile)
-    if not problems:
-        problems = _tree_rules(TreeFile.model_validate(config), config)
-    if problems:
+    tree, problems = check(config, TreeFile)
+    problems = problems if tree is None else _tree_rules(tree, config)
+    if tree is None or problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
     for key in SCHEDULE_KEYS:
         if key in config:
             check_schedule(config[key], f"{where}: {key}")
-    return config
+    return tree
 
 
-def check_tree_vocab(config: dict, vocab_size: int, where: str, drafter: str) -> None:
+def check_tree_vocab(tree: TreeSpec, vocab_size: int, where: str, drafter: str) -> None:
     """A tree needs no candidate past the drafter's vocabulary (torch's topk fails on it with no word of the file):
-    ValueError naming ``where``, the key and the value. ``config`` is checked (``check_tree``)."""
-    if config["top_k"] <= vocab_size:
+    ValueError naming ``where``, the key and the value."""
+    if tree.top_k <= vocab_size:
         return
-    if config["shape"] == "static":
-        path = next(p for p in config["choices"] if p[-1] + 1 == config["top_k"])
+    if tree.shape == "static":
+        path = next(p for p in tree.choices or [] if p[-1] + 1 == tree.top_k)
         what = f"choices {path}: rank {path[-1]}"
     else:
-        what = f"top_k {config['top_k']}"
+        what = f"top_k {tree.top_k}"
     raise ValueError(
         f"{where}: {what} is past the {vocab_size} tokens {drafter} drafts from (ranks 0..{vocab_size - 1})"
     )
 
 
-@dataclass
-class TreeSpec:
-    """A static shape (``choices``: Medusa-style rank paths) or a dynamic EAGLE-2 tree (top_k, depth, total)."""
+class TreeSpec(Section):
+    """A tree to draft: a static shape (``choices``: Medusa-style rank paths) or a dynamic EAGLE-2 tree (top_k,
+    depth, total_tokens), from a tree.json (``load_tree``), from code, or from the tree flags
+    (``decoding.methods.TreeSettings.tree_spec``), where ``shape`` None leaves each method its usual tree and a
+    static shape without ``choices`` is each method's chain of ``depth`` (``decoding.methods.build_proposer``)."""
 
-    shape: str  # "static" or "dynamic"
-    depth: int
-    top_k: int  # static: the most children any node has; dynamic: children per expanded node
-    total_tokens: int  # draft nodes, root excluded
-    choices: list[list[int]] | None = None
-    min_confidence: float = 0.0  # adaptive depth (``decoding.tree.confident``); 0: always the full depth
+    shape: TreeShape | None
+    depth: NonNegative
+    top_k: NonNegative  # static: the most children any node has; dynamic: children per expanded node
+    total_tokens: NonNegative  # draft nodes, root excluded
+    choices: list[list[NonNegative]] | None = None
+    min_confidence: Fraction = 0.0  # adaptive depth (``decoding.tree.confident``); 0: always the full depth
+    exit_layer: Count | None = None  # self_spec: the target's first N layers draft (None: half of them)
+    # The drafter a tree.json was tuned for (``TreeFile.method``): its draft_model and self_spec trees go to them.
+    method: str | None = None
+    file: Path | None = None  # the tree.json it was read from (the flags' --tree FILE)
 
     @property
     def name(self) -> str:
@@ -183,20 +194,27 @@ class TreeSpec:
         return [sum(len(p) == d for p in parents) for d in range(1, self.depth)]
 
     @classmethod
-    def static(cls, choices: Sequence[Sequence[int]]) -> TreeSpec:
+    def static(cls, choices: Sequence[Sequence[int]], min_confidence: float = 0.0) -> TreeSpec:
         ordered = sorted((list(c) for c in choices), key=lambda c: (len(c), c))
-        depth = max((len(c) for c in ordered), default=0)
-        return cls("static", depth, max((c[-1] + 1 for c in ordered), default=0), len(ordered), ordered)
+        depth, top_k = max((len(c) for c in ordered), default=0), max((c[-1] + 1 for c in ordered), default=0)
+        return cls(
+            shape="static", depth=depth, top_k=top_k, total_tokens=len(ordered), choices=ordered,
+            min_confidence=min_confidence,
+        )  # fmt: skip
 
     @classmethod
-    def from_config(cls, config: dict, where: str = "tree config") -> TreeSpec:
+    def dynamic(cls, depth: int, top_k: int, total_tokens: int, min_confidence: float = 0.0) -> TreeSpec:
+        return cls(shape="dynamic", depth=depth, top_k=top_k, total_tokens=total_tokens, min_confidence=min_confidence)
+
+    @classmethod
+    def from_config(cls, config: object, where: str = "tree config", file: Path | None = None) -> TreeSpec:
         """The tree of a tree.json's content (or one given in code), checked first (``check_tree``)."""
-        check_tree(config, where)
-        confidence = float(config.get("min_confidence", 0.0))
-        if config["shape"] == "static":
-            return replace(cls.static(config["choices"]), min_confidence=confidence)
-        depth, top_k, total = int(config["depth"]), int(config["top_k"]), int(config["total_tokens"])
-        return cls("dynamic", depth, top_k, total, min_confidence=confidence)
+        tree = check_tree(config, where)
+        if tree.shape == "static":
+            spec = cls.static(tree.choices or [], tree.min_confidence)
+        else:
+            spec = cls.dynamic(tree.depth, tree.top_k, tree.total_tokens, tree.min_confidence)
+        return spec.model_copy(update={"exit_layer": tree.exit_layer, "method": tree.method, "file": file})
 
     def config(self) -> dict:
         return {"shape": self.shape, "choices": self.choices, "depth": self.depth, "top_k": self.top_k,
@@ -206,8 +224,7 @@ class TreeSpec:
         """A static tree without its paths deeper than ``depth`` (vanilla at 0)."""
         if self.shape != "static":
             raise ValueError(f"only a static tree can be cut at a depth, not the {self.name} tree")
-        cut = TreeSpec.static([c for c in self.choices or [] if len(c) <= depth])
-        return replace(cut, min_confidence=self.min_confidence)
+        return TreeSpec.static([c for c in self.choices or [] if len(c) <= depth], self.min_confidence)
 
 
 def chain_choices(depth: int) -> list[list[int]]:
@@ -266,12 +283,21 @@ def scheduled_depth(schedule: Schedule, batch: int) -> int:
     return depth
 
 
-def load_tree_config(path: str | Path) -> dict:
-    """A tree.json, checked (``check_tree``): what every reader of one gets (``eval.acceptance``, the model cards,
-    ``scripts.export.verify_engines --schedule``)."""
-    path = Path(path)
+def _read_json(path: Path) -> object:
     try:
-        config = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
-    return check_tree(config, str(path))
+
+
+def load_tree_config(path: str | Path) -> dict:
+    """A tree.json's content, checked (``check_tree``): its keys as written, for what prints or records them (the
+    model cards, eval's report, ``scripts.export.verify_engines --schedule``)."""
+    config = _read_json(Path(path))
+    check_tree(config, str(path))
+    return cast(dict, config)
+
+
+def load_tree(path: str | Path) -> TreeSpec:
+    """The tree a tree.json holds, checked (``check_tree``): what the drafters draft (``eval.acceptance``)."""
+    return TreeSpec.from_config(_read_json(Path(path)), str(path), Path(path))

@@ -57,16 +57,15 @@ from headstart.data_recipes.bench import (
 )
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
 from headstart.decoding.methods import (
-    TreeFlags,
     TreeSettings,
     all_methods,
     build_proposer,
     head_methods,
-    head_tree_configs,
+    tuned_trees,
 )
 from headstart.decoding.proposers import check_draft_vocab
 from headstart.decoding.static_cache import bucket, setup_static_cache
-from headstart.decoding.tree_config import check_tree_vocab
+from headstart.decoding.tree_config import TreeSpec, check_tree_vocab, load_tree_config
 from headstart.decoding.verify import Proposer, Sampling
 from headstart.eval.matrix import check_claims, groups_of, pick_per_group, temperature_row
 from headstart.eval.report import prompts_rendered, report_json, write_matrix_report, write_report
@@ -183,7 +182,7 @@ class Loaded:
     tokenizer: transformers.PreTrainedTokenizerBase
     prompt_format: str  # --prompt-format resolved for the tokenizer: chat or raw
     heads: dict[str, HeadFolder]  # by method, each config.json read once
-    tree_configs: dict[str, dict]
+    trees: dict[str, TreeSpec]  # by method, the tuned tree it drafts (a tree.json's)
     proposers: dict[str, Proposer]  # vanilla first: the speedup baseline
     device: torch.device
     ranks: Ranks  # a split target: every rank decodes, the first writes
@@ -196,7 +195,8 @@ def load(args: Eval) -> Loaded:
     check_methods(args.method, head_dirs, args.draft)
     check_matrix_flags(args)
     # Every tree.json, before any model loads.
-    tree_configs = head_tree_configs(head_folders, args.tree_file() or args.tree, args.method)
+    flags = args.tree_spec()
+    trees = tuned_trees(head_folders, flags, args.method)
     items = load_bench(args.bench, args.limit)
     if args.per_group:
         items = pick_per_group(items, args.per_group)
@@ -222,13 +222,11 @@ def load(args: Eval) -> Loaded:
         check_draft_vocab(draft, target, args.draft, args.target)
     heads = {m: load_head(h, target, tokenizer, args.allow_other_tokenizer).to(dtype) for m, h in head_folders.items()}
     for method, model, name in (("draft_model", draft, args.draft), ("self_spec", target, args.target)):
-        if method in tree_configs and model is not None:  # a head's tree met its head's vocabulary in head_tree_configs
-            check_tree_vocab(tree_configs[method], model.config.vocab_size, str(args.tree), f"the model {name}")
-    shape = None if args.tree_file() else args.tree  # a tree.json reaches EAGLE through tree_configs
-    flags = TreeFlags(shape, args.top_k_draft, args.depth, args.total_tokens, args.exit_layer, args.min_confidence)
+        if method in trees and model is not None:  # a head's tree met its head's vocabulary in tuned_trees
+            check_tree_vocab(trees[method], model.config.vocab_size, str(args.tree), f"the model {name}")
     order = ["vanilla"] + [m for m in args.method if m != "vanilla"]  # the baseline first
-    proposers = {m: build_proposer(m, flags, draft, heads, tree_configs.get(m), target) for m in order}
-    return Loaded(items, target, tokenizer, prompt_format, head_folders, tree_configs, proposers, device, ranks)
+    proposers = {m: build_proposer(m, flags, draft, heads, trees.get(m), target) for m in order}
+    return Loaded(items, target, tokenizer, prompt_format, head_folders, trees, proposers, device, ranks)
 
 
 def measure(args: Eval, loaded: Loaded, temperature: float) -> tuple[dict[str, MethodRun], dict[str, MethodResult]]:
@@ -245,7 +243,7 @@ def measure(args: Eval, loaded: Loaded, temperature: float) -> tuple[dict[str, M
             requested=m in args.method,
             predicted_tau=training_tau(heads[m].config, "predicted_tau") if m in heads else None,
             training_measured_tau=training_tau(heads[m].config, "measured_tau") if m in heads else None,
-            tree_config=loaded.tree_configs.get(m),
+            tree_config=tree_record(loaded.trees.get(m)),
         )
         for m, run in runs.items()
     }
@@ -258,6 +256,11 @@ def measure(args: Eval, loaded: Loaded, temperature: float) -> tuple[dict[str, M
         )
         for method, result in methods.items()
     }
+
+
+def tree_record(tree: TreeSpec | None) -> dict | None:
+    """What the report records of a method's tuned tree: its tree.json as written."""
+    return load_tree_config(tree.file) if tree is not None and tree.file is not None else None
 
 
 def settings(args: Eval, loaded: Loaded) -> dict:

@@ -287,7 +287,7 @@ def choose(args: Autotune, tuned: dict[str, Tuned]) -> Picked:
     speed = best.chosen.tokens_per_s
     adapts = adapts_depth(best.source)
     adaptive = fit_confidence(best.costs, fixed, best.steps) if adapts else (0.0, speed, speed)
-    chosen = replace(best.chosen, tree=replace(fixed, min_confidence=adaptive[0]))
+    chosen = replace(best.chosen, tree=fixed.model_copy(update={"min_confidence": adaptive[0]}))
     batch = batch_table(best.costs, best.rank_probs, args.max_nodes, best.max_depth, args.batch_sizes, fixed)
     schedules = {
         "depth_per_batch_size": schedule_ranges({b: row["depth"] for b, row in batch.items()}),

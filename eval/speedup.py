@@ -240,7 +240,7 @@ def grid(
         if len(shape) == n:
             trees.append(TreeSpec.static(shape))
     if dynamic:
-        trees += [TreeSpec.from_config(EAGLE_DEFAULT), TreeSpec("dynamic", 5, 8, 48), TreeSpec("dynamic", 6, 2, 10)]
+        trees += [TreeSpec.from_config(EAGLE_DEFAULT), TreeSpec.dynamic(5, 8, 48), TreeSpec.dynamic(6, 2, 10)]
     unique: dict[str, TreeSpec] = {}
     for tree in trees:
         unique.setdefault(json.dumps(tree.config()), tree)

@@ -10,7 +10,7 @@ from conftest import make_head, tiny_llama
 from transformers import LlamaForCausalLM
 
 from headstart.core.acceptance import expected_tau
-from headstart.decoding.methods import head_tree_configs
+from headstart.decoding.methods import TreeSettings, tuned_trees
 from headstart.decoding.proposers_heads import Eagle
 from headstart.decoding.tree_config import (
     TreeSpec,
@@ -192,9 +192,9 @@ def test_a_rank_past_the_drafters_vocabulary_is_refused_naming_the_file(target, 
     (head / "tree.json").write_text(json.dumps({"shape": "static", "choices": choices, "depth": 1, "top_k": 201,
                                                 "total_tokens": 2}))  # fmt: skip
     with pytest.raises(ValueError, match=rf"{head / 'tree.json'}: choices \[200\]: rank 200 is past the 200 tokens"):
-        head_tree_configs({"eagle3": read_head_folder(head)}, None, ["eagle3"])
+        tuned_trees({"eagle3": read_head_folder(head)}, TreeSettings().tree_spec(), ["eagle3"])
     with pytest.raises(ValueError, match=r"x.json: top_k 301 is past the 300 tokens the model t drafts from"):
-        check_tree_vocab(DYNAMIC | {"top_k": 301}, 300, "x.json", "the model t")
+        check_tree_vocab(TreeSpec.from_config(DYNAMIC | {"top_k": 301}), 300, "x.json", "the model t")
 
 
 def test_a_head_folders_own_tree_json_fails_before_any_model_loads(target, tmp_path):

@@ -9,7 +9,7 @@ from conftest import REPO, tiny_llama
 
 from headstart.core.acceptance import chain_tau, expected_tau
 from headstart.core.timing import timed
-from headstart.decoding.methods import TreeFlags, build_proposer
+from headstart.decoding.methods import TreeSettings, build_proposer
 from headstart.decoding.proposers import DraftModel, NGram, Vanilla
 from headstart.decoding.proposers_heads import Eagle, Medusa, PEagle
 from headstart.decoding.tree_config import TreeSpec, chain_choices
@@ -86,25 +86,31 @@ def test_build_proposer_takes_typed_settings():
         "eagle3": build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target),
         "medusa": build_head({"type": "medusa", "num_heads": 2}, target),
     }
-    assert type(build_proposer("vanilla", TreeFlags())) is Vanilla
-    ngram = build_proposer("ngram", TreeFlags(depth=3))
+    assert type(build_proposer("vanilla", TreeSettings().tree_spec())) is Vanilla
+    ngram = build_proposer("ngram", TreeSettings(depth=3).tree_spec())
     assert isinstance(ngram, NGram) and ngram.k == 3
-    draft = build_proposer("draft_model", TreeFlags(shape="dynamic", top_k=2, depth=3, total_tokens=5), target)
+    draft = build_proposer(
+        "draft_model", TreeSettings(tree="dynamic", top_k_draft=2, depth=3, total_tokens=5).tree_spec(), target
+    )
     assert isinstance(draft, DraftModel) and (draft.k, draft.top_k, draft.total_tokens) == (3, 2, 5)
-    chain = build_proposer("eagle3", TreeFlags(shape="static", depth=4), heads=heads)
+    chain = build_proposer("eagle3", TreeSettings(tree="static", depth=4).tree_spec(), heads=heads)
     assert isinstance(chain, Eagle) and (chain.top_k, chain.depth, chain.total_tokens) == (1, 4, 4)
-    tuned = {"shape": "static", "choices": [[0], [1], [0, 0]], "depth": 2, "top_k": 2, "total_tokens": 3}
-    assert build_proposer("eagle3", TreeFlags(), heads=heads, tree_config=tuned).choices == tuned["choices"]
-    medusa = build_proposer("medusa", TreeFlags(depth=5, total_tokens=6), heads=heads)
+    flags = TreeSettings().tree_spec()
+    tuned = TreeSpec.from_config({"shape": "static", "choices": [[0], [1], [0, 0]], "depth": 2, "top_k": 2,
+                                  "total_tokens": 3})  # fmt: skip
+    assert build_proposer("eagle3", flags, heads=heads, tuned=tuned).choices == tuned.choices
+    medusa = build_proposer("medusa", TreeSettings(depth=5, total_tokens=6).tree_spec(), heads=heads)
     assert isinstance(medusa, Medusa) and medusa.depth == 2 and len(medusa.choices) == 6  # 2 heads: depth 2
     with pytest.raises(ValueError, match="unknown method 'beam'"):
-        build_proposer("beam", TreeFlags())
+        build_proposer("beam", TreeSettings().tree_spec())
     heads["peagle"] = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "parallel_drafting": True}, target)
-    peagle = build_proposer("peagle", TreeFlags(shape="dynamic", depth=4), heads=heads)  # one forward: a chain
+    peagle = build_proposer(
+        "peagle", TreeSettings(tree="dynamic", depth=4).tree_spec(), heads=heads
+    )  # one forward: a chain
     assert isinstance(peagle, PEagle) and peagle.choices == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
-    assert build_proposer("peagle", TreeFlags(), heads=heads, tree_config=tuned).choices == tuned["choices"]
+    assert build_proposer("peagle", flags, heads=heads, tuned=tuned).choices == tuned.choices
     with pytest.raises(ValueError, match="P-EAGLE drafts static shapes only"):
-        build_proposer("peagle", TreeFlags(), heads=heads, tree_config=TreeSpec("dynamic", 3, 2, 5).config())
+        build_proposer("peagle", flags, heads=heads, tuned=TreeSpec.dynamic(3, 2, 5))
 
 
 def test_methods_take_turns_and_each_output_is_independent_of_the_others(target, one_thread):

@@ -21,7 +21,7 @@ from transformers import (
     Qwen3NextConfig,
 )
 
-from headstart.decoding.methods import TreeFlags, build_proposer
+from headstart.decoding.methods import TreeSettings, build_proposer
 from headstart.decoding.proposers import NGram
 from headstart.decoding.target_cache import new_cache, recurrent_target, sliding_window
 from headstart.decoding.tree import Tree, chain, tree_from_parents
@@ -231,12 +231,14 @@ def test_recurrent_targets_refuse_trees_and_batches_and_draft_chains(targets, ca
     with pytest.raises(ValueError, match="2 sequences together: granitemoehybrid targets carry recurrent state"):
         generate_batch(targets["granitemoehybrid"], [NGram(), NGram()], [ids, ids], 4)
     with pytest.raises(ValueError, match="self_spec drafts .* crops their cache, but qwen3_next"):
-        build_proposer("self_spec", TreeFlags(), target=target)
+        build_proposer("self_spec", TreeSettings().tree_spec(), target=target)
     with pytest.raises(ValueError, match="draft_model crops its draft's cache, but granitemoehybrid"):
-        build_proposer("draft_model", TreeFlags(), draft=targets["granitemoehybrid"], target=targets["mistral"])
+        build_proposer(
+            "draft_model", TreeSettings().tree_spec(), draft=targets["granitemoehybrid"], target=targets["mistral"]
+        )
     # Methods that draw their own trees draft chains here (logged), and decode the target's greedy output.
     with caplog.at_level(logging.WARNING):
-        suffix = build_proposer("suffix", TreeFlags(depth=4), target=target)
+        suffix = build_proposer("suffix", TreeSettings(depth=4).tree_spec(), target=target)
     assert "suffix drafts chains of 4" in caplog.text and "qwen3_next targets carry recurrent state" in caplog.text
     expected = greedy(target, ids)
     repeated = torch.cat((ids, expected[:, ids.shape[1] :], ids), 1)  # repeats: the suffix tree has candidates

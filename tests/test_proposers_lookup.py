@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from headstart.data_recipes.bench import load_bench
 from headstart.data_recipes.prompts import render
-from headstart.decoding.methods import TreeFlags, build_proposer
+from headstart.decoding.methods import TreeSettings, build_proposer
 from headstart.decoding.proposers import DraftModel, SelfSpec, early_exit
 from headstart.decoding.proposers_lookup import Lookahead, Suffix, SuffixIndex
 from headstart.decoding.tree import Tree
@@ -203,13 +203,15 @@ def test_lookups_get_drafts_accepted_where_the_text_repeats(bundled):
 
 def test_build_proposer_maps_the_new_methods():
     target = tiny_llama()
-    flags = TreeFlags(depth=3, exit_layer=1)
+    flags = TreeSettings(depth=3, exit_layer=1).tree_spec()
     assert isinstance(build_proposer("suffix", flags), Suffix) and build_proposer("suffix", flags).k == 3
     assert isinstance(build_proposer("lookahead", flags), Lookahead)
     chain = build_proposer("self_spec", flags, target=target)
     assert isinstance(chain, SelfSpec) and (chain.exit_layer, chain.k, chain.top_k) == (1, 3, 1)
     assert chain.model.config.num_hidden_layers == 1
-    tree = build_proposer("self_spec", TreeFlags(shape="dynamic", top_k=2, depth=3, total_tokens=5), target=target)
+    tree = build_proposer(
+        "self_spec", TreeSettings(tree="dynamic", top_k_draft=2, depth=3, total_tokens=5).tree_spec(), target=target
+    )
     assert (tree.exit_layer, tree.top_k, tree.total_tokens) == (2, 2, 5)  # half of the 4 layers
 
 

@@ -27,6 +27,7 @@ from headstart.core.settings import (
     Positive,
     Section,
     Stage,
+    TrainDtype,
     check,
     not_a_flag,
     raise_problems,
@@ -49,7 +50,7 @@ class Train(Section):
     betas: Annotated[list[Annotated[Float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.95]
     max_grad_norm: NonNegativeFloat = 1.0  # 0: no clipping
     zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(not_a_flag)] = 2
-    dtype: Literal["fp32", "bf16"] = "fp32"  # the head's training precision
+    dtype: TrainDtype = "fp32"  # the head's training precision
     # Recompute the head's drafting steps (EAGLE-3's training-time-test steps) in backward instead of keeping their
     # activations: memory per token falls several-fold for one more draft-layer forward per step. auto: for
     # samples of heads.base.RECOMPUTE_FROM (4096) tokens and more.

@@ -41,8 +41,9 @@ from headstart.core.io import atomic_dir, atomic_write_text
 from headstart.core.models import load_tokenizer
 from headstart.data_recipes.bench import check_positions, check_token_ids, load_bench, turn_prompt
 from headstart.data_recipes.prompts import data_prompt_format, text_prompt_length
-from headstart.decoding.methods import TreeFlags, build_proposer
+from headstart.decoding.methods import TreeSettings, build_proposer
 from headstart.decoding.proposers import DepthRecorder
+from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import Sampling, generate
 from headstart.heads import DraftHead, drafting_of
 from headstart.train.checkpoint import digest_problems, file_digests, save_head_files
@@ -86,7 +87,7 @@ def check_eval_bench(cfg: TrainConfig) -> None:
     try:
         items = [replace(item, turns=item.turns[:1]) for item in load_bench(train.eval_bench, train.eval_prompts)]
         check_token_ids(tokenizer, items)
-        tree_tokens = TreeFlags().total_tokens
+        tree_tokens = TreeSettings.model_fields["total_tokens"].default
         prompts = data_prompt_format(cfg.data.format)
         check_positions(tokenizer, items, train.eval_new_tokens, tree_tokens, positions, prompts)
     except (ValueError, FileNotFoundError) as err:
@@ -111,9 +112,9 @@ class Decoded:
         self.prompts += other.prompts
 
 
-def head_flags(head: DraftHead) -> TreeFlags:
+def head_flags(head: DraftHead) -> TreeSpec:
     """The drafting ``acceptance_command`` names: static chains at the head's trained depth (Medusa: its tree)."""
-    return TreeFlags(shape="static", depth=head.config.trained_depth)
+    return TreeSettings.model_validate({"tree": "static", "depth": head.config.trained_depth}).tree_spec()
 
 
 @torch.no_grad()
