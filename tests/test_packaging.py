@@ -4,7 +4,7 @@ import ast
 
 import tomllib
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 LIBRARY = ("core", "heads", "data_recipes", "decoding", "train", "eval", "scripts")
 # Which of our packages each folder may import (docs/ARCHITECTURE.md): core <- heads, data_recipes <- decoding (the

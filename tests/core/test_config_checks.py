@@ -16,7 +16,7 @@ from headstart.data_recipes.regenerate import RegenerateConfig
 from headstart.data_recipes.settings import CaptureConfig
 from headstart.scripts.export.command import export_head
 from headstart.train.config import TrainConfig
-from tests.conftest import REPO, base_config, make_head, subprocess_env
+from tests.helpers import REPO, base_config, make_head, subprocess_env
 
 
 def write(tmp_path, text, name="config.yaml"):

@@ -9,7 +9,7 @@ from headstart.core.errors import DataError
 from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
 from headstart.core.models import load_model
 from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, slow_dtype_warning
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_overrides_parse_yaml_values_and_create_sections():

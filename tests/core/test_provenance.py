@@ -33,7 +33,7 @@ from headstart.heads import build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.train.config import resolve_config
 from headstart.train.data import load_data, loss_token_counts
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def capture_config(target_dir, data_file, out_dir, **data):

@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -22,7 +21,7 @@ from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.shards import shard_name
 from headstart.eval import acceptance
 from headstart.train import eagle
-from tests.conftest import (
+from tests.helpers import (
     REPO,
     assert_matches,
     base_config,
@@ -34,6 +33,7 @@ from tests.conftest import (
     run_here,
     subprocess_env,
     wait_for,
+    write_config,
 )
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
@@ -48,11 +48,6 @@ def torchrun(*args: str, nproc: int = 2, wait: bool = True):
     done = subprocess.run([*cmd, *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
-
-
-def write_config(path, cfg):
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 # ---- training from shards borrows three tensors
@@ -142,7 +137,7 @@ SAMPLING_WORKER = textwrap.dedent("""
     from headstart.core.models import load_decoding_target
     from headstart.decoding.proposers import DraftModel
     from headstart.decoding.verify import Sampling
-    from tests.conftest import tiny_llama
+    from tests.helpers import tiny_llama
     target, ranks = load_decoding_target({target!r}, "cpu", "fp32", 2, 0, 16)
     draft = tiny_llama(7, vocab_size=4, num_hidden_layers=2)  # whole on every rank, the same weights
     draft.lm_head.weight.data *= 4
@@ -157,7 +152,7 @@ SAMPLING_WORKER = textwrap.dedent("""
 
 def test_sampling_at_tp_size_2_is_lossless(tmp_path):
     # test_decoding_sampling's P-EAGLE target (V = 4, peaked), split in two; a whole draft model that disagrees.
-    from tests.conftest import tiny_llama
+    from tests.helpers import tiny_llama
 
     target = tiny_llama(2, vocab_size=4, num_hidden_layers=3)
     target.lm_head.weight.data *= 4

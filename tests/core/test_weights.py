@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from headstart.core.fingerprint import weights_hash
 from headstart.core.weights import INDEX_NAME, SINGLE_NAME, CheckpointError, borrowed_model
-from tests.conftest import save_tiny_llama
+from tests.helpers import save_tiny_llama
 
 EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
 CPU = torch.device("cpu")

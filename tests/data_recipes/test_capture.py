@@ -27,7 +27,7 @@ from headstart.data_recipes.shards import (
     read_manifest,
 )
 from headstart.data_recipes.states import OnlineCapture, length_batches, resolve_aux_layers
-from tests.conftest import REPO, children
+from tests.helpers import REPO, children
 
 
 def capture_config(target_dir, data_file, out_dir, **capture):

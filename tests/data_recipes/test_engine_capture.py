@@ -36,7 +36,7 @@ from headstart.data_recipes.shards import read_manifest, shard_name
 from headstart.data_recipes.states import capture_hidden_states
 from headstart.train import eagle
 from headstart.train.config import resolve_config
-from tests.conftest import REPO, TARGET, records, resolve, run_here, subprocess_env, tiny_llama, wait_for
+from tests.helpers import REPO, TARGET, records, resolve, run_here, subprocess_env, tiny_llama, wait_for
 
 ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"
 BF16_STEP = 2.0**-7
@@ -213,7 +213,7 @@ def test_online_training_from_the_server_takes_the_steps_of_online_training_here
 
 def test_compare_captures_names_what_differs(tiny_target_dir, gsm8k_file, tmp_path):
     from headstart.scripts.dev.compare_captures import compare
-    from tests.conftest import base_config
+    from tests.helpers import base_config
 
     run_capture(base_config(tiny_target_dir, gsm8k_file, tmp_path / "a", tmp_path, "eagle3"))
     copy = tmp_path / "b"

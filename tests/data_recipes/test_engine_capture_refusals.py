@@ -28,7 +28,7 @@ from headstart.data_recipes.engine_client import ChatServer, EngineError
 from headstart.data_recipes.recipes import Sample
 from headstart.data_recipes.settings import CaptureConfig
 from headstart.data_recipes.shards import ShardDataset, StatesError, write_manifest, write_shard
-from tests.conftest import JsonHandler
+from tests.helpers import JsonHandler
 
 H, AUX = 8, [1]  # the unit tests' hidden size and aux layers: files of [n, 2, 8]
 DEAD = "http://127.0.0.1:9/v1"  # never contacted: the unit tests call EngineStates._read directly

@@ -25,7 +25,7 @@ from headstart.data_recipes.prompts import TEMPLATE_DATE, chat_text, render
 from headstart.data_recipes.recipes import load_samples, tokenize_messages
 from headstart.data_recipes.regenerate import as_record, regenerate_chunk, regenerate_turns, served_replies
 from headstart.data_recipes.settings import Generation
-from tests.conftest import TARGET, JsonHandler
+from tests.helpers import TARGET, JsonHandler
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"]
 HARMONY_TEMPLATE = (

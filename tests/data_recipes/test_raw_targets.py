@@ -15,7 +15,7 @@ from headstart.heads import read_head_config
 from headstart.scripts.export import verify_engines
 from headstart.scripts.export.card import raw_prompt_section
 from headstart.scripts.export.command import export_head
-from tests.conftest import make_head
+from tests.helpers import make_head
 
 TEXTS = [
     "Ann has 3 apples and buys 4 more.  How many   apples does she have now?",

@@ -13,6 +13,7 @@ from headstart.data_recipes.formats import FORMATS, check_messages, get_format
 from headstart.data_recipes.recipes import RecipeReport, load_samples, read_conversations, tokenize_messages
 from headstart.data_recipes.sources import read_records
 from headstart.scripts.dev.build_demo_models import CHAT_TEMPLATE, build_tokenizer
+from tests.helpers import write_jsonl
 
 
 def system(content):
@@ -53,11 +54,6 @@ def tokenizers():
 
 def masked_text(tokenizer, input_ids, loss_mask):
     return tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if m])
-
-
-def write_jsonl(path, lines):
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
-    return str(path)
 
 
 FORMAT_CASES = {

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from headstart.data_recipes.recipes import load_samples
 from headstart.data_recipes.regenerate import regenerate_chunk, run_regenerate
 from headstart.data_recipes.settings import Generation
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 CONVERSATIONS = [
     [

@@ -22,7 +22,7 @@ from headstart.core.config import ConfigError
 from headstart.data_recipes.engine_client import ChatServer, EngineError
 from headstart.data_recipes.prompts import raw_ids, text_prompt_length
 from headstart.data_recipes.regenerate import run_regenerate
-from tests.conftest import TARGET, JsonHandler
+from tests.helpers import TARGET, JsonHandler
 
 SERVED = "demo-target"  # served under another name than its path: regenerate.model is sent
 QUESTIONS = [f"Tom has {n} pens and gets {n + 5} more. How many pens does he have now?" for n in range(4)]

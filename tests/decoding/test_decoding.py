@@ -27,7 +27,7 @@ from headstart.decoding.verify import (
     verify_queries,
 )
 from headstart.heads import KVCache, build_head
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 V, NEW = 300, 16
 

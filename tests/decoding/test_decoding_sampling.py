@@ -19,7 +19,7 @@ from headstart.decoding.proposers_heads import PEagle
 from headstart.decoding.tree import pick_children, static_tree
 from headstart.decoding.verify import Sampling, accept, generate_batch, probabilities
 from headstart.heads import build_head
-from tests.conftest import assert_matches, tiny_llama
+from tests.helpers import assert_matches, tiny_llama
 
 V = 4
 PROMPT = torch.tensor([[1, 2, 3, 2]])  # ends in 2; NGram finds "2" earlier and proposes [3, 2]

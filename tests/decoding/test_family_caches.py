@@ -25,7 +25,7 @@ from headstart.decoding.proposers import NGram
 from headstart.decoding.target_cache import new_cache, recurrent_target, sliding_window
 from headstart.decoding.tree import Tree, chain, tree_from_parents
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities, verify_batch
-from tests.conftest import assert_matches
+from tests.helpers import assert_matches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

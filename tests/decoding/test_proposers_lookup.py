@@ -15,7 +15,7 @@ from headstart.decoding.proposers import DraftModel, SelfSpec, early_exit
 from headstart.decoding.proposers_lookup import Lookahead, Suffix, SuffixIndex
 from headstart.decoding.tree import Tree
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
-from tests.conftest import TARGET
+from tests.helpers import TARGET
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,9 +10,9 @@ from headstart.decoding.proposers_heads import DFlash, Eagle, Medusa
 from headstart.decoding.static_cache import bucket, setup_static_cache, static_decoding
 from headstart.decoding.verify import Sampling, generate, generate_batch
 from headstart.heads import build_head
-from tests.conftest import tiny_llama
 from tests.decoding.test_decoding import Oracle, reference
 from tests.decoding.test_family_caches import mistral_config, qwen3_next_config
+from tests.helpers import tiny_llama
 
 NEW = 24
 

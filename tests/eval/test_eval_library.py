@@ -15,7 +15,7 @@ from headstart.decoding.tree_config import TreeSpec, chain_choices
 from headstart.eval.speedup import predicted_speedup
 from headstart.heads import build_head
 from headstart.train.metrics import predicted_tau
-from tests.conftest import REPO, tiny_llama
+from tests.helpers import REPO, tiny_llama
 
 CLIS = {"eval.acceptance", "eval.autotune"}
 

@@ -16,7 +16,7 @@ from headstart.eval.acceptance import main
 from headstart.eval.report import markdown
 from headstart.eval.results import read_methods
 from headstart.eval.speedup import predicted_speedup
-from tests.conftest import REPO
+from tests.helpers import REPO, write_jsonl
 
 SPEC_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Ann has 3 apples.", "Now she buys 4 more. How many?"]},
@@ -24,11 +24,6 @@ SPEC_BENCH = [
     {"question_id": 83, "category": "math", "turns": ["How many apples does Ann have if she buys 2?"]},
     {"question_id": 84, "category": "math", "turns": ["She has 7 apples."]},
 ]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 def test_spec_bench_is_multi_turn_and_limit_covers_every_category(tmp_path):
@@ -242,7 +237,7 @@ def test_a_bench_message_with_empty_content_is_refused_naming_file_and_line(tmp_
 
 
 def test_a_prompt_longer_than_the_targets_positions_is_refused_before_decoding(tmp_path):
-    from tests.conftest import TARGET
+    from tests.helpers import TARGET
 
     bench = tmp_path / "long.jsonl"
     long_question = "How many apples? " * 400  # ~1,600 tokens against the bundled target's 1,024 positions

@@ -8,7 +8,7 @@ import torch
 from headstart.data_recipes.bench import load_bench
 from headstart.eval.acceptance import main
 from headstart.eval.matrix import GROUPS, check_claims, pick_per_group
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 BENCH = [
     {"question_id": 1, "category": "coding", "turns": ["Write a loop over 3 apples.", "Now add 4 more."]},

@@ -26,13 +26,9 @@ from headstart.eval import acceptance, autotune
 from headstart.eval.report import prompts_rendered
 from headstart.eval.run import run_methods
 from headstart.heads import HeadConfig, build_head, read_head_folder
+from tests.helpers import write_jsonl
 
 RAW_LINE = "- prompts: raw text, as a completion API feeds the target (the tokenizer has no chat template)"
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +192,7 @@ def test_autotune_on_a_template_less_target_tunes_on_raw_prompts(base_target, gs
 
 
 def test_a_head_trained_on_other_prompts_is_named(tmp_path, capsys):
-    from tests.conftest import make_head, tiny_llama
+    from tests.helpers import make_head, tiny_llama
 
     head = make_head(tiny_llama(), tmp_path, "eagle")
     config = json.loads((head / "config.json").read_text())

@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 from headstart.data_recipes.shards import write_shard
 from headstart.scripts.export import command as export_mod
 from headstart.scripts.export.command import export_head, main
-from tests.conftest import LAYER_IDS, make_head, save_tiny_llama
+from tests.helpers import LAYER_IDS, make_head, save_tiny_llama
 
 V, H, INNER, LAYERS, HEADS, KV, HEAD_DIM = 300, 32, 64, 6, 4, 2, 8  # tiny_llama()
 

@@ -12,7 +12,7 @@ from headstart.heads import read_head_config
 from headstart.scripts import cli
 from headstart.scripts.export import push_to_hub
 from headstart.scripts.export.push_to_hub import local_target_problem, main, stage
-from tests.conftest import make_head
+from tests.helpers import make_head
 
 REPO = "acme/demo-eagle3"
 

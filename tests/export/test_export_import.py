@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 from headstart.heads import KVCache, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head, main
-from tests.conftest import LAYER_IDS, TINY_LLAMA, make_head, save_tiny_llama
+from tests.helpers import LAYER_IDS, TINY_LLAMA, make_head, save_tiny_llama
 
 V = TINY_LLAMA["vocab_size"]
 

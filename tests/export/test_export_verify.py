@@ -15,7 +15,7 @@ from headstart.scripts.export.parity import card_section, report_markdown, weigh
 from headstart.scripts.export.verify_engines import our_acceptance, prompt_ids, prompts
 from headstart.scripts.export.verify_engines_judge import acceptance, judge_schedule, overall, served
 from headstart.scripts.export.verify_engines_side import METHODS, read_counters, spawn
-from tests.conftest import TARGET
+from tests.helpers import TARGET
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": 68,
@@ -305,7 +305,7 @@ def test_the_engines_side_venv_imports_its_modules_without_the_projects_dependen
     import subprocess
     import sys
 
-    from tests.conftest import REPO, subprocess_env
+    from tests.helpers import REPO, subprocess_env
 
     code = (
         "import sys; sys.modules['peft'] = None\n"

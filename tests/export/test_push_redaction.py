@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 from headstart.scripts.export import push_to_hub
-from tests.conftest import make_head
+from tests.helpers import make_head
 
 OPENAI = "sk-proj-" + "Fake0Key1For2Tests3" * 2
 HF = "hf_" + "FAKEtoken" * 4

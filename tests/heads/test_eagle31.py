@@ -17,7 +17,7 @@ from headstart.heads.layers import RMSNorm
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle
-from tests.conftest import LAYER_IDS, records, run_here, save_tiny_llama, tiny_llama
+from tests.helpers import LAYER_IDS, records, run_here, save_tiny_llama, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NORMS = {"fc_norm": True, "norm_output": True}

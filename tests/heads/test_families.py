@@ -33,7 +33,7 @@ from headstart.scripts.export.common import VLLM_UNSERVED_FAMILIES, captures_nat
 from headstart.scripts.export.formats import format_of
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle, medusa
-from tests.conftest import base_config, engine_layer_names, layer, records, run_here
+from tests.helpers import base_config, engine_layer_names, layer, records, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

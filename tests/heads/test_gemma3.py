@@ -17,7 +17,7 @@ from headstart.heads import WEIGHTS_NAME, build_head, load_head, read_head_confi
 from headstart.heads.target import check_eagle_family
 from headstart.scripts.export.command import engine_files
 from headstart.train import eagle
-from tests.conftest import base_config, engine_layer_names, layer, records, run_here
+from tests.helpers import base_config, engine_layer_names, layer, records, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -37,7 +37,7 @@ from headstart.scripts.export import import_head
 from headstart.scripts.export.common import arch_from_decoder, decoder_config, read_checkpoint, read_json
 from headstart.scripts.export.formats import EngineFiles, Imported, not_written
 from headstart.train import eagle
-from tests.conftest import REPO, run_here
+from tests.helpers import REPO, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

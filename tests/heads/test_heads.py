@@ -25,7 +25,7 @@ from headstart.heads import (
 )
 from headstart.heads.layers import DecoderLayer, RotaryEmbedding
 from headstart.heads.losses import label_mask
-from tests.conftest import LAYER_IDS, make_batch, tiny_llama
+from tests.helpers import LAYER_IDS, make_batch, tiny_llama
 
 V, H = 300, 32
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from headstart.heads import build_head
-from tests.conftest import LAYER_IDS, make_batch, tiny_llama
+from tests.helpers import LAYER_IDS, make_batch, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

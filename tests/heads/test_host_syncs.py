@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from headstart.heads import build_head
-from tests.conftest import LAYER_IDS, make_batch, tiny_llama
+from tests.helpers import LAYER_IDS, make_batch, tiny_llama
 
 # The ops after which the host must wait for the device: a scalar read, or an output sized by the data.
 WAITING_OPS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}

@@ -11,7 +11,7 @@ import headstart.core.memory as memory
 from headstart.heads import build_head
 from headstart.heads.layers import StepKVCache
 from headstart.heads.sparse_attention import block_attention, query_chunk, ttt_attention, ttt_step_mask
-from tests.conftest import LAYER_IDS, make_batch, tiny_llama
+from tests.helpers import LAYER_IDS, make_batch, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HEADS = {

@@ -39,10 +39,10 @@ from headstart.scripts.export.import_head import import_head
 from headstart.train import dflash, eagle
 from headstart.train.config import resolve_config
 from headstart.train.loop import Process, training_memory
-from tests.conftest import REPO, assert_matches, base_config, records, run_here
 from tests.core.test_tensor_parallel import torchrun
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_families import check_export
+from tests.helpers import REPO, assert_matches, base_config, records, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ from headstart.eval import acceptance, autotune
 from headstart.heads import read_head_config
 from headstart.scripts.export.command import export_head
 from headstart.train import eagle
-from tests.conftest import GSM8K_ROWS, HELDOUT, SAMPLES, base_config, records, run_here, without_chat_template
+from tests.helpers import GSM8K_ROWS, HELDOUT, SAMPLES, base_config, records, run_here, without_chat_template
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import DRAFT, REPO, TARGET
+from tests.helpers import DRAFT, REPO, TARGET
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},

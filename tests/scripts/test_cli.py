@@ -25,17 +25,22 @@ from headstart.heads import HEAD_TYPES, build_head, load_head, trainers
 from headstart.scripts import cli
 from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS
 from headstart.scripts.export.import_head import ImportHead
-from tests.conftest import REPO, TARGET, base_config, head_weights, make_head, resolve, subprocess_env, world_of_one
+from tests.helpers import (
+    REPO,
+    TARGET,
+    base_config,
+    head_weights,
+    make_head,
+    resolve,
+    subprocess_env,
+    world_of_one,
+    write_config,
+)
 
 VERBS = ["fetch-target", "regenerate", "capture", "train", "eval", "autotune", "export", "import", "push", "demo"]
 VERBS += ["verify-engines"]
 FLAG_VERBS = [verb for verb in VERBS if cli.VERBS[verb].section is not None]
 GSM8K_TEST = REPO / "assets" / "data" / "gsm8k_test.jsonl"
-
-
-def write_config(path, config):
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from headstart.scripts.dev import build_demo_models
 from headstart.scripts.dev.build_demo_models import BuildDemoModelsConfig, DemoModel, ModelTraining
 from headstart.train import eagle, medusa
 from headstart.train.config import Metrics, Train, TrainConfig, Wandb
-from tests.conftest import REPO, resolve
+from tests.helpers import REPO, resolve, write_config
 
 HEAD_OPTIONS = head_options_models()
 # Which commands read each bundled config; the rest (the head configs) drive capture and training.
@@ -117,12 +117,10 @@ def test_defaults_fill_in_and_yaml_exponents_read_as_floats(tmp_path):
     assert "lora" not in resolved and "regenerate" not in resolved
 
 
-def write_config(tmp_path, name, overrides):
+def unloadable_config(tmp_path, name, overrides):
     """configs/<name> with the target moved to a folder that does not exist: loading it would fail."""
     config = load_config(REPO / "configs" / name, [f"target.path={tmp_path / 'no-such-model'}", *overrides])
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_config(tmp_path / "config.yaml", config)
 
 
 CAPTURE_PROBLEMS = [
@@ -140,7 +138,7 @@ CAPTURE_PROBLEMS = [
 @pytest.mark.parametrize("overrides, message", CAPTURE_PROBLEMS, ids=lambda v: v[0] if isinstance(v, list) else "")
 def test_capture_refuses_a_bad_config_before_loading_the_target(tmp_path, overrides, message):
     out = tmp_path / "shards"
-    path = write_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={out}", *overrides])
+    path = unloadable_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={out}", *overrides])
     with pytest.raises(ConfigError, match=message):
         capture.main(["--config", str(path)])
     assert not out.exists()
@@ -155,7 +153,7 @@ def test_capture_refuses_a_bad_config_before_loading_the_target(tmp_path, overri
 )
 def test_headstart_capture_checks_the_later_stages_sections_too(tmp_path, overrides, message, capsys):
     out = tmp_path / "shards"
-    path = write_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={out}", *overrides])
+    path = unloadable_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={out}", *overrides])
     with pytest.raises(SystemExit):
         cli.main(["capture", "--config", str(path)])
     assert re.search(message, capsys.readouterr().err) and not out.exists()
@@ -163,7 +161,7 @@ def test_headstart_capture_checks_the_later_stages_sections_too(tmp_path, overri
 
 def test_a_valid_capture_config_gets_as_far_as_loading_the_target(tmp_path):
     # The control for the test above: without the bad key, the run goes on and fails at the missing target.
-    path = write_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={tmp_path / 'shards'}"])
+    path = unloadable_config(tmp_path, "demo-eagle3.yaml", [f"capture.out_dir={tmp_path / 'shards'}"])
     with pytest.raises(OSError, match="no-such-model"):
         capture.main(["--config", str(path)])
 
@@ -198,7 +196,7 @@ def test_capture_without_shard_settings_uses_the_defaults(tiny_target_dir, gsm8k
 )
 def test_regenerate_refuses_a_bad_config_before_loading_the_target(tmp_path, gsm8k_file, overrides, message):
     out = tmp_path / "regen.jsonl"
-    path = write_config(tmp_path, "demo-regenerate.yaml", [f"data.source={gsm8k_file}", f"regenerate.out={out}"])
+    path = unloadable_config(tmp_path, "demo-regenerate.yaml", [f"data.source={gsm8k_file}", f"regenerate.out={out}"])
     with pytest.raises(ConfigError, match=message):
         regenerate.main(["--config", str(path), *overrides])
     regenerate_parts = out.with_name(out.name + ".parts")
@@ -230,7 +228,7 @@ def test_training_refuses_out_of_range_values_before_any_work(tmp_path, monkeypa
 
     recipe = trainer if hasattr(trainer, "start_processes") else eagle  # dflash.py runs eagle.py's train_head
     monkeypatch.setattr(recipe, "start_processes", no_work)
-    path = write_config(tmp_path, name, [f"train.out_dir={tmp_path / 'out'}"])
+    path = unloadable_config(tmp_path, name, [f"train.out_dir={tmp_path / 'out'}"])
     with pytest.raises(ConfigError, match=message):
         trainer.main(["--config", str(path), *overrides])
     assert not (tmp_path / "out").exists()

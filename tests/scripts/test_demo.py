@@ -13,7 +13,7 @@ import yaml
 from headstart.core.config import ConfigError, load_config
 from headstart.core.settings import parse
 from headstart.scripts.demo import DemoConfig, main, run_stages
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 # Writes its name to the file argv[2] and appends it to the log argv[3].
 WRITE = (

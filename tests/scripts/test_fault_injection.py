@@ -30,7 +30,7 @@ from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.shards import read_manifest, shard_name
 from headstart.scripts.export.command import main as export_main
 from headstart.train import eagle
-from tests.conftest import REPO, children, free_port, kill_tree, wait_for
+from tests.helpers import REPO, children, free_port, kill_tree, wait_for
 
 SEED = 2026
 ATOL = 1e-6  # head weights after kills vs uninterrupted; bit-equal is expected (see above)

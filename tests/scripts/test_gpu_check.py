@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from headstart.scripts.dev import gpu_check, steps
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_without_cuda_it_refuses_and_says_what_it_needs(tmp_path) -> None:

@@ -23,7 +23,7 @@ from headstart.decoding.verify import generate
 from headstart.heads import load_head
 from headstart.scripts import fetch_target
 from headstart.scripts.fetch_target import FetchError, fetch
-from tests.conftest import REPO, records, run_here
+from tests.helpers import REPO, records, run_here
 
 NAME = "smollm2-135m-instruct"
 SMOLLM2 = fetch_target.REGISTRY[NAME]

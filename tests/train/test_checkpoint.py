@@ -27,7 +27,7 @@ from headstart.train.checkpoint import (
 )
 from headstart.train.data import epoch_order, split_heldout
 from headstart.train.loop import NonFiniteLoss
-from tests.conftest import HELDOUT, SAMPLES, base_config, head_weights, records, run_here
+from tests.helpers import HELDOUT, SAMPLES, base_config, head_weights, records, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL_STATES = "mp_rank_00_model_states.pt"

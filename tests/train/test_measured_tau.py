@@ -11,7 +11,7 @@ from headstart.heads import read_head_config
 from headstart.scripts.export.command import export_head
 from headstart.train import dflash, eagle
 from headstart.train.measured import forget_best_after, sample_prompt, write_best
-from tests.conftest import head_weights, records, run_here
+from tests.helpers import head_weights, records, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

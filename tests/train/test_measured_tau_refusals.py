@@ -13,7 +13,7 @@ from headstart.train import eagle
 from headstart.train.config import resolve_config
 from headstart.train.loop import runs_target
 from headstart.train.measured import export_best, forget_best_after, write_best
-from tests.conftest import head_weights, run_here
+from tests.helpers import head_weights, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

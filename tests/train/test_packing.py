@@ -12,8 +12,8 @@ from headstart.heads import build_head
 from headstart.heads.sparse_attention import ttt_attention
 from headstart.train import eagle
 from headstart.train.config import resolve_config
-from tests.conftest import make_batch, records, run_here, tiny_llama
 from tests.heads.test_long_sequences import HEADS, loss_and_grads
+from tests.helpers import make_batch, records, run_here, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,7 +24,7 @@ from headstart.train import eagle, medusa
 from headstart.train.checkpoint import MARKER, complete_steps
 from headstart.train.data import epoch_order, split_heldout
 from headstart.train.loop import NonFiniteLoss
-from tests.conftest import (
+from tests.helpers import (
     HELDOUT,
     REPO,
     SAMPLES,

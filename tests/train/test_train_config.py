@@ -9,7 +9,7 @@ from headstart.train import dflash, eagle, medusa
 from headstart.train.config import resolve_config
 from headstart.train.data import rank_micro_batches
 from headstart.train.loop import cosine_with_warmup
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 TRAINER_OF = {"eagle": "eagle", "eagle3": "eagle", "medusa": "medusa"}
 TRAINED_CONFIGS = [

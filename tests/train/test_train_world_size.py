@@ -14,7 +14,7 @@ import torch
 from headstart.train import eagle
 from headstart.train.checkpoint import MARKER, check_data_order, complete_steps, loads_universal, tag_for
 from headstart.train.data import epoch_order, rank_micro_batches
-from tests.conftest import REPO, head_weights, records, run_here, run_torchrun
+from tests.helpers import REPO, head_weights, records, run_here, run_torchrun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS, STOP = 6, 4
