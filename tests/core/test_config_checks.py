@@ -74,9 +74,9 @@ def test_torchruns_variables_are_checked(monkeypatch):
         device_memory(torch.device("cpu"))
 
 
-def test_export_never_replaces_a_trained_head(target, tmp_path):
+def test_export_never_replaces_a_trained_head(demo_target, tmp_path):
     # Training writes head/README.md: a trained head folder looked like an earlier export and was replaced.
-    model, _ = target
+    model, _ = demo_target
     source = make_head(model, tmp_path, "eagle3", "a")
     other = make_head(model, tmp_path, "eagle3", "b")
     (other / "README.md").write_text("# a trained head's card\n")

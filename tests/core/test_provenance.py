@@ -72,7 +72,7 @@ def copy_of(captured, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target_dir):
+def tiny_target(tiny_target_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval(), AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
@@ -100,8 +100,8 @@ def rewrite_shard(path, change):
 # Item 6: shards captured from another checkpoint of the same shape.
 
 
-def test_training_refuses_shards_of_other_weights(captured, tiny_target_dir, gsm8k_file, target, tmp_path):
-    model, tokenizer = target
+def test_training_refuses_shards_of_other_weights(captured, tiny_target_dir, gsm8k_file, tiny_target, tmp_path):
+    model, tokenizer = tiny_target
     cfg = train_config(capture_config(tiny_target_dir, gsm8k_file, captured))
     assert len(load_data(cfg, model, tokenizer, aux=True, online_states=True).dataset) == 16  # the same target
 
@@ -193,10 +193,10 @@ def test_a_flipped_data_byte_is_found_by_the_checksum_only(copy_of, tiny_target_
         run_capture(capture_config(tiny_target_dir, gsm8k_file, copy_of))
 
 
-def test_token_ids_past_the_vocabulary_are_named(copy_of, tiny_target_dir, gsm8k_file, target):
+def test_token_ids_past_the_vocabulary_are_named(copy_of, tiny_target_dir, gsm8k_file, tiny_target):
     path = copy_of / shard_name(1)
 
-    model, tokenizer = target
+    model, tokenizer = tiny_target
     vocab = model.config.vocab_size
 
     def out_of_vocab(tensors):
@@ -269,8 +269,8 @@ def test_regenerate_never_mixes_parts_of_other_settings(tiny_target_dir, gsm8k_f
 # Item 13: a head on a target whose tokenizer differs (same vocabulary size).
 
 
-def test_heads_record_the_tokenizer_and_refuse_another(target, tiny_target_dir, other_tokenizer_dir, tmp_path):
-    model, tokenizer = target
+def test_heads_record_the_tokenizer_and_refuse_another(tiny_target, tiny_target_dir, other_tokenizer_dir, tmp_path):
+    model, tokenizer = tiny_target
     other = AutoTokenizer.from_pretrained(other_tokenizer_dir)
     assert len(other) == len(tokenizer) and tokenizer_hash(other) != tokenizer_hash(tokenizer)
     head_dir = tmp_path / "head"
@@ -300,10 +300,10 @@ def test_heads_record_the_tokenizer_and_refuse_another(target, tiny_target_dir, 
     assert (export_head(head_dir, "vllm", tmp_path / "out2", target=str(tiny_target_dir)) / "config.json").is_file()
 
 
-def test_eval_refuses_a_head_of_another_tokenizer(target, other_tokenizer_dir, gsm8k_file, tmp_path):
+def test_eval_refuses_a_head_of_another_tokenizer(tiny_target, other_tokenizer_dir, gsm8k_file, tmp_path):
     from headstart.eval.acceptance import main
 
-    model, tokenizer = target
+    model, tokenizer = tiny_target
     head_dir = tmp_path / "head"
     build_head({"type": "eagle"}, model, tokenizer).save_pretrained(head_dir)
     argv = ["--target", str(other_tokenizer_dir), "--head", str(head_dir), "--method", "eagle"]
@@ -406,8 +406,8 @@ def test_a_read_only_mount_is_read_only_not_full(tmp_path):
 # Item 18: online training on data without assistant tokens.
 
 
-def test_online_training_says_no_sample_has_assistant_tokens(tiny_target_dir, gsm8k_file, target):
-    model, tokenizer = target
+def test_online_training_says_no_sample_has_assistant_tokens(tiny_target_dir, gsm8k_file, tiny_target):
+    model, tokenizer = tiny_target
     cfg = train_config(capture_config(tiny_target_dir, gsm8k_file, "unused", max_length=8), online_capture=True)
     # 8 tokens hold the template's header and the question's start: no assistant token survives.
     message = "no sample has assistant tokens: the loss mask of all 48 conversations is empty within data.max_length=8"

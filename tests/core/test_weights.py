@@ -25,7 +25,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture
-def target(saved, tmp_path):
+def target_folder(saved, tmp_path):
     return shutil.copytree(saved, tmp_path / "target")
 
 
@@ -49,18 +49,18 @@ def edit_config(folder, **changes):
 
 
 @pytest.mark.parametrize("where", ["absolute", "dotdot"])
-def test_an_index_entry_leading_outside_the_folder_is_refused_by_training_and_the_hash(target, tmp_path, where):
-    weight_map = sharded(target)
+def test_an_index_entry_leading_outside_the_folder_is_refused_by_training_and_the_hash(target_folder, tmp_path, where):
+    weight_map = sharded(target_folder)
     outside = tmp_path / "outside"
     outside.mkdir()
-    shutil.copy(target / "part-1.safetensors", outside / "x.safetensors")
+    shutil.copy(target_folder / "part-1.safetensors", outside / "x.safetensors")
     entry = str(outside / "x.safetensors") if where == "absolute" else "../outside/x.safetensors"
-    (target / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map | {EMBED: entry}}))
+    (target_folder / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map | {EMBED: entry}}))
     said = rf"{INDEX_NAME}: weight_map entry '{EMBED}' -> '{entry}' \(.*\) leads outside"
     with pytest.raises(CheckpointError, match=said):
-        borrowed_model(target, CPU, torch.float32)
+        borrowed_model(target_folder, CPU, torch.float32)
     with pytest.raises(CheckpointError, match=said):
-        weights_hash(target, "fp32")
+        weights_hash(target_folder, "fp32")
 
 
 @pytest.mark.parametrize(
@@ -78,28 +78,30 @@ def test_an_index_entry_leading_outside_the_folder_is_refused_by_training_and_th
     ],
     ids=["truncated", "no-weight-map", "list-map", "list-index", "number-entry", "folder-entry"],
 )
-def test_a_malformed_index_is_refused_naming_the_index_and_the_entry(target, index, said):
-    sharded(target)
-    (target / "sub").mkdir()
-    (target / INDEX_NAME).write_text(index)
-    with pytest.raises(CheckpointError, match=rf"^{target / INDEX_NAME}: .*{said}"):
-        borrowed_model(target, CPU, torch.float32)
+def test_a_malformed_index_is_refused_naming_the_index_and_the_entry(target_folder, index, said):
+    sharded(target_folder)
+    (target_folder / "sub").mkdir()
+    (target_folder / INDEX_NAME).write_text(index)
+    with pytest.raises(CheckpointError, match=rf"^{target_folder / INDEX_NAME}: .*{said}"):
+        borrowed_model(target_folder, CPU, torch.float32)
 
 
-def test_an_index_naming_a_file_without_the_tensor_names_the_file_and_tensor(target):
-    weight_map = sharded(target)
-    tensors = load_file(target / "part-1.safetensors")
-    save_file({NORM: tensors.pop(NORM)}, target / "part-2.safetensors")
-    save_file(tensors, target / "part-1.safetensors")
-    (target / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map | {EMBED: "part-2.safetensors"}}))
-    with pytest.raises(CheckpointError, match=rf"^{target / 'part-2.safetensors'}: holds no tensor '{EMBED}'"):
-        borrowed_model(target, CPU, torch.float32)
+def test_an_index_naming_a_file_without_the_tensor_names_the_file_and_tensor(target_folder):
+    weight_map = sharded(target_folder)
+    tensors = load_file(target_folder / "part-1.safetensors")
+    save_file({NORM: tensors.pop(NORM)}, target_folder / "part-2.safetensors")
+    save_file(tensors, target_folder / "part-1.safetensors")
+    (target_folder / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map | {EMBED: "part-2.safetensors"}}))
+    with pytest.raises(CheckpointError, match=rf"^{target_folder / 'part-2.safetensors'}: holds no tensor '{EMBED}'"):
+        borrowed_model(target_folder, CPU, torch.float32)
 
 
-def test_a_config_transformers_refuses_names_its_file(target):
-    edit_config(target, hidden_size=64)  # 64 is no multiple of the 6 attention heads
-    with pytest.raises(CheckpointError, match=rf"^{target / 'config.json'}: transformers refuses this config: .*64"):
-        borrowed_model(target, CPU, torch.float32)
+def test_a_config_transformers_refuses_names_its_file(target_folder):
+    edit_config(target_folder, hidden_size=64)  # 64 is no multiple of the 6 attention heads
+    with pytest.raises(
+        CheckpointError, match=rf"^{target_folder / 'config.json'}: transformers refuses this config: .*64"
+    ):
+        borrowed_model(target_folder, CPU, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -117,10 +119,10 @@ def test_a_config_transformers_refuses_names_its_file(target):
         ),  # fmt: skip
     ],
 )
-def test_a_config_of_other_sizes_than_the_tensors_is_refused_naming_both(target, change, said):
-    edit_config(target, **change)
-    with pytest.raises(CheckpointError, match=rf"^{target / SINGLE_NAME}: tensor {said}"):
-        borrowed_model(target, CPU, torch.float32)
+def test_a_config_of_other_sizes_than_the_tensors_is_refused_naming_both(target_folder, change, said):
+    edit_config(target_folder, **change)
+    with pytest.raises(CheckpointError, match=rf"^{target_folder / SINGLE_NAME}: tensor {said}"):
+        borrowed_model(target_folder, CPU, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -137,20 +139,20 @@ def test_a_config_of_other_sizes_than_the_tensors_is_refused_naming_both(target,
     ],
     ids=["norm-of-one", "short-embedding", "narrow-lm-head", "int8-embedding"],
 )
-def test_borrowed_tensors_that_do_not_fit_the_config_are_refused_naming_file_and_tensor(target, tensors, said):
-    edit_tensors(target, **tensors)
-    with pytest.raises(CheckpointError, match=rf"^{target / SINGLE_NAME}: tensor .*{said}"):
-        borrowed_model(target, CPU, torch.float32)
+def test_borrowed_tensors_that_do_not_fit_the_config_are_refused_naming_file_and_tensor(target_folder, tensors, said):
+    edit_tensors(target_folder, **tensors)
+    with pytest.raises(CheckpointError, match=rf"^{target_folder / SINGLE_NAME}: tensor .*{said}"):
+        borrowed_model(target_folder, CPU, torch.float32)
     with pytest.raises(CheckpointError, match=said):
-        weights_hash(target, "fp32")
+        weights_hash(target_folder, "fp32")
 
 
-def test_a_tokenizer_longer_than_the_embedding_is_refused_and_the_fitting_target_loads(target, saved):
+def test_a_tokenizer_longer_than_the_embedding_is_refused_and_the_fitting_target_loads(target_folder, saved):
     with pytest.raises(
         CheckpointError, match=rf"'{EMBED}' \(the target's embed\) has 300 rows, but the tokenizer has 301"
     ):
-        borrowed_model(target, CPU, torch.float32, tokenizer_size=301)
-    model = borrowed_model(target, CPU, torch.bfloat16, tokenizer_size=300)
+        borrowed_model(target_folder, CPU, torch.float32, tokenizer_size=301)
+    model = borrowed_model(target_folder, CPU, torch.bfloat16, tokenizer_size=300)
     stored = load_file(f"{saved}/{SINGLE_NAME}")
     assert torch.equal(model.get_input_embeddings().weight, stored[EMBED].to(torch.bfloat16))
     assert torch.equal(model.model.norm.weight, stored[NORM].to(torch.bfloat16))

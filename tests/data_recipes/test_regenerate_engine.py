@@ -155,14 +155,14 @@ def completion(body: dict, content: object, finish: str) -> dict:
 
 
 @pytest.fixture
-def serve(target):
+def serve(demo_target):
     """Start a chat server on a free port: returns (base_url, state); every one started is stopped after."""
     started = []
 
     def start():
         server = ThreadingHTTPServer(("127.0.0.1", 0), ChatHandler)
         server.daemon_threads = True
-        server.state = ServerState(*target)
+        server.state = ServerState(*demo_target)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         started.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}/v1", server.state

@@ -33,7 +33,7 @@ V, NEW = 300, 16
 
 
 @pytest.fixture(scope="module")
-def target():
+def four_layer_llama():
     return tiny_llama(0, num_hidden_layers=4)
 
 
@@ -138,33 +138,33 @@ def test_dynamic_tree_keeps_best_nodes_with_ancestors():
     assert tree.tokens[tree.depths == 1].tolist() == table[0].topk(3).indices.tolist()
 
 
-def test_kv_compaction_equals_recomputing_the_accepted_prefix(target):
+def test_kv_compaction_equals_recomputing_the_accepted_prefix(four_layer_llama):
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(3, V, (1, 6), generator=gen)
-    greedy = reference(target, prompt, new=3)[0, 6:]
+    greedy = reference(four_layer_llama, prompt, new=3)[0, 6:]
     # Tree: a junk first child, then the true chain greedy[0] -> greedy[1] with a junk sibling, then junk.
     tokens = torch.tensor([int(greedy[0]) + 1, int(greedy[0]), 5, int(greedy[1]), 9])
     tree = Tree(tokens, torch.tensor([-1, -1, 1, 1, 3]), torch.tensor([1, 1, 2, 2, 3]), torch.zeros(5))
-    cache = DynamicCache(config=target.config)
+    cache = DynamicCache(config=four_layer_llama.config)
     with torch.no_grad():
-        target(prompt[:, :-1], past_key_values=cache, use_cache=True)
-        path, bonus, _ = verify(target, cache, prompt[0, -1:], tree, Sampling())
+        four_layer_llama(prompt[:, :-1], past_key_values=cache, use_cache=True)
+        path, bonus, _ = verify(four_layer_llama, cache, prompt[0, -1:], tree, Sampling())
         assert path.tolist() == [1, 3] and int(bonus) == int(greedy[2])
-        fresh = DynamicCache(config=target.config)
+        fresh = DynamicCache(config=four_layer_llama.config)
         committed = torch.cat((prompt[0], tokens[path]))
-        target(committed[None], past_key_values=fresh, use_cache=True)
+        four_layer_llama(committed[None], past_key_values=fresh, use_cache=True)
     assert cache.get_seq_length() == fresh.get_seq_length() == 8
     for mine, ref in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
-def test_a_short_cpu_verify_runs_four_queries_and_keeps_only_the_accepted_rows(target):
+def test_a_short_cpu_verify_runs_four_queries_and_keeps_only_the_accepted_rows(four_layer_llama):
     """A chain of 2 is verified as 4 queries on a CPU (``CPU_QUERY_MULTIPLE``); the padding query changes
     neither the acceptance nor the committed cache, which equals recomputing the accepted prefix."""
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, V, (1, 6), generator=gen)
-    greedy = reference(target, prompt, new=3)[0, 6:]
+    greedy = reference(four_layer_llama, prompt, new=3)[0, 6:]
     tree = chain(torch.tensor([int(greedy[0]), int(greedy[1]) + 1]))  # the first right, the second wrong
     cpu = torch.device("cpu")
     assert CPU_QUERY_MULTIPLE == 4 and verify_queries(cpu, [tree]) == 4
@@ -173,14 +173,16 @@ def test_a_short_cpu_verify_runs_four_queries_and_keeps_only_the_accepted_rows(t
     assert verify_queries(cpu, [chain(torch.arange(7))]) == 8
     assert verify_queries(torch.device("cuda"), [tree]) == 3
     seen = []
-    hook = target.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
-    cache = DynamicCache(config=target.config)
+    hook = four_layer_llama.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape)
+    )
+    cache = DynamicCache(config=four_layer_llama.config)
     try:
         with torch.no_grad():
-            target(prompt[:, :-1], past_key_values=cache, use_cache=True)
-            path, bonus, _ = verify(target, cache, prompt[0, -1:], tree, Sampling())
-            fresh = DynamicCache(config=target.config)
-            target(torch.cat((prompt[0], greedy[:1]))[None], past_key_values=fresh, use_cache=True)
+            four_layer_llama(prompt[:, :-1], past_key_values=cache, use_cache=True)
+            path, bonus, _ = verify(four_layer_llama, cache, prompt[0, -1:], tree, Sampling())
+            fresh = DynamicCache(config=four_layer_llama.config)
+            four_layer_llama(torch.cat((prompt[0], greedy[:1]))[None], past_key_values=fresh, use_cache=True)
     finally:
         hook.remove()
     assert seen[1] == (1, 4)  # root, 2 drafts, 1 padding query
@@ -217,18 +219,20 @@ def peagle_head(target):
 
 
 @pytest.fixture(scope="module")
-def references(target, prompts):
-    return [reference(target, prompt) for prompt in prompts]
+def references(four_layer_llama, prompts):
+    return [reference(four_layer_llama, prompt) for prompt in prompts]
 
 
 @pytest.mark.parametrize(
     "name",
     ["vanilla", "ngram", "draft_model", "draft_model_tree", "eagle", "eagle3", "medusa", "peagle", "peagle_tree"],
 )
-def test_greedy_output_equals_target_greedy(target, prompts, references, name):
-    proposer = proposers(target)[name]
+def test_greedy_output_equals_target_greedy(four_layer_llama, prompts, references, name):
+    proposer = proposers(four_layer_llama)[name]
     for prompt, expected in zip(prompts, references):
-        out, stats = generate(target, proposer, prompt, NEW, eos_token_id=target.config.eos_token_id)
+        out, stats = generate(
+            four_layer_llama, proposer, prompt, NEW, eos_token_id=four_layer_llama.config.eos_token_id
+        )
         assert torch.equal(out, expected)
         assert sum(stats.accepted_lengths) >= out.shape[1] - prompt.shape[1]
         assert stats.target_forwards == len(stats.accepted_lengths)
@@ -236,34 +240,34 @@ def test_greedy_output_equals_target_greedy(target, prompts, references, name):
         assert stats.tau == 1.0
 
 
-def test_correct_proposals_give_long_acceptance_and_the_same_output(target, prompts):
+def test_correct_proposals_give_long_acceptance_and_the_same_output(four_layer_llama, prompts):
     prompt = prompts[1]
-    expected = reference(target, prompt)
+    expected = reference(four_layer_llama, prompt)
     # (proposer, fewest drafts it must get accepted per step). A chain of the target's own choices is
     # accepted whole. An EAGLE-2 tree drafted by the target itself expands both depth-1 nodes, so the
     # right depth-2 token is always there; deeper, the frontier follows the draft's cumulative
     # probability, which need not be the greedy path.
     cases = [
         (Oracle(expected, 4), 4),
-        (DraftModel(target, k=3), 3),
-        (DraftModel(target, 3, top_k=2, total_tokens=10), 2),
+        (DraftModel(four_layer_llama, k=3), 3),
+        (DraftModel(four_layer_llama, 3, top_k=2, total_tokens=10), 2),
     ]
     for proposer, fewest in cases:
-        out, stats = generate(target, proposer, prompt, NEW)
+        out, stats = generate(four_layer_llama, proposer, prompt, NEW)
         assert torch.equal(out, expected)
         # Every step but the last (cut by max_new_tokens) commits >= fewest drafts + the bonus.
         assert min(stats.accepted_lengths[:-1]) >= fewest + 1
         assert stats.tau > 2 and stats.depth_accepts[1] >= stats.target_forwards - 1
 
 
-def test_eagle_tree_drafts_what_a_chain_of_head_steps_computes(target, prompts):
+def test_eagle_tree_drafts_what_a_chain_of_head_steps_computes(four_layer_llama, prompts):
     # Each node's draft log-prob equals running the head down that node's path one step at a time.
-    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, four_layer_llama)
     proposer = Eagle(head, top_k=3, depth=3, total_tokens=8)
     tokens = prompts[2][0]
     proposer.reset(Sampling())
     with torch.no_grad():
-        states = target(tokens[None, :-1], output_hidden_states=True).hidden_states
+        states = four_layer_llama(tokens[None, :-1], output_hidden_states=True).hidden_states
         hidden = torch.cat([states[i][0] for i in proposer.hidden_layers], -1)
         proposer.update(tokens, hidden)
         tree = proposer.propose(tokens)
@@ -293,23 +297,23 @@ def test_typical_acceptance_keeps_plausible_paths():
         Sampling(acceptance="lossy")
 
 
-def test_batched_verification_gives_each_sequence_its_own_greedy_output(target, prompts, references):
+def test_batched_verification_gives_each_sequence_its_own_greedy_output(four_layer_llama, prompts, references):
     # Eight sequences of different prompt lengths (one of a single token), verified together: each accepts
     # its own number of drafts per step, leaving holes in the shared cache, and must still decode exactly
     # as it does alone (the target's greedy output).
     gen = torch.Generator().manual_seed(3)
     more = [torch.randint(3, V, (1, n), generator=gen) for n in (2, 9, 4, 7, 12)]
     batch = prompts + more
-    expected = references + [reference(target, p) for p in more]
+    expected = references + [reference(four_layer_llama, p) for p in more]
     # Right proposals of different lengths (Oracle chains) beside mostly wrong ones (a random draft
     # model's trees); then EAGLE-3 heads, which read each sequence's own hidden rows back.
     mixed = [
         Oracle(ref, 2 + i % 3) if i % 2 else DraftModel(tiny_llama(1, num_hidden_layers=2), 3, 2, 6)
         for i, ref in enumerate(expected)
     ]
-    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, four_layer_llama)
     heads = [Eagle(head, choices=[[0], [1], [0, 0], [0, 0, 0]]) for _ in batch]
-    runs = [generate_batch(target, proposers_, batch, NEW, eos_token_id=2) for proposers_ in (mixed, heads)]
+    runs = [generate_batch(four_layer_llama, proposers_, batch, NEW, eos_token_id=2) for proposers_ in (mixed, heads)]
     for outputs, _ in runs:
         for out, ref in zip(outputs, expected):
             assert torch.equal(out, ref)
@@ -319,10 +323,10 @@ def test_batched_verification_gives_each_sequence_its_own_greedy_output(target, 
     assert max(s.accepted_lengths[0] for s in stats[::2]) < 4
 
 
-def test_shaped_tree_drafts_what_the_dynamic_tree_drafts_for_the_same_shape(target, prompts):
+def test_shaped_tree_drafts_what_the_dynamic_tree_drafts_for_the_same_shape(four_layer_llama, prompts):
     # top_k 2, depth 2, 6 nodes: the dynamic tree expands both children of the root and keeps all four
     # grandchildren, i.e. the shape [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1]].
-    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target)
+    head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, four_layer_llama)
     tokens = prompts[2][0]
     trees = []
     for proposer in (
@@ -331,7 +335,7 @@ def test_shaped_tree_drafts_what_the_dynamic_tree_drafts_for_the_same_shape(targ
     ):
         proposer.reset(Sampling())
         with torch.no_grad():
-            states = target(tokens[None, :-1], output_hidden_states=True).hidden_states
+            states = four_layer_llama(tokens[None, :-1], output_hidden_states=True).hidden_states
             proposer.update(tokens, torch.cat([states[i][0] for i in proposer.hidden_layers], -1))
             trees.append(proposer.propose(tokens))
     dynamic, shaped = trees
@@ -339,15 +343,15 @@ def test_shaped_tree_drafts_what_the_dynamic_tree_drafts_for_the_same_shape(targ
     torch.testing.assert_close(dynamic.draft_logprobs, shaped.draft_logprobs)
 
 
-def test_peagle_drafts_every_depth_in_one_forward_as_training_computes_them(target, prompts):
+def test_peagle_drafts_every_depth_in_one_forward_as_training_computes_them(four_layer_llama, prompts):
     # The proposer's one forward (committed pairs, then mask slots) gives, at depth d, the head's training
     # step d - 1 at the pending root's index; after a second commit the first forward's mask slots are gone
     # from its cache, so the drafts are still the training path's, now at the new root's index.
-    head = peagle_head(target)
+    head = peagle_head(four_layer_llama)
     proposer = PEagle(head, depth=4)
     tokens = prompts[2][0]
     with torch.no_grad():
-        states = target(tokens[None], output_hidden_states=True).hidden_states  # causal: row i is token i's
+        states = four_layer_llama(tokens[None], output_hidden_states=True).hidden_states  # causal: row i is token i's
         hidden = torch.cat([states[i][0] for i in proposer.hidden_layers], -1)
         steps = list(head.ttt_features(head.first_features(hidden)[None], tokens[None], 4))
         trained = torch.stack([head.to_target_vocab(head.lm_head(head.norm(s[0])).log_softmax(-1)) for s in steps], 1)
@@ -367,12 +371,12 @@ def test_peagle_drafts_every_depth_in_one_forward_as_training_computes_them(targ
     assert tree.tokens.tolist() == [top2[0, 0], top2[0, 1], top2[1, 0], top2[1, 0], top2[1, 1]]
     assert tree.parents.tolist() == [-1, -1, 0, 1, 1]
     with pytest.raises(ValueError, match="needs an EAGLE-3 head trained with parallel_drafting; this is a eagle3"):
-        PEagle(build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, target))
+        PEagle(build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, four_layer_llama))
 
 
-def test_a_head_proposer_refuses_another_kind_of_head(target):
-    medusa = build_head({"type": "medusa", "num_heads": 2}, target)
+def test_a_head_proposer_refuses_another_kind_of_head(four_layer_llama):
+    medusa = build_head({"type": "medusa", "num_heads": 2}, four_layer_llama)
     with pytest.raises(ValueError, match="EAGLE drafting needs an eagle or eagle3 head, not a medusa head"):
         Eagle(medusa)
     with pytest.raises(ValueError, match="Medusa drafting needs a medusa head, not a eagle head"):
-        Medusa(build_head({"type": "eagle"}, target))
+        Medusa(build_head({"type": "eagle"}, four_layer_llama))

@@ -99,14 +99,14 @@ def greedy_batch(target, proposers, prompts, schedule=None):
     return [o.tolist() for o in outputs], stats
 
 
-def test_generate_batch_cuts_the_trees_the_schedule_says_and_stays_greedy_identical(target, draft):
-    model, tokenizer = target
+def test_generate_batch_cuts_the_trees_the_schedule_says_and_stays_greedy_identical(demo_target, demo_draft):
+    model, tokenizer = demo_target
     texts = ["Natalia sold clips to 48 of her friends", "A robe takes 2 bolts of blue fiber"]
     prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
     expected, _ = greedy_batch(model, [Vanilla() for _ in prompts], prompts)
 
     def run(schedule):
-        return greedy_batch(model, [DraftModel(draft[0], k=4) for _ in prompts], prompts, schedule)
+        return greedy_batch(model, [DraftModel(demo_draft[0], k=4) for _ in prompts], prompts, schedule)
 
     full, full_stats = run(None)
     assert full == expected and max(max(s.accepted_lengths) for s in full_stats) == 5
@@ -122,11 +122,11 @@ def test_generate_batch_cuts_the_trees_the_schedule_says_and_stays_greedy_identi
     assert idle == expected and all(set(s.accepted_lengths) == {1} for s in idle_stats)
 
 
-def test_a_head_skips_its_reading_while_nobody_drafts_and_catches_up_after(target):
+def test_a_head_skips_its_reading_while_nobody_drafts_and_catches_up_after(demo_target):
     # Two sequences: not drafting together (depth 0), drafting alone. One stops early at an end token (a token
     # of its own greedy text the other never writes). The EAGLE heads read no row while the pair decodes
     # plainly; the survivor's reads every row it missed, in one call, when it drafts again.
-    model, tokenizer = target
+    model, tokenizer = demo_target
     head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, model).eval()
     prompts = [tokenizer(t, return_tensors="pt").input_ids for t in ("Janet has ducks", "A robe takes 2 bolts")]
     plain = [o[0][p.shape[1] :] for o, p in zip(greedy_batch(model, [Vanilla(), Vanilla()], prompts)[0], prompts)]
@@ -155,8 +155,8 @@ def test_a_head_skips_its_reading_while_nobody_drafts_and_catches_up_after(targe
     assert sum(reads[1]) == len(expected[1][0]) - 1 - (stats[1].accepted_lengths[-1])
 
 
-def test_adaptive_depth_stops_drafting_below_an_unlikely_level(target):
-    model, tokenizer = target
+def test_adaptive_depth_stops_drafting_below_an_unlikely_level(demo_target):
+    model, tokenizer = demo_target
     head = build_head({"type": "eagle3", "layer_ids": [0, 1, 2], "draft_vocab_size": 200}, model).eval()
     tokens = tokenizer("Weng earns $12 an hour for babysitting", return_tensors="pt").input_ids[0]
     with torch.no_grad():

@@ -34,12 +34,6 @@ DYNAMIC = {"shape": "dynamic", "choices": None, "depth": 3, "top_k": 4, "total_t
 STATIC = {"shape": "static", "choices": [[0], [1], [0, 0]], "depth": 2, "top_k": 2, "total_tokens": 3}
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    """tiny_llama() (vocabulary 300) loaded from its folder: a head made on it names its target, as trained ones do."""
-    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
-
-
 def costs(verify_slope: float, level_ms: float = 2.0, batch_slope: float = 0.0) -> Costs:
     """A synthetic CPU-like curve: verify = 17 ms + slope per node (+ a per-extra-sequence cost)."""
     nodes = list(range(0, 65, 4))
@@ -186,8 +180,8 @@ def test_a_tree_config_given_in_code_is_checked_too():
     assert TreeSpec.from_config(TreeSpec.static(chain_choices(3)).config()).depth == 3
 
 
-def test_a_rank_past_the_drafters_vocabulary_is_refused_naming_the_file(target, tmp_path):
-    head = make_head(target, tmp_path, "eagle3")  # draft vocabulary 200
+def test_a_rank_past_the_drafters_vocabulary_is_refused_naming_the_file(tiny_llama_from_dir, tmp_path):
+    head = make_head(tiny_llama_from_dir, tmp_path, "eagle3")  # draft vocabulary 200
     choices = [[0], [200]]
     (head / "tree.json").write_text(json.dumps({"shape": "static", "choices": choices, "depth": 1, "top_k": 201,
                                                 "total_tokens": 2}))  # fmt: skip
@@ -197,10 +191,10 @@ def test_a_rank_past_the_drafters_vocabulary_is_refused_naming_the_file(target, 
         check_tree_vocab(DYNAMIC | {"top_k": 301}, 300, "x.json", "the model t")
 
 
-def test_a_head_folders_own_tree_json_fails_before_any_model_loads(target, tmp_path):
+def test_a_head_folders_own_tree_json_fails_before_any_model_loads(tiny_llama_from_dir, tmp_path):
     # The user never named the file: it sits in the head folder. Neither the target nor the bench exists, so a
     # run that got as far as loading either would fail with another error.
-    head = make_head(target, tmp_path, "eagle3")
+    head = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     (head / "tree.json").write_text(json.dumps(DYNAMIC | {"depth": -3}))
     argv = ["--target", str(tmp_path / "no-target"), "--head", str(head), "--method", "eagle3"]
     with pytest.raises(ValueError, match=rf"^{head / 'tree.json'}: depth must be >= 1, got -3"):

@@ -107,14 +107,14 @@ def test_build_proposer_takes_typed_settings():
         build_proposer("peagle", TreeFlags(), heads=heads, tree_config=TreeSpec("dynamic", 3, 2, 5).config())
 
 
-def test_methods_take_turns_and_each_output_is_independent_of_the_others(target, one_thread):
+def test_methods_take_turns_and_each_output_is_independent_of_the_others(demo_target, one_thread):
     """run_methods interleaves the methods item by item; seeding each (item, method) decode from the item's
     index keeps a sampled method's tokens the same whether it runs alone or beside others."""
     from headstart.data_recipes.bench import BenchItem
     from headstart.decoding.verify import Sampling
     from headstart.eval.run import run_methods
 
-    model, tokenizer = target
+    model, tokenizer = demo_target
     items = [BenchItem(id=str(i), category="math", turns=[f"What is {i} plus {i + 2}?"]) for i in range(3)]
     sampling = Sampling(temperature=1.0)
     alone = run_methods(model, tokenizer, {"vanilla": Vanilla()}, items, 12, sampling, seed=5)

@@ -71,8 +71,8 @@ def test_a_later_raw_turn_continues_the_text_so_far(base):
     assert RAW_TURN_OVERHEAD < TURN_OVERHEAD
 
 
-def test_input_ids_records_are_fed_as_they_are(target, tmp_path):
-    _, tokenizer = target  # a tokenizer with a chat template: neither format touches the ids
+def test_input_ids_records_are_fed_as_they_are(demo_target, tmp_path):
+    _, tokenizer = demo_target  # a tokenizer with a chat template: neither format touches the ids
     path = write_jsonl(tmp_path / "eval_prompts.jsonl", [{"input_ids": [5, 6, 7], "category": "heldout"}])
     (item,) = load_bench(path)
     assert (item.input_ids, item.category, len(item.turns), item.id) == ([5, 6, 7], "heldout", 1, f"{path}:1")
@@ -125,8 +125,8 @@ def test_chat_on_a_template_less_target_and_foreign_ids_are_refused_before_decod
     assert not (tmp_path / "out").exists()
 
 
-def test_auto_is_chat_with_a_template_and_raw_can_be_forced(target, one_thread):
-    model, tokenizer = target
+def test_auto_is_chat_with_a_template_and_raw_can_be_forced(demo_target, one_thread):
+    model, tokenizer = demo_target
     assert resolve_prompt_format(tokenizer, "auto") == "chat"
     text = "What is 12 plus 30?"
     raw = tokenizer(text).input_ids

@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
 
 from headstart.data_recipes.shards import write_shard
 from headstart.scripts.export import command as export_mod
@@ -19,11 +18,6 @@ from headstart.scripts.export.command import export_head, main
 from tests.helpers import LAYER_IDS, make_head, save_tiny_llama
 
 V, H, INNER, LAYERS, HEADS, KV, HEAD_DIM = 300, 32, 64, 6, 4, 2, 8  # tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def read_export(out, weights="model.safetensors"):
@@ -60,8 +54,8 @@ def check_decoder_config(cfg):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-def test_eagle3_repo_layout_is_what_vllm_and_sglang_load(target, tmp_path, fmt):
-    head_dir = make_head(target, tmp_path, "eagle3")
+def test_eagle3_repo_layout_is_what_vllm_and_sglang_load(tiny_llama_from_dir, tmp_path, fmt):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     cfg, tensors = read_export(export_head(head_dir, fmt, tmp_path / "out"))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -79,15 +73,15 @@ def test_eagle3_repo_layout_is_what_vllm_and_sglang_load(target, tmp_path, fmt):
     assert torch.equal(tensors["t2d"], torch.arange(V) >= 100)
 
 
-def test_eagle3_vllm_and_sglang_exports_are_one_folder(target, tmp_path):
-    head_dir = make_head(target, tmp_path, "eagle3")
+def test_eagle3_vllm_and_sglang_exports_are_one_folder(tiny_llama_from_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     a, b = (export_head(head_dir, fmt, tmp_path / fmt) for fmt in ("vllm", "sglang"))
     assert (a / "config.json").read_text() == (b / "config.json").read_text()
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
-def test_speculators_layout(target, tiny_llama_dir, tmp_path):
-    head_dir = make_head(target, tmp_path, "eagle3")
+def test_speculators_layout(tiny_llama_from_dir, tiny_llama_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     cfg, tensors = read_export(export_head(head_dir, "speculators", tmp_path / "out"))
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     check_decoder_config(cfg["transformer_layer_config"])
@@ -103,10 +97,10 @@ def test_speculators_layout(target, tiny_llama_dir, tmp_path):
     assert shapes(tensors) == {**EAGLE3_TOP, **eagle3_layer_shapes("layers.0.")}
 
 
-def test_peagle_exports_carry_mask_hidden_and_the_mask_token(target, tiny_llama_dir, tmp_path):
+def test_peagle_exports_carry_mask_hidden_and_the_mask_token(tiny_llama_from_dir, tiny_llama_dir, tmp_path):
     # vLLM 0.32 (llama_eagle3.py) loads any key holding "mask_hidden" as [1, num_aux * target_hidden] and
     # reads the top-level mask_token_id; speculators' peagle type maps to eagle3 with parallel drafting.
-    head_dir = make_head(target, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 7}, ttt_steps=4)
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 7}, ttt_steps=4)
     mask_hidden = load_file(str(head_dir / "model.safetensors"))["mask_hidden"]
     cfg, tensors = read_export(export_head(head_dir, "vllm", tmp_path / "out"))
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["mask_token_id"] == 7
@@ -128,13 +122,15 @@ def test_peagle_exports_carry_mask_hidden_and_the_mask_token(target, tiny_llama_
     with pytest.raises(ValueError, match=r"P-EAGLE head .* SGLang 0\.5\.23 cannot draft"):
         export_head(head_dir, "sglang", tmp_path / "sglang")
     # A plain EAGLE-3 head's export has neither.
-    cfg, tensors = read_export(export_head(make_head(target, tmp_path, "eagle3", "plain"), "vllm", tmp_path / "p"))
+    cfg, tensors = read_export(
+        export_head(make_head(tiny_llama_from_dir, tmp_path, "eagle3", "plain"), "vllm", tmp_path / "p")
+    )
     assert "mask_token_id" not in cfg and "mask_hidden" not in tensors
 
 
-def test_full_draft_vocab_writes_no_d2t(target, tmp_path):
+def test_full_draft_vocab_writes_no_d2t(tiny_llama_from_dir, tmp_path):
     # vLLM creates draft_id_to_target_id only when the draft vocab is smaller: a d2t would not load.
-    head_dir = make_head(target, tmp_path, "eagle3", draft_vocab_size=V)
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3", draft_vocab_size=V)
     for fmt in ("vllm", "speculators"):
         cfg, tensors = read_export(export_head(head_dir, fmt, tmp_path / fmt))
         assert cfg["draft_vocab_size"] == V and "d2t" not in tensors and "t2d" not in tensors
@@ -152,8 +148,8 @@ EAGLE_LAYER = {
 }
 
 
-def test_eagle_layouts_for_vllm_and_sglang(target, tmp_path):
-    head_dir = make_head(target, tmp_path, "eagle")
+def test_eagle_layouts_for_vllm_and_sglang(tiny_llama_from_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle")
     cfg, tensors = read_export(export_head(head_dir, "vllm", tmp_path / "vllm"))
     assert cfg["architectures"] == ["EagleLlamaForCausalLM"]  # vLLM keeps names starting with "Eagle"
     check_decoder_config(cfg)
@@ -164,16 +160,16 @@ def test_eagle_layouts_for_vllm_and_sglang(target, tmp_path):
     assert not tensors["fc.bias"].any()  # SGLang's fc always has a bias: zero reproduces ours
 
 
-def test_eagle_with_fc_bias_cannot_go_to_vllm(target, tmp_path):
-    head_dir = make_head(target, tmp_path, "eagle", fc_bias=True)
+def test_eagle_with_fc_bias_cannot_go_to_vllm(tiny_llama_from_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle", fc_bias=True)
     with pytest.raises(ValueError, match="fc bias.*--format sglang"):
         export_head(head_dir, "vllm", tmp_path / "out")
     _, tensors = read_export(export_head(head_dir, "sglang", tmp_path / "out"))
     assert tensors["fc.bias"].any()
 
 
-def test_medusa_layout(target, tiny_llama_dir, tmp_path):
-    head_dir = make_head(target, tmp_path, "medusa", num_heads=3)
+def test_medusa_layout(tiny_llama_from_dir, tiny_llama_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "medusa", num_heads=3)
     out = export_head(head_dir, "medusa", tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "medusa_lm_head.safetensors"]
     cfg, tensors = read_export(out, "medusa_lm_head.safetensors")
@@ -186,15 +182,15 @@ def test_medusa_layout(target, tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
-def test_medusa_to_an_engine_says_it_is_not_served(target, tmp_path, fmt):
-    head_dir = make_head(target, tmp_path, "medusa")
+def test_medusa_to_an_engine_says_it_is_not_served(tiny_llama_from_dir, tmp_path, fmt):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "medusa")
     with pytest.raises(ValueError, match="no longer serve Medusa.*--format medusa.*eagle3"):
         export_head(head_dir, fmt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
-def test_medusa_with_different_blocks_cannot_go_to_the_medusa_repo(target, tmp_path):
-    head_dir = make_head(target, tmp_path, "medusa", num_layers=2)
+def test_medusa_with_different_blocks_cannot_go_to_the_medusa_repo(tiny_llama_from_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "medusa", num_layers=2)
     with pytest.raises(ValueError, match="repeats one block"):
         export_head(head_dir, "medusa", tmp_path / "out")
 
@@ -202,13 +198,13 @@ def test_medusa_with_different_blocks_cannot_go_to_the_medusa_repo(target, tmp_p
 @pytest.mark.parametrize(
     ("head_type", "fmt", "match"), [("eagle", "speculators", "no EAGLE-1"), ("eagle3", "medusa", "Medusa heads only")]
 )
-def test_formats_that_cannot_hold_the_head(target, tmp_path, head_type, fmt, match):
+def test_formats_that_cannot_hold_the_head(tiny_llama_from_dir, tmp_path, head_type, fmt, match):
     with pytest.raises(ValueError, match=match):
-        export_head(make_head(target, tmp_path, head_type), fmt, tmp_path / "out")
+        export_head(make_head(tiny_llama_from_dir, tmp_path, head_type), fmt, tmp_path / "out")
 
 
-def test_a_head_of_another_target_names_the_mismatch(target, tmp_path):
-    head_dir = make_head(target, tmp_path, "eagle3")
+def test_a_head_of_another_target_names_the_mismatch(tiny_llama_from_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     wide = save_tiny_llama(tmp_path / "wide", hidden_size=64)
     with pytest.raises(ValueError, match="hidden size 32 vs 64"):
         export_head(head_dir, "vllm", tmp_path / "out", target=wide)
@@ -220,8 +216,8 @@ def test_a_head_of_another_target_names_the_mismatch(target, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_or_wrong_files_are_named(target, tmp_path):
-    head_dir = make_head(target, tmp_path, "eagle3")
+def test_missing_or_wrong_files_are_named(tiny_llama_from_dir, tmp_path):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     with pytest.raises(FileNotFoundError, match="missing config.json"):
         export_head(tmp_path / "nothing", "vllm", tmp_path / "out")
     state = load_file(str(head_dir / "model.safetensors"))
@@ -239,8 +235,8 @@ def test_missing_or_wrong_files_are_named(target, tmp_path):
         export_head(head_dir, "vllm", tmp_path / "out")
 
 
-def test_out_is_atomic_and_never_clobbers_other_files(target, tmp_path, monkeypatch):
-    head_dir = make_head(target, tmp_path, "eagle3")
+def test_out_is_atomic_and_never_clobbers_other_files(tiny_llama_from_dir, tmp_path, monkeypatch):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     out = export_head(head_dir, "vllm", tmp_path / "out")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
@@ -261,8 +257,8 @@ def test_out_is_atomic_and_never_clobbers_other_files(target, tmp_path, monkeypa
         export_head(head_dir, "vllm", head_dir)
 
 
-def test_model_card_has_the_serve_commands(target, tiny_llama_dir, tmp_path):
-    out = export_head(make_head(target, tmp_path, "eagle3"), "vllm", tmp_path / "out")
+def test_model_card_has_the_serve_commands(tiny_llama_from_dir, tiny_llama_dir, tmp_path):
+    out = export_head(make_head(tiny_llama_from_dir, tmp_path, "eagle3"), "vllm", tmp_path / "out")
     card = (out / "README.md").read_text()
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
     assert f"vllm serve {tiny_llama_dir} --speculative-config '{spec}'" in card
@@ -272,13 +268,13 @@ def test_model_card_has_the_serve_commands(target, tiny_llama_dir, tmp_path):
     ) in card
     assert f"`{tiny_llama_dir}`" in card and "[1, 3, 5]" in card
     medusa_card = (
-        export_head(make_head(target, tmp_path, "medusa", "m"), "medusa", tmp_path / "m-out") / "README.md"
+        export_head(make_head(tiny_llama_from_dir, tmp_path, "medusa", "m"), "medusa", tmp_path / "m-out") / "README.md"
     ).read_text()
     assert "no longer serve Medusa" in medusa_card and "vllm serve" not in medusa_card
 
 
-def test_cli(target, tmp_path, capsys):
-    head_dir = make_head(target, tmp_path, "eagle")
+def test_cli(tiny_llama_from_dir, tmp_path, capsys):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle")
     main(["--head", str(head_dir), "--format", "sglang", "--out", str(tmp_path / "out")])
     assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "config.json").is_file()
     with pytest.raises(SystemExit) as exit_info:
@@ -286,9 +282,9 @@ def test_cli(target, tmp_path, capsys):
     assert exit_info.value.code == 2 and "no EAGLE-1" in capsys.readouterr().err
 
 
-def test_out_holding_a_head_folder_is_refused_unless_overwrite(target, tmp_path, capsys):
-    head_dir = make_head(target, tmp_path, "eagle3")
-    other = make_head(target, tmp_path, "eagle3", name="other")  # config.json + model.safetensors, no card
+def test_out_holding_a_head_folder_is_refused_unless_overwrite(tiny_llama_from_dir, tmp_path, capsys):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
+    other = make_head(tiny_llama_from_dir, tmp_path, "eagle3", name="other")  # config.json + model.safetensors, no card
     before = {p.name: p.read_bytes() for p in other.iterdir()}
     argv = ["--head", str(head_dir), "--format", "vllm", "--out", str(other)]
     with pytest.raises(SystemExit) as exit_info:
@@ -306,11 +302,11 @@ def test_out_holding_a_head_folder_is_refused_unless_overwrite(target, tmp_path,
     assert sorted(p.name for p in other.iterdir()) == files
 
 
-def test_every_safetensors_file_gets_the_mode_of_any_new_file(target, tmp_path):
+def test_every_safetensors_file_gets_the_mode_of_any_new_file(tiny_llama_from_dir, tmp_path):
     mask = os.umask(0o027)  # not the usual 022: the mode must follow the umask, not be a constant
     try:
         write_shard(tmp_path / "shard-00000.safetensors", {"x": torch.zeros(2)}, "fp")
-        head_dir = make_head(target, tmp_path, "eagle3")
+        head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
         out = export_head(head_dir, "vllm", tmp_path / "out")
         (tmp_path / "plain.txt").write_text("any new file")
     finally:
@@ -320,9 +316,9 @@ def test_every_safetensors_file_gets_the_mode_of_any_new_file(target, tmp_path):
     assert modes == {name: oct(0o640) for name in modes} and len(modes) == 7
 
 
-def test_a_head_import_would_refuse_is_not_exported(target, tmp_path, capsys):
+def test_a_head_import_would_refuse_is_not_exported(tiny_llama_from_dir, tmp_path, capsys):
     # P-EAGLE's mask token must be a row of the target's embedding, as its build and import require.
-    head_dir = make_head(target, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 5})
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 5})
     path = head_dir / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | {"parallel_drafting": {"mask_token_id": V}}))
     with pytest.raises(SystemExit) as exit_info:

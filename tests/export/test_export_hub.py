@@ -6,7 +6,6 @@ import re
 
 import pytest
 import yaml
-from transformers import LlamaForCausalLM
 
 from headstart.heads import read_head_config
 from headstart.scripts import cli
@@ -15,11 +14,6 @@ from headstart.scripts.export.push_to_hub import local_target_problem, main, sta
 from tests.helpers import make_head
 
 REPO = "acme/demo-eagle3"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def make_run(target, tmp_path):
@@ -34,8 +28,8 @@ def make_run(target, tmp_path):
     return head_dir, report
 
 
-def test_stage_holds_export_report_and_training_config(target, tmp_path):
-    head_dir, report = make_run(target, tmp_path)
+def test_stage_holds_export_report_and_training_config(tiny_llama_from_dir, tmp_path):
+    head_dir, report = make_run(tiny_llama_from_dir, tmp_path)
     out = stage(head_dir, REPO, "vllm", tmp_path / "staged", report, target_id="acme/tiny-llama").folder
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert files == [
@@ -56,8 +50,8 @@ def test_stage_holds_export_report_and_training_config(target, tmp_path):
     assert str(tmp_path) not in card and str(head_dir) not in card  # no local path is published
 
 
-def test_dry_run_prints_files_and_card_and_uploads_nothing(target, tmp_path, capsys):
-    head_dir, _ = make_run(target, tmp_path)
+def test_dry_run_prints_files_and_card_and_uploads_nothing(tiny_llama_from_dir, tmp_path, capsys):
+    head_dir, _ = make_run(tiny_llama_from_dir, tmp_path)
     main(["--head", str(head_dir), "--repo-id", REPO, "--format", "speculators", "--dry-run"])
     printed = capsys.readouterr().out
     assert f"staged for {REPO}:" in printed and "model.safetensors" in printed and "training_config.yaml" in printed
@@ -67,8 +61,8 @@ def test_dry_run_prints_files_and_card_and_uploads_nothing(target, tmp_path, cap
     assert capsys.readouterr().out == printed
 
 
-def test_a_report_folder_without_a_report_is_refused(target, tmp_path, capsys):
-    head_dir, _ = make_run(target, tmp_path)
+def test_a_report_folder_without_a_report_is_refused(tiny_llama_from_dir, tmp_path, capsys):
+    head_dir, _ = make_run(tiny_llama_from_dir, tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as exit_info:
         main(["--head", str(head_dir), "--repo-id", REPO, "--report", str(tmp_path / "empty"), "--dry-run"])
@@ -76,10 +70,10 @@ def test_a_report_folder_without_a_report_is_refused(target, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("link", ["report/report.json", "report/acceptance.png", "config.yaml"])
-def test_links_leaving_the_named_folders_are_refused(target, tmp_path, capsys, link):
+def test_links_leaving_the_named_folders_are_refused(tiny_llama_from_dir, tmp_path, capsys, link):
     run = tmp_path / "run"
     run.mkdir()
-    head_dir, report = make_run(target, run)
+    head_dir, report = make_run(tiny_llama_from_dir, run)
     secret = tmp_path / ".env"
     secret.write_text("HF_TOKEN=hf_secret\n")
     (run / link).unlink()
@@ -92,8 +86,8 @@ def test_links_leaving_the_named_folders_are_refused(target, tmp_path, capsys, l
     assert "hf_secret" not in captured.out
 
 
-def test_links_and_files_inside_the_report_folder_are_staged_as_regular_files(target, tmp_path):
-    head_dir, report = make_run(target, tmp_path)
+def test_links_and_files_inside_the_report_folder_are_staged_as_regular_files(tiny_llama_from_dir, tmp_path):
+    head_dir, report = make_run(tiny_llama_from_dir, tmp_path)
     (report / "plots").mkdir()
     (report / "acceptance.png").rename(report / "plots" / "acceptance.png")
     (report / "acceptance.png").symlink_to("plots/acceptance.png")  # a link that stays inside: staged
@@ -106,8 +100,8 @@ def test_links_and_files_inside_the_report_folder_are_staged_as_regular_files(ta
         stage(head_dir, REPO, "vllm", tmp_path / "staged2", report, target_id="acme/tiny-llama")
 
 
-def test_a_local_target_is_never_published(target, tmp_path, capsys):
-    head_dir, report = make_run(target, tmp_path)
+def test_a_local_target_is_never_published(tiny_llama_from_dir, tmp_path, capsys):
+    head_dir, report = make_run(tiny_llama_from_dir, tmp_path)
     local = read_head_config(head_dir).target  # the folder the head was trained on
     with pytest.raises(ValueError, match=f"the target {local} is a local folder: pass --target-id"):
         stage(head_dir, REPO, "speculators", tmp_path / "staged", report)
@@ -136,8 +130,8 @@ def test_a_target_of_no_name_is_refused_without_a_target_id():
 
 @pytest.mark.parametrize("repo_id", ["../../etc", "a/b/c", "acme", "acme/-x", "acme/x.", "acme/a..b", "ac me/x",
                                      "acme/" + "x" * 97])  # fmt: skip
-def test_a_repo_id_the_hub_would_refuse_is_refused_before_staging(target, tmp_path, capsys, repo_id):
-    head = make_head(target, tmp_path, "eagle3")
+def test_a_repo_id_the_hub_would_refuse_is_refused_before_staging(tiny_llama_from_dir, tmp_path, capsys, repo_id):
+    head = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     with pytest.raises(SystemExit) as exit_info:
         push_to_hub.main(["--head", str(head), "--repo-id", repo_id, "--target-id", "acme/t", "--dry-run"])
     captured = capsys.readouterr()
@@ -145,9 +139,9 @@ def test_a_repo_id_the_hub_would_refuse_is_refused_before_staging(target, tmp_pa
     assert "staged for" not in captured.out
 
 
-def test_push_redacts_url_credentials_and_local_paths_and_lists_them(target, tmp_path, capsys):
+def test_push_redacts_url_credentials_and_local_paths_and_lists_them(tiny_llama_from_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    head = make_head(target, run, "eagle3")
+    head = make_head(tiny_llama_from_dir, run, "eagle3")
     training = {
         "target": {"path": "/home/me/models/llama", "dtype": "bf16"},
         "data": {"source": "~/data/chat.jsonl", "format": "messages"},
@@ -186,8 +180,8 @@ def test_push_redacts_url_credentials_and_local_paths_and_lists_them(target, tmp
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
-def test_a_clean_push_redacts_nothing(target, tmp_path, fmt):
+def test_a_clean_push_redacts_nothing(tiny_llama_from_dir, tmp_path, fmt):
     # The card's serve commands, links and tables hold no path from the root: redaction must leave them alone.
-    head = make_head(target, tmp_path, "eagle3")
+    head = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     staged = push_to_hub.stage(head, "acme/demo", fmt, tmp_path / "staged", target_id="acme/t")
     assert staged.redacted == [] and "<local-path>" not in (staged.folder / "README.md").read_text()

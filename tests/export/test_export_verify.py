@@ -180,8 +180,8 @@ def test_report_table_puts_both_sides_next_to_each_other():
     assert "more than 5% below ours" in text and json.loads(json.dumps(rep)) == rep
 
 
-def test_card_gets_the_figures_of_its_own_weights_only(tmp_path, target):
-    model, _ = target
+def test_card_gets_the_figures_of_its_own_weights_only(tmp_path, demo_target):
+    model, _ = demo_target
     head_dir = tmp_path / "head"
     build_head({"type": "eagle", "fc_bias": False}, model).save_pretrained(head_dir)
     rows = [served(PLAIN, run(PLAIN["tokens"], [45, 21, 10]), OURS, "vllm")]
@@ -196,8 +196,8 @@ def test_card_gets_the_figures_of_its_own_weights_only(tmp_path, target):
         export_head(head_dir, "vllm", tmp_path / "out", str(TARGET), parity=parity)
 
 
-def test_our_engine_runs_chains_of_k_on_the_prompts_vllm_gets(target, one_thread):
-    model, tokenizer = target
+def test_our_engine_runs_chains_of_k_on_the_prompts_vllm_gets(demo_target, one_thread):
+    model, tokenizer = demo_target
     torch.manual_seed(0)
     head = build_head({"type": "eagle"}, model).eval()
     settings = {"k": 3, "prompts": 2, "max_tokens": 12, "eos_token_id": model.generation_config.eos_token_id}
@@ -225,9 +225,9 @@ def test_prompts_are_the_bundled_questions_and_a_bad_line_is_named(tmp_path, mon
 
 
 def test_a_peagle_head_is_served_with_parallel_drafting_and_drafts_its_chain_in_one_forward(
-    target, tmp_path, one_thread
+    demo_target, tmp_path, one_thread
 ):
-    model, tokenizer = target
+    model, tokenizer = demo_target
     head_dir, random_init = verify_engines.resolve_head("peagle", str(tmp_path / "none"), model, tmp_path)
     head = load_head(head_dir, model).eval()
     assert random_init and head.config.options.parallel_drafting.mask_token_id == 3  # the target's pad token
@@ -250,9 +250,9 @@ def test_a_peagle_head_is_served_with_parallel_drafting_and_drafts_its_chain_in_
 
 
 @pytest.mark.parametrize("kind", sorted(verify_engines.LAYOUTS))
-def test_a_missing_head_folder_gets_a_random_head_of_its_kind(target, tmp_path, kind):
+def test_a_missing_head_folder_gets_a_random_head_of_its_kind(demo_target, tmp_path, kind):
     # make verify-engines checks every kind by default; a kind not trained yet is served untrained, never skipped.
-    model, _ = target
+    model, _ = demo_target
     head_dir, random_init = verify_engines.resolve_head(kind, str(tmp_path / "none"), model, tmp_path)
     assert random_init and drafting_of(read_head_config(head_dir)).method == kind
 

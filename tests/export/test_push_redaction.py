@@ -8,7 +8,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
-from transformers import LlamaForCausalLM
 
 from headstart.scripts.export import push_to_hub
 from tests.helpers import make_head
@@ -19,11 +18,6 @@ BEARER = "eyFake.Bearer-Token_0123456789"
 AWS_ID, AWS_SECRET = "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 SECRETS = (OPENAI, HF, BEARER, AWS_ID, AWS_SECRET, "/home/me", "~bob", "Users\\me", "C:\\", "file:")
 LISTED = "redacted (replaced in the staged files, never published):\n"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()  # a head made from it names its folder
 
 
 def run_folder(target, tmp_path):
@@ -48,8 +42,8 @@ def run_folder(target, tmp_path):
     return head, report
 
 
-def test_secrets_and_local_paths_outside_urls_are_redacted_everywhere_and_listed(target, tmp_path, capsys):
-    head, report = run_folder(target, tmp_path)
+def test_secrets_and_local_paths_outside_urls_are_redacted_everywhere_and_listed(tiny_llama_from_dir, tmp_path, capsys):
+    head, report = run_folder(tiny_llama_from_dir, tmp_path)
     argv = ["--head", str(head), "--repo-id", "acme/demo", "--target-id", "acme/t", "--report", str(report)]
     push_to_hub.main([*argv, "--dry-run"])
     printed = capsys.readouterr().out

@@ -27,6 +27,7 @@ from headstart.train import dflash as dflash_trainer
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.helpers import (
     TARGET,
+    WIDE,
     assert_matches,
     block_drafter_run,
     tiny_llama,
@@ -37,16 +38,6 @@ from tests.helpers import (
 V, NEW = 300, 16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-WIDE = {"hidden_size": 64, "intermediate_size": 96, "pad_token_id": 0, "eos_token_id": 1}  # tiny_llama's options
-
-
-@pytest.fixture(scope="module")
-def target():
-    model = tiny_llama(**WIDE)
-    model.lm_head.weight.data *= 20  # peaked distributions, so greedy paths and acceptance mean something
-    return model.requires_grad_(False)  # frozen, as core.models.load_target leaves a target
 
 
 def dflash_head(target, seed: int = 1, **options):
@@ -85,14 +76,14 @@ def test_block_attention_equals_dense_masked_attention():
     torch.testing.assert_close(one, full, atol=1e-5, rtol=1e-5)
 
 
-def test_many_training_blocks_equal_one_served_block_each(target):
+def test_many_training_blocks_equal_one_served_block_each(peaked_wide_llama):
     # The training forward (every anchor's block in one pass, the context masked per block) gives each
     # block the logits drafting computes from a context cut at its anchor; the context's keys come from
     # the target's states at the context tokens' own positions.
-    head = dflash_head(target).eval()
+    head = dflash_head(peaked_wide_llama).eval()
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(2, V, (1, 24), generator=gen)
-    aux, _ = features(target, ids, head.hidden_layers)
+    aux, _ = features(peaked_wide_llama, ids, head.hidden_layers)
     anchors = torch.tensor([[0, 5, 11, 19]])
     size = head.config.options.block_size
     positions = anchors[..., None] + torch.arange(size)
@@ -125,11 +116,11 @@ def test_mask_token_and_layer_ids():
         build_head({"type": "dflash", "layer_ids": [2, 3], "mask_token_id": 300}, target)
 
 
-def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(target):
+def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(peaked_wide_llama):
     # With at least as many anchors as positions every candidate is an anchor: the loss and its metrics,
     # recomputed block by block through the drafting path.
-    head = dflash_head(target, num_anchors=64, loss_gamma=2.0)
-    batch = block_batch(target, head, gap=False)
+    head = dflash_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0)
+    batch = block_batch(peaked_wide_llama, head, gap=False)
     ids, attention, loss_mask, aux, last = (
         batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
     )
@@ -146,7 +137,7 @@ def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(target):
                     continue  # an anchor needs a label right after it
                 context = head.context_kv(aux[b : b + 1, :a], torch.arange(a)[None])
                 logp = head.draft_block(ids[b, a], a, context, size - 1).log_softmax(-1)
-                target_logp = target.lm_head(last[b, a : a + size - 1]).log_softmax(-1)
+                target_logp = peaked_wide_llama.lm_head(last[b, a : a + size - 1]).log_softmax(-1)
                 chain = True
                 for k in range(min(size - 1, n - 1 - a)):
                     if not loss_mask[b, a + 1 + k]:
@@ -167,7 +158,7 @@ def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(target):
         [f"acc_{k}" for k in range(4)] + [f"loss_{k}" for k in range(4)]
     )
     loss.backward()  # gradients reach the draft, never the frozen target
-    assert head.fc.weight.grad is not None and target.lm_head.weight.grad is None
+    assert head.fc.weight.grad is not None and peaked_wide_llama.lm_head.weight.grad is None
 
 
 def prompts():
@@ -230,11 +221,11 @@ def greedy_reference(target, prompt, new=NEW):
     return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
 
 
-def test_the_tree_holds_each_depths_candidates_from_one_block(target):
-    head = dflash_head(target)
+def test_the_tree_holds_each_depths_candidates_from_one_block(peaked_wide_llama):
+    head = dflash_head(peaked_wide_llama)
     proposer = DFlash(head, choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     tokens = prompts()[2][0]
-    tree, aux = first_tree(target, proposer)
+    tree, aux = first_tree(peaked_wide_llama, proposer)
     with torch.no_grad():
         top = head.draft_block(tokens[-1], len(tokens) - 1, head.context_kv(aux, torch.arange(11)[None]), 4).topk(2)
     assert tree.depths.tolist() == [1, 1, 2, 2, 2, 3] and tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
@@ -245,15 +236,17 @@ def test_the_tree_holds_each_depths_candidates_from_one_block(target):
 
 
 @pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]], ids=["chain", "tree"])
-def test_greedy_output_equals_target_greedy(target, choices):
-    proposer = DFlash(dflash_head(target), choices=choices)
+def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
+    proposer = DFlash(dflash_head(peaked_wide_llama), choices=choices)
     for prompt in prompts():
-        out, stats = generate(target, proposer, prompt, NEW, eos_token_id=target.config.eos_token_id)
-        assert torch.equal(out, greedy_reference(target, prompt))
+        out, stats = generate(
+            peaked_wide_llama, proposer, prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
+        )
+        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
         assert stats.target_forwards == len(stats.accepted_lengths)
     # Batched verification: each sequence keeps its own draft context.
-    outputs, _ = generate_batch(target, [DFlash(proposer.head, choices) for _ in prompts()], prompts(), NEW)
-    assert all(torch.equal(out, greedy_reference(target, p)) for out, p in zip(outputs, prompts()))
+    outputs, _ = generate_batch(peaked_wide_llama, [DFlash(proposer.head, choices) for _ in prompts()], prompts(), NEW)
+    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
 
 
 def test_greedy_output_equals_the_bundled_targets_own():
@@ -302,10 +295,10 @@ def test_sampled_block_tree_is_lossless():
     assert_matches(counts, exact, (q[0][:, None] * q[1][None]).flatten())
 
 
-def test_export_for_vllm_and_import_back(target, tmp_path):
+def test_export_for_vllm_and_import_back(peaked_wide_llama, tmp_path):
     target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    head = dflash_head(target, mask_embedding=True, causal=True)
+    peaked_wide_llama.save_pretrained(target_dir)
+    head = dflash_head(peaked_wide_llama, mask_embedding=True, causal=True)
     with torch.no_grad():
         head.mask_embedding.normal_()  # a learned vector, not the row it started from
     head.save_pretrained(tmp_path / "head")
@@ -325,7 +318,7 @@ def test_export_for_vllm_and_import_back(target, tmp_path):
         and '"num_speculative_tokens": 4' in (out / "README.md").read_text()
     )
 
-    imported = load_head(import_head("dflash", out, tmp_path / "imported", str(target_dir)), target)
+    imported = load_head(import_head("dflash", out, tmp_path / "imported", str(target_dir)), peaked_wide_llama)
     assert_same_head(imported, head)
     assert imported.config.arch == head.config.arch
 
@@ -382,36 +375,38 @@ def test_autotune_picks_a_static_tree_within_the_block_that_acceptance_decodes(t
     assert entry["tree_config"]["choices"] == tree["choices"] and entry["greedy_identical"]
 
 
-def test_a_reduced_draft_vocabulary_drafts_the_target_rows_and_serves_as_d2t(target, tmp_path):
+def test_a_reduced_draft_vocabulary_drafts_the_target_rows_and_serves_as_d2t(peaked_wide_llama, tmp_path):
     # draft_vocab_size: the target lm_head's rows for the most frequent tokens (frozen), d2t offsets; the
     # logits over the target vocabulary are the full-vocabulary head's there and -inf elsewhere.
-    full = dflash_head(target)
-    head = dflash_head(target, draft_vocab_size=120)
+    full = dflash_head(peaked_wide_llama)
+    head = dflash_head(peaked_wide_llama, draft_vocab_size=120)
     head.load_state_dict(full.state_dict(), strict=False)  # the same draft layers
     counts = torch.zeros(V, dtype=torch.long)
     counts[torch.arange(0, V, 2)] = torch.arange(150, 0, -1)  # the even ids, 0 the most frequent
     head.set_vocab_mapping(counts)
     kept = torch.arange(0, 240, 2)
-    assert torch.equal(head.draft_ids(), kept) and torch.equal(head.lm_head.weight, target.lm_head.weight[kept])
+    assert torch.equal(head.draft_ids(), kept) and torch.equal(
+        head.lm_head.weight, peaked_wide_llama.lm_head.weight[kept]
+    )
     assert not head.lm_head.weight.requires_grad  # the target's rows stay the target's
     tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], head.hidden_layers)
+    aux, _ = features(peaked_wide_llama, tokens[None, :-1], head.hidden_layers)
     with torch.no_grad():
         context = head.context_kv(aux, torch.arange(11)[None])
         mine, theirs = head.draft_block(tokens[-1], 11, context, 4), full.draft_block(tokens[-1], 11, context, 4)
     torch.testing.assert_close(mine[:, kept], theirs[:, kept])
     assert torch.isinf(mine[:, 1::2]).all()
-    out, _ = generate(target, DFlash(head), prompts()[1], NEW)
-    assert torch.equal(out, greedy_reference(target, prompts()[1]))
+    out, _ = generate(peaked_wide_llama, DFlash(head), prompts()[1], NEW)
+    assert torch.equal(out, greedy_reference(peaked_wide_llama, prompts()[1]))
 
     target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
+    peaked_wide_llama.save_pretrained(target_dir)
     head.save_pretrained(tmp_path / "head")
     export = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
     config, tensors = json.loads((export / "config.json").read_text()), load_file(str(export / "model.safetensors"))
     assert config["draft_vocab_size"] == 120 and torch.equal(tensors["d2t"], kept - torch.arange(120))
     assert tensors["lm_head.weight"].shape == (120, 64) and "t2d" not in tensors  # vLLM skips t2d
-    imported = load_head(import_head("dflash", export, tmp_path / "imported", str(target_dir)), target)
+    imported = load_head(import_head("dflash", export, tmp_path / "imported", str(target_dir)), peaked_wide_llama)
     assert all(torch.equal(imported.state_dict()[k], v) for k, v in head.state_dict().items())
 
 
@@ -428,14 +423,16 @@ def edit_config(head_dir, **edit):
         ({"mask_token_id": 99999}, r"head\.mask_token_id 99999 is not a row of the target's 300 embeddings"),
     ],
 )
-def test_a_config_the_build_refuses_is_refused_by_loading_and_export_too(target, tmp_path, capsys, edit, message):
+def test_a_config_the_build_refuses_is_refused_by_loading_and_export_too(
+    peaked_wide_llama, tmp_path, capsys, edit, message
+):
     target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    dflash_head(target).save_pretrained(tmp_path / "head")
+    peaked_wide_llama.save_pretrained(target_dir)
+    dflash_head(peaked_wide_llama).save_pretrained(tmp_path / "head")
     edit_config(tmp_path / "head", **edit)
     where = re.escape(str(tmp_path / "head" / "config.json"))
     with pytest.raises(ValueError, match=f"{where}: {message}"):
-        load_head(tmp_path / "head", target)  # as eval.acceptance loads it
+        load_head(tmp_path / "head", peaked_wide_llama)  # as eval.acceptance loads it
     argv = ["--head", str(tmp_path / "head"), "--format", "vllm", "--out", str(tmp_path / "export")]
     with pytest.raises(SystemExit) as exit_info:
         export_main([*argv, "--target", str(target_dir)])
@@ -443,23 +440,23 @@ def test_a_config_the_build_refuses_is_refused_by_loading_and_export_too(target,
     assert not (tmp_path / "export").exists()
 
 
-def test_weights_that_do_not_fit_the_config_name_the_folder_the_key_and_the_shapes(target, tmp_path):
-    dflash_head(target, draft_vocab_size=100).save_pretrained(tmp_path / "head")
+def test_weights_that_do_not_fit_the_config_name_the_folder_the_key_and_the_shapes(peaked_wide_llama, tmp_path):
+    dflash_head(peaked_wide_llama, draft_vocab_size=100).save_pretrained(tmp_path / "head")
     edit_config(tmp_path / "head", num_layers=3)
     weights, config = (re.escape(str(tmp_path / "head" / name)) for name in ("model.safetensors", "config.json"))
     settings = r"target_hidden_size 64, vocab_size 300, arch\.intermediate_size 96, layer_ids \[1, 3, 4\]"
     with pytest.raises(
         ValueError, match=rf"{weights} does not fit {config} \({settings}, num_layers 3,.*missing layers\.2\."
     ):
-        load_head(tmp_path / "head", target)
+        load_head(tmp_path / "head", peaked_wide_llama)
     edit_config(tmp_path / "head", num_layers=2, draft_vocab_size=50)
     with pytest.raises(
         ValueError, match=r"draft_vocab_size 50\): d2t has shape \(100,\), expected \(50,\); lm_head\.weight has shape "
     ):
-        load_head(tmp_path / "head", target)
+        load_head(tmp_path / "head", peaked_wide_llama)
     edit_config(tmp_path / "head", draft_vocab_size=400)  # the documented check: not larger than the target's
     with pytest.raises(ValueError, match=f"{config}: .*draft_vocab_size 400 vs vocab size 300: the draft vocabulary"):
-        load_head(tmp_path / "head", target)
+        load_head(tmp_path / "head", peaked_wide_llama)
 
 
 class Crafted:
@@ -472,10 +469,10 @@ class Crafted:
         return os.mkdir, (str(self.marker),)
 
 
-def test_a_mask_embedding_that_is_not_a_tensor_file_is_refused_naming_it(target, tmp_path):
+def test_a_mask_embedding_that_is_not_a_tensor_file_is_refused_naming_it(peaked_wide_llama, tmp_path):
     target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    dflash_head(target, mask_embedding=True).save_pretrained(tmp_path / "head")
+    peaked_wide_llama.save_pretrained(target_dir)
+    dflash_head(peaked_wide_llama, mask_embedding=True).save_pretrained(tmp_path / "head")
     out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
     mask_file, marker = out / "mask_embedding.pt", tmp_path / "ran"
     for name, data in [("crafted", pickle.dumps(Crafted(marker))), ("garbage", os.urandom(64)), ("empty", b"")]:

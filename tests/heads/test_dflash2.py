@@ -18,7 +18,6 @@ from headstart.train import dflash2 as dflash2_trainer
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_dflash import (
     NEW,
-    WIDE,
     V,
     assert_same_head,
     block_batch,
@@ -28,17 +27,17 @@ from tests.heads.test_dflash import (
     prompts,
     trained_on,
 )
-from tests.helpers import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
+from tests.helpers import (
+    WIDE,
+    assert_matches,
+    block_drafter_run,
+    tiny_llama,
+    trains_then_resumes_identically,
+    world_of_one,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = {"type": "dflash2", "layer_ids": [1, 3, 4], "block_size": 4, "num_layers": 2, "selector_rank": 8}
-
-
-@pytest.fixture(scope="module")
-def target():
-    model = tiny_llama(**WIDE)
-    model.lm_head.weight.data *= 20  # peaked distributions, as test_dflash's
-    return model.requires_grad_(False)
 
 
 def dflash2_head(target, seed: int = 1, **options):
@@ -73,9 +72,11 @@ def test_the_convolution_reads_earlier_slots_of_its_own_block_only():
     torch.testing.assert_close(delta, conv.kernel_projection(x).view(2, 10, 2, 3, 2)[:, :, 1])
 
 
-def test_loss_is_the_block_loss_plus_the_selectors_over_every_block_recomputed_through_the_served_block(target):
-    head = dflash2_head(target, num_anchors=64, loss_gamma=2.0, selector_weight=0.5)
-    batch = block_batch(target, head)
+def test_loss_is_the_block_loss_plus_the_selectors_over_every_block_recomputed_through_the_served_block(
+    peaked_wide_llama,
+):
+    head = dflash2_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0, selector_weight=0.5)
+    batch = block_batch(peaked_wide_llama, head)
     ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
     slot_sums, counts, inserted = torch.zeros(3), torch.zeros(3), 0
@@ -91,8 +92,8 @@ def test_loss_is_the_block_loss_plus_the_selectors_over_every_block_recomputed_t
                 for k in range(min(3, n - 1 - a)):
                     if not loss_mask[b, a + 1 + k]:
                         continue
-                    logits = target.lm_head(hidden[k])
-                    p_target = target.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
+                    logits = peaked_wide_llama.lm_head(hidden[k])
+                    p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
                     gold = int(p_target.argmax())
                     unary, candidates = logits.topk(4)
                     if gold not in candidates.tolist():  # the gold replaces the weakest candidate
@@ -110,22 +111,22 @@ def test_loss_is_the_block_loss_plus_the_selectors_over_every_block_recomputed_t
         assert head.get_parameter(name).grad.abs().sum() > 0, name
     for p in selector.parameters():
         assert p.grad.abs().sum() > 0
-    assert target.lm_head.weight.grad is None
+    assert peaked_wide_llama.lm_head.weight.grad is None
 
 
-def test_training_raises_the_selectors_chain_accuracy(target):
-    head = dflash2_head(target, num_anchors=64)
-    batch = block_batch(target, head)
+def test_training_raises_the_selectors_chain_accuracy(peaked_wide_llama):
+    head = dflash2_head(peaked_wide_llama, num_anchors=64)
+    batch = block_batch(peaked_wide_llama, head)
     first, (loss, metrics) = trained_on(head, batch, 40)
     assert loss < 0.5 * first[0] and metrics["selector_ce"] < 0.5 * first[1]["selector_ce"]
     assert metrics["acc_0"] > first[1]["acc_0"] and metrics["acc_2"] > 0.5
 
 
-def test_each_node_is_its_parents_best_candidate_under_the_selector(target):
-    head = dflash2_head(target)
+def test_each_node_is_its_parents_best_candidate_under_the_selector(peaked_wide_llama):
+    head = dflash2_head(peaked_wide_llama)
     proposer = DFlash2(head, choices=[[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0]])
     tokens = prompts()[2][0]
-    tree, aux = first_tree(target, proposer)
+    tree, aux = first_tree(peaked_wide_llama, proposer)
     with torch.no_grad():
         hidden = head.draft_hidden(tokens[-1], 11, head.context_kv(aux, torch.arange(11)[None]), 3)
         first = head.walk_logits(hidden[0], tokens[-1:])[0]
@@ -134,20 +135,22 @@ def test_each_node_is_its_parents_best_candidate_under_the_selector(target):
     assert tree.tokens[3:5].tolist() == second.topk(2).indices.tolist()  # the second candidate's own ranking
     # vLLM's edge score, written out: the slot's top-k by the lm_head, each scored by its logit plus the pair term.
     selector = head.candidate_selector
-    unary, candidates = target.lm_head(hidden[1]).topk(4)
+    unary, candidates = peaked_wide_llama.lm_head(hidden[1]).topk(4)
     query = selector.predecessor_codebook[tree.tokens[1]] * selector.hidden_projection(hidden[1])
     scores = unary + selector.successor_codebook[candidates] @ query
     assert tree.tokens[3:5].tolist() == candidates[scores.topk(2).indices].tolist()
 
 
 @pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
-def test_greedy_output_equals_target_greedy(target, choices):
-    head = dflash2_head(target)
+def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
+    head = dflash2_head(peaked_wide_llama)
     for prompt in prompts():
-        out, _ = generate(target, DFlash2(head, choices), prompt, NEW, eos_token_id=target.config.eos_token_id)
-        assert torch.equal(out, greedy_reference(target, prompt))
-    outputs, _ = generate_batch(target, [DFlash2(head, choices) for _ in prompts()], prompts(), NEW)
-    assert all(torch.equal(out, greedy_reference(target, p)) for out, p in zip(outputs, prompts()))
+        out, _ = generate(
+            peaked_wide_llama, DFlash2(head, choices), prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
+        )
+        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
+    outputs, _ = generate_batch(peaked_wide_llama, [DFlash2(head, choices) for _ in prompts()], prompts(), NEW)
+    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
 
 
 def test_sampled_selector_tree_is_lossless():
@@ -175,13 +178,13 @@ def test_sampled_selector_tree_is_lossless():
     assert_matches(counts, exact, (q0[:, None] * q1).flatten())
 
 
-def test_refusals(target):
+def test_refusals(peaked_wide_llama):
     with pytest.raises(ValueError, match="DFlash drafting needs a dflash head, not a dflash2 head"):
-        DFlash(dflash2_head(target))
+        DFlash(dflash2_head(peaked_wide_llama))
     with pytest.raises(ValueError, match="DFlash-2 picks its candidates over the target's whole vocabulary"):
-        build_head(SETTINGS | {"draft_vocab_size": 100}, target)
+        build_head(SETTINGS | {"draft_vocab_size": 100}, peaked_wide_llama)
     with pytest.raises(ValueError, match="head.conv_group_size 48 must divide the hidden size 64"):
-        build_head(SETTINGS | {"conv_group_size": 48}, target)
+        build_head(SETTINGS | {"conv_group_size": 48}, peaked_wide_llama)
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
@@ -197,10 +200,10 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
     assert {"candidate_selector.successor_codebook", "layers.0.mlp_conv.base_kernel"} <= straight.keys()
 
 
-def test_export_for_vllm_and_import_back_to_the_same_drafts(target, tmp_path):
+def test_export_for_vllm_and_import_back_to_the_same_drafts(peaked_wide_llama, tmp_path):
     target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    head = dflash2_head(target, mask_embedding=True)
+    peaked_wide_llama.save_pretrained(target_dir)
+    head = dflash2_head(peaked_wide_llama, mask_embedding=True)
     head.save_pretrained(tmp_path / "head")
     out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
     config = json.loads((out / "config.json").read_text())
@@ -224,9 +227,9 @@ def test_export_for_vllm_and_import_back_to_the_same_drafts(target, tmp_path):
     assert '"method": "dflash"' in readme and '"num_speculative_tokens": 3' in readme
     assert "DFlash candidate-head drafts" in readme
 
-    imported = load_head(import_head("dflash2", out, tmp_path / "imported", str(target_dir)), target)
+    imported = load_head(import_head("dflash2", out, tmp_path / "imported", str(target_dir)), peaked_wide_llama)
     assert_same_head(imported, head)
-    trees = [first_tree(target, DFlash2(one, [[0], [1], [0, 0], [0, 0, 0]]))[0] for one in (head, imported)]
+    trees = [first_tree(peaked_wide_llama, DFlash2(one, [[0], [1], [0, 0], [0, 0, 0]]))[0] for one in (head, imported)]
     assert torch.equal(trees[0].tokens, trees[1].tokens)
 
     with pytest.raises(ValueError, match="this is a DFlash-2 draft .*import it --from dflash2"):

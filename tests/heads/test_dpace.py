@@ -8,17 +8,10 @@ import torch
 
 from headstart.heads.losses import dpace_mean, dpace_weights
 from headstart.train import dflash as dflash_trainer
-from tests.heads.test_dflash import WIDE, dflash_head, features
-from tests.helpers import block_drafter_run, metrics_lines, tiny_llama, world_of_one
+from tests.heads.test_dflash import dflash_head, features
+from tests.helpers import block_drafter_run, metrics_lines, world_of_one
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def target():
-    model = tiny_llama(**WIDE)
-    model.lm_head.weight.data *= 20  # peaked, as in test_dflash: the greedy token is a clear one
-    return model.requires_grad_(False)
 
 
 def test_weights_are_suffix_sums_of_smoothed_confidence_products():
@@ -79,10 +72,10 @@ def hand_loss(head, target, batch):
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 150])
-def test_the_heads_dpace_loss_is_the_hand_computed_one(target, draft_vocab_size):
+def test_the_heads_dpace_loss_is_the_hand_computed_one(peaked_wide_llama, draft_vocab_size):
     # Over a reduced draft vocabulary (150 ids of 300) the target's greedy token is off it in some slots.
     options = {"loss_weighting": "dpace", "dpace_alpha": 0.3, "draft_vocab_size": draft_vocab_size}
-    head = dflash_head(target, num_anchors=64, **options)
+    head = dflash_head(peaked_wide_llama, num_anchors=64, **options)
     if draft_vocab_size:
         head.set_vocab_mapping(torch.arange(300.0) % 7)  # a draft vocabulary that is not a prefix of the ids
     gen = torch.Generator().manual_seed(3)
@@ -92,7 +85,7 @@ def test_the_heads_dpace_loss_is_the_hand_computed_one(target, draft_vocab_size)
     loss_mask = attention.clone()
     loss_mask[:, :4] = 0
     loss_mask[0, 8] = 0  # a gap inside blocks: skipped by the weights, not a break in the chain
-    aux, last = features(target, ids, head.hidden_layers)
+    aux, last = features(peaked_wide_llama, ids, head.hidden_layers)
     batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux}
     batch["last_hidden"] = last
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
@@ -103,7 +96,7 @@ def test_the_heads_dpace_loss_is_the_hand_computed_one(target, draft_vocab_size)
     optimizer.zero_grad()
     loss, metrics = head.loss(batch)
     with torch.no_grad():
-        expected = hand_loss(head, target, batch)
+        expected = hand_loss(head, peaked_wide_llama, batch)
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
     assert sorted(metrics) == sorted([f"acc_{k}" for k in range(4)] + [f"loss_{k}" for k in range(4)])
     head.config.options.loss_weighting = "decay"  # the same blocks and slot losses, weighted otherwise
@@ -112,7 +105,7 @@ def test_the_heads_dpace_loss_is_the_hand_computed_one(target, draft_vocab_size)
     torch.testing.assert_close(metrics, decay_metrics)  # (anchors drawn in another order: sums in another order)
     assert not torch.isclose(loss, decay_loss, rtol=1e-3)
     loss.backward()  # the draft learns, the frozen target does not
-    assert head.fc.weight.grad is not None and target.lm_head.weight.grad is None
+    assert head.fc.weight.grad is not None and peaked_wide_llama.lm_head.weight.grad is None
 
 
 @pytest.mark.parametrize(
@@ -120,9 +113,9 @@ def test_the_heads_dpace_loss_is_the_hand_computed_one(target, draft_vocab_size)
     [({"loss_weighting": "confidence"}, "loss_weighting"), ({"dpace_alpha": 0}, "dpace_alpha must be > 0"),
      ({"dpace_alpha": 1.5}, "dpace_alpha must be <= 1")],
 )  # fmt: skip
-def test_other_weightings_and_alphas_outside_0_1_are_refused(target, options, message):
+def test_other_weightings_and_alphas_outside_0_1_are_refused(peaked_wide_llama, options, message):
     with pytest.raises(ValueError, match=message):
-        dflash_head(target, **options)
+        dflash_head(peaked_wide_llama, **options)
 
 
 def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):

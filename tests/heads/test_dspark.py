@@ -20,7 +20,6 @@ from headstart.train import dspark as dspark_trainer
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_dflash import (
     NEW,
-    WIDE,
     V,
     assert_same_head,
     block_batch,
@@ -30,18 +29,16 @@ from tests.heads.test_dflash import (
     prompts,
     trained_on,
 )
-from tests.helpers import assert_matches, block_drafter_run, tiny_llama, trains_then_resumes_identically, world_of_one
+from tests.helpers import (
+    WIDE,
+    assert_matches,
+    block_drafter_run,
+    tiny_llama,
+    trains_then_resumes_identically,
+    world_of_one,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def target():
-    model = tiny_llama(**WIDE)
-    model.lm_head.weight.data *= (
-        20  # peaked distributions, as test_dflash's: greedy paths and acceptance mean something
-    )
-    return model.requires_grad_(False)
 
 
 def dspark_head(target, seed: int = 1, **options):
@@ -54,14 +51,14 @@ def dspark_head(target, seed: int = 1, **options):
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 150])
-def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(target, draft_vocab_size):
+def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(peaked_wide_llama, draft_vocab_size):
     # Every candidate is an anchor (num_anchors >= positions): each block's terms recomputed from the block
     # vLLM drafts (the anchor + masks, every slot drafting the next token), the Markov bias of the data's
     # previous token, the target's distribution one position earlier.
-    head = dspark_head(target, num_anchors=64, draft_vocab_size=draft_vocab_size, loss_gamma=2.0)
+    head = dspark_head(peaked_wide_llama, num_anchors=64, draft_vocab_size=draft_vocab_size, loss_gamma=2.0)
     if draft_vocab_size:
         head.set_vocab_mapping(torch.arange(V).flip(0).float())  # the draft vocabulary: the ids 0..149
-    batch = block_batch(target, head)
+    batch = block_batch(peaked_wide_llama, head)
     ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
     size, total, weight = 4, torch.tensor(0.0), torch.tensor(0.0)
@@ -80,7 +77,7 @@ def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(
                     logits = head.draft_logits(hidden[k]) + head.markov_head.markov_w2(
                         head.markov_head.markov_w1(ids[b, a + k])
                     )
-                    p_target = target.lm_head(batch["last_hidden"][b, a + k])[draft_ids].softmax(-1)
+                    p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k])[draft_ids].softmax(-1)
                     l1 = (logits.softmax(-1) - p_target).abs().sum()
                     token = int(ids[b, a + k + 1])
                     in_vocab = bool((draft_ids == token).any())
@@ -97,22 +94,22 @@ def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(
     loss.backward()  # DeepSpec's gradient paths: the backbone, both Markov tables and the confidence head
     for p in (head.fc.weight, head.markov_head.markov_w1.weight, head.markov_head.markov_w2.weight):
         assert p.grad is not None and p.grad.abs().sum() > 0
-    assert head.confidence_head.proj.weight.grad.abs().sum() > 0 and target.lm_head.weight.grad is None
+    assert head.confidence_head.proj.weight.grad.abs().sum() > 0 and peaked_wide_llama.lm_head.weight.grad is None
 
 
-def test_training_lowers_every_term_and_the_confidence_head_learns_the_acceptance_rate(target):
-    head = dspark_head(target, num_anchors=64)
-    batch = block_batch(target, head)
+def test_training_lowers_every_term_and_the_confidence_head_learns_the_acceptance_rate(peaked_wide_llama):
+    head = dspark_head(peaked_wide_llama, num_anchors=64)
+    batch = block_batch(peaked_wide_llama, head)
     first, (loss, metrics) = trained_on(head, batch, 120)
     assert loss < 0.5 * first[0]
     assert abs(float(metrics["confidence_gap"])) < 0.05 and metrics["acc_0"] > first[1]["acc_0"]
 
 
-def test_the_tree_adds_each_parents_markov_bias_to_its_depths_logits(target):
-    head = dspark_head(target)
+def test_the_tree_adds_each_parents_markov_bias_to_its_depths_logits(peaked_wide_llama):
+    head = dspark_head(peaked_wide_llama)
     proposer = DSpark(head, choices=[[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0]])
     tokens = prompts()[2][0]
-    tree, aux = first_tree(target, proposer)
+    tree, aux = first_tree(peaked_wide_llama, proposer)
     with torch.no_grad():
         hidden = head.draft_hidden(tokens[-1], 11, head.context_kv(aux, torch.arange(11)[None]), 3)
         first = head.markov_logits(hidden[0], tokens[-1]).topk(2).indices
@@ -124,40 +121,45 @@ def test_the_tree_adds_each_parents_markov_bias_to_its_depths_logits(target):
 
 @pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]], ids=["chain", "tree"])
 @pytest.mark.parametrize("min_confidence", [0.0, 0.3, 0.9])
-def test_greedy_output_equals_target_greedy_at_every_confidence_cut(target, choices, min_confidence):
-    head = dspark_head(target)
+def test_greedy_output_equals_target_greedy_at_every_confidence_cut(peaked_wide_llama, choices, min_confidence):
+    head = dspark_head(peaked_wide_llama)
     tree = TreeSpec.static(choices or [[0] * d for d in range(1, 5)])
     proposer = DSpark.for_tree(head, TreeSpec(**{**tree.__dict__, "min_confidence": min_confidence}))
     depths = []
     for prompt in prompts():
-        out, stats = generate(target, proposer, prompt, NEW, eos_token_id=target.config.eos_token_id)
-        assert torch.equal(out, greedy_reference(target, prompt))
+        out, stats = generate(
+            peaked_wide_llama, proposer, prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
+        )
+        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
         depths.append(stats.target_forwards)
-    outputs, _ = generate_batch(target, [DSpark(head, choices) for _ in prompts()], prompts(), NEW)
-    assert all(torch.equal(out, greedy_reference(target, p)) for out, p in zip(outputs, prompts()))
+    outputs, _ = generate_batch(peaked_wide_llama, [DSpark(head, choices) for _ in prompts()], prompts(), NEW)
+    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
 
 
-def test_a_bf16_head_and_target_score_confidence_and_decode_as_the_bf16_target(target):
+def test_a_bf16_head_and_target_score_confidence_and_decode_as_the_bf16_target(peaked_wide_llama):
     """On a GPU the whole head is cast to bf16 (eval --dtype bf16, DeepSpeed's bf16 training): the confidence
     head computes in its own dtype and hands back an fp32 logit (it once met fp32 inputs and failed)."""
-    head = dspark_head(target)
-    half_head, half_target = dspark_head(target).to(torch.bfloat16), copy.deepcopy(target).to(torch.bfloat16)
+    head = dspark_head(peaked_wide_llama)
+    half_head, half_target = (
+        dspark_head(peaked_wide_llama).to(torch.bfloat16),
+        copy.deepcopy(peaked_wide_llama).to(torch.bfloat16),
+    )
     hidden, previous = torch.randn(6, head.config.arch.hidden_size), torch.arange(6)
     logit = half_head.confidence_logit(hidden.to(torch.bfloat16), previous)
     assert logit.dtype == torch.float32
     torch.testing.assert_close(logit, head.confidence_logit(hidden, previous), atol=0.05, rtol=0.05)
     proposer = DSpark(half_head, min_confidence=0.3)
     for prompt in prompts():
-        out, _ = generate(half_target, proposer, prompt, NEW, eos_token_id=target.config.eos_token_id)
+        out, _ = generate(half_target, proposer, prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id)
         assert torch.equal(out, greedy_reference(half_target, prompt))
     loss, metrics = half_head.loss(block_batch(half_target, half_head))
     assert torch.isfinite(loss) and metrics["confidence_bce"].dtype == torch.float32
 
 
-def test_the_confidence_cut_drafts_less_where_the_head_doubts(target):
-    head = dspark_head(target)
+def test_the_confidence_cut_drafts_less_where_the_head_doubts(peaked_wide_llama):
+    head = dspark_head(peaked_wide_llama)
     tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], head.hidden_layers)
+    aux, _ = features(peaked_wide_llama, tokens[None, :-1], head.hidden_layers)
     sizes = []
     for threshold in (0.0, 0.45, 0.99):
         proposer = DSpark(head, min_confidence=threshold)
@@ -193,14 +195,14 @@ def test_sampled_markov_tree_with_a_confidence_cut_is_lossless():
     assert_matches(counts, exact, (q0[:, None] * q1).flatten())
 
 
-def test_a_dflash_proposer_refuses_a_dspark_head_and_a_mask_embedding_is_refused(target):
-    head = dspark_head(target)
+def test_a_dflash_proposer_refuses_a_dspark_head_and_a_mask_embedding_is_refused(peaked_wide_llama):
+    head = dspark_head(peaked_wide_llama)
     with pytest.raises(ValueError, match="DFlash drafting needs a dflash head, not a dspark head"):
         DFlash(head)
     with pytest.raises(ValueError, match="vLLM's DSpark ignores a learned mask vector"):
-        dspark_head(target, mask_embedding=True)
+        dspark_head(peaked_wide_llama, mask_embedding=True)
     with pytest.raises(ValueError, match="trained without one"):
-        DSpark(dspark_head(target, confidence_head=False), min_confidence=0.5)
+        DSpark(dspark_head(peaked_wide_llama, confidence_head=False), min_confidence=0.5)
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
@@ -222,10 +224,10 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
 
 
 @pytest.mark.parametrize("confidence_head", [True, False])
-def test_export_for_vllm_and_import_back_to_the_same_logits(target, tmp_path, confidence_head):
+def test_export_for_vllm_and_import_back_to_the_same_logits(peaked_wide_llama, tmp_path, confidence_head):
     target_dir = tmp_path / "target"
-    target.save_pretrained(target_dir)
-    head = dspark_head(target, draft_vocab_size=120, confidence_head=confidence_head)
+    peaked_wide_llama.save_pretrained(target_dir)
+    head = dspark_head(peaked_wide_llama, draft_vocab_size=120, confidence_head=confidence_head)
     head.set_vocab_mapping(torch.arange(V).float())  # the 120 highest ids
     head.save_pretrained(tmp_path / "head")
     out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
@@ -246,13 +248,13 @@ def test_export_for_vllm_and_import_back_to_the_same_logits(target, tmp_path, co
     assert '"method": "dspark"' in readme and '"num_speculative_tokens": 4' in readme
     assert "Model Runner V2 requires Triton" in readme
 
-    imported = load_head(import_head("dspark", out, tmp_path / "imported", str(target_dir)), target)
+    imported = load_head(import_head("dspark", out, tmp_path / "imported", str(target_dir)), peaked_wide_llama)
     assert_same_head(imported, head)
     tokens = prompts()[2][0]
     drafted = []
     for one in (head, imported):
         proposer = DSpark(one, [[0], [1], [0, 0], [0, 0, 0]])
-        tree, _ = first_tree(target, proposer)
+        tree, _ = first_tree(peaked_wide_llama, proposer)
         with torch.no_grad():
             hidden = one.draft_hidden(tokens[-1], 11, proposer.context_kv, 3)
             drafted.append((tree.tokens, one.markov_logits(hidden, tree.tokens[[0, 2, 3]])))

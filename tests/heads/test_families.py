@@ -68,7 +68,7 @@ def save_family_target(out, family, tokenizer):
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_run(request, tiny_target_dir, gsm8k_file, tmp_path_factory):
+def family_capture(request, tiny_target_dir, gsm8k_file, tmp_path_factory):
     """(family, target folder, shards captured from it, a tmp folder) for each family."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
@@ -77,8 +77,8 @@ def family_run(request, tiny_target_dir, gsm8k_file, tmp_path_factory):
     return family, root / "target", root / "shards", root
 
 
-def train_head(monkeypatch, family_run, gsm8k_file, head_type):
-    _, target_dir, shards, root = family_run
+def train_head(monkeypatch, family_capture, gsm8k_file, head_type):
+    _, target_dir, shards, root = family_capture
     out = root / head_type
     cfg = base_config(target_dir, gsm8k_file, shards, out, head_type, max_steps=3, eval_every=3)
     (root / f"{head_type}.yaml").write_text(yaml.safe_dump(cfg))
@@ -154,14 +154,14 @@ def check_export(head_dir, family, target_dir):
             assert {k.split(".")[0] for k in tensors} == {"0", "1"}
 
 
-def test_heads_train_decode_greedily_and_export_for_each_family(family_run, gsm8k_file, monkeypatch):
-    family, target_dir, _, _ = family_run
+def test_heads_train_decode_greedily_and_export_for_each_family(family_capture, gsm8k_file, monkeypatch):
+    family, target_dir, _, _ = family_capture
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt = tokenizer("Ann has 3 apples and buys 5 more.", return_tensors="pt").input_ids
     expected = target.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=0)
     for head_type in HEAD_TYPES[family]:
-        out = train_head(monkeypatch, family_run, gsm8k_file, head_type)
+        out = train_head(monkeypatch, family_capture, gsm8k_file, head_type)
         steps = records(out)
         assert [r["step"] for r in steps] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
         assert json.loads((out / "head" / "config.json").read_text())["training"]["step"] == 3

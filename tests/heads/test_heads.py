@@ -31,7 +31,7 @@ V, H = 300, 32
 
 
 @pytest.fixture(scope="module")
-def target():
+def default_tiny_llama():
     return tiny_llama()
 
 
@@ -102,9 +102,9 @@ def test_eagle_heads_draft_for_long_context_rope_targets(head_type):
     torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, 8))
 
 
-def test_eagle_shapes(target):
-    head = build_head({"type": "eagle"}, target)
-    batch = make_batch(target)
+def test_eagle_shapes(default_tiny_llama):
+    head = build_head({"type": "eagle"}, default_tiny_llama)
+    batch = make_batch(default_tiny_llama)
     logits, features = head(batch["input_ids"], head.first_features(batch["last_hidden"]))
     assert logits.shape == (2, 16, V) and logits.dtype == torch.float32
     assert features.shape == (2, 16, H) and features.dtype == torch.float32
@@ -117,9 +117,9 @@ def test_eagle_shapes(target):
     assert all(not k.startswith(("embed", "lm_head", "model.")) for k in head.state_dict())
 
 
-def test_eagle3_shapes_and_target_vocab_log_probs(target):
-    head = eagle3(target)
-    batch = make_batch(target)
+def test_eagle3_shapes_and_target_vocab_log_probs(default_tiny_llama):
+    head = eagle3(default_tiny_llama)
+    batch = make_batch(default_tiny_llama)
     features = head.first_features(batch["aux_hidden"])
     assert features.shape == (2, 16, H)
     logits, out = head(batch["input_ids"], features)
@@ -137,15 +137,15 @@ def test_eagle3_shapes_and_target_vocab_log_probs(target):
     )
 
 
-def test_medusa_shapes_and_init(target):
-    head = build_head({"type": "medusa"}, target)
-    batch = make_batch(target)
+def test_medusa_shapes_and_init(default_tiny_llama):
+    head = build_head({"type": "medusa"}, default_tiny_llama)
+    batch = make_batch(default_tiny_llama)
     assert head(batch["last_hidden"]).shape == (2, 16, 4, V)
     logp = head.draft(batch["last_hidden"][:, -1])
     assert logp.shape == (2, 4, V)
     torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, 4))
     for seq in head.medusa_head:
-        assert torch.equal(seq[-1].weight, target.lm_head.weight) and not seq[0].linear.weight.any()
+        assert torch.equal(seq[-1].weight, default_tiny_llama.lm_head.weight) and not seq[0].linear.weight.any()
 
 
 def test_vocab_mapping_keeps_most_frequent_and_round_trips():
@@ -160,8 +160,8 @@ def test_vocab_mapping_keeps_most_frequent_and_round_trips():
     assert not d2t.any() and d2t.numel() == 8 and t2d.all()
 
 
-def test_eagle3_head_uses_the_mapping(target):
-    head = eagle3(target)
+def test_eagle3_head_uses_the_mapping(default_tiny_llama):
+    head = eagle3(default_tiny_llama)
     counts = torch.zeros(V)
     counts[100:300] = 1.0
     head.set_vocab_mapping(counts)
@@ -179,11 +179,11 @@ def test_ttt_mask_matches_hand_built_reference():
     assert torch.equal(ttt_attention_mask(4, 3), reference.bool())
 
 
-def test_ttt_steps_equal_drafting_a_chain(target):
+def test_ttt_steps_equal_drafting_a_chain(default_tiny_llama):
     # What TTT trains at step j, index i is exactly what drafting computes: prefix 0..i with true
     # features, then j draft steps feeding back the head's own features and the next real tokens.
-    head = eagle3(target)
-    batch = make_batch(target, batch=1, seq=10)
+    head = eagle3(default_tiny_llama)
+    batch = make_batch(default_tiny_llama, batch=1, seq=10)
     ids = batch["input_ids"]
     with torch.no_grad():
         features = head.first_features(batch["aux_hidden"])
@@ -199,9 +199,9 @@ def test_ttt_steps_equal_drafting_a_chain(target):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_draft_step_with_cache_equals_full_forward(target, kind):
-    head = build_head({"type": "eagle"}, target) if kind == "eagle" else eagle3(target)
-    batch = make_batch(target, seq=12)
+def test_draft_step_with_cache_equals_full_forward(default_tiny_llama, kind):
+    head = build_head({"type": "eagle"}, default_tiny_llama) if kind == "eagle" else eagle3(default_tiny_llama)
+    batch = make_batch(default_tiny_llama, seq=12)
     source = batch["last_hidden"] if kind == "eagle" else batch["aux_hidden"]
     with torch.no_grad():
         features = head.first_features(source)
@@ -242,9 +242,9 @@ def test_kv_cache_writes_in_place_and_doubles_when_outgrown():
         cache.crop(-1)
 
 
-def test_drafting_through_cache_growth_equals_a_full_forward(target):
-    head = eagle3(target)
-    batch = make_batch(target, seq=12)
+def test_drafting_through_cache_growth_equals_a_full_forward(default_tiny_llama):
+    head = eagle3(default_tiny_llama)
+    batch = make_batch(default_tiny_llama, seq=12)
     with torch.no_grad():
         features = head.first_features(batch["aux_hidden"])
         full_logp, full_out = head.draft_step(batch["input_ids"], features, torch.arange(12).expand(2, 12), KVCache())
@@ -260,11 +260,11 @@ def test_drafting_through_cache_growth_equals_a_full_forward(target):
     torch.testing.assert_close(torch.cat(logps, 1), full_logp, atol=1e-5, rtol=1e-5)
 
 
-def test_tree_mask_and_keep_commit_a_branch(target):
+def test_tree_mask_and_keep_commit_a_branch(default_tiny_llama):
     # Prefix of 6, then a tree a -> {b1, b2} drafted in one step; b2's output equals drafting a, b2 in a line,
     # and keeping the prefix + a + b2 slots leaves the cache a linear drafting would have.
-    head = build_head({"type": "eagle"}, target)
-    batch = make_batch(target, batch=1, seq=9)
+    head = build_head({"type": "eagle"}, default_tiny_llama)
+    batch = make_batch(default_tiny_llama, batch=1, seq=9)
     ids, feats = batch["input_ids"], head.first_features(batch["last_hidden"])
     with torch.no_grad():
         tree = KVCache()
@@ -287,17 +287,17 @@ def test_tree_mask_and_keep_commit_a_branch(target):
 
 
 @pytest.mark.parametrize("cfg", [{"type": "eagle"}, {"type": "eagle3"}, {"type": "medusa", "num_layers": 2}])
-def test_save_load_round_trip(target, tmp_path, cfg):
-    head = eagle3(target) if cfg["type"] == "eagle3" else build_head(cfg, target)
+def test_save_load_round_trip(default_tiny_llama, tmp_path, cfg):
+    head = eagle3(default_tiny_llama) if cfg["type"] == "eagle3" else build_head(cfg, default_tiny_llama)
     for p in head.parameters():  # make every weight matter (Medusa's blocks start at zero)
         p.data.normal_(0, 0.1)
     if cfg["type"] == "eagle3":
         head.set_vocab_mapping(torch.arange(V, dtype=torch.float))
     head.save_pretrained(tmp_path / "head")
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["config.json", "model.safetensors"]
-    loaded = load_head(tmp_path / "head", target)
+    loaded = load_head(tmp_path / "head", default_tiny_llama)
     assert type(loaded) is type(head) and loaded.config == head.config
-    batch = make_batch(target, seq=8)
+    batch = make_batch(default_tiny_llama, seq=8)
     with torch.no_grad():
         if cfg["type"] == "medusa":
             assert torch.equal(loaded(batch["last_hidden"]), head(batch["last_hidden"]))
@@ -317,21 +317,21 @@ def test_save_load_round_trip(target, tmp_path, cfg):
         assert torch.equal(loaded.d2t, head.d2t) and loaded.d2t[0] == 100
 
 
-def test_loading_on_the_wrong_target_names_the_mismatch(target, tmp_path):
-    eagle3(target).save_pretrained(tmp_path / "e3")
-    build_head({"type": "eagle"}, target).save_pretrained(tmp_path / "e1")
+def test_loading_on_the_wrong_target_names_the_mismatch(default_tiny_llama, tmp_path):
+    eagle3(default_tiny_llama).save_pretrained(tmp_path / "e3")
+    build_head({"type": "eagle"}, default_tiny_llama).save_pretrained(tmp_path / "e1")
     with pytest.raises(ValueError, match="hidden size 32 vs 64"):
         load_head(tmp_path / "e1", tiny_llama(hidden_size=64))
     with pytest.raises(ValueError, match="vocab size 300 vs 320"):
         load_head(tmp_path / "e3", tiny_llama(vocab_size=320))
     with pytest.raises(ValueError, match="head type 'eagle3' vs 'eagle'"):
-        EagleHead.from_pretrained(tmp_path / "e3", target)
+        EagleHead.from_pretrained(tmp_path / "e3", default_tiny_llama)
     with pytest.raises(ValueError, match=r"layer ids \[5\] outside the target's 4 layers"):
         Eagle3Head.from_pretrained(tmp_path / "e3", tiny_llama(num_hidden_layers=4))
     with pytest.raises(ValueError, match="three distinct target layers"):
-        build_head({"type": "eagle3"}, target)  # (2, L//2, L-3) collide for 6 layers
+        build_head({"type": "eagle3"}, default_tiny_llama)  # (2, L//2, L-3) collide for 6 layers
     with pytest.raises(ValueError, match="unknown eagle head options"):
-        build_head({"type": "eagle", "ttt_steps": 3}, target)
+        build_head({"type": "eagle", "ttt_steps": 3}, default_tiny_llama)
 
 
 def test_eagle3_default_layers_are_the_captures_default():
@@ -344,10 +344,12 @@ def test_eagle3_default_layers_are_the_captures_default():
             build_head({"type": "eagle3"}, tiny_llama(num_hidden_layers=layers))
 
 
-def test_heads_read_the_final_hidden_state_unless_they_fuse_layers(target):
-    assert build_head({"type": "eagle"}, target).hidden_layers == (6,)  # hidden_states[6]: after the final norm
-    assert build_head({"type": "medusa"}, target).hidden_layers == (6,)
-    assert eagle3(target).hidden_layers == tuple(LAYER_IDS)
+def test_heads_read_the_final_hidden_state_unless_they_fuse_layers(default_tiny_llama):
+    assert build_head({"type": "eagle"}, default_tiny_llama).hidden_layers == (
+        6,
+    )  # hidden_states[6]: after the final norm
+    assert build_head({"type": "medusa"}, default_tiny_llama).hidden_layers == (6,)
+    assert eagle3(default_tiny_llama).hidden_layers == tuple(LAYER_IDS)
 
 
 def test_medusa2_takes_the_lora_section_with_the_schema_defaults():
@@ -361,8 +363,8 @@ def test_medusa2_takes_the_lora_section_with_the_schema_defaults():
         medusa2_wrap(tiny_llama(), {"rank": 4})
 
 
-def test_head_config_is_typed_and_keeps_the_config_json_layout(target, tmp_path):
-    head = eagle3(target)
+def test_head_config_is_typed_and_keeps_the_config_json_layout(default_tiny_llama, tmp_path):
+    head = eagle3(default_tiny_llama)
     head.config.training = {"step": 3}
     head.save_pretrained(tmp_path / "head")
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
@@ -385,7 +387,7 @@ def test_head_config_is_typed_and_keeps_the_config_json_layout(target, tmp_path)
         read_head_config(tmp_path / "head")
     path.write_text(json.dumps({**saved, "type": "hydra"}))
     with pytest.raises(ValueError, match=r"config\.json: unknown head type 'hydra'"):
-        load_head(tmp_path / "head", target)
+        load_head(tmp_path / "head", default_tiny_llama)
 
 
 def test_medusa2_trains_only_lora_and_heads():
@@ -414,9 +416,9 @@ def test_label_mask_counts_a_label_by_its_own_position():
 
 
 @pytest.mark.parametrize("cfg", [{"type": "eagle"}, {"type": "eagle3", "ttt_steps": 3}, {"type": "medusa"}])
-def test_right_padding_does_not_change_the_loss(target, cfg):
-    head = eagle3(target, ttt_steps=3) if cfg["type"] == "eagle3" else build_head(cfg, target)
-    batch = make_batch(target, seq=12)
+def test_right_padding_does_not_change_the_loss(default_tiny_llama, cfg):
+    head = eagle3(default_tiny_llama, ttt_steps=3) if cfg["type"] == "eagle3" else build_head(cfg, default_tiny_llama)
+    batch = make_batch(default_tiny_llama, seq=12)
     batch["loss_mask"][:, :3] = 0
     padded = {
         k: torch.cat((v, torch.randn_like(v[:, :4]) if v.is_floating_point() else v[:, :4]), 1)
@@ -435,13 +437,13 @@ def peagle(target, **options):
     return eagle3(target, **{"parallel_drafting": True, **options})
 
 
-def test_peagle_steps_equal_one_forward_as_vllm_feeds_the_draft(target):
+def test_peagle_steps_equal_one_forward_as_vllm_feeds_the_draft(default_tiny_llama):
     # vLLM's parallel drafting (vllm/v1/spec_decode/utils.py copy_and_expand_eagle_inputs): one causal forward
     # over the context pairs (token i+1, fc(aux_i)) at positions 0..i, the last one holding the next token,
     # then j mask slots (the mask token, fc(mask_hidden)) at positions i+1..i+j. Training step j at index i
     # must be that forward's last output.
-    head = peagle(target)
-    batch = make_batch(target, batch=1, seq=10)
+    head = peagle(default_tiny_llama)
+    batch = make_batch(default_tiny_llama, batch=1, seq=10)
     ids, i = batch["input_ids"], 5
     with torch.no_grad():
         features = head.first_features(batch["aux_hidden"])
@@ -454,7 +456,7 @@ def test_peagle_steps_equal_one_forward_as_vllm_feeds_the_draft(target):
             _, out = head(served_ids, served_features, torch.arange(i + 1 + j)[None])
             torch.testing.assert_close(out[:, -1], steps[j][:, i], atol=1e-5, rtol=1e-5)
     # EAGLE-3's steps 1.. read the next token and the previous output instead: another computation.
-    regular = eagle3(target)
+    regular = eagle3(default_tiny_llama)
     regular.load_state_dict({k: v for k, v in head.state_dict().items() if k != "mask_hidden"})
     with torch.no_grad():
         ttt = list(regular.ttt_features(features, ids, 2))
@@ -462,37 +464,37 @@ def test_peagle_steps_equal_one_forward_as_vllm_feeds_the_draft(target):
     assert (ttt[1] - steps[1]).abs().max() > 1e-2
 
 
-def test_peagle_records_its_mask_token_and_round_trips(target, tmp_path):
-    head = peagle(target)
+def test_peagle_records_its_mask_token_and_round_trips(default_tiny_llama, tmp_path):
+    head = peagle(default_tiny_llama)
     # The target's config has no pad token: its eos (2) is the mask token.
     assert head.config.options.parallel_drafting.mask_token_id == 2
     assert head.mask_hidden.shape == (1, 3 * H)
     head.save_pretrained(tmp_path / "head")
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
     assert saved["parallel_drafting"] == {"mask_token_id": 2}
-    loaded = load_head(tmp_path / "head", target)
+    loaded = load_head(tmp_path / "head", default_tiny_llama)
     assert loaded.config == head.config and torch.equal(loaded.mask_hidden, head.mask_hidden)
     assert peagle(tiny_llama(pad_token_id=7)).config.options.parallel_drafting.mask_token_id == 7
-    given = peagle(target, parallel_drafting={"mask_token_id": 299})
+    given = peagle(default_tiny_llama, parallel_drafting={"mask_token_id": 299})
     assert given.config.options.parallel_drafting.mask_token_id == 299
     with pytest.raises(ValueError, match=r"mask_token_id 300 is not a token of the target's 300-token vocabulary"):
-        peagle(target, parallel_drafting={"mask_token_id": 300})
+        peagle(default_tiny_llama, parallel_drafting={"mask_token_id": 300})
     with pytest.raises(ValueError, match=r"unknown key parallel_drafting\.mask_token"):
-        peagle(target, parallel_drafting={"mask_token": 3})
+        peagle(default_tiny_llama, parallel_drafting={"mask_token": 3})
 
 
-def test_a_head_used_before_it_is_attached_to_a_target_says_so(target):
-    head = build_head({"type": "eagle"}, target)
+def test_a_head_used_before_it_is_attached_to_a_target_says_so(default_tiny_llama):
+    head = build_head({"type": "eagle"}, default_tiny_llama)
     detached = type(head)(head.config)  # as a head is between __init__ and attach
-    batch = make_batch(target, seq=4)
+    batch = make_batch(default_tiny_llama, seq=4)
     with pytest.raises(RuntimeError, match="this eagle head is not attached to a target: make it with build_head"):
         detached(batch["input_ids"], detached.first_features(batch["last_hidden"]))
-    assert head.target.lm_head is target.lm_head
+    assert head.target.lm_head is default_tiny_llama.lm_head
 
 
-def test_mask_slots_of_an_eagle3_head_without_parallel_drafting_are_refused(target):
+def test_mask_slots_of_an_eagle3_head_without_parallel_drafting_are_refused(default_tiny_llama):
     with pytest.raises(ValueError, match="mask slots are P-EAGLE's: this EAGLE-3 head has no head.parallel_drafting"):
-        eagle3(target).mask_slots(1, 2)
+        eagle3(default_tiny_llama).mask_slots(1, 2)
 
 
 CONFIG_EDITS = [
@@ -527,10 +529,12 @@ CONFIG_EDITS = [
 
 
 @pytest.mark.parametrize(("kind", "edit", "message"), CONFIG_EDITS)
-def test_an_edited_config_json_is_refused_naming_the_file_the_key_and_both_sides(target, tmp_path, kind, edit, message):
-    head = {"eagle3": eagle3, "peagle": peagle}.get(kind, lambda t: build_head({"type": kind}, t))(target)
+def test_an_edited_config_json_is_refused_naming_the_file_the_key_and_both_sides(
+    default_tiny_llama, tmp_path, kind, edit, message
+):
+    head = {"eagle3": eagle3, "peagle": peagle}.get(kind, lambda t: build_head({"type": kind}, t))(default_tiny_llama)
     head.save_pretrained(tmp_path / "head")
     path = tmp_path / "head" / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | edit))
     with pytest.raises(ValueError, match=message):
-        load_head(tmp_path / "head", target)
+        load_head(tmp_path / "head", default_tiny_llama)

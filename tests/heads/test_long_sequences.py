@@ -121,13 +121,6 @@ def test_chunked_block_attention_equals_one_chunk_in_values_and_gradients(monkey
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
 
 
-@pytest.fixture(scope="module")
-def target():
-    model = tiny_llama()
-    model.lm_head.weight.data *= 10
-    return model.requires_grad_(False)
-
-
 def padded_batch(target):
     batch = make_batch(target, batch=2, seq=24, seed=2)
     batch["attention_mask"][1, 17:] = 0  # right padding, as training collates
@@ -146,13 +139,15 @@ def loss_and_grads(head, batch):
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
-def test_every_heads_loss_and_gradients_are_the_same_whole_or_in_recomputed_chunks(target, name, monkeypatch):
+def test_every_heads_loss_and_gradients_are_the_same_whole_or_in_recomputed_chunks(
+    peaked_tiny_llama, name, monkeypatch
+):
     torch.manual_seed(3)
-    head = build_head(HEADS[name], target)
+    head = build_head(HEADS[name], peaked_tiny_llama)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # no zero-initialised part: every gradient path carries something
-    batch = padded_batch(target)
+    batch = padded_batch(peaked_tiny_llama)
     runs = []
     if name in ("eagle3", "peagle"):  # the dense-mask attention of before, kept as the reference
         with monkeypatch.context() as patch:
@@ -176,12 +171,14 @@ def test_every_heads_loss_and_gradients_are_the_same_whole_or_in_recomputed_chun
             torch.testing.assert_close(grad, reference[2][key], rtol=1e-4, atol=1e-6, msg=key)
 
 
-def test_twenty_training_steps_on_the_new_path_follow_the_dense_path(target, monkeypatch):
-    batches = [padded_batch(target)] + [make_batch(target, batch=2, seq=24, seed=s) for s in range(4, 7)]
+def test_twenty_training_steps_on_the_new_path_follow_the_dense_path(peaked_tiny_llama, monkeypatch):
+    batches = [padded_batch(peaked_tiny_llama)] + [
+        make_batch(peaked_tiny_llama, batch=2, seq=24, seed=s) for s in range(4, 7)
+    ]
 
     def train(dense: bool) -> list[float]:
         torch.manual_seed(5)
-        head = build_head(HEADS["eagle3"], target)
+        head = build_head(HEADS["eagle3"], peaked_tiny_llama)
         optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
         losses = []
         with monkeypatch.context() as patch:

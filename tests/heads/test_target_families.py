@@ -53,7 +53,7 @@ HEADS = {
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family_run(request, tiny_target_dir, gsm8k_file, tmp_path_factory, monkeypatch_module):
+def family_heads(request, tiny_target_dir, gsm8k_file, tmp_path_factory, monkeypatch_module):
     """(family, target folder, {head type: trained head folder}) for each family: one capture feeds both heads."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
@@ -84,8 +84,8 @@ def check_the_eval_command(family, target_dir, heads, bench, tmp_path):
     assert all(result["greedy_identical"] for result in report["methods"].values()), family
 
 
-def test_heads_train_decode_as_the_target_and_export_for_each_family(family_run, gsm8k_file, tmp_path):
-    family, target_dir, heads = family_run
+def test_heads_train_decode_as_the_target_and_export_for_each_family(family_heads, gsm8k_file, tmp_path):
+    family, target_dir, heads = family_heads
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt = tokenizer("Ann has 3 apples and buys 5 more apples.", return_tensors="pt").input_ids

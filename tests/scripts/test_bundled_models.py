@@ -85,8 +85,8 @@ def test_target_and_draft_share_the_tokenizer():
     assert json.loads((TARGET / "tokenizer.json").read_text()) == json.loads((DRAFT / "tokenizer.json").read_text())
 
 
-def test_chat_template_round_trip_and_assistant_mask(target):
-    _, tok = target
+def test_chat_template_round_trip_and_assistant_mask(demo_target):
+    _, tok = demo_target
     text = tok.apply_chat_template(MESSAGES, tokenize=False)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
@@ -102,8 +102,8 @@ def test_chat_template_round_trip_and_assistant_mask(target):
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
-def test_chat_template_rejects_unknown_role(target):
-    _, tok = target
+def test_chat_template_rejects_unknown_role(demo_target):
+    _, tok = demo_target
     with pytest.raises(Exception, match="unknown role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
@@ -116,8 +116,8 @@ def _greedy_without_cache(model, ids, n):
 
 
 @torch.no_grad()
-def test_greedy_generation_is_deterministic_and_matches_argmax_loop(target):
-    model, tok = target
+def test_greedy_generation_is_deterministic_and_matches_argmax_loop(demo_target):
+    model, tok = demo_target
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}],
         add_generation_prompt=True,
@@ -131,8 +131,8 @@ def test_greedy_generation_is_deterministic_and_matches_argmax_loop(target):
 
 
 @torch.no_grad()
-def test_target_answers_heldout_question_in_gsm8k_format(target):
-    model, tok = target
+def test_target_answers_heldout_question_in_gsm8k_format(demo_target):
+    model, tok = demo_target
     question = json.loads((REPO / "assets/data/gsm8k_test.jsonl").open().readlines()[10])["question"]
     ids = tok.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True

@@ -15,7 +15,7 @@ import pytest
 import tomllib
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.core.config import ConfigError, load_config
 from headstart.data_recipes.settings import RegenerateConfig
@@ -41,12 +41,6 @@ VERBS = ["fetch-target", "regenerate", "capture", "train", "eval", "autotune", "
 VERBS += ["verify-engines"]
 FLAG_VERBS = [verb for verb in VERBS if cli.VERBS[verb].section is not None]
 GSM8K_TEST = REPO / "assets" / "data" / "gsm8k_test.jsonl"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    """tiny_llama() (vocabulary 300) loaded from its folder: a head made on it names its target, as trained ones do."""
-    return LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
 
 
 def test_help_lists_every_verb_on_one_line(capsys):
@@ -387,8 +381,8 @@ def test_the_launcher_refuses_a_process_count_below_one_naming_the_flag(monkeypa
     assert exit_info.value.code == 2 and "argument --nproc-per-node: must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_the_launcher_refuses_an_empty_out_naming_the_key(target, tmp_path, capsys, monkeypatch):
-    head = make_head(target, tmp_path, "eagle3")
+def test_the_launcher_refuses_an_empty_out_naming_the_key(tiny_llama_from_dir, tmp_path, capsys, monkeypatch):
+    head = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
     monkeypatch.chdir(tmp_path)  # an empty out is the folder the command runs in
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["export", f"export.head={head}", "export.format=vllm", "export.out="])

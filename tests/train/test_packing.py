@@ -13,16 +13,9 @@ from headstart.heads.sparse_attention import ttt_attention
 from headstart.train import eagle
 from headstart.train.config import resolve_config
 from tests.heads.test_long_sequences import HEADS, loss_and_grads
-from tests.helpers import make_batch, records, run_here, tiny_llama
+from tests.helpers import make_batch, records, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def target():
-    model = tiny_llama()
-    model.lm_head.weight.data *= 10  # peaked: a draft's loss is not flat
-    return model.requires_grad_(False)
 
 
 LENGTHS = (9, 14, 6)
@@ -42,13 +35,13 @@ def samples(target):
     return out
 
 
-def test_a_packed_row_holds_the_samples_end_to_end_each_from_position_zero(target):
-    batch = pack_collate(samples(target))
+def test_a_packed_row_holds_the_samples_end_to_end_each_from_position_zero(peaked_tiny_llama):
+    batch = pack_collate(samples(peaked_tiny_llama))
     assert batch["input_ids"].shape == (1, sum(LENGTHS)) and batch["aux_hidden"].shape[:2] == (1, sum(LENGTHS))
     assert batch["position_ids"][0].tolist() == [*range(9), *range(14), *range(6)]
     assert batch["segment_ids"][0].tolist() == [0] * 9 + [1] * 14 + [2] * 6
     assert batch["sample_id"].tolist() == [0, 1, 2] and bool(batch["attention_mask"].all())
-    padded = pad_collate(samples(target))
+    padded = pad_collate(samples(peaked_tiny_llama))
     assert torch.equal(batch["input_ids"][0], padded["input_ids"][padded["attention_mask"].bool()])
 
 
@@ -57,18 +50,18 @@ CASES = [(name, False) for name in sorted(EVERY_HEAD)] + [(name, True) for name 
 
 
 @pytest.mark.parametrize(("name", "chunks"), CASES, ids=[f"{n}-{'chunks' if c else 'whole'}" for n, c in CASES])
-def test_every_head_trains_on_a_packed_row_as_on_the_samples_padded(target, name, chunks, monkeypatch):
+def test_every_head_trains_on_a_packed_row_as_on_the_samples_padded(peaked_tiny_llama, name, chunks, monkeypatch):
     torch.manual_seed(3)
     options = EVERY_HEAD[name] | ({"num_anchors": 64} if "block_size" in EVERY_HEAD[name] else {})
-    head = build_head(options, target)  # num_anchors past every row: each run drafts from every candidate
+    head = build_head(options, peaked_tiny_llama)  # num_anchors past every row: each run drafts from every candidate
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     if chunks:  # the sparse attention and the losses' logits in many chunks, the steps recomputed
         monkeypatch.setattr(memory, "SCORE_BUDGET", 2000)
         head.checkpoint_steps = True
-    padded_loss, padded_metrics, padded_grads = loss_and_grads(head, pad_collate(samples(target)))
-    packed_loss, packed_metrics, packed_grads = loss_and_grads(head, pack_collate(samples(target)))
+    padded_loss, padded_metrics, padded_grads = loss_and_grads(head, pad_collate(samples(peaked_tiny_llama)))
+    packed_loss, packed_metrics, packed_grads = loss_and_grads(head, pack_collate(samples(peaked_tiny_llama)))
     torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-6)
     for key, value in padded_metrics.items():
         torch.testing.assert_close(packed_metrics[key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -77,10 +70,10 @@ def test_every_head_trains_on_a_packed_row_as_on_the_samples_padded(target, name
         torch.testing.assert_close(packed_grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
 
 
-def test_a_packed_row_without_its_sample_boundaries_trains_differently(target):
+def test_a_packed_row_without_its_sample_boundaries_trains_differently(peaked_tiny_llama):
     # The test above would pass for a head that ignored segment_ids only if nothing crossed samples: it does.
-    head = build_head(HEADS["eagle3"], target)
-    batch = pack_collate(samples(target))
+    head = build_head(HEADS["eagle3"], peaked_tiny_llama)
+    batch = pack_collate(samples(peaked_tiny_llama))
     torch.manual_seed(0)
     with_boundaries = head.loss(batch)[0]
     del batch["segment_ids"], batch["position_ids"]
