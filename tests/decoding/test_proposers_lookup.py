@@ -1,6 +1,6 @@
 """Suffix decoding, lookahead decoding and self-speculative (early-exit) drafting: exact drafts on hand-made
 token sequences, greedy output identical to the target's on the tiny and the bundled target, drafts accepted
-where the text repeats, and lossless sampling for self_spec (chi-square, as tests/test_decoding_sampling.py)."""
+where the text repeats, and lossless sampling for self_spec (chi-square, as test_decoding_sampling.py)."""
 
 import math
 

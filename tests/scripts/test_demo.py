@@ -2,7 +2,7 @@
 failure says so.
 
 The stages here are small shell-free Python one-liners that append to a log, so the tests see exactly
-which commands ran. The real pipeline under SIGKILL is tests/test_fault_injection.py.
+which commands ran. The real pipeline under SIGKILL is tests/scripts/test_fault_injection.py.
 """
 
 import json
