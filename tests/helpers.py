@@ -95,6 +95,13 @@ def save_tiny_llama(path: Path, **config) -> str:
     return str(path)
 
 
+def greedy_reference(target, prompt: torch.Tensor, new: int = 16) -> torch.Tensor:
+    """``target``'s own greedy continuation of ``prompt`` by transformers' generate: what speculative decoding must
+    reproduce token for token."""
+    eos = target.config.eos_token_id
+    return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+
+
 def make_batch(target, batch: int = 2, seq: int = 16, seed: int = 0) -> dict:
     """A training batch of random ids with ``target``'s hidden states (aux layers LAYER_IDS), as capture stores it."""
     gen = torch.Generator().manual_seed(seed)

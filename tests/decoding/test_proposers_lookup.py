@@ -2,11 +2,9 @@
 token sequences, greedy output identical to the target's on the tiny and the bundled target, drafts accepted
 where the text repeats, and lossless sampling for self_spec (chi-square, as test_decoding_sampling.py)."""
 
-import math
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.data_recipes.bench import load_bench
 from headstart.data_recipes.prompts import render
@@ -15,7 +13,7 @@ from headstart.decoding.proposers import DraftModel, SelfSpec, early_exit
 from headstart.decoding.proposers_lookup import Lookahead, Suffix, SuffixIndex
 from headstart.decoding.tree import Tree
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
-from tests.helpers import TARGET
+from tests.helpers import TARGET, chi_square_critical, greedy_reference, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,17 +100,8 @@ def test_lookahead_window_rides_in_the_tree_and_its_outputs_fill_the_pool():
 # ---------------------------------------------------------------------------------------------- self_spec
 
 
-def tiny_llama(vocab: int = 300) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
-
-
 def test_early_exit_is_the_targets_first_layers_with_its_norm_and_head_sharing_its_weights():
-    target = tiny_llama()
+    target = tiny_llama(num_hidden_layers=4)
     draft = early_exit(target, 2)
     ids = torch.tensor([[5, 9, 14, 3, 7]])
     with torch.no_grad():
@@ -126,11 +115,6 @@ def test_early_exit_is_the_targets_first_layers_with_its_norm_and_head_sharing_i
 
 
 # ---------------------------------------------------------------------------------------------- greedy identity
-
-
-def greedy_reference(target, prompt, new=NEW):
-    eos = target.config.eos_token_id
-    return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
 
 
 def new_proposers(target, trees: bool = True):
@@ -202,7 +186,7 @@ def test_lookups_get_drafts_accepted_where_the_text_repeats(bundled):
 
 
 def test_build_proposer_maps_the_new_methods():
-    target = tiny_llama()
+    target = tiny_llama(num_hidden_layers=4)
     flags = TreeFlags(depth=3, exit_layer=1)
     assert isinstance(build_proposer("suffix", flags), Suffix) and build_proposer("suffix", flags).k == 3
     assert isinstance(build_proposer("lookahead", flags), Lookahead)
@@ -220,11 +204,6 @@ V = 6
 PROMPT = torch.tensor([[1, 2, 3, 2]])
 
 
-def chi_square_critical(dof: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is the 0.999 normal quantile."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
 def two_token_distribution(model, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """P(x1, x2) as a [V * V] vector: p(x1 | prompt) * p(x2 | prompt, x1)."""
     with torch.no_grad():
@@ -236,7 +215,7 @@ def two_token_distribution(model, prompt: torch.Tensor, sampling: Sampling) -> t
 
 def test_sampled_self_spec_is_lossless():
     # A V-token target with peaked distributions whose first layer drafts differently from the whole stack.
-    target = tiny_llama(vocab=V)
+    target = tiny_llama(vocab_size=V, num_hidden_layers=4)
     target.lm_head.weight.data *= 6
     sampling = Sampling(temperature=1.0)
     exact = two_token_distribution(target, PROMPT, sampling)
@@ -259,7 +238,7 @@ def test_sampled_self_spec_is_lossless():
 
 
 def test_self_spec_is_a_draft_model_over_the_early_exit_stack():
-    target = tiny_llama()
+    target = tiny_llama(num_hidden_layers=4)
     proposer = SelfSpec(target, exit_layer=3, k=2)
     assert isinstance(proposer, DraftModel) and proposer.model.config.num_hidden_layers == 3
     assert proposer.model.model.layers is target.model.layers  # shared, not copied

@@ -11,8 +11,8 @@ from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import generate
 from headstart.heads import build_head
 from headstart.heads.registry import drafting_of
-from tests.heads.test_dflash import block_batch, greedy_reference, prompts
-from tests.helpers import LAYER_IDS, WIDE, tiny_llama
+from tests.heads.test_dflash import block_batch, prompts
+from tests.helpers import LAYER_IDS, WIDE, greedy_reference, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -30,6 +30,7 @@ from tests.helpers import (
     WIDE,
     assert_matches,
     block_drafter_run,
+    greedy_reference,
     tiny_llama,
     trains_then_resumes_identically,
     world_of_one,
@@ -214,11 +215,6 @@ def trained_on(head, batch, steps):
         head.loss(batch)[0].backward()
         optimizer.step()
     return first, head.loss(batch)
-
-
-def greedy_reference(target, prompt, new=NEW):
-    eos = target.config.eos_token_id
-    return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
 
 
 def test_the_tree_holds_each_depths_candidates_from_one_block(peaked_wide_llama):

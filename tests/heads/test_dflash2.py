@@ -23,7 +23,6 @@ from tests.heads.test_dflash import (
     block_batch,
     features,
     first_tree,
-    greedy_reference,
     prompts,
     trained_on,
 )
@@ -31,6 +30,7 @@ from tests.helpers import (
     WIDE,
     assert_matches,
     block_drafter_run,
+    greedy_reference,
     tiny_llama,
     trains_then_resumes_identically,
     world_of_one,
