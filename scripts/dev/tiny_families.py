@@ -1,6 +1,6 @@
 """Tiny random targets of every family a serving engine drafts for, built from transformers' own config classes
 (nothing downloaded): what makes each family different, at the smallest size that still shows it. The tests
-(``tests/test_target_families.py``) and the device check below share them.
+(``tests/heads/test_target_families.py``) and the device check below share them.
 
     python -m scripts.dev.tiny_families --device cuda --dtype fp32 --out runs/gpu-check/families
 

@@ -44,7 +44,7 @@ VLLM_UNSERVED_FAMILIES = {
 # The target families whose aux hidden states (what EAGLE-3, P-EAGLE and DFlash drafts read) each engine captures
 # with its own model class: vLLM 0.32.0's implements SupportsEagle3 (vllm/model_executor/models/), SGLang 0.5.23's
 # set_eagle3_layers_to_capture (srt/models/); read from the two wheels. docs/EXPORT.md's "Families by engine" table
-# is this one (tests/test_target_families.py). vLLM serves any other family through its Transformers backend
+# is this one (tests/heads/test_target_families.py). vLLM serves any other family through its Transformers backend
 # (``--model-impl transformers``: its model class captures aux states for every model), which the serve command
 # then names; SGLang has no such fallback.
 AUX_CAPTURE: dict[str, tuple[str, ...]] = {

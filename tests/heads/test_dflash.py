@@ -1,0 +1,486 @@
+"""DFlash block drafters: the block attention, training blocks == served blocks, the loss and its metrics,
+drafting through the verifier (greedy identity, lossless sampling), training with exact resume, export and
+import in vLLM's layout."""
+
+import io
+import json
+import os
+import pickle
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from headstart.decoding.proposers_heads import DFlash
+from headstart.decoding.tree_config import comb_choices
+from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.heads import build_head, load_head
+from headstart.heads.block import resolve_mask_token_id
+from headstart.heads.sparse_attention import block_attention
+from headstart.scripts.export.command import export_head
+from headstart.scripts.export.command import main as export_main
+from headstart.scripts.export.import_head import import_head
+from headstart.train import dflash as dflash_trainer
+from tests.decoding.test_decoding_sampling import exact_two_tokens_of
+from tests.helpers import (
+    TARGET,
+    WIDE,
+    assert_matches,
+    block_drafter_run,
+    greedy_reference,
+    tiny_llama,
+    trains_then_resumes_identically,
+    world_of_one,
+)
+
+V, NEW = 300, 16
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def dflash_head(target, seed: int = 1, **options):
+    torch.manual_seed(seed)
+    return build_head({"type": "dflash", "layer_ids": [1, 3, 4], "block_size": 5, "num_layers": 2, **options}, target)
+
+
+def features(target, ids, layers):
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([states[i] for i in layers], dim=-1), states[-1]
+
+
+def test_block_attention_equals_dense_masked_attention():
+    # N blocks of S slots over a context, 6 query heads on 2 key/value heads: what one SDPA call computes
+    # with the dense [N*S, C + N*S] mask and each key/value head repeated for its group.
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, blocks, size, ctx, dim = 2, 6, 2, 4, 5, 9, 8
+    q = torch.randn(batch, heads, blocks * size, dim, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, blocks * size, dim, generator=gen) for _ in range(2))
+    ck, cv = (torch.randn(batch, kv_heads, ctx, dim, generator=gen) for _ in range(2))
+    anchors = torch.randint(0, ctx, (batch, blocks), generator=gen)
+    visible = torch.arange(ctx) < anchors[..., None]  # [batch, N, C]: a block sees the context before its anchor
+    keys, values = (torch.cat(pair, 2).repeat_interleave(3, dim=1) for pair in ((ck, k), (cv, v)))
+    for causal in (False, True):
+        own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool)] * blocks)
+        if causal:
+            own &= torch.ones(blocks * size, blocks * size, dtype=torch.bool).tril()
+        mask = torch.cat((visible.repeat_interleave(size, 1), own.expand(batch, -1, -1)), -1)[:, None]
+        dense = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        torch.testing.assert_close(block_attention(q, k, v, ck, cv, visible, causal), dense, atol=1e-5, rtol=1e-5)
+    one = block_attention(q[:, :, :size], k[:, :, :size], v[:, :, :size], ck, cv, None, False)  # served: sees all
+    full = F.scaled_dot_product_attention(
+        q[:, :, :size], *(torch.cat(p, 2) for p in ((ck, k[:, :, :size]), (cv, v[:, :, :size]))), enable_gqa=True
+    )
+    torch.testing.assert_close(one, full, atol=1e-5, rtol=1e-5)
+
+
+def test_many_training_blocks_equal_one_served_block_each(peaked_wide_llama):
+    # The training forward (every anchor's block in one pass, the context masked per block) gives each
+    # block the logits drafting computes from a context cut at its anchor; the context's keys come from
+    # the target's states at the context tokens' own positions.
+    head = dflash_head(peaked_wide_llama).eval()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, V, (1, 24), generator=gen)
+    aux, _ = features(peaked_wide_llama, ids, head.hidden_layers)
+    anchors = torch.tensor([[0, 5, 11, 19]])
+    size = head.config.options.block_size
+    positions = anchors[..., None] + torch.arange(size)
+    blocks = torch.full_like(positions, head.mask_token_id)
+    blocks[..., 0] = ids[0, anchors]
+    with torch.no_grad():
+        context = head.context_kv(aux, torch.arange(24)[None])
+        visible = torch.arange(24) < anchors[..., None]
+        together = head.logits(head(blocks.flatten(1), positions.flatten(1), context, visible)).view(4, size, V)
+        for n, a in enumerate(anchors[0].tolist()):
+            alone = head.draft_block(ids[0, a], a, head.context_kv(aux[:, :a], torch.arange(a)[None]), size - 1)
+            torch.testing.assert_close(together[n, 1:], alone, atol=1e-4, rtol=1e-4)
+        # Bidirectional: slot 1 sees the later mask slots, so a shorter block drafts it differently.
+        short = head.draft_block(ids[0, 11], 11, head.context_kv(aux[:, :11], torch.arange(11)[None]), 2)
+        assert (short[0] - together[2, 1]).abs().max() > 1e-3
+
+
+def test_mask_token_and_layer_ids():
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    config = AutoModelForCausalLM.from_pretrained(TARGET).config
+    # The bundled tokenizer fills all 8192 rows: its pad token (3) is the mask.
+    assert len(tokenizer) == config.vocab_size and resolve_mask_token_id(config, tokenizer) == tokenizer.pad_token_id
+    config.vocab_size = 8200  # a table with rows no text uses: the first of them
+    assert resolve_mask_token_id(config, tokenizer) == 8192
+    target = tiny_llama(**WIDE)
+    assert build_head({"type": "dflash", "layer_ids": [2, 3]}, target).mask_token_id == 0  # the config's pad
+    with pytest.raises(ValueError, match=r"DFlash layer_ids \[0\] out of range: the target's layers 1..5"):
+        build_head({"type": "dflash", "layer_ids": [0, 2]}, target)
+    with pytest.raises(ValueError, match="mask_token_id 300 is not a row of the target's 300 embeddings"):
+        build_head({"type": "dflash", "layer_ids": [2, 3], "mask_token_id": 300}, target)
+
+
+def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(peaked_wide_llama):
+    # With at least as many anchors as positions every candidate is an anchor: the loss and its metrics,
+    # recomputed block by block through the drafting path.
+    head = dflash_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0)
+    batch = block_batch(peaked_wide_llama, head, gap=False)
+    ids, attention, loss_mask, aux, last = (
+        batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
+    )
+    # Fit these blocks a little, so that acceptance chains get long enough to count.
+    _, (loss, metrics) = trained_on(head, batch, 150)
+
+    size, weights = head.config.options.block_size, torch.exp(-torch.arange(4) / 2.0)
+    ce_sum, counts, tried, hits = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    with torch.no_grad():
+        for b in range(2):
+            n = int(attention[b].sum())
+            for a in range(n - 1):
+                if not loss_mask[b, a + 1]:
+                    continue  # an anchor needs a label right after it
+                context = head.context_kv(aux[b : b + 1, :a], torch.arange(a)[None])
+                logp = head.draft_block(ids[b, a], a, context, size - 1).log_softmax(-1)
+                target_logp = peaked_wide_llama.lm_head(last[b, a : a + size - 1]).log_softmax(-1)
+                chain = True
+                for k in range(min(size - 1, n - 1 - a)):
+                    if not loss_mask[b, a + 1 + k]:
+                        break
+                    ce_sum[k] -= (target_logp[k].exp() * logp[k]).sum()
+                    counts[k] += 1
+                    if chain:
+                        tried[k] += 1
+                        chain = bool(logp[k].argmax() == target_logp[k].argmax())
+                        hits[k] += chain
+    expected = (weights * ce_sum / counts).sum() / weights.sum()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+    assert hits.min() > 0, (tried, hits)  # the chains reach every slot
+    torch.testing.assert_close(torch.stack([metrics[f"acc_{k}"] for k in range(4)]), hits / tried)
+    slot_losses = torch.stack([metrics[f"loss_{k}"] for k in range(4)])
+    torch.testing.assert_close(slot_losses, ce_sum / counts, atol=1e-4, rtol=1e-4)
+    assert counts.tolist() == [17, 15, 13, 11] and sorted(metrics) == sorted(
+        [f"acc_{k}" for k in range(4)] + [f"loss_{k}" for k in range(4)]
+    )
+    loss.backward()  # gradients reach the draft, never the frozen target
+    assert head.fc.weight.grad is not None and peaked_wide_llama.lm_head.weight.grad is None
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    return [
+        torch.tensor([[7]]),
+        torch.randint(2, V, (1, 5), generator=gen),
+        torch.randint(2, V, (1, 12), generator=gen),
+    ]
+
+
+def first_tree(target, proposer):
+    """(the tree ``proposer`` drafts after prompts()[2]'s features are committed, those features [1, 11, n * H])."""
+    tokens = prompts()[2][0]
+    aux, _ = features(target, tokens[None, :-1], proposer.hidden_layers)
+    proposer.reset(Sampling())
+    with torch.no_grad():
+        proposer.update(tokens, aux[0])
+        return proposer.propose(tokens), aux
+
+
+def assert_same_head(imported, head):
+    """An imported block drafter is the exported one: the same tensors and options (the draft layer's width written
+    out)."""
+    mine = head.state_dict()
+    assert imported.state_dict().keys() == mine.keys()
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
+    assert imported.config.options == head.config.options.model_copy(update={"intermediate_size": 96})
+
+
+def block_batch(target, head, gap: bool = True):
+    """Two samples of 14 random tokens with the target's states: the second padded from 11, the first 4 of each
+    unlabelled and (``gap``) a gap at 9 in the first (a block stops being scored there, where its loss says so)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, V, (2, 14), generator=gen)
+    attention = torch.ones_like(ids)
+    attention[1, 11:] = 0
+    loss_mask = attention.clone()
+    loss_mask[:, :4] = 0
+    loss_mask[0, 9] = 0 if gap else 1
+    aux, last = features(target, ids, head.hidden_layers)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux} | {
+        "last_hidden": last
+    }
+
+
+def trained_on(head, batch, steps):
+    """((loss, metrics) before, (loss, metrics) after ``steps`` Adam steps at 1e-2 on ``batch``)."""
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    first = head.loss(batch)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        head.loss(batch)[0].backward()
+        optimizer.step()
+    return first, head.loss(batch)
+
+
+def test_the_tree_holds_each_depths_candidates_from_one_block(peaked_wide_llama):
+    head = dflash_head(peaked_wide_llama)
+    proposer = DFlash(head, choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    tokens = prompts()[2][0]
+    tree, aux = first_tree(peaked_wide_llama, proposer)
+    with torch.no_grad():
+        top = head.draft_block(tokens[-1], len(tokens) - 1, head.context_kv(aux, torch.arange(11)[None]), 4).topk(2)
+    assert tree.depths.tolist() == [1, 1, 2, 2, 2, 3] and tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    ranks = [0, 1, 0, 1, 0, 0]
+    assert tree.tokens.tolist() == [int(top.indices[d - 1, r]) for d, r in zip(tree.depths.tolist(), ranks)]
+    with pytest.raises(ValueError, match="tree depth 5 needs more than the block's 4 drafting slots"):
+        proposer.choices = comb_choices(5, 2)
+
+
+@pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]], ids=["chain", "tree"])
+def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
+    proposer = DFlash(dflash_head(peaked_wide_llama), choices=choices)
+    for prompt in prompts():
+        out, stats = generate(
+            peaked_wide_llama, proposer, prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
+        )
+        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
+        assert stats.target_forwards == len(stats.accepted_lengths)
+    # Batched verification: each sequence keeps its own draft context.
+    outputs, _ = generate_batch(peaked_wide_llama, [DFlash(proposer.head, choices) for _ in prompts()], prompts(), NEW)
+    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
+
+
+def test_greedy_output_equals_the_bundled_targets_own():
+    # The bundled 22M Llama and a fresh DFlash head on its EAGLE-3 layers: drafts are mostly rejected,
+    # the output must still be the target's greedy tokens, token for token.
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    torch.manual_seed(0)
+    head = build_head({"type": "dflash", "block_size": 8}, model, tokenizer)
+    assert head.hidden_layers == (2, 5, 7) and head.mask_token_id == tokenizer.pad_token_id  # the defaults
+    question = [{"role": "user", "content": "Tom has 3 boxes of 12 pencils. He gives away 7. How many are left?"}]
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = prompt["input_ids"]
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=24, pad_token_id=tokenizer.pad_token_id)
+    for choices in (None, [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]):
+        out, stats = generate(model, DFlash(head, choices=choices), prompt, 24)
+        assert torch.equal(out, expected[:, : out.shape[1]]) and out.shape[1] == expected.shape[1]
+
+
+def test_sampled_block_tree_is_lossless():
+    # The first two generated tokens follow the target's exact distribution (a chi-square test at 0.001,
+    # as in test_decoding_sampling.py), drafting a tree whose depth-1 siblings are drawn without replacement
+    # from the first mask slot's q. A 5-token vocabulary keeps every one of the 25 cells populated.
+    target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
+    target.lm_head.weight.data *= 5  # the target's and the draft's distributions differ, but overlap
+    head = dflash_head(target, seed=4)
+    sampling = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
+    exact = exact_two_tokens_of(target, prompt, sampling)
+    with torch.no_grad():
+        aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
+        context = head.context_kv(aux, torch.arange(6)[None])
+        q = probabilities(head.draft_block(prompt[0, -1], 6, context, 4), sampling)
+    torch.manual_seed(0)
+    counts, accepted = torch.zeros(25), 0
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    for _ in range(10):
+        outputs, stats = generate_batch(
+            target, [DFlash(head, choices) for _ in range(100)], [prompt] * 100, 2, sampling
+        )
+        for out, stat in zip(outputs, stats):
+            counts[out[0, -2] * 5 + out[0, -1]] += 1
+            accepted += stat.accepted_lengths[0] - 1
+    assert accepted > 300  # the drafts are often right: acceptance is exercised, not only the residual
+    # A sampler returning the draft's own tokens would fail by far (assert_matches checks that power).
+    assert_matches(counts, exact, (q[0][:, None] * q[1][None]).flatten())
+
+
+def test_export_for_vllm_and_import_back(peaked_wide_llama, tmp_path):
+    target_dir = tmp_path / "target"
+    peaked_wide_llama.save_pretrained(target_dir)
+    head = dflash_head(peaked_wide_llama, mask_embedding=True, causal=True)
+    with torch.no_grad():
+        head.mask_embedding.normal_()  # a learned vector, not the row it started from
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 2, 3], "causal": True}
+    assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config  # they would win
+    assert (config["num_hidden_layers"], config["head_dim"], config["block_size"]) == (2, 16, 5)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == set(head.state_dict()) - {"mask_embedding"}
+    assert not any(k.startswith(("model.", "embed_tokens", "lm_head")) for k in tensors)  # vLLM shares the target's
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == 0 and torch.equal(mask["embedding"], head.mask_embedding.detach())
+    assert (
+        '"method": "dflash"' in (out / "README.md").read_text()
+        and '"num_speculative_tokens": 4' in (out / "README.md").read_text()
+    )
+
+    imported = load_head(import_head("dflash", out, tmp_path / "imported", str(target_dir)), peaked_wide_llama)
+    assert_same_head(imported, head)
+    assert imported.config.arch == head.config.arch
+
+    # What the head cannot be is refused by name, not half-imported.
+    config["dflash_config"]["use_swa"] = True
+    config["vocab_size"] = 100
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="uses sliding-window attention, an embedding table of 100 rows"):
+        import_head("dflash", out, tmp_path / "refused", str(target_dir))
+    with pytest.raises(ValueError, match=r"cannot export a dflash head as 'sglang': SGLang 0.5.23 has no DFlash"):
+        export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
+
+
+def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
+    # train/dflash.py through DeepSpeed (a world of one, online capture): 4 steps straight, then the same
+    # run resumed from its step-2 checkpoint. The blocks of every step are drawn from the generator the
+    # loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for bit.
+    world_of_one(monkeypatch)
+    path, out = block_drafter_run(
+        tmp_path,
+        tiny_target_dir,
+        gsm8k_file,
+        {"type": "dflash", "block_size": 4, "num_anchors": 8, "mask_embedding": True},
+    )
+    straight, lines = trains_then_resumes_identically(dflash_trainer.main, path, out)
+    heldout = [r for r in lines if r["split"] == "heldout"]
+    assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
+    assert sorted(k for k in heldout[1] if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]
+    head_config = json.loads((out / "head" / "config.json").read_text())
+    assert head_config["training"]["predicted_tau"] == heldout[1]["predicted_tau"]
+    assert head_config["layer_ids"] == [1, 3, 4]  # the capture's layers
+    assert "mask_embedding" in straight
+
+
+def test_autotune_picks_a_static_tree_within_the_block_that_acceptance_decodes(tiny_target_dir, gsm8k_file, tmp_path):
+    from headstart.eval.acceptance import main as acceptance
+    from headstart.eval.autotune import main as autotune
+
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir)
+    head = tmp_path / "head"
+    torch.manual_seed(0)
+    build_head({"type": "dflash", "layer_ids": [1, 3, 4], "block_size": 4}, target).save_pretrained(head)
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--bench", str(gsm8k_file), "--calibration", "1"]
+    argv += ["--heldout", "1", "--max-new-tokens", "8", "--max-nodes", "6", "--max-depth", "8", "--comb-width", "2"]
+    result = autotune(argv + ["--repeats", "1", "--batch-sizes", "1", "--out", str(tmp_path / "at"), "--write-head"])
+    names = [row["name"] for row in result["grid"]]
+    assert names[0] == "vanilla" and not any(name.startswith("dynamic") for name in names)
+    assert all(row["greedy_identical"] for row in result["grid"]) and result["checks"]["beats_eagle_default"] is None
+    tree = json.loads((head / "tree.json").read_text())
+    assert tree["shape"] == "static" and tree["depth"] <= 3  # the block's 3 mask slots, not --max-depth 8
+    argv = ["--target", str(tiny_target_dir), "--head", str(head), "--method", "dflash", "--bench", str(gsm8k_file)]
+    report = acceptance(argv + ["--limit", "1", "--max-new-tokens", "6", "--out", str(tmp_path / "r")])
+    entry = report["methods"]["dflash"]
+    assert entry["tree_config"]["choices"] == tree["choices"] and entry["greedy_identical"]
+
+
+def test_a_reduced_draft_vocabulary_drafts_the_target_rows_and_serves_as_d2t(peaked_wide_llama, tmp_path):
+    # draft_vocab_size: the target lm_head's rows for the most frequent tokens (frozen), d2t offsets; the
+    # logits over the target vocabulary are the full-vocabulary head's there and -inf elsewhere.
+    full = dflash_head(peaked_wide_llama)
+    head = dflash_head(peaked_wide_llama, draft_vocab_size=120)
+    head.load_state_dict(full.state_dict(), strict=False)  # the same draft layers
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[torch.arange(0, V, 2)] = torch.arange(150, 0, -1)  # the even ids, 0 the most frequent
+    head.set_vocab_mapping(counts)
+    kept = torch.arange(0, 240, 2)
+    assert torch.equal(head.draft_ids(), kept) and torch.equal(
+        head.lm_head.weight, peaked_wide_llama.lm_head.weight[kept]
+    )
+    assert not head.lm_head.weight.requires_grad  # the target's rows stay the target's
+    tokens = prompts()[2][0]
+    aux, _ = features(peaked_wide_llama, tokens[None, :-1], head.hidden_layers)
+    with torch.no_grad():
+        context = head.context_kv(aux, torch.arange(11)[None])
+        mine, theirs = head.draft_block(tokens[-1], 11, context, 4), full.draft_block(tokens[-1], 11, context, 4)
+    torch.testing.assert_close(mine[:, kept], theirs[:, kept])
+    assert torch.isinf(mine[:, 1::2]).all()
+    out, _ = generate(peaked_wide_llama, DFlash(head), prompts()[1], NEW)
+    assert torch.equal(out, greedy_reference(peaked_wide_llama, prompts()[1]))
+
+    target_dir = tmp_path / "target"
+    peaked_wide_llama.save_pretrained(target_dir)
+    head.save_pretrained(tmp_path / "head")
+    export = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    config, tensors = json.loads((export / "config.json").read_text()), load_file(str(export / "model.safetensors"))
+    assert config["draft_vocab_size"] == 120 and torch.equal(tensors["d2t"], kept - torch.arange(120))
+    assert tensors["lm_head.weight"].shape == (120, 64) and "t2d" not in tensors  # vLLM skips t2d
+    imported = load_head(import_head("dflash", export, tmp_path / "imported", str(target_dir)), peaked_wide_llama)
+    assert all(torch.equal(imported.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+def edit_config(head_dir, **edit):
+    path = head_dir / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | edit))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # vLLM's target_layer_ids would be [-1, 2, 3]: the embeddings have no DFlash name.
+        ({"layer_ids": [0, 3, 4]}, r"DFlash layer_ids \[0\] out of range: the target's layers 1\.\.5 can be fused"),
+        ({"mask_token_id": 99999}, r"head\.mask_token_id 99999 is not a row of the target's 300 embeddings"),
+    ],
+)
+def test_a_config_the_build_refuses_is_refused_by_loading_and_export_too(
+    peaked_wide_llama, tmp_path, capsys, edit, message
+):
+    target_dir = tmp_path / "target"
+    peaked_wide_llama.save_pretrained(target_dir)
+    dflash_head(peaked_wide_llama).save_pretrained(tmp_path / "head")
+    edit_config(tmp_path / "head", **edit)
+    where = re.escape(str(tmp_path / "head" / "config.json"))
+    with pytest.raises(ValueError, match=f"{where}: {message}"):
+        load_head(tmp_path / "head", peaked_wide_llama)  # as eval.acceptance loads it
+    argv = ["--head", str(tmp_path / "head"), "--format", "vllm", "--out", str(tmp_path / "export")]
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([*argv, "--target", str(target_dir)])
+    assert exit_info.value.code == 2 and re.search(f"{where}: {message}", capsys.readouterr().err)
+    assert not (tmp_path / "export").exists()
+
+
+def test_weights_that_do_not_fit_the_config_name_the_folder_the_key_and_the_shapes(peaked_wide_llama, tmp_path):
+    dflash_head(peaked_wide_llama, draft_vocab_size=100).save_pretrained(tmp_path / "head")
+    edit_config(tmp_path / "head", num_layers=3)
+    weights, config = (re.escape(str(tmp_path / "head" / name)) for name in ("model.safetensors", "config.json"))
+    settings = r"target_hidden_size 64, vocab_size 300, arch\.intermediate_size 96, layer_ids \[1, 3, 4\]"
+    with pytest.raises(
+        ValueError, match=rf"{weights} does not fit {config} \({settings}, num_layers 3,.*missing layers\.2\."
+    ):
+        load_head(tmp_path / "head", peaked_wide_llama)
+    edit_config(tmp_path / "head", num_layers=2, draft_vocab_size=50)
+    with pytest.raises(
+        ValueError, match=r"draft_vocab_size 50\): d2t has shape \(100,\), expected \(50,\); lm_head\.weight has shape "
+    ):
+        load_head(tmp_path / "head", peaked_wide_llama)
+    edit_config(tmp_path / "head", draft_vocab_size=400)  # the documented check: not larger than the target's
+    with pytest.raises(ValueError, match=f"{config}: .*draft_vocab_size 400 vs vocab size 300: the draft vocabulary"):
+        load_head(tmp_path / "head", peaked_wide_llama)
+
+
+class Crafted:
+    """Unpickling it would run code (create a folder): what weights_only=True refuses."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_mask_embedding_that_is_not_a_tensor_file_is_refused_naming_it(peaked_wide_llama, tmp_path):
+    target_dir = tmp_path / "target"
+    peaked_wide_llama.save_pretrained(target_dir)
+    dflash_head(peaked_wide_llama, mask_embedding=True).save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    mask_file, marker = out / "mask_embedding.pt", tmp_path / "ran"
+    for name, data in [("crafted", pickle.dumps(Crafted(marker))), ("garbage", os.urandom(64)), ("empty", b"")]:
+        mask_file.write_bytes(data)
+        with pytest.raises(
+            ValueError,
+            match=rf"{re.escape(str(mask_file))} is not a tensor file loadable with torch\.load\(weights_only=True\)",
+        ):
+            import_head("dflash", out, tmp_path / name, str(target_dir))
+    assert not marker.exists()  # nothing in it ran
+    buffer = io.BytesIO()
+    torch.save({"embedding": [1.0, 2.0], "mask_token_id": 0}, buffer)  # loadable, but holds no tensor
+    mask_file.write_bytes(buffer.getvalue())
+    with pytest.raises(ValueError, match=rf"{re.escape(str(mask_file))} holds no mask vector: .*got list"):
+        import_head("dflash", out, tmp_path / "list", str(target_dir))
