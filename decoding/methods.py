@@ -18,6 +18,7 @@ from pydantic import Field
 from transformers import PreTrainedModel
 
 from headstart.core.settings import Count, Float, Section
+from headstart.decoding.head_proposers import head_proposer, proposer_of
 from headstart.decoding.proposers import DraftModel, NGram, ProposerWrapper, SelfSpec, Vanilla, early_exit
 from headstart.decoding.proposers_heads import DraftSource
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
@@ -158,7 +159,7 @@ def _build(
     if heads is None or method not in heads:
         raise ValueError(f"the {method} method needs its head")
     head = heads[method]
-    proposer = draftings()[method].proposer_class()
+    proposer = proposer_of(method)
     if tree_config is not None and proposer.tunable:  # a tuned tree.json (Medusa drafts its own fixed tree)
         return proposer_for(head, TreeSpec.from_config(tree_config))
     built = proposer.for_flags(head, flags)
@@ -189,7 +190,7 @@ def proposer_for(source: DraftSource, tree: TreeSpec) -> Proposer:
     if not tree.total_tokens:
         return Vanilla()
     if isinstance(source, DraftHead):
-        return drafting_of(source.config).proposer_class().for_tree(source, tree)
+        return head_proposer(source.config).for_tree(source, tree)
     if tree.shape == "static":
         return DraftModel(source, choices=tree.choices, min_confidence=tree.min_confidence)
     return DraftModel(source, tree.depth, tree.top_k, tree.total_tokens, min_confidence=tree.min_confidence)
@@ -218,7 +219,7 @@ def head_tree_configs(
             found[config["method"]] = config
     for method, head in heads.items():
         path = tree if isinstance(tree, Path) else Path(head.path) / "tree.json"
-        tunable = draftings()[method].proposer_class().tunable
+        tunable = proposer_of(method).tunable
         if tunable and tree not in ("static", "dynamic") and path.is_file():
             found[method] = load_tree_config(path)
             # From the head's config: a head folder's own tree.json fails here, before any model loads.

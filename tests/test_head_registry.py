@@ -35,8 +35,8 @@ from headstart.heads import (
 from headstart.heads.eagle import EagleHead, EagleOptions
 from headstart.scripts.export import command as export
 from headstart.scripts.export import import_head
-from headstart.scripts.export.common import arch_from_decoder, decoder_config, read_checkpoint, read_json
-from headstart.scripts.export.formats import EngineFiles, Imported, not_written
+from headstart.export.common import arch_from_decoder, decoder_config, read_checkpoint, read_json
+from headstart.export.layouts import EngineFiles, Imported, not_written
 from headstart.train import eagle
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -36,9 +36,9 @@ from headstart.scripts.dev.tiny_families import (
     family_config,
     save_target,
 )
-from headstart.scripts.export.card import vllm_command
+from headstart.export.card import vllm_command
 from headstart.scripts.export.command import export_head
-from headstart.scripts.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
+from headstart.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.scripts.export.import_head import import_head
 from headstart.train import dflash, eagle
 from headstart.train.config import resolve_config
@@ -170,7 +170,7 @@ def test_sampling_on_a_moe_target_is_lossless():
 
 
 def test_the_families_by_engine_table_is_the_code_s():
-    # docs/EXPORT.md's "Families by engine" table and scripts/export/common.py's AUX_CAPTURE say the same.
+    # docs/EXPORT.md's "Families by engine" table and export/common.py's AUX_CAPTURE say the same.
     text = (REPO / "docs" / "EXPORT.md").read_text()
     section = text[text.index("### Families by engine") :]
     table = next(block for block in section.split("\n\n") if block.startswith("| family"))

@@ -42,7 +42,7 @@ from headstart.core.redact import LOCAL_PATH, redact_data, redact_document, reda
 from headstart.core.settings import CommandFlags, command_failed
 from headstart.heads import read_head_config
 from headstart.scripts.export.command import ExportFormat, export_head
-from headstart.scripts.export.common import file_inside
+from headstart.export.common import file_inside
 
 
 class Push(CommandFlags):

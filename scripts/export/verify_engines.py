@@ -64,7 +64,7 @@ from headstart.core.io import read_jsonl
 from headstart.core.settings import CommandFlags, Count, command_failed
 from headstart.data_recipes.errors import get_field
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat
-from headstart.scripts.export.parity import report_markdown, weights_digest
+from headstart.export.parity import report_markdown, weights_digest
 from headstart.scripts.export.verify_engines_judge import MAX_SHORTFALL, acceptance, judge_schedule, overall, served
 from headstart.scripts.export.verify_engines_side import STAGES, engine_stage, spawn
 
@@ -219,11 +219,11 @@ def our_acceptance(
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
     drafts vLLM's block: the newest token and k masks."""
+    from headstart.decoding.head_proposers import head_proposer
     from headstart.decoding.verify import generate
-    from headstart.heads import drafting_of
 
     k = settings["k"]
-    proposer = drafting_of(head.config).proposer_class().served_chain(head, k)
+    proposer = head_proposer(head.config).served_chain(head, k)
     forwards, accepted, tokens = 0, [0] * k, []
     for prompt in prompts_ids:
         ids = torch.tensor([prompt])

@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig
 
 from headstart.heads import WEIGHTS_NAME, HeadConfig
-from headstart.scripts.export.card import (
+from headstart.export.card import (
     ENGINES,
     code_block,
     reexport_command,
@@ -29,10 +29,10 @@ from headstart.scripts.export.card import (
     sglang_command,
     vllm_command,
 )
-from headstart.scripts.export.common import arch_from_decoder, decoder_config, dtype_name, read_checkpoint, read_json
-from headstart.scripts.export.formats import EngineFiles, Imported, layout_name, not_written
+from headstart.export.common import arch_from_decoder, decoder_config, dtype_name, read_checkpoint, read_json
+from headstart.export.layouts import EngineFiles, Imported, layout_name, not_written
 
-FORMATS = ("vllm", "sglang")
+LAYOUTS = ("vllm", "sglang")
 SOURCES = ("eagle",)
 FILES = (WEIGHTS_NAME,)
 SERVED = True
@@ -44,7 +44,7 @@ SGLANG_QKV_BIAS = {"architectures": ["Qwen2ForCausalLMEagle"], "model_type": "qw
 
 def refusal(fmt: str) -> str:
     why = "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)"
-    return not_written("eagle", fmt, FORMATS, {"speculators": why})
+    return not_written("eagle", fmt, LAYOUTS, {"speculators": why})
 
 
 def export_files(

@@ -19,11 +19,11 @@ import torch
 from transformers import PretrainedConfig
 
 from headstart.heads import HeadConfig, arch_from_target
-from headstart.scripts.export.card import code_block
-from headstart.scripts.export.common import dtype_name, read_checkpoint, read_json, rename_prefixes
-from headstart.scripts.export.formats import EngineFiles, Imported, layout_name
+from headstart.export.card import code_block
+from headstart.export.common import dtype_name, read_checkpoint, read_json, rename_prefixes
+from headstart.export.layouts import EngineFiles, Imported, layout_name
 
-FORMATS = ("medusa",)
+LAYOUTS = ("medusa",)
 SOURCES = ("medusa",)
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 FILES = (WEIGHTS_FILE,)
