@@ -10,6 +10,7 @@ A head type with no layouts registered is trained, evaluated and tuned as any ot
 
 from __future__ import annotations
 
+from headstart.core.settings import rebuild_schemas
 from headstart.export import dflash, dflash2, dspark, eagle, eagle3, medusa
 from headstart.export.layouts import EngineLayouts
 from headstart.heads import HEAD_TYPES, head_type
@@ -18,11 +19,13 @@ HEAD_LAYOUTS: dict[str, EngineLayouts] = {}
 
 
 def register_layouts(name: str, layouts: EngineLayouts) -> EngineLayouts:
-    """Export writes, and import reads, the registered head type ``name`` in ``layouts`` from now on."""
+    """Export writes, and import reads, the registered head type ``name`` in ``layouts`` from now on (the
+    commands' ``--format`` and ``--from`` choices too: every schema is rebuilt)."""
     head_type(name)  # refuses a head type that is not registered
     if HEAD_LAYOUTS.get(name, layouts) is not layouts:
         raise ValueError(f"engine layouts for {name!r} heads are registered already")
     HEAD_LAYOUTS[name] = layouts
+    rebuild_schemas()
     return layouts
 
 
