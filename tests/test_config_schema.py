@@ -228,8 +228,7 @@ def test_training_refuses_out_of_range_values_before_any_work(tmp_path, monkeypa
     def no_work(*args, **kwargs):
         raise AssertionError("a bad config got as far as the process group")
 
-    recipe = trainer if hasattr(trainer, "start_processes") else eagle  # dflash.py runs eagle.py's train_head
-    monkeypatch.setattr(recipe, "start_processes", no_work)
+    monkeypatch.setattr(trainer, "start_processes", no_work)
     path = write_config(tmp_path, name, [f"train.out_dir={tmp_path / 'out'}"])
     with pytest.raises(ConfigError, match=message):
         trainer.main(["--config", str(path), *overrides])

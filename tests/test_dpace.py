@@ -9,7 +9,7 @@ from conftest import block_drafter_run, metrics_lines, tiny_llama, world_of_one
 from test_dflash import WIDE, dflash_head, features
 
 from headstart.heads.losses import dpace_mean, dpace_weights
-from headstart.train import dflash as dflash_trainer
+from headstart.train import eagle as trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,7 +126,7 @@ def test_other_weightings_and_alphas_outside_0_1_are_refused(target, options, me
 
 
 def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/dflash.py as test_dflash runs it (DeepSpeed, a world of one, online capture), with D-PACE.
+    # train/eagle.py as test_dflash runs it (DeepSpeed, a world of one, online capture), with D-PACE.
     world_of_one(monkeypatch)
     path, out = block_drafter_run(
         tmp_path,
@@ -135,7 +135,7 @@ def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeyp
         {"type": "dflash", "block_size": 4, "num_anchors": 8, "loss_weighting": "dpace"},
         save_every=4,
     )
-    dflash_trainer.main(["--config", str(path)])
+    trainer.main(["--config", str(path)])
     heldout = [r for r in metrics_lines(out) if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     head_config = json.loads((out / "head" / "config.json").read_text())

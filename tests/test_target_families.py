@@ -40,15 +40,15 @@ from headstart.export.card import vllm_command
 from headstart.scripts.export.command import export_head
 from headstart.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.scripts.export.import_head import import_head
-from headstart.train import dflash, eagle
+from headstart.train import eagle
 from headstart.train.config import resolve_config
 from headstart.train.loop import Process, training_memory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HEADS = {
-    "eagle3": (eagle, {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3}),
-    "dflash": (dflash, {"type": "dflash", "block_size": 4, "num_anchors": 8}),
+    "eagle3": {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3},
+    "dflash": {"type": "dflash", "block_size": 4, "num_anchors": 8},
 }
 
 
@@ -60,11 +60,11 @@ def family_run(request, tiny_target_dir, gsm8k_file, tmp_path_factory, monkeypat
     save_target(root / "target", family, AutoTokenizer.from_pretrained(tiny_target_dir))
     run_capture(base_config(root / "target", gsm8k_file, root / "shards", root, "eagle3"))
     heads = {}
-    for head_type, (trainer, options) in HEADS.items():
+    for head_type, options in HEADS.items():
         cfg = base_config(root / "target", gsm8k_file, root / "shards", root / head_type, "eagle3", max_steps=3)
         cfg["head"] = options | ({"intermediate_size": 64} if family in EXPERTS_ONLY else {})
         (root / f"{head_type}.yaml").write_text(yaml.safe_dump(cfg))
-        run_here(monkeypatch_module, trainer, root / f"{head_type}.yaml")
+        run_here(monkeypatch_module, eagle, root / f"{head_type}.yaml")  # train/eagle.py trains both
         heads[head_type] = root / head_type
     return family, root / "target", heads
 
