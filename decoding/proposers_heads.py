@@ -34,8 +34,11 @@ from headstart.decoding.tree import (
 )
 from headstart.decoding.tree_config import TreeSpec, chain_choices
 from headstart.decoding.verify import Proposer, Sampling, probabilities
-from headstart.heads import DFlashHead, DraftHead, Eagle3Head, KVCache, MedusaHead, drafting_of
+from headstart.heads import DraftHead, KVCache, drafting_of
 from headstart.heads.base import FeatureDrafter
+from headstart.heads.dflash import DFlashHead
+from headstart.heads.eagle3 import Eagle3Head
+from headstart.heads.medusa import MedusaHead
 
 if TYPE_CHECKING:
     from headstart.decoding.methods import TreeFlags

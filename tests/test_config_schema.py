@@ -27,7 +27,8 @@ from headstart.data_recipes.settings import (
 )
 from headstart.data_recipes.shards import read_manifest
 from headstart.eval import acceptance
-from headstart.heads import HEAD_TYPES, Head, HeadOptions, Lora
+from headstart.heads import HEAD_TYPES, Head, HeadOptions
+from headstart.heads.medusa import Lora
 from headstart.heads.registry import head_options_models
 from headstart.scripts import cli, demo
 from headstart.scripts.config import COMMAND_CONFIGS, PipelineConfig

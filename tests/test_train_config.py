@@ -5,7 +5,7 @@ import yaml
 from conftest import REPO
 
 from headstart.core.config import ConfigError, load_config
-from headstart.heads import Eagle3Options
+from headstart.heads.eagle3 import Eagle3Options
 from headstart.train import eagle, medusa
 from headstart.train.config import resolve_config
 from headstart.train.data import rank_micro_batches

@@ -71,7 +71,8 @@ from headstart.scripts.export.verify_engines_side import STAGES, engine_stage, s
 if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from headstart.heads import DraftHead, Eagle3Head
+    from headstart.heads import DraftHead
+    from headstart.heads.eagle3 import Eagle3Head
 
 
 DATA = "assets/data/gsm8k_test.jsonl"
@@ -174,7 +175,8 @@ def prepare(
     layouts: tuple[str, ...],
 ) -> dict[str, Any]:
     """Export one head in ``layouts``, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
-    from headstart.heads import Eagle3Head, load_head
+    from headstart.heads import load_head
+    from headstart.heads.eagle3 import Eagle3Head
     from headstart.scripts.export.command import export_head
 
     work.mkdir(parents=True, exist_ok=True)
