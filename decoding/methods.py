@@ -26,7 +26,7 @@ from headstart.decoding.target_cache import recurrent_target, why_chains
 from headstart.decoding.tree import Tree, first_chain, is_chain
 from headstart.decoding.tree_config import TreeSpec, check_tree_vocab, load_tree_config
 from headstart.decoding.verify import Proposer
-from headstart.heads import DraftHead, HeadConfig, HeadFolder, drafting_of, draftings
+from headstart.heads import DraftHead, HeadConfig, HeadFolder, draftings
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _build(
                 f"min_confidence (adaptive depth) needs a drafter that drafts level by level or estimates acceptance "
                 f"itself; {method} drafts every depth in one forward"
             )
-        built.min_confidence = flags.min_confidence
+        built.min_confidence = flags.min_confidence  # type: ignore[attr-defined]  # a drafter that adapts has one
     return built
 
 

@@ -1,4 +1,5 @@
-"""The trained heads' drafters, each a ``HeadProposer`` that drafts as a head type's ``Drafting`` says (``head_proposers``):
+"""The trained heads' drafters, each a ``HeadProposer`` registered for a head type's drafting method
+(``head_proposers``):
 
 - ``Eagle``: EAGLE-1/2 and EAGLE-3 heads drafting a dynamic EAGLE-2 tree from the target's features.
 - ``PEagle``: a P-EAGLE head (EAGLE-3 with ``parallel_drafting``) drafting every depth in one forward, handed
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
 
 
 class HeadProposer:
-    """A proposer that drafts with a trained head, registered for a drafting method (``head_proposers``). Built in its default
-    shape (``cls(head)``), from the tree flags (``for_flags``) or from a tuned tree (``for_tree``)."""
+    """A proposer that drafts with a trained head, registered for a drafting method (``head_proposers``). Built
+    in its default shape (``cls(head)``), from the tree flags (``for_flags``) or from a tuned tree (``for_tree``)."""
 
     title: ClassVar[str]  # "EAGLE drafting needs ..."
     level_by_level: ClassVar[bool] = False  # each tree level costs a draft forward (then stopping early pays)

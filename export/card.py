@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 from headstart.decoding.tree_config import Schedule, load_tree_config
-from headstart.heads import HeadConfig, drafting_of
 from headstart.export.common import captures_natively
 from headstart.export.layouts import EngineLayouts
+from headstart.heads import HeadConfig, drafting_of
 
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this

@@ -26,7 +26,6 @@ from typing import Any, cast
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import WEIGHTS_NAME, HeadConfig
 from headstart.export.card import code_block, served_schedule, vllm_command
 from headstart.export.common import (
     arch_from_decoder,
@@ -41,12 +40,13 @@ from headstart.export.common import (
     rename_prefixes,
 )
 from headstart.export.layouts import EngineFiles, Imported, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig
 
-LAYOUTS = ("vllm",)
-SOURCES = ("dflash",)
+LAYOUTS: tuple[str, ...] = ("vllm",)
+SOURCES: tuple[str, ...] = ("dflash",)
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-FILES = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)
+FILES: tuple[str, ...] = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)
 SERVED = True
 # Settings of published DFlash drafts that the head does not implement, and why each one matters.
 UNSUPPORTED = {

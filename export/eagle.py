@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import WEIGHTS_NAME, HeadConfig
 from headstart.export.card import (
     ENGINES,
     code_block,
@@ -31,10 +30,11 @@ from headstart.export.card import (
 )
 from headstart.export.common import arch_from_decoder, decoder_config, dtype_name, read_checkpoint, read_json
 from headstart.export.layouts import EngineFiles, Imported, layout_name, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig
 
-LAYOUTS = ("vllm", "sglang")
-SOURCES = ("eagle",)
-FILES = (WEIGHTS_NAME,)
+LAYOUTS: tuple[str, ...] = ("vllm", "sglang")
+SOURCES: tuple[str, ...] = ("eagle",)
+FILES: tuple[str, ...] = (WEIGHTS_NAME,)
 SERVED = True
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # A head with q/k/v biases (Qwen2 targets): vLLM's Llama layer reads ``qkv_bias``; SGLang gets its

@@ -30,8 +30,6 @@ import torch
 from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
-from headstart.heads import WEIGHTS_NAME, HeadConfig, arch_from_target
-from headstart.heads.eagle3 import drafts_in_parallel
 from headstart.export.card import (
     code_block,
     reexport_command,
@@ -50,10 +48,12 @@ from headstart.export.common import (
     rename_prefixes,
 )
 from headstart.export.layouts import EngineFiles, Imported, layout_name, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig, arch_from_target
+from headstart.heads.eagle3 import drafts_in_parallel
 
-LAYOUTS = ("vllm", "sglang", "speculators")
-SOURCES = ("eagle3", "speculators")
-FILES = (WEIGHTS_NAME,)
+LAYOUTS: tuple[str, ...] = ("vllm", "sglang", "speculators")
+SOURCES: tuple[str, ...] = ("eagle3", "speculators")
+FILES: tuple[str, ...] = (WEIGHTS_NAME,)
 SERVED = True
 REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
 # A layer with Qwen3's q/k norm: vLLM's qwen3_eagle3.py (registry.py; the speculators reader maps a qwen3

@@ -35,8 +35,8 @@ def _length(measured: dict[str, Any], relative: float | None = None) -> str:
 
 def served_rows(entry: dict[str, Any], k: int) -> str:
     """Table rows of one head: our evaluator's chain of k, then each engine run that came back with figures."""
-    from headstart.heads import drafting_owner, draftings
     from headstart.export.registry import layouts_of
+    from headstart.heads import drafting_owner, draftings
 
     title = draftings()[entry["type"]].title + (" (untrained)" if entry["random_init"] else "")
     layouts = layouts_of(drafting_owner(entry["type"]).name)

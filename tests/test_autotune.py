@@ -23,8 +23,8 @@ from headstart.decoding.tree_config import (
 from headstart.decoding.verify import Sampling
 from headstart.eval import acceptance
 from headstart.eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
-from headstart.heads import build_head, read_head_folder
 from headstart.export.card import served_schedule, tree_card_section, vllm_command
+from headstart.heads import build_head, read_head_folder
 
 # Synthetic acceptance: p[depth][rank], falling with rank and (slowly) with depth.
 RANK_PROBS = [[0.7, 0.12, 0.05], [0.75, 0.1, 0.04], [0.78, 0.08, 0.03], [0.8, 0.07, 0.02]]

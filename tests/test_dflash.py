@@ -340,9 +340,10 @@ def test_export_for_vllm_and_import_back(target, tmp_path):
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/eagle.py (the config's dflash head) through DeepSpeed (a world of one, online capture): 4 steps straight, then the same
-    # run resumed from its step-2 checkpoint. The blocks of every step are drawn from the generator the
-    # loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for bit.
+    # train/eagle.py (the config's dflash head) through DeepSpeed (a world of one, online capture): 4 steps
+    # straight, then the same run resumed from its step-2 checkpoint. The blocks of every step are drawn from the
+    # generator the loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for
+    # bit.
     world_of_one(monkeypatch)
     path, out = block_drafter_run(
         tmp_path,

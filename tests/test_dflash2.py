@@ -185,8 +185,8 @@ def test_refusals(target):
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/eagle.py (the config's dflash2 head) through DeepSpeed (a world of one, online capture), with D-PACE: 4 steps straight, then
-    # resumed from the step-2 checkpoint, the same head bit for bit.
+    # train/eagle.py (the config's dflash2 head) through DeepSpeed (a world of one, online capture), with D-PACE:
+    # 4 steps straight, then resumed from the step-2 checkpoint, the same head bit for bit.
     world_of_one(monkeypatch)
     head = {"type": "dflash2", "block_size": 3, "num_anchors": 8, "selector_rank": 8, "loss_weighting": "dpace"}
     path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)

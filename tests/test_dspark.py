@@ -204,8 +204,9 @@ def test_a_dflash_proposer_refuses_a_dspark_head_and_a_mask_embedding_is_refused
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/eagle.py (the config's dspark head) through DeepSpeed (a world of one, online capture): 4 steps straight, then resumed from
-    # the step-2 checkpoint: the same blocks from the loop's per-micro-batch seeds, the same head bit for bit.
+    # train/eagle.py (the config's dspark head) through DeepSpeed (a world of one, online capture): 4 steps
+    # straight, then resumed from the step-2 checkpoint: the same blocks from the loop's per-micro-batch seeds, the
+    # same head bit for bit.
     world_of_one(monkeypatch)
     path, out = block_drafter_run(
         tmp_path,

@@ -27,11 +27,11 @@ from transformers import (
 from headstart.data_recipes.capture import run_capture
 from headstart.decoding.proposers_heads import Eagle, Medusa
 from headstart.decoding.verify import generate
+from headstart.export.common import VLLM_UNSERVED_FAMILIES, captures_natively
+from headstart.export.registry import layouts_of
 from headstart.heads import WEIGHTS_NAME, arch_from_target, build_head, load_head, read_head_config
 from headstart.heads.layers import DecoderLayer, RotaryEmbedding
 from headstart.scripts.export.command import engine_files, export_head
-from headstart.export.common import VLLM_UNSERVED_FAMILIES, captures_natively
-from headstart.export.registry import layouts_of
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle, medusa
 

@@ -26,6 +26,8 @@ from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import DFlash, Eagle
 from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache
 from headstart.eval import acceptance, autotune
+from headstart.export.card import vllm_command
+from headstart.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
 from headstart.scripts.dev.tiny_families import (
@@ -36,9 +38,7 @@ from headstart.scripts.dev.tiny_families import (
     family_config,
     save_target,
 )
-from headstart.export.card import vllm_command
 from headstart.scripts.export.command import export_head
-from headstart.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle
 from headstart.train.config import resolve_config

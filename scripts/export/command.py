@@ -28,6 +28,11 @@ from headstart.core.config import run_command, save_config
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
+from headstart.export.card import model_card, tree_card_section
+from headstart.export.common import check_out
+from headstart.export.layouts import EngineFiles
+from headstart.export.parity import card_section, weights_digest
+from headstart.export.registry import export_files_names, layouts_of, written_layouts
 from headstart.heads import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -38,11 +43,6 @@ from headstart.heads import (
     read_head_config,
     state_problems,
 )
-from headstart.export.card import model_card, tree_card_section
-from headstart.export.common import check_out
-from headstart.export.layouts import EngineFiles
-from headstart.export.registry import export_files_names, layouts_of, written_layouts
-from headstart.export.parity import card_section, weights_digest
 
 # --format: a layout of a registered head type (read when the schema is built: heads.register rebuilds it).
 ExportFormat = Annotated[str, Registered(written_layouts)]
@@ -198,9 +198,8 @@ def export_head(
         command += f" --target {target}"
     # The tree eval.autotune tuned for this head, when its folder has a tree.json.
     sections.extend(tree_card_section(head_dir))
-    card = model_card(
-        config, layouts, fmt, public_target, draft_name or str(out), head_name or str(head_dir), made_by or command, sections
-    )
+    draft, head = draft_name or str(out), head_name or str(head_dir)
+    card = model_card(config, layouts, fmt, public_target, draft, head, made_by or command, sections)
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})

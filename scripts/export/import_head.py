@@ -23,12 +23,12 @@ from transformers import AutoConfig, PretrainedConfig
 
 from headstart.core.config import run_command
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
-from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
-from headstart.heads.config import LayerOptions
-from headstart.heads.target import dense_mlp_width
 from headstart.export.common import DRAFT_ARCH_KEYS, check_out
 from headstart.export.layouts import Imported
 from headstart.export.registry import layouts_of, sources
+from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
+from headstart.heads.config import LayerOptions
+from headstart.heads.target import dense_mlp_width
 
 # --from: a layout a registered head type reads (read when the schema is built: heads.register rebuilds it).
 Source = Annotated[str, Registered(sources)]
