@@ -44,7 +44,8 @@ from headstart.heads import (
     state_problems,
 )
 
-# --format: a layout of a registered head type (read when the schema is built: heads.register rebuilds it).
+# --format: a layout of a registered head type (read when the schema is built: export.registry.register_layouts
+# rebuilds it).
 ExportFormat = Annotated[str, Registered(written_layouts)]
 
 

@@ -30,7 +30,8 @@ from headstart.heads import DraftArch, DraftHead, check_compatible, head_options
 from headstart.heads.config import LayerOptions
 from headstart.heads.target import dense_mlp_width
 
-# --from: a layout a registered head type reads (read when the schema is built: heads.register rebuilds it).
+# --from: a layout a registered head type reads (read when the schema is built: export.registry.register_layouts
+# rebuilds it).
 Source = Annotated[str, Registered(sources)]
 
 
