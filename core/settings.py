@@ -161,7 +161,7 @@ class Registered:
     of the registered head types), so a name registered later is taken once ``rebuild_schemas`` has run; the
     config check and the flags say the choices as for a Literal.
 
-        format: Annotated[str, Registered(layouts)]
+        format: Annotated[str, Registered(written_layouts)]
     """
 
     def __init__(self, names: Callable[[], Iterable[str]]) -> None:

@@ -52,7 +52,7 @@ def file_inside(path: Path, roots: tuple[Path, ...], what: str | None = None) ->
     ``path`` comes from data (an index's ``weight_map``) or from a folder the user named: an absolute
     name, a ``../`` or a link must not carry a read (or an upload) to a file the user never pointed us at.
     ``what`` says where the name came from, for the error. The one rule for training from shards, import and
-    push (``scripts.export.common`` re-exports it).
+    push (``export.common`` re-exports it).
     """
     name = f"{what} ({path})" if what else str(path)
     resolved = path.resolve()

@@ -3,3 +3,17 @@
 The evaluation harness (``eval/``), training's measured acceptance (``train/``) and the export checks import it;
 it imports only ``core`` and ``heads``.
 """
+
+from headstart.decoding.head_proposers import register_proposer
+from headstart.decoding.proposers_dspark import DSpark
+from headstart.decoding.proposers_heads import DFlash, DFlash2, Eagle, Medusa, PEagle
+
+# The proposers of the package's head types, one line per drafting method (heads.register adds the method; a head
+# type from elsewhere: head_proposers.register_proposer).
+register_proposer("eagle", Eagle)
+register_proposer("eagle3", Eagle)
+register_proposer("peagle", PEagle)
+register_proposer("medusa", Medusa)
+register_proposer("dflash", DFlash)
+register_proposer("dspark", DSpark)
+register_proposer("dflash2", DFlash2)

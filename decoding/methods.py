@@ -18,6 +18,7 @@ from pydantic import Field
 from transformers import PreTrainedModel
 
 from headstart.core.settings import Count, Float, Section
+from headstart.decoding.head_proposers import head_proposer, proposer_of
 from headstart.decoding.proposers import DraftModel, NGram, ProposerWrapper, SelfSpec, Vanilla, early_exit
 from headstart.decoding.proposers_heads import DraftSource
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
@@ -25,7 +26,7 @@ from headstart.decoding.target_cache import recurrent_target, why_chains
 from headstart.decoding.tree import Tree, first_chain, is_chain
 from headstart.decoding.tree_config import TREE_SHAPES, TreeShape, TreeSpec, check_tree_vocab, load_tree
 from headstart.decoding.verify import Proposer
-from headstart.heads import DraftHead, HeadConfig, HeadFolder, drafting_of, draftings
+from headstart.heads import DraftHead, HeadConfig, HeadFolder, draftings
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def _build(
     if heads is None or method not in heads:
         raise ValueError(f"the {method} method needs its head")
     head = heads[method]
-    proposer = draftings()[method].proposer_class()
+    proposer = proposer_of(method)
     if tuned is not None and proposer.tunable:  # a tuned tree.json (Medusa drafts its own fixed tree)
         return proposer_for(head, tuned)
     if flags.min_confidence > 0 and not proposer.adapts_depth(head):
@@ -194,7 +195,7 @@ def proposer_for(source: DraftSource, tree: TreeSpec) -> Proposer:
     if not tree.total_tokens:
         return Vanilla()
     if isinstance(source, DraftHead):
-        return drafting_of(source.config).proposer_class().for_tree(source, tree)
+        return head_proposer(source.config).for_tree(source, tree)
     if tree.shape == "static":
         return DraftModel(source, choices=tree.choices, min_confidence=tree.min_confidence)
     return DraftModel(source, tree.depth, tree.top_k, tree.total_tokens, min_confidence=tree.min_confidence)
@@ -219,7 +220,7 @@ def tuned_trees(heads: dict[str, HeadFolder], flags: TreeSpec, wanted: Sequence[
             found[tuned.method] = tuned
     for method, head in heads.items():
         path = flags.file or Path(head.path) / "tree.json"
-        tunable = draftings()[method].proposer_class().tunable
+        tunable = proposer_of(method).tunable
         if tunable and flags.shape is None and path.is_file():
             found[method] = load_tree(path)
             # From the head's config: a head folder's own tree.json fails here, before any model loads.

@@ -15,7 +15,8 @@ from headstart.decoding.proposers_heads import BlockWalk
 from headstart.decoding.tree import Tree, confident_depth
 from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import Proposer
-from headstart.heads import DraftHead, DSparkHead
+from headstart.heads import DraftHead
+from headstart.heads.dspark import DSparkHead
 
 
 class DSpark(BlockWalk):

@@ -1,4 +1,5 @@
-"""The trained heads' drafters, each a ``HeadProposer`` that a head type's ``Drafting`` names (``heads.registry``):
+"""The trained heads' drafters, each a ``HeadProposer`` registered for a head type's drafting method
+(``head_proposers``):
 
 - ``Eagle``: EAGLE-1/2 and EAGLE-3 heads drafting a dynamic EAGLE-2 tree from the target's features.
 - ``PEagle``: a P-EAGLE head (EAGLE-3 with ``parallel_drafting``) drafting every depth in one forward, handed
@@ -20,6 +21,7 @@ from typing import Any, ClassVar, cast
 import torch
 from transformers import PreTrainedModel
 
+from headstart.decoding.head_proposers import head_proposer, head_types_of
 from headstart.decoding.proposers import DraftModel, draft_logq
 from headstart.decoding.tree import (
     MC_SIM_7B_63,
@@ -33,14 +35,17 @@ from headstart.decoding.tree import (
 )
 from headstart.decoding.tree_config import TreeSpec, chain_choices
 from headstart.decoding.verify import Proposer, Sampling, probabilities
-from headstart.heads import HEAD_TYPES, BlockDrafter, DraftHead, Eagle3Head, KVCache, MedusaHead, drafting_of
+from headstart.heads import DraftHead, KVCache, drafting_of
 from headstart.heads.base import FeatureDrafter
+from headstart.heads.block import BlockDrafter
+from headstart.heads.eagle3 import Eagle3Head
+from headstart.heads.medusa import MedusaHead
 
 
 class HeadProposer:
-    """A proposer that drafts with a trained head: what a head type's ``Drafting`` names. Built in its default
-    shape (``cls(head)``), from the tree flags (``for_flags``: ``decoding.methods.TreeSettings.tree_spec``) or from a
-    tuned tree (``for_tree``)."""
+    """A proposer that drafts with a trained head, registered for a drafting method (``head_proposers``). Built
+    in its default shape (``cls(head)``), from the tree flags (``for_flags``: a ``TreeSpec``) or from a tuned tree
+    (``for_tree``)."""
 
     title: ClassVar[str]  # "EAGLE drafting needs ..."
     level_by_level: ClassVar[bool] = False  # each tree level costs a draft forward (then stopping early pays)
@@ -106,11 +111,7 @@ class HeadProposer:
     @classmethod
     def check_head(cls, head: DraftHead) -> None:
         """ValueError unless ``head``'s type drafts with this proposer (in any of its draftings)."""
-        # A subclass drafts as its base does, unless a head type drafts with it by name (DSpark's, a DFlash's).
-        own = [e.name for e in HEAD_TYPES.values() if any(cls is d.proposer_class() for d in e.draftings())]
-        kinds = own or [
-            e.name for e in HEAD_TYPES.values() if any(issubclass(cls, d.proposer_class()) for d in e.draftings())
-        ]
+        kinds = head_types_of(cls)
         if head.config.type in kinds:
             return
         article = "an" if kinds and kinds[0][0] in "aeiou" else "a"
@@ -235,7 +236,7 @@ class PEagle(HeadProposer):
     title = "P-EAGLE"
 
     def __init__(self, head: DraftHead, depth: int = 3, choices: Sequence[Sequence[int]] | None = None) -> None:
-        if not issubclass(type(self), drafting_of(head.config).proposer_class()):
+        if not issubclass(type(self), head_proposer(head.config)):
             raise ValueError(
                 f"P-EAGLE drafting needs an EAGLE-3 head trained with parallel_drafting; this is a {head.config.type} "
                 "head without it (draft it with the eagle3/eagle method)"
@@ -448,7 +449,7 @@ def head_drafter(source: DraftSource) -> Drafter:
     ``choices``."""
     if not isinstance(source, DraftHead):
         return DraftModel(source, choices=[[0]])
-    proposer = drafting_of(source.config).proposer_class()
+    proposer = head_proposer(source.config)
     if not proposer.tunable:
         raise ValueError(
             f"{proposer.title} drafts its own fixed tree: there is no tree to tune for a {source.config.type} head"
@@ -460,7 +461,7 @@ def tree_depth_bound(source: DraftSource, max_depth: int) -> int:
     """The deepest tree to tune for ``source``: ``max_depth``, or less where its proposer drafts no deeper (DFlash:
     its block's mask slots)."""
     if isinstance(source, DraftHead):
-        bound = drafting_of(source.config).proposer_class().max_depth(source)
+        bound = head_proposer(source.config).max_depth(source)
         return max_depth if bound is None else min(max_depth, bound)
     return max_depth
 
@@ -470,10 +471,10 @@ def adapts_depth(source: DraftSource) -> bool:
     estimates acceptance itself (DSpark's confidence head: a shorter draft costs less verification)."""
     if not isinstance(source, DraftHead):
         return True
-    return drafting_of(source.config).proposer_class().adapts_depth(source)
+    return head_proposer(source.config).adapts_depth(source)
 
 
 def drafts_level_by_level(source: DraftSource) -> bool:
     """Whether each tree level costs a draft forward (EAGLE heads, draft models): then stopping early saves
     drafting, and dynamic trees can be drafted. P-EAGLE, DFlash and Medusa draft every depth at once."""
-    return not isinstance(source, DraftHead) or drafting_of(source.config).proposer_class().level_by_level
+    return not isinstance(source, DraftHead) or head_proposer(source.config).level_by_level

@@ -1,7 +1,7 @@
 """Tree specifications and tree.json, the file that carries a tuned tree from ``eval.autotune`` to its readers.
 
 tree.json (written by ``python -m eval.autotune``; read by ``eval.acceptance --tree FILE``, which also finds
-it in a head's folder, and by the exports' model cards, ``scripts.export.card``):
+it in a head's folder, and by the exports' model cards, ``export.card``):
 
 - shape: "static" (``choices``: Medusa-style rank paths, drafted by ``decoding.tree.shaped_tree``) or "dynamic"
   (EAGLE-2: ``top_k`` children per expanded node, ``depth`` levels, ``total_tokens`` nodes kept);

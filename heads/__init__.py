@@ -12,7 +12,8 @@ checks), ``base`` (``DraftHead``: build, save, load), ``layers`` (the Llama draf
 over the KV cache, MLP), ``losses`` (label alignment, soft cross-entropy), ``block`` (``BlockDrafter``: the
 backbone DFlash, DSpark and DFlash-2 share), and one file per head type, which
 declares its options, module and ``HEAD_TYPE`` entry: ``eagle``, ``eagle3``, ``medusa``, ``dflash``, ``dspark``,
-``dflash2``.
+``dflash2``. A head type's own classes and functions are imported from its file (``heads.eagle3.Eagle3Head``);
+this package names what works for every head type.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.settings import TaggedUnion
 from headstart.heads import dflash, dflash2, dspark, eagle, eagle3, medusa
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
-from headstart.heads.block import BlockDrafter, BlockOptions
 from headstart.heads.config import (
     CONFIG_NAME,
     DraftArch,
@@ -37,13 +37,7 @@ from headstart.heads.config import (
     read_head_config,
     read_head_folder,
 )
-from headstart.heads.dflash import DFlashHead, DflashOptions
-from headstart.heads.dflash2 import DFlash2Head, Dflash2Options
-from headstart.heads.dspark import DSparkHead, DsparkOptions
-from headstart.heads.eagle import EagleHead, EagleOptions
-from headstart.heads.eagle3 import Eagle3Head, Eagle3Options, build_vocab_mapping
 from headstart.heads.layers import KVCache
-from headstart.heads.medusa import Lora, MedusaHead, MedusaOptions, medusa2_wrap, medusa_loss, medusa_weight_at
 from headstart.heads.registry import (
     HEAD_TYPES,
     Drafting,
@@ -61,7 +55,8 @@ from headstart.heads.registry import (
 from headstart.heads.sparse_attention import ttt_attention_mask
 from headstart.heads.target import arch_from_target, check_compatible, check_tokenizer
 
-# The head types of this package, one line each (a head type from elsewhere: heads.register(its HEAD_TYPE)).
+# The head types of this package, one line each, in the order every list of them follows (a head type from
+# elsewhere: heads.register(its HEAD_TYPE)).
 register(eagle.HEAD_TYPE)
 register(eagle3.HEAD_TYPE)
 register(medusa.HEAD_TYPE)
@@ -89,42 +84,23 @@ __all__ = [
     "register",
     "registered",
     "trainers",
-    "BlockDrafter",
-    "BlockOptions",
-    "DflashOptions",
-    "Dflash2Options",
-    "Eagle3Options",
-    "EagleOptions",
     "Head",
     "HeadOptions",
     "HeadSettings",
-    "Lora",
-    "MedusaOptions",
     "WEIGHTS_NAME",
-    "DFlashHead",
-    "DFlash2Head",
-    "DSparkHead",
-    "DsparkOptions",
     "DraftArch",
     "DraftHead",
-    "Eagle3Head",
-    "EagleHead",
     "HeadConfig",
     "HeadFolder",
     "KVCache",
-    "MedusaHead",
     "arch_from_target",
     "build_head",
-    "build_vocab_mapping",
     "check_compatible",
     "check_head_config",
     "check_tokenizer",
     "head_options",
     "load_head",
-    "medusa2_wrap",
     "meta_head",
-    "medusa_loss",
-    "medusa_weight_at",
     "read_head_config",
     "read_head_folder",
     "state_problems",

@@ -52,8 +52,7 @@ class DFlashHead(BlockDrafter[DflashOptions]):
 HEAD_TYPE = HeadType(
     name="dflash",
     head=DFlashHead,
-    trainer="dflash",
+    trainer="eagle",
     fuses_layers=True,
-    drafting=Drafting("dflash", "DFlash", "headstart.decoding.proposers_heads:DFlash"),
-    export="headstart.scripts.export.dflash",
+    drafting=Drafting("dflash", "DFlash"),
 )

@@ -218,8 +218,7 @@ class DFlash2Head(BlockDrafter[Dflash2Options]):
 HEAD_TYPE = HeadType(
     name="dflash2",
     head=DFlash2Head,
-    trainer="dflash2",
+    trainer="eagle",
     fuses_layers=True,
-    drafting=Drafting("dflash2", "DFlash-2", "headstart.decoding.proposers_heads:DFlash2"),
-    export="headstart.scripts.export.dflash2",
+    drafting=Drafting("dflash2", "DFlash-2"),
 )

@@ -190,8 +190,7 @@ class DSparkHead(BlockDrafter[DsparkOptions]):
 HEAD_TYPE = HeadType(
     name="dspark",
     head=DSparkHead,
-    trainer="dspark",
+    trainer="eagle",
     fuses_layers=True,
-    drafting=Drafting("dspark", "DSpark", "headstart.decoding.proposers_dspark:DSpark"),
-    export="headstart.scripts.export.dspark",
+    drafting=Drafting("dspark", "DSpark"),
 )

@@ -122,6 +122,5 @@ HEAD_TYPE = HeadType(
     head=EagleHead,
     trainer="eagle",
     fuses_layers=False,
-    drafting=Drafting("eagle", "EAGLE-1/2", "headstart.decoding.proposers_heads:Eagle"),
-    export="headstart.scripts.export.eagle",
+    drafting=Drafting("eagle", "EAGLE-1/2"),
 )

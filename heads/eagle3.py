@@ -419,16 +419,14 @@ HEAD_TYPE = HeadType(
     head=Eagle3Head,
     trainer="eagle",
     fuses_layers=True,
-    drafting=Drafting("eagle3", "EAGLE-3", "headstart.decoding.proposers_heads:Eagle"),
+    drafting=Drafting("eagle3", "EAGLE-3"),
     variant=(
         drafts_in_parallel,
         Drafting(
             "peagle",
             "P-EAGLE",
-            "headstart.decoding.proposers_heads:PEagle",
             card_title="P-EAGLE (EAGLE-3, parallel drafting)",
             requires="with parallel_drafting",
         ),
     ),
-    export="headstart.scripts.export.eagle3",
 )

@@ -177,6 +177,5 @@ HEAD_TYPE = HeadType(
     head=MedusaHead,
     trainer="medusa",
     fuses_layers=False,
-    drafting=Drafting("medusa", "Medusa", "headstart.decoding.proposers_heads:Medusa"),
-    export="headstart.scripts.export.medusa",
+    drafting=Drafting("medusa", "Medusa"),
 )

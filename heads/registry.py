@@ -6,9 +6,9 @@ card, the CLI) finds a head type through this registry and nothing else branches
     drafting_of(config).method                # "peagle" for an EAGLE-3 head with parallel_drafting
     register(HeadType(name="mine", head=MyHead, ...))   # a head type from outside the package
 
-An entry names the parts that live on the floors above heads/ (the proposer that drafts with it in
-``decoding``, its engine layouts in ``scripts.export``) as ``"module:attribute"`` references, imported when
-first used: heads/ imports nothing above it, and a head type's facts still live in one entry.
+An entry holds the facts about the head itself. The floors above keep their own tables, keyed by the names
+declared here, and fill them for the package's head types themselves: ``decoding`` maps each drafting method to
+the proposer that drafts with it, ``export`` each head type to its engine layouts. heads/ imports nothing above it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from headstart.core.settings import rebuild_schemas
 
@@ -26,29 +25,15 @@ if TYPE_CHECKING:
     from headstart.heads.config import HeadConfig, HeadOptions
 
 
-def resolve(ref: str | Any) -> Any:
-    """A ``"module:attribute"`` reference imported (``"headstart.decoding.proposers_heads:Eagle"``); anything else as it
-    is (a head type registered from user code may hand over the object itself)."""
-    if not isinstance(ref, str):
-        return ref
-    module, _, name = ref.partition(":")
-    return getattr(import_module(module), name) if name else import_module(module)
-
-
 @dataclass(frozen=True)
 class Drafting:
-    """How a head drafts: the method eval and tree.json name it by, its title in reports and cards, and the
-    proposer class that drafts with it (``decoding.proposers.HeadProposer``: built from tree flags, from a
-    tree.json, or in its default shape; says whether each tree level costs a forward)."""
+    """How a head drafts: the method eval and tree.json name it by (``decoding`` maps it to the proposer that
+    drafts with it), and its title in reports and cards."""
 
     method: str
     title: str
-    proposer: str | Any  # "module:Class" or the class
     card_title: str | None = None  # the model card's, where it says more than ``title``
     requires: str = ""  # what the head's options must say for it to draft this way ("with parallel_drafting")
-
-    def proposer_class(self) -> Any:
-        return resolve(self.proposer)
 
 
 @dataclass(frozen=True)
@@ -62,8 +47,6 @@ class HeadType:
     drafting: Drafting
     # Another way the same head type drafts, picked by its options (EAGLE-3 with parallel_drafting: P-EAGLE).
     variant: tuple[Callable[[HeadOptions], bool], Drafting] | None = None
-    # Its engine layouts: a module or object implementing ``scripts.export.formats.Format``; None: not exported.
-    export: str | Any | None = None
 
     @property
     def options(self) -> type[HeadOptions]:
@@ -76,10 +59,6 @@ class HeadType:
 
     def draftings(self) -> tuple[Drafting, ...]:
         return (self.drafting,) if self.variant is None else (self.drafting, self.variant[1])
-
-    def format(self) -> Any:
-        """Its engine layouts (``scripts.export.formats.Format``), or None when no engine serves it."""
-        return None if self.export is None else resolve(self.export)
 
 
 HEAD_TYPES: dict[str, HeadType] = {}

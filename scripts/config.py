@@ -17,7 +17,8 @@ from headstart.core.settings import SECTIONS, CommandFlags, Stage
 from headstart.data_recipes.settings import Capture, Data, Regenerate, Target
 from headstart.eval.acceptance import Eval
 from headstart.eval.autotune import Autotune
-from headstart.heads import Head, Lora
+from headstart.heads import Head
+from headstart.heads.medusa import Lora
 from headstart.scripts.export.command import Export
 from headstart.scripts.export.import_head import ImportHead
 from headstart.scripts.export.push_to_hub import Push

@@ -33,7 +33,8 @@ from headstart.core.settings import (
     raise_problems,
 )
 from headstart.data_recipes.settings import Capture, Regenerate, Target, TokenizedData
-from headstart.heads import Head, Lora, trainers
+from headstart.heads import Head, trainers
+from headstart.heads.medusa import Lora
 
 
 class Train(Section):

@@ -20,7 +20,7 @@ from torch import nn
 from headstart.core.config import run_command
 from headstart.core.io import atomic_dir
 from headstart.core.runtime import seed_everything
-from headstart.heads import Lora, MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
+from headstart.heads.medusa import Lora, MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
 from headstart.train.config import parse_args
 from headstart.train.data import load_data
 from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes

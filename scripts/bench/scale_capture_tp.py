@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from headstart.data_recipes.capture_diff import compare_captures
 from headstart.data_recipes.shards import read_manifest
-from headstart.scripts.dev.compare_captures import differences
 
 REPO = Path(__file__).resolve().parents[2]  # capture runs here: --capture-config names repository paths
 CAPTURE_RATE = re.compile(r"capture: wrote .* \(([\d,.]+) tokens/s")
@@ -29,21 +29,6 @@ def capture_command(config: str, tp_size: int, out_dir: Path, samples: int, devi
         return [sys.executable, "-m", "data_recipes.capture", "--config", config, *overrides]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp_size)]
     return [*torchrun, "-m", "data_recipes.capture", "--config", config, *overrides, f"target.tp_size={tp_size}"]
-
-
-def compare_captures(reference: Path, other: Path) -> dict[str, Any]:
-    """Whether two captures of the same samples hold the same token ids, loss masks and sample ids shard by
-    shard, and how far apart their hidden states are (``scripts.dev.compare_captures``: a split target sums its
-    partial products in another order, so the states may differ in the last bits)."""
-    if [s["file"] for s in read_manifest(reference)["shards"]] != [s["file"] for s in read_manifest(other)["shards"]]:
-        return {"token_ids_equal": False, "why": "the captures wrote different shards"}
-    found = differences(reference, other)
-    unequal = {where.split(": ")[1] for where in found["token_side"]}
-    return {
-        "token_ids_equal": not unequal - {"loss_mask"},
-        "loss_masks_equal": "loss_mask" not in unequal,
-        "hidden_max_abs_diff": max((t["max_abs"] for t in found["layers"].values()), default=0.0),
-    }
 
 
 def cpu_cores() -> int:

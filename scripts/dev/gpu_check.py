@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from headstart.core.io import atomic_write_text
+from headstart.data_recipes.capture_diff import compare_captures
 from headstart.eval.results import MethodResult, read_methods
 from headstart.heads.registry import drafting_owner
 from headstart.scripts.dev.steps import Step, run_step
@@ -167,8 +168,6 @@ def check_capture(out: Path) -> tuple[bool, dict[str, Any]]:
 
 
 def check_capture_tp(reference: Path, out: Path) -> tuple[bool, dict[str, Any]]:
-    from headstart.scripts.bench.scale_capture_tp import compare_captures
-
     if not (reference / "manifest.json").exists():
         return False, {"why": f"no one-process capture in {reference} to compare with (capture-tp1 did not run)"}
     same = compare_captures(reference, out)

@@ -1,9 +1,8 @@
-"""A trained head in the layouts serving engines load, and back: ``python -m scripts.export`` (``command``).
+"""The export commands: a trained head in the layouts serving engines load, and back. ``python -m scripts.export``
+(``command``), importing a published head (``import_head``), publishing an export (``push_to_hub``) and measuring
+the engines' served acceptance (``verify_engines``, its engine side and verdicts, ``verify_families``).
 
-One module per head type maps our head folder to each engine layout it serves and a published checkpoint back
-(``eagle``, ``eagle3``, ``medusa``, ``dflash``: ``formats.Format`` is the protocol they implement); beside them
-the model card (``card``), the served-parity figures it carries (``parity``, measured by ``verify_engines``),
-importing a published head (``import_head``) and publishing an export (``push_to_hub``).
+The layouts themselves, the model card and the parity figures are the library in ``export/`` (``headstart.export``).
 """
 
 from __future__ import annotations

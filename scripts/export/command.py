@@ -28,6 +28,11 @@ from headstart.core.config import run_command, save_config
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir, check_writable
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
+from headstart.export.card import model_card, tree_card_section
+from headstart.export.common import check_out
+from headstart.export.layouts import EngineFiles
+from headstart.export.parity import card_section, weights_digest
+from headstart.export.registry import export_files_names, layouts_of, written_layouts
 from headstart.heads import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -38,13 +43,10 @@ from headstart.heads import (
     read_head_config,
     state_problems,
 )
-from headstart.scripts.export.card import model_card, tree_card_section
-from headstart.scripts.export.common import check_out
-from headstart.scripts.export.formats import EngineFiles, export_files_names, format_of, layouts
-from headstart.scripts.export.parity import card_section, weights_digest
 
-# --format: a layout of a registered head type (read when the schema is built: heads.register rebuilds it).
-ExportFormat = Annotated[str, Registered(layouts)]
+# --format: a layout of a registered head type (read when the schema is built: export.registry.register_layouts
+# rebuilds it).
+ExportFormat = Annotated[str, Registered(written_layouts)]
 
 
 class Export(CommandFlags):
@@ -113,8 +115,8 @@ def engine_files(
     config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
 ) -> EngineFiles:
     """(config.json, tensors, weights file name) of the head in ``fmt``; ValueError where ``fmt`` cannot hold it."""
-    layouts = format_of(config.type)
-    if fmt not in layouts.FORMATS:
+    layouts = layouts_of(config.type)
+    if fmt not in layouts.LAYOUTS:
         raise ValueError(layouts.refusal(fmt))
     return layouts.export_files(config, state, fmt, target, target_config)
 
@@ -168,8 +170,8 @@ def export_head(
     hub push leaves them out, as they name local folders.
     """
     head_dir, out = Path(head_dir), Path(out)
-    if fmt not in layouts():
-        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(layouts())}")
+    if fmt not in written_layouts():
+        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(written_layouts())}")
     if not (head_dir / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"missing {CONFIG_NAME} in {head_dir}: not a headstart head folder")
     config = read_head_config(head_dir)
@@ -190,15 +192,15 @@ def export_head(
         sections.append(parity_card_section(Path(parity), head_dir))
     public_target = target_name or target
     engine_config, tensors, weights_file = engine_files(config, state, fmt, public_target, target_config)
-    extra = format_of(config.type).extra_files(config, state)
+    layouts = layouts_of(config.type)
+    extra = layouts.extra_files(config, state)
     command = f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}"
     if target != config.target:
         command += f" --target {target}"
     # The tree eval.autotune tuned for this head, when its folder has a tree.json.
     sections.extend(tree_card_section(head_dir))
-    card = model_card(
-        config, fmt, public_target, draft_name or str(out), head_name or str(head_dir), made_by or command, sections
-    )
+    draft, head = draft_name or str(out), head_name or str(head_dir)
+    card = model_card(config, layouts, fmt, public_target, draft, head, made_by or command, sections)
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / weights_file), metadata={"format": "pt"})

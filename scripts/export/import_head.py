@@ -23,13 +23,15 @@ from transformers import AutoConfig, PretrainedConfig
 
 from headstart.core.config import run_command
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
+from headstart.export.common import DRAFT_ARCH_KEYS, check_out
+from headstart.export.layouts import Imported
+from headstart.export.registry import layouts_of, sources
 from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
 from headstart.heads.config import LayerOptions
 from headstart.heads.target import dense_mlp_width
-from headstart.scripts.export.common import DRAFT_ARCH_KEYS, check_out
-from headstart.scripts.export.formats import Imported, format_of, sources
 
-# --from: a layout a registered head type reads (read when the schema is built: heads.register rebuilds it).
+# --from: a layout a registered head type reads (read when the schema is built: export.registry.register_layouts
+# rebuilds it).
 Source = Annotated[str, Registered(sources)]
 
 
@@ -51,7 +53,7 @@ class ImportHead(CommandFlags):
 def read_source(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:
     """(head options, draft arch, our tensors) of the checkpoint in ``src``, read by the head type that reads
     ``kind``."""
-    return format_of(sources()[kind]).import_files(kind, src, target_config)
+    return layouts_of(sources()[kind]).import_files(kind, src, target_config)
 
 
 def build_imported(

@@ -40,9 +40,9 @@ from safetensors import safe_open
 from headstart.core.config import run_command
 from headstart.core.redact import LOCAL_PATH, redact_data, redact_document, redact_text
 from headstart.core.settings import CommandFlags, command_failed
+from headstart.export.common import file_inside
 from headstart.heads import read_head_config
 from headstart.scripts.export.command import ExportFormat, export_head
-from headstart.scripts.export.common import file_inside
 
 
 class Push(CommandFlags):

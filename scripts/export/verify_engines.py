@@ -64,14 +64,15 @@ from headstart.core.io import read_jsonl
 from headstart.core.settings import CommandFlags, Count, command_failed
 from headstart.data_recipes.errors import get_field
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat
-from headstart.scripts.export.parity import report_markdown, weights_digest
+from headstart.export.parity import report_markdown, weights_digest
 from headstart.scripts.export.verify_engines_judge import MAX_SHORTFALL, acceptance, judge_schedule, overall, served
 from headstart.scripts.export.verify_engines_side import STAGES, engine_stage, spawn
 
 if TYPE_CHECKING:  # imported where used: the engine stages run this module in the engines' venv
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from headstart.heads import DraftHead, Eagle3Head
+    from headstart.heads import DraftHead
+    from headstart.heads.eagle3 import Eagle3Head
 
 
 DATA = "assets/data/gsm8k_test.jsonl"
@@ -174,7 +175,8 @@ def prepare(
     layouts: tuple[str, ...],
 ) -> dict[str, Any]:
     """Export one head in ``layouts``, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
-    from headstart.heads import Eagle3Head, load_head
+    from headstart.heads import load_head
+    from headstart.heads.eagle3 import Eagle3Head
     from headstart.scripts.export.command import export_head
 
     work.mkdir(parents=True, exist_ok=True)
@@ -219,11 +221,11 @@ def our_acceptance(
     """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
     a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
     drafts vLLM's block: the newest token and k masks."""
+    from headstart.decoding.head_proposers import head_proposer
     from headstart.decoding.verify import generate
-    from headstart.heads import drafting_of
 
     k = settings["k"]
-    proposer = drafting_of(head.config).proposer_class().served_chain(head, k)
+    proposer = head_proposer(head.config).served_chain(head, k)
     forwards, accepted, tokens = 0, [0] * k, []
     for prompt in prompts_ids:
         ids = torch.tensor([prompt])

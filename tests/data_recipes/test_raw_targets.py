@@ -11,9 +11,9 @@ from headstart.data_recipes import regenerate
 from headstart.data_recipes.errors import DataError
 from headstart.data_recipes.prompts import raw_ids, text_prompt_length
 from headstart.data_recipes.regenerate import run_regenerate, text_prompt
+from headstart.export.card import raw_prompt_section
 from headstart.heads import read_head_config
 from headstart.scripts.export import verify_engines
-from headstart.scripts.export.card import raw_prompt_section
 from headstart.scripts.export.command import export_head
 from tests.helpers import make_head
 

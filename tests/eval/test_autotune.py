@@ -22,8 +22,8 @@ from headstart.decoding.tree_config import (
 from headstart.decoding.verify import Sampling
 from headstart.eval import acceptance
 from headstart.eval.speedup import Costs, RankCounts, best_shape, predict, tree_tau, tune
+from headstart.export.card import served_schedule, tree_card_section, vllm_command
 from headstart.heads import build_head, read_head_folder
-from headstart.scripts.export.card import served_schedule, tree_card_section, vllm_command
 from tests.helpers import make_head, tiny_llama
 
 # Synthetic acceptance: p[depth][rank], falling with rank and (slowly) with depth.

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from headstart.export.parity import card_section, report_markdown, weights_digest
 from headstart.heads import build_head, drafting_of, load_head, read_head_config
 from headstart.scripts.export import verify_engines
 from headstart.scripts.export.command import export_head
-from headstart.scripts.export.parity import card_section, report_markdown, weights_digest
 from headstart.scripts.export.verify_engines import our_acceptance, prompt_ids, prompts
 from headstart.scripts.export.verify_engines_judge import acceptance, judge_schedule, overall, served
 from headstart.scripts.export.verify_engines_side import METHODS, read_counters, spawn

@@ -6,11 +6,11 @@ confidence head once met fp32 inputs there)."""
 import pytest
 import torch
 
+from headstart.decoding.head_proposers import head_proposer
 from headstart.decoding.methods import proposer_for
 from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import generate
 from headstart.heads import build_head
-from headstart.heads.registry import drafting_of
 from tests.heads.test_dflash import block_batch, prompts
 from tests.helpers import LAYER_IDS, WIDE, greedy_reference, tiny_llama
 
@@ -61,7 +61,7 @@ def test_a_bf16_head_trains_and_decodes_as_the_bf16_target(bf16_target, name):
     assert all(g is None or (g.dtype == torch.bfloat16 and torch.isfinite(g).all()) for g in grads)
     head.eval()
     for prompt in prompts():
-        drafter = drafting_of(head.config).proposer_class()
+        drafter = head_proposer(head.config)
         proposer = proposer_for(head, TreeSpec.static(CHOICES)) if drafter.tunable else drafter(head, CHOICES)
         out, _ = generate(bf16_target, proposer, prompt, 12, eos_token_id=bf16_target.config.eos_token_id)
         assert torch.equal(out, greedy_reference(bf16_target, prompt, 12)), (name, prompt.tolist())

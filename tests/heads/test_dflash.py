@@ -23,7 +23,7 @@ from headstart.heads.sparse_attention import block_attention
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.command import main as export_main
 from headstart.scripts.export.import_head import import_head
-from headstart.train import dflash as dflash_trainer
+from headstart.train import eagle as trainer
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.helpers import (
     TARGET,
@@ -329,9 +329,10 @@ def test_export_for_vllm_and_import_back(peaked_wide_llama, tmp_path):
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/dflash.py through DeepSpeed (a world of one, online capture): 4 steps straight, then the same
-    # run resumed from its step-2 checkpoint. The blocks of every step are drawn from the generator the
-    # loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for bit.
+    # train/eagle.py (the config's dflash head) through DeepSpeed (a world of one, online capture): 4 steps
+    # straight, then the same run resumed from its step-2 checkpoint. The blocks of every step are drawn from the
+    # generator the loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for
+    # bit.
     world_of_one(monkeypatch)
     path, out = block_drafter_run(
         tmp_path,
@@ -339,7 +340,7 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
         gsm8k_file,
         {"type": "dflash", "block_size": 4, "num_anchors": 8, "mask_embedding": True},
     )
-    straight, lines = trains_then_resumes_identically(dflash_trainer.main, path, out)
+    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
     heldout = [r for r in lines if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     assert sorted(k for k in heldout[1] if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]

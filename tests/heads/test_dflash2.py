@@ -14,7 +14,7 @@ from headstart.heads import build_head, load_head
 from headstart.heads.dflash2 import GroupedConv
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
-from headstart.train import dflash2 as dflash2_trainer
+from headstart.train import eagle as trainer
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_dflash import (
     NEW,
@@ -188,12 +188,12 @@ def test_refusals(peaked_wide_llama):
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/dflash2.py through DeepSpeed (a world of one, online capture), with D-PACE: 4 steps straight, then
-    # resumed from the step-2 checkpoint, the same head bit for bit.
+    # train/eagle.py (the config's dflash2 head) through DeepSpeed (a world of one, online capture), with D-PACE:
+    # 4 steps straight, then resumed from the step-2 checkpoint, the same head bit for bit.
     world_of_one(monkeypatch)
     head = {"type": "dflash2", "block_size": 3, "num_anchors": 8, "selector_rank": 8, "loss_weighting": "dpace"}
     path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
-    straight, lines = trains_then_resumes_identically(dflash2_trainer.main, path, out)
+    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
     heldout = [r for r in lines if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     assert {"selector_ce", "candidate_recall", "acc_0", "acc_1"} <= heldout[1].keys() and "acc_2" not in heldout[1]

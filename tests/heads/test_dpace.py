@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from headstart.heads.losses import dpace_mean, dpace_weights
-from headstart.train import dflash as dflash_trainer
+from headstart.train import eagle as trainer
 from tests.heads.test_dflash import dflash_head, features
 from tests.helpers import block_drafter_run, metrics_lines, world_of_one
 
@@ -119,7 +119,7 @@ def test_other_weightings_and_alphas_outside_0_1_are_refused(peaked_wide_llama, 
 
 
 def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/dflash.py as test_dflash runs it (DeepSpeed, a world of one, online capture), with D-PACE.
+    # train/eagle.py as test_dflash runs it (DeepSpeed, a world of one, online capture), with D-PACE.
     world_of_one(monkeypatch)
     path, out = block_drafter_run(
         tmp_path,
@@ -128,7 +128,7 @@ def test_training_with_dpace_runs(tiny_target_dir, gsm8k_file, tmp_path, monkeyp
         {"type": "dflash", "block_size": 4, "num_anchors": 8, "loss_weighting": "dpace"},
         save_every=4,
     )
-    dflash_trainer.main(["--config", str(path)])
+    trainer.main(["--config", str(path)])
     heldout = [r for r in metrics_lines(out) if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     head_config = json.loads((out / "head" / "config.json").read_text())

@@ -16,7 +16,7 @@ from headstart.decoding.verify import Sampling, generate, generate_batch, probab
 from headstart.heads import build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
-from headstart.train import dspark as dspark_trainer
+from headstart.train import eagle as trainer
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_dflash import (
     NEW,
@@ -206,8 +206,9 @@ def test_a_dflash_proposer_refuses_a_dspark_head_and_a_mask_embedding_is_refused
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
-    # train/dspark.py through DeepSpeed (a world of one, online capture): 4 steps straight, then resumed from
-    # the step-2 checkpoint: the same blocks from the loop's per-micro-batch seeds, the same head bit for bit.
+    # train/eagle.py (the config's dspark head) through DeepSpeed (a world of one, online capture): 4 steps
+    # straight, then resumed from the step-2 checkpoint: the same blocks from the loop's per-micro-batch seeds, the
+    # same head bit for bit.
     world_of_one(monkeypatch)
     path, out = block_drafter_run(
         tmp_path,
@@ -215,7 +216,7 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
         gsm8k_file,
         {"type": "dspark", "block_size": 3, "num_anchors": 8, "markov_rank": 8, "loss_weighting": "dpace"},
     )
-    straight, lines = trains_then_resumes_identically(dspark_trainer.main, path, out)
+    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
     heldout = [r for r in lines if r["split"] == "heldout"]
     assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
     assert sorted(k for k in heldout[1] if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]  # 3 slots, 3 drafts

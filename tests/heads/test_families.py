@@ -26,11 +26,11 @@ from transformers import (
 from headstart.data_recipes.capture import run_capture
 from headstart.decoding.proposers_heads import Eagle, Medusa
 from headstart.decoding.verify import generate
+from headstart.export.common import VLLM_UNSERVED_FAMILIES, captures_natively
+from headstart.export.registry import layouts_of
 from headstart.heads import WEIGHTS_NAME, arch_from_target, build_head, load_head, read_head_config
 from headstart.heads.layers import DecoderLayer, RotaryEmbedding
 from headstart.scripts.export.command import engine_files, export_head
-from headstart.scripts.export.common import VLLM_UNSERVED_FAMILIES, captures_natively
-from headstart.scripts.export.formats import format_of
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle, medusa
 from tests.helpers import base_config, engine_layer_names, layer, records, run_here
@@ -129,7 +129,7 @@ def check_export(head_dir, family, target_dir):
     config = read_head_config(head_dir)
     state = load_file(str(head_dir / WEIGHTS_NAME))
     target_config = AutoModelForCausalLM.from_pretrained(target_dir).config
-    for fmt in format_of(config.type).FORMATS:
+    for fmt in layouts_of(config.type).LAYOUTS:
         if config.type in ("eagle3", "dflash") and fmt in ("vllm", "speculators") and family in VLLM_UNSERVED_FAMILIES:
             with pytest.raises(ValueError, match=f"cannot export a {config.type} head for a {family} target as"):
                 engine_files(config, state, fmt, str(target_dir), target_config)

@@ -1,8 +1,8 @@
 """The head registry: a head type is one entry (``heads.HeadType``), and everything finds head types through it.
 
 A head type defined here, outside the package (its options, module, proposer and engine layout), is registered
-with one call and then trained, evaluated, autotuned, exported and imported back by headstart's own commands,
-with no edit to headstart.
+with one call per floor (the head type, its proposer, its layouts) and then trained, evaluated, autotuned, exported
+and imported back by headstart's own commands, with no edit to headstart.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
 from headstart.core.config import ConfigError
+from headstart.decoding.head_proposers import PROPOSERS, register_proposer
 from headstart.decoding.proposers_heads import Eagle
 from headstart.eval import acceptance, autotune
+from headstart.export.common import arch_from_decoder, decoder_config, read_checkpoint, read_json
+from headstart.export.layouts import EngineFiles, Imported, not_written
+from headstart.export.registry import HEAD_LAYOUTS, register_layouts
 from headstart.heads import (
     HEAD_TYPES,
     WEIGHTS_NAME,
@@ -34,8 +38,6 @@ from headstart.heads import (
 from headstart.heads.eagle import EagleHead, EagleOptions
 from headstart.scripts.export import command as export
 from headstart.scripts.export import import_head
-from headstart.scripts.export.common import arch_from_decoder, decoder_config, read_checkpoint, read_json
-from headstart.scripts.export.formats import EngineFiles, Imported, not_written
 from headstart.train import eagle
 from tests.helpers import REPO, run_here
 
@@ -60,13 +62,13 @@ class LoopDrafter(Eagle):
 class PlainLayout:
     """An engine layout of its own: our tensors as they are, the draft layer's shape in config.json."""
 
-    FORMATS = ("plain",)
+    LAYOUTS = ("plain",)
     SOURCES = ("plain",)
     FILES = (WEIGHTS_NAME,)
     SERVED = False
 
     def refusal(self, fmt: str) -> str:
-        return not_written("loop", fmt, self.FORMATS)
+        return not_written("loop", fmt, self.LAYOUTS)
 
     def export_files(
         self, config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
@@ -95,15 +97,20 @@ LOOP = HeadType(
     head=LoopHead,
     trainer="eagle",
     fuses_layers=False,
-    drafting=Drafting("loop", "Loop", LoopDrafter),
-    export=PlainLayout(),
+    drafting=Drafting("loop", "Loop"),
 )
+PLAIN = PlainLayout()
 
 
 @pytest.fixture
 def loop_head_type():
     with registered(LOOP):
-        yield LOOP
+        register_proposer("loop", LoopDrafter)  # decoding's table: the proposer that drafts the loop method
+        register_layouts("loop", PLAIN)  # export's table: the layouts of loop heads
+        try:
+            yield LOOP
+        finally:
+            del PROPOSERS["loop"], HEAD_LAYOUTS["loop"]
 
 
 def test_a_head_type_from_outside_trains_evaluates_autotunes_and_exports(
@@ -168,36 +175,57 @@ def test_registering_a_built_in_again_for_a_block_leaves_it_registered():
 
 def test_an_entry_that_contradicts_its_module_or_takes_a_method_is_refused():
     with pytest.raises(ValueError, match="a head type 'eagle3' is registered already"):
-        register(HeadType("eagle3", LoopHead, "eagle", False, Drafting("x", "X", LoopDrafter)))
+        register(HeadType("eagle3", LoopHead, "eagle", False, Drafting("x", "X")))
     with pytest.raises(ValueError, match="its module and options must declare type 'other'"):
-        register(HeadType("other", LoopHead, "eagle", False, Drafting("x", "X", LoopDrafter)))
+        register(HeadType("other", LoopHead, "eagle", False, Drafting("x", "X")))
     with pytest.raises(ValueError, match=r"drafting methods \['eagle3'\] are taken"):
-        register(HeadType("loop", LoopHead, "eagle", False, Drafting("eagle3", "X", LoopDrafter)))
+        register(HeadType("loop", LoopHead, "eagle", False, Drafting("eagle3", "X")))
     with pytest.raises(ValueError, match="fuses target layers: its options need a layer_ids option"):
-        register(HeadType("loop", LoopHead, "eagle", True, Drafting("x", "X", LoopDrafter)))
+        register(HeadType("loop", LoopHead, "eagle", True, Drafting("x", "X")))
     assert "loop" not in HEAD_TYPES
 
 
-LIBRARY = ("core", "heads", "data_recipes", "decoding", "train", "eval", "scripts")
-# A head type's name compared, or a head class tested, outside the heads' modules and their engine layouts.
-BRANCH = re.compile(
-    r"""(==|!=|\bin\b)\s*\(?["'](eagle3?|medusa|dflash|peagle)["']|isinstance\([^)]*(Eagle3?Head|MedusaHead|DFlashHead|Eagle3?Options|MedusaOptions|DflashOptions)"""
-)
-OWN_MODULES = {"heads/eagle.py", "heads/eagle3.py", "heads/medusa.py", "heads/dflash.py", "heads/target.py"}
-LAYOUT_MODULES = {f"scripts/export/{name}.py" for name in ("eagle", "eagle3", "medusa", "dflash")}
+LIBRARY = ("core", "heads", "data_recipes", "decoding", "train", "eval", "export", "scripts")
 # The served-parity harness runs the real engines' own drafts, one kind at a time (its --eagle3/--peagle/... flags):
 # what vLLM and speculators do per kind is engine knowledge, kept beside the layouts.
 PARITY_HARNESS = {f"scripts/export/verify_engines{part}.py" for part in ("", "_side", "_judge")}
 
 
+def source_file(module: str) -> str:
+    """``headstart.heads.eagle`` -> ``heads/eagle.py``."""
+    return module.removeprefix("headstart.").replace(".", "/") + ".py"
+
+
+def branch_pattern() -> re.Pattern[str]:
+    """A registered head type's name or drafting method compared, or its head or options class tested: every name
+    read from the registry, so a head type is guarded the day it registers."""
+    names = {entry.name for entry in HEAD_TYPES.values()} | {
+        d.method for e in HEAD_TYPES.values() for d in e.draftings()
+    }
+    classes = {cls.__name__ for entry in HEAD_TYPES.values() for cls in (entry.head, entry.options)}
+    quoted, tested = "|".join(map(re.escape, sorted(names))), "|".join(map(re.escape, sorted(classes)))
+    return re.compile(rf"""(==|!=|\bin\b)\s*\(?["']({quoted})["']|isinstance\([^)]*\b({tested})\b""")
+
+
+def own_modules() -> set[str]:
+    """The heads' modules and their engine layouts' (and heads/target.py, the families served), which may branch."""
+    heads = {source_file(entry.head.__module__) for entry in HEAD_TYPES.values()}
+    layouts = {source_file(layouts.__name__) for layouts in HEAD_LAYOUTS.values()}
+    return heads | layouts | {"heads/target.py"}
+
+
 def test_nothing_outside_the_heads_and_their_layouts_branches_on_a_head_type():
+    branch, allowed = branch_pattern(), own_modules() | PARITY_HARNESS
+    assert {"heads/dspark.py", "heads/dflash2.py", "export/dspark.py", "export/dflash2.py"} <= allowed
     found = []
     for folder in LIBRARY:
         for path in sorted((REPO / folder).rglob("*.py")):
             where = str(path.relative_to(REPO))
-            if where in OWN_MODULES | LAYOUT_MODULES | PARITY_HARNESS:
+            if where in allowed:
                 continue
-            found += [f"{where}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1) if BRANCH.search(line)]
+            found += [f"{where}:{n}" for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
     assert found == []
-    # The check finds what it looks for.
-    assert BRANCH.search('if config.type == "dflash":') and BRANCH.search("isinstance(head, MedusaHead)")
+    # The check finds what it looks for, for every registered head type.
+    assert branch.search('if config.type == "dflash":') and branch.search("isinstance(head, MedusaHead)")
+    assert branch.search('if method in ("peagle", "x"):') and branch.search("isinstance(head, DSparkHead)")
+    assert branch.search("isinstance(options, Dflash2Options)") and branch.search('kind != "dflash2"')

@@ -7,24 +7,12 @@ import torch
 from transformers import LlamaConfig
 
 from headstart.core.models import default_aux_layers
-from headstart.heads import (
-    Eagle3Head,
-    Eagle3Options,
-    EagleHead,
-    KVCache,
-    Lora,
-    arch_from_target,
-    build_head,
-    build_vocab_mapping,
-    load_head,
-    medusa2_wrap,
-    medusa_loss,
-    medusa_weight_at,
-    read_head_config,
-    ttt_attention_mask,
-)
+from headstart.heads import KVCache, arch_from_target, build_head, load_head, read_head_config, ttt_attention_mask
+from headstart.heads.eagle import EagleHead
+from headstart.heads.eagle3 import Eagle3Head, Eagle3Options, build_vocab_mapping
 from headstart.heads.layers import DecoderLayer, RotaryEmbedding
 from headstart.heads.losses import label_mask
+from headstart.heads.medusa import Lora, medusa2_wrap, medusa_loss, medusa_weight_at
 from tests.helpers import LAYER_IDS, make_batch, tiny_llama
 
 V, H = 300, 32

@@ -22,6 +22,8 @@ from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import DFlash, Eagle
 from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache
 from headstart.eval import acceptance, autotune
+from headstart.export.card import vllm_command
+from headstart.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.target import arch_from_target
 from headstart.scripts.dev.tiny_families import (
@@ -32,11 +34,9 @@ from headstart.scripts.dev.tiny_families import (
     family_config,
     save_target,
 )
-from headstart.scripts.export.card import vllm_command
 from headstart.scripts.export.command import export_head
-from headstart.scripts.export.common import AUX_CAPTURE, VLLM_UNSERVED_FAMILIES
 from headstart.scripts.export.import_head import import_head
-from headstart.train import dflash, eagle
+from headstart.train import eagle
 from headstart.train.config import resolve_config
 from headstart.train.loop import Process, training_memory
 from tests.core.test_tensor_parallel import torchrun
@@ -47,8 +47,8 @@ from tests.helpers import REPO, assert_matches, base_config, records, run_here
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HEADS = {
-    "eagle3": (eagle, {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3}),
-    "dflash": (dflash, {"type": "dflash", "block_size": 4, "num_anchors": 8}),
+    "eagle3": {"type": "eagle3", "draft_vocab_size": 256, "ttt_steps": 3},
+    "dflash": {"type": "dflash", "block_size": 4, "num_anchors": 8},
 }
 
 
@@ -60,11 +60,11 @@ def family_heads(request, tiny_target_dir, gsm8k_file, tmp_path_factory, monkeyp
     save_target(root / "target", family, AutoTokenizer.from_pretrained(tiny_target_dir))
     run_capture(base_config(root / "target", gsm8k_file, root / "shards", root, "eagle3"))
     heads = {}
-    for head_type, (trainer, options) in HEADS.items():
+    for head_type, options in HEADS.items():
         cfg = base_config(root / "target", gsm8k_file, root / "shards", root / head_type, "eagle3", max_steps=3)
         cfg["head"] = options | ({"intermediate_size": 64} if family in EXPERTS_ONLY else {})
         (root / f"{head_type}.yaml").write_text(yaml.safe_dump(cfg))
-        run_here(monkeypatch_module, trainer, root / f"{head_type}.yaml")
+        run_here(monkeypatch_module, eagle, root / f"{head_type}.yaml")  # train/eagle.py trains both
         heads[head_type] = root / head_type
     return family, root / "target", heads
 
@@ -170,7 +170,7 @@ def test_sampling_on_a_moe_target_is_lossless():
 
 
 def test_the_families_by_engine_table_is_the_code_s():
-    # docs/EXPORT.md's "Families by engine" table and scripts/export/common.py's AUX_CAPTURE say the same.
+    # docs/EXPORT.md's "Families by engine" table and export/common.py's AUX_CAPTURE say the same.
     text = (REPO / "docs" / "EXPORT.md").read_text()
     section = text[text.index("### Families by engine") :]
     table = next(block for block in section.split("\n\n") if block.startswith("| family"))

@@ -26,7 +26,8 @@ from headstart.data_recipes.settings import (
 )
 from headstart.data_recipes.shards import read_manifest
 from headstart.eval import acceptance
-from headstart.heads import HEAD_TYPES, Head, HeadOptions, Lora
+from headstart.heads import HEAD_TYPES, Head, HeadOptions
+from headstart.heads.medusa import Lora
 from headstart.heads.registry import head_options_models
 from headstart.scripts import cli, demo
 from headstart.scripts.config import COMMAND_CONFIGS, PipelineConfig
@@ -226,8 +227,7 @@ def test_training_refuses_out_of_range_values_before_any_work(tmp_path, monkeypa
     def no_work(*args, **kwargs):
         raise AssertionError("a bad config got as far as the process group")
 
-    recipe = trainer if hasattr(trainer, "start_processes") else eagle  # dflash.py runs eagle.py's train_head
-    monkeypatch.setattr(recipe, "start_processes", no_work)
+    monkeypatch.setattr(trainer, "start_processes", no_work)
     path = unloadable_config(tmp_path, name, [f"train.out_dir={tmp_path / 'out'}"])
     with pytest.raises(ConfigError, match=message):
         trainer.main(["--config", str(path), *overrides])

@@ -84,7 +84,7 @@ def test_heads_bf16_trains_every_demo_recipe_in_bf16_then_evaluates_them_all(tmp
     (capture, *trains, evaluate) = gpu_check.heads_bf16_commands(gpu_check.Settings.for_device("cuda"), tmp_path)
     assert "data_recipes.capture" in capture and "data.limit=64" in capture
     trainers = [next(a for a in command if a.startswith("train/")) for command in trains]
-    assert trainers == [f"train/{t}.py" for t in ("eagle", "eagle", "eagle", "medusa", "dflash", "dspark", "dflash2")]
+    assert trainers == [f"train/{t}.py" for t in ("eagle", "eagle", "eagle", "medusa", "eagle", "eagle", "eagle")]
     for recipe, command in zip(gpu_check.DEMO_RECIPES, trains):
         assert f"configs/{recipe}.yaml" in command and "train.dtype=bf16" in command
         assert f"capture.out_dir={tmp_path / 'capture'}" in command and "target.device=cuda" in command

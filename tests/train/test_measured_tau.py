@@ -9,7 +9,7 @@ import yaml
 from headstart.eval import acceptance
 from headstart.heads import read_head_config
 from headstart.scripts.export.command import export_head
-from headstart.train import dflash, eagle
+from headstart.train import eagle
 from headstart.train.measured import forget_best_after, sample_prompt, write_best
 from tests.helpers import head_weights, records, run_here
 
@@ -35,11 +35,9 @@ def test_a_samples_prompt_is_what_comes_before_its_loss_or_a_texts_first_half():
 @pytest.mark.parametrize("head_type", ["eagle3", "dflash"])
 def test_measured_tau_during_training_is_what_eval_acceptance_measures(head_type, make_config, tmp_path, monkeypatch):
     config, out = make_config("eagle3", **MEASURED)
-    trainer = eagle
     if head_type == "dflash":
         _with_head(config, DFLASH)
-        trainer = dflash
-    run_here(monkeypatch, trainer, config)
+    run_here(monkeypatch, eagle, config)
 
     measured = records(out, "measured")
     assert [r["step"] for r in measured] == [3, 6]  # at every held-out evaluation

@@ -4,8 +4,8 @@ import pytest
 import yaml
 
 from headstart.core.config import ConfigError, load_config
-from headstart.heads import Eagle3Options
-from headstart.train import dflash, eagle, medusa
+from headstart.heads.eagle3 import Eagle3Options
+from headstart.train import eagle, medusa
 from headstart.train.config import resolve_config
 from headstart.train.data import rank_micro_batches
 from headstart.train.loop import cosine_with_warmup
@@ -61,7 +61,7 @@ def demo_config(tmp_path):
         (eagle, ["lora.r=8"], r"Medusa-2 .* set train\.online_capture: true"),
         (eagle, ["lora.r=8", "train.online_capture=true", "target.tp_size=2"], r"cannot train a split target"),
         (
-            dflash,
+            eagle,
             ["head={type: dflash, block_size: 5000}"],
             r"head\.block_size \(5000\) must not exceed data\.max_length \(512\)",
         ),
@@ -71,8 +71,7 @@ def test_config_errors_fail_before_any_work(demo_config, trainer, overrides, mes
     def no_work(*args, **kwargs):
         raise AssertionError("a bad config got as far as the process group")
 
-    recipe = trainer if hasattr(trainer, "start_processes") else eagle  # dflash.py runs eagle.py's train_head
-    monkeypatch.setattr(recipe, "start_processes", no_work)
+    monkeypatch.setattr(trainer, "start_processes", no_work)
     path, out_dir = demo_config
     with pytest.raises(ConfigError, match=message):
         trainer.main(["--config", str(path), *overrides])

@@ -1,6 +1,6 @@
 """The README.md model card every export carries: what the head is, its target, how to serve it, and the
 draft tree ``eval.autotune`` tuned for it. A head type's own rows and serve commands come from its layouts module
-(``formats.Format.describe``, ``serve``); the commands' pieces they are built from are here."""
+(``layouts.EngineLayouts.describe``, ``serve``); the commands' pieces they are built from are here."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 from headstart.decoding.tree_config import Schedule, load_tree_config
+from headstart.export.common import captures_natively
+from headstart.export.layouts import EngineLayouts
 from headstart.heads import HeadConfig, drafting_of
-from headstart.scripts.export.common import captures_natively
-from headstart.scripts.export.formats import format_of
 
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 STEPS = 3  # draft tokens per step in the serve commands; the acceptance counters are per position up to this
@@ -98,6 +98,7 @@ def training_rows(config: HeadConfig) -> list[tuple[str, str]]:
 
 def model_card(
     config: HeadConfig,
+    layouts: EngineLayouts,
     fmt: str,
     target: str,
     draft: str,
@@ -105,9 +106,9 @@ def model_card(
     made_by: str,
     extra_sections: list[str] | None = None,
 ) -> str:
-    """README.md for an export of the head ``config`` in ``fmt``; ``draft`` is how a user names the folder
-    (a path or a hub id) and ``made_by`` the command that wrote it."""
-    drafting, layouts = drafting_of(config), format_of(config.type)
+    """README.md for an export of the head ``config`` in ``fmt``, one of its head type's ``layouts``; ``draft`` is
+    how a user names the folder (a path or a hub id) and ``made_by`` the command that wrote it."""
+    drafting = drafting_of(config)
     title = drafting.card_title or drafting.title
     rows = [("head", title), ("target", f"`{target}`"), ("format", layouts.layout(fmt)), *layouts.describe(config)]
     rows += training_rows(config)

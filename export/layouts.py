@@ -1,24 +1,24 @@
 """The protocol of a head type's engine layouts: one module per head type implements it (``eagle``, ``eagle3``,
-``medusa``, ``dflash``), and the head type's registry entry names that module (``heads.HeadType.export``).
+``medusa``, ``dflash``, ``dspark``, ``dflash2``), and ``export.registry`` maps each head type to its module.
 
-    fmt = head_type("eagle3").format()
-    fmt.FORMATS                                       # ("vllm", "sglang", "speculators"): what --format takes
-    files = fmt.export_files(config, state, "vllm", target, target_config)
-    options, arch, state = fmt.import_files("speculators", src, target_config)
+    layouts = layouts_of("eagle3")                   # export.registry
+    layouts.LAYOUTS                                  # ("vllm", "sglang", "speculators"): what --format takes
+    files = layouts.export_files(config, state, "vllm", target, target_config)
+    options, arch, state = layouts.import_files("speculators", src, target_config)
 
-The export command (``command``) and import (``import_head``) work with any module or object of this shape, so
-a head type registered from outside the package brings its own.
+The export command and import (``scripts.export``) work with any module or object of this shape, so a head type
+registered from outside the package brings its own (``export.registry.register_layouts``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import HEAD_TYPES, WEIGHTS_NAME, DraftArch, HeadConfig, head_type
+from headstart.heads import WEIGHTS_NAME, DraftArch, HeadConfig
 
 
 class EngineFiles(NamedTuple):
@@ -37,10 +37,10 @@ class Imported(NamedTuple):
     state: dict[str, torch.Tensor]
 
 
-class Format(Protocol):
+class EngineLayouts(Protocol):
     """What a head type's engine-layout module declares and does."""
 
-    FORMATS: tuple[str, ...]  # the layouts it writes (export --format)
+    LAYOUTS: tuple[str, ...]  # the layouts it writes (export --format)
     SOURCES: tuple[str, ...]  # the layouts it reads (import --from)
     FILES: tuple[str, ...]  # the files its exports hold besides config.json (the weights, ``extra_files``)
     SERVED: bool  # an engine serves it (its card tells how to check acceptance and to prompt raw-text targets)
@@ -52,7 +52,7 @@ class Format(Protocol):
     def export_files(
         self, config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
     ) -> EngineFiles:
-        """The head in ``fmt`` (one of ``FORMATS``); ValueError where this head cannot take that form."""
+        """The head in ``fmt`` (one of ``LAYOUTS``); ValueError where this head cannot take that form."""
         ...
 
     def extra_files(self, config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
@@ -78,7 +78,7 @@ class Format(Protocol):
         ...
 
 
-LAYOUTS = {  # the engines' layouts in words: the model card's, then the parity table's
+LAYOUT_NAMES = {  # the engines' layouts in words: the model card's, then the parity table's
     "vllm": ("the EAGLE repo's layout, as vLLM loads it", "EAGLE-repo layout"),
     "sglang": ("the EAGLE repo's layout, as SGLang loads it", "EAGLE-repo layout"),
     "speculators": ("the speculators format (speculators 0.9.0, read by vLLM)", "speculators layout"),
@@ -87,44 +87,16 @@ LAYOUTS = {  # the engines' layouts in words: the model card's, then the parity 
 
 
 def layout_name(fmt: str, short: bool = False) -> str:
-    """A layout's usual name (``Format.layout`` of a head type written in the engines' shared layouts)."""
-    return LAYOUTS[fmt][short]
+    """A layout's usual name (``EngineLayouts.layout`` of a head type written in the engines' shared layouts)."""
+    return LAYOUT_NAMES[fmt][short]
 
 
 # Layouts that hold one head type only, and say so to every other one asked for them.
 OWN_LAYOUTS = {"medusa": "the 'medusa' format holds Medusa heads only"}
 
 
-def not_written(head_type: str, fmt: str, formats: tuple[str, ...], reasons: dict[str, str] | None = None) -> str:
+def not_written(head_type: str, fmt: str, layouts: tuple[str, ...], reasons: dict[str, str] | None = None) -> str:
     """The usual refusal: ``cannot export a eagle head as 'speculators': <why>; formats for it: (...)``, the
     reason from ``reasons`` (the head type's own), else the layout's."""
     why = (reasons or {}).get(fmt) or OWN_LAYOUTS.get(fmt) or f"no {fmt} layout is written for {head_type} heads"
-    return f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {formats}"
-
-
-def format_of(name: str) -> Format:
-    """The engine layouts of the head type ``name`` (its registry entry's ``export``)."""
-    found = head_type(name).format()
-    if found is None:
-        raise ValueError(f"no engine layout is declared for {name} heads (its HeadType names no export)")
-    return cast(Format, found)
-
-
-def exported_types() -> dict[str, Format]:
-    """Every registered head type that engines serve -> its layouts, in registration order."""
-    return {name: format_of(name) for name, entry in HEAD_TYPES.items() if entry.export is not None}
-
-
-def layouts() -> tuple[str, ...]:
-    """Every layout export writes (``--format``), in the order the head types declare them."""
-    return tuple(dict.fromkeys(fmt for found in exported_types().values() for fmt in found.FORMATS))
-
-
-def sources() -> dict[str, str]:
-    """Every layout import reads (``--from``) -> the head type that reads it."""
-    return {kind: name for name, found in exported_types().items() for kind in found.SOURCES}
-
-
-def export_files_names() -> frozenset[str]:
-    """Every file an export may hold: what tells an earlier export from a folder of the user's."""
-    return frozenset(name for found in exported_types().values() for name in found.FILES)
+    return f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {layouts}"

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from headstart.export.card import code_block
+from headstart.export.common import dtype_name, read_checkpoint, read_json, rename_prefixes
+from headstart.export.layouts import EngineFiles, Imported, layout_name
 from headstart.heads import HeadConfig, arch_from_target
-from headstart.scripts.export.card import code_block
-from headstart.scripts.export.common import dtype_name, read_checkpoint, read_json, rename_prefixes
-from headstart.scripts.export.formats import EngineFiles, Imported, layout_name
 
-FORMATS = ("medusa",)
-SOURCES = ("medusa",)
+LAYOUTS: tuple[str, ...] = ("medusa",)
+SOURCES: tuple[str, ...] = ("medusa",)
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
-FILES = (WEIGHTS_FILE,)
+FILES: tuple[str, ...] = (WEIGHTS_FILE,)
 SERVED = False  # NOT_SERVED
 NOT_SERVED = (
     "vLLM (0.33) and SGLang (0.5.23) no longer serve Medusa heads: vLLM has no 'medusa' speculative method and "

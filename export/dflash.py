@@ -26,9 +26,8 @@ from typing import Any, cast
 import torch
 from transformers import PretrainedConfig
 
-from headstart.heads import WEIGHTS_NAME, HeadConfig
-from headstart.scripts.export.card import code_block, served_schedule, vllm_command
-from headstart.scripts.export.common import (
+from headstart.export.card import code_block, served_schedule, vllm_command
+from headstart.export.common import (
     arch_from_decoder,
     check_vllm_serves_family,
     checkpoint_roots,
@@ -40,13 +39,14 @@ from headstart.scripts.export.common import (
     read_json,
     rename_prefixes,
 )
-from headstart.scripts.export.formats import EngineFiles, Imported, not_written
+from headstart.export.layouts import EngineFiles, Imported, not_written
+from headstart.heads import WEIGHTS_NAME, HeadConfig
 
-FORMATS = ("vllm",)
-SOURCES = ("dflash",)
+LAYOUTS: tuple[str, ...] = ("vllm",)
+SOURCES: tuple[str, ...] = ("dflash",)
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-FILES = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)
+FILES: tuple[str, ...] = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)
 SERVED = True
 # Settings of published DFlash drafts that the head does not implement, and why each one matters.
 UNSUPPORTED = {
@@ -63,7 +63,7 @@ def refusal(fmt: str) -> str:
         "speculators": "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout",
         "sglang": "SGLang 0.5.23 has no DFlash draft",
     }
-    return not_written("dflash", fmt, FORMATS, reasons)
+    return not_written("dflash", fmt, LAYOUTS, reasons)
 
 
 def export_files(
