@@ -119,8 +119,8 @@ class Lookahead(Vanilla):
     attention: level 0 is a chain below the root (guesses for the next ``window`` positions) and the token of
     level l > 0 in column i hangs below level l - 1's token in column i, so each window token sees the root,
     level 0 up to its column and one token of each level below it: the paper's lookahead-branch mask, one
-    position further per level. The target's argmax at every row comes back on the tree
-    (``Tree.target_argmax``); its outputs at the top level are the next Jacobi level (the oldest is dropped),
+    position further per level. The target's argmax at every row comes back through the tree's
+    ``Tree.on_target_argmax``; its outputs at the top level are the next Jacobi level (the oldest is dropped),
     and column i's tokens from level 0 up, with the top one's output, are an n-gram of consecutive positions
     whose last token is the target's own choice after the others. Those n-grams, and those of the prompt and
     the committed text, fill the pool, keyed by their first token (the ``guesses`` latest per key).
@@ -141,7 +141,7 @@ class Lookahead(Vanilla):
         self.indexed = 0  # n-grams of ``text`` starting before this are in the pool
         self.pool: dict[int, dict[tuple[int, ...], None]] = {}  # first token -> tails, oldest first
         self.levels: list[list[int]] = []  # the Jacobi window, oldest level first
-        self.tree: Tree | None = None
+        self.target_argmax: torch.Tensor | None = None  # at [root, nodes...] of the last verified draft
         self.level_nodes: list[list[int]] = []  # the tree slots of each window level's tokens
 
     def add_ngram(self, ngram: Iterable[int]) -> None:
@@ -180,13 +180,16 @@ class Lookahead(Vanilla):
                 nodes.append(len(drafted))
                 drafted.append(token)
             self.level_nodes.append(nodes)
-        tree = self.tree = tree_from_parents(drafted, parents, tokens.device, want_target_argmax=True)
-        return tree
+        return tree_from_parents(drafted, parents, tokens.device, on_target_argmax=self.read_target_argmax)
+
+    def read_target_argmax(self, argmax: torch.Tensor) -> None:
+        """Keep the target's argmax [n + 1] at [root, nodes...] of the draft just verified, for ``update``."""
+        self.target_argmax = argmax
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        if self.tree is None or self.tree.target_argmax is None:
+        if self.target_argmax is None:
             return
-        argmax = self.tree.target_argmax.tolist()
+        argmax = self.target_argmax.tolist()
         outputs = [argmax[node + 1] for node in self.level_nodes[-1]]  # row 0 is the root
         if len(self.levels) < self.ngram - 1:  # still filling the window
             self.levels.append(outputs)
@@ -194,4 +197,4 @@ class Lookahead(Vanilla):
             for column, output in enumerate(outputs):
                 self.add_ngram([guesses[column] for guesses in self.levels] + [output])
             self.levels = self.levels[1:] + [outputs]
-        self.tree = None
+        self.target_argmax = None

@@ -7,10 +7,10 @@ the same shapes. So, once ``setup_static_cache(target, capacity)`` has been call
 - every attention layer keeps its keys and values in buffers of ``capacity`` slots (``target_cache.SlotLayer``),
   written in place at a position the device holds, and each forward attends over the whole buffer, the mask hiding
   the slots past the committed ones: the shapes no longer change as the sequence grows;
-- the verification core (``decoding.verify``) rounds a step's queries up to a bucket (``QUERY_BUCKETS``: padding
-  queries see only the root and are ignored, as on a CPU already) and runs the forward through
-  ``StaticDecoding.forward``: on CUDA one graph per bucket, captured at its first use and replayed after; on a CPU
-  the same buffers and masks, eagerly (what the suite checks token for token against the dynamic cache).
+- a verify step (``StaticVerifyCache``) rounds its queries up to a bucket (``QUERY_BUCKETS``: padding queries see
+  only the root and are ignored, as on a CPU already) and runs the forward through ``StaticDecoding.forward``: on
+  CUDA one graph per bucket, captured at its first use and replayed after; on a CPU the same buffers and masks,
+  eagerly (what the suite checks token for token against the dynamic cache).
 
 One sequence at a time (``decoding.verify.generate``): several sequences decode with the dynamic cache as
 before. Targets with recurrent state keep the dynamic cache too (their state is snapshot and replayed). The
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 
-from headstart.decoding.target_cache import SlotLayer, recurrent_target, target_forward
+from headstart.decoding.target_cache import SlotLayer, VerifyCache, layer_masks, recurrent_target, target_forward
+from headstart.decoding.tree import Tree
 
 QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a verify forward's queries, rounded up: one graph each
 ENGINE_ATTRIBUTE = "_headstart_static_decoding"
@@ -109,6 +110,25 @@ class StaticDecoding:
     def _reset(self, lengths: list[int]) -> None:
         for layer, length in zip(self.layers, lengths, strict=True):
             layer.set_length(length)
+
+
+class StaticVerifyCache(VerifyCache):
+    """A verify step on the static cache: its queries rounded up to a bucket, its mask spanning the whole buffer and
+    its forward through the engine (the bucket's graph on CUDA); the commit is the dynamic cache's."""
+
+    def __init__(self, target: PreTrainedModel, cache: StaticCache) -> None:
+        super().__init__(target, cache)
+        self.engine = cache.engine
+
+    def queries(self, trees: list[Tree]) -> int:
+        return bucket(super().queries(trees))
+
+    def forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor, hidden: bool
+    ) -> Any:
+        # The keys are the whole buffer: its slots past this step's rows are hidden.
+        mask, key_positions = span_buffer(mask, key_positions, self.engine.capacity)
+        return self.engine.forward(ids, layer_masks(self.target, mask, positions, key_positions), positions, hidden)
 
 
 def _clone_mask(mask: Any) -> Any:

@@ -9,8 +9,12 @@ rest. Two kinds of target layers break that:
   positions (tree nodes sit at their depth's position, not at their cache slot).
 - recurrent layers (linear attention: Qwen3-Next's gated delta net, Mamba in Granite-4 / Nemotron-H): their
   conv and recurrent states hold the whole past in a fixed size and are updated in place, so rows cannot be
-  dropped afterwards. ``snapshot_states`` / ``restore_states`` put them back as they were before a step; the
-  verifier then replays the accepted rows (see ``decoding.verify.verify_batch``).
+  dropped afterwards. ``snapshot_states`` / ``restore_states`` put them back as they were before a step and
+  ``ReplayingCache`` runs the accepted rows again.
+
+How a verify step uses the cache is a ``VerifyCache``: the queries it runs, its forward and how it keeps the accepted
+rows. The dynamic cache's way is the base; ``ReplayingCache`` is a recurrent target's and
+``decoding.static_cache.StaticVerifyCache`` the static cache's.
 
 The layout comes from transformers' own reading of the config (``get_layer_types_and_kwargs``, what
 ``DynamicCache(config=...)`` builds), once per config.
@@ -31,6 +35,8 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
     get_layer_types_and_kwargs,
 )
+
+from headstart.decoding.tree import Tree, is_chain
 
 # Cache layer types whose layer keeps only its last window; the mask, not the mask's slots, makes the window.
 SLIDING_TYPES = ("sliding_attention", "hybrid_sliding")
@@ -271,3 +277,95 @@ def restore_states(cache: Cache, saved: States) -> None:
                 else:
                     current.copy_(state)
         layer.has_previous_state.update(previous)
+
+
+def check_recurrent(target: PreTrainedModel, batch: int, tree: Tree | None = None) -> None:
+    """Refuse what a recurrent target cannot verify exactly in one forward: several sequences (their padding
+    would run through the state) or a tree that is not a chain (the recurrence would run through siblings)."""
+    if batch > 1:
+        raise ValueError(f"cannot decode {batch} sequences together: {why_chains(target)}; decode one at a time")
+    if tree is not None and not is_chain(tree):
+        raise ValueError(f"cannot verify a tree that is not a chain: {why_chains(target)}; draft chains")
+
+
+# On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 rows on a slower kernel: SmolLM2's
+# whole forward after 300 tokens (torch 2.13, 2-core AMD EPYC) took 60, 102, 121, 83, 90, 111, 131 and 80 ms for
+# 1 to 8 new tokens (``python -m scripts.bench.verify_rows``, docs/BENCHMARKS.md). So on a CPU a verify forward of
+# more than one query runs a multiple of 4, the extra queries padding that no row keeps. One query (plain
+# decoding) stays one: its matrix-vector kernel is the fastest of all.
+CPU_QUERY_MULTIPLE = 4
+
+
+def verify_queries(device: torch.device, trees: list[Tree]) -> int:
+    """The queries a verify forward over ``trees`` runs on ``device``: the root and the largest tree, on a CPU
+    rounded up to a multiple of ``CPU_QUERY_MULTIPLE`` when there is a tree at all."""
+    queries = 1 + max(len(tree) for tree in trees)
+    if device.type != "cpu" or queries == 1:
+        return queries
+    return -(-queries // CPU_QUERY_MULTIPLE) * CPU_QUERY_MULTIPLE
+
+
+class VerifyCache:
+    """How a verify step runs on the target's ``cache``: the queries of its forward, the forward, and the commit of
+    the accepted rows. This base is the dynamic cache's: padded queries, then the accepted rows gathered right after
+    the prefix and the rest cropped."""
+
+    def __init__(self, target: PreTrainedModel, cache: Cache) -> None:
+        self.target, self.cache = target, cache
+
+    def queries(self, trees: list[Tree]) -> int:
+        """The queries of a forward over ``trees`` (ValueError for trees this cache cannot verify)."""
+        return verify_queries(self.target.device, trees)
+
+    def forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor, hidden: bool
+    ) -> Any:
+        """The verify forward over ``ids`` [B, q] with the additive tree ``mask`` [B, 1, q, P + q], the queries'
+        ``positions`` and every key's; ``hidden``: with every layer's hidden states."""
+        masks = layer_masks(self.target, mask, positions, key_positions)
+        return target_forward(self.target, self.cache, ids, masks, positions, hidden)
+
+    def commit(self, prefix_len: int, rows: torch.Tensor) -> bool:
+        """Keep each sequence's step rows ``rows`` [B, keep] (root, then accepted path) right after its first
+        ``prefix_len`` slots and drop the rest. Returns whether that took another forward (a replay)."""
+        commit_rows(self.cache, prefix_len, prefix_len + rows)
+        return False
+
+
+class ReplayingCache(VerifyCache):
+    """A recurrent target's: one sequence and chains only, with no padding queries (all would run through the state).
+    The forward saves the recurrent states first; a commit after a rejected draft puts them back and runs the
+    accepted rows again (``rebuild_state``), since the states cannot drop the rejected rows."""
+
+    def queries(self, trees: list[Tree]) -> int:
+        check_recurrent(self.target, len(trees), trees[0])
+        return 1 + len(trees[0])
+
+    def forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor, hidden: bool
+    ) -> Any:
+        self.ids, self.positions = ids, positions
+        self.saved = snapshot_states(self.cache) if ids.shape[1] > 1 else None
+        return super().forward(ids, mask, positions, key_positions, hidden)
+
+    def needs_replay(self, rows: torch.Tensor) -> bool:
+        """Whether the step rejected a drafted row: the states ran through rows that ``rows`` [1, keep] drop."""
+        return rows.shape[1] < self.ids.shape[1]
+
+    def commit(self, prefix_len: int, rows: torch.Tensor) -> bool:
+        if not self.needs_replay(rows):
+            return super().commit(prefix_len, rows)
+        self.rebuild_state(prefix_len, rows[0])
+        return True
+
+    def rebuild_state(self, prefix_len: int, rows: torch.Tensor) -> None:
+        """Put the states back as they were before the step, drop the step's attention rows and run the accepted
+        ``rows`` (root + path) again, so every layer holds exactly the committed tokens. A chain's accepted rows are
+        a prefix of what ran, so the verify forward's outputs for them were already exact; this forward only
+        rebuilds the state."""
+        assert self.saved is not None  # a step that drafted nothing rejects nothing
+        restore_states(self.cache, self.saved)
+        crop_attention(self.cache, prefix_len)
+        # No mask: one sequence, no padding, so the target's own causal (and windowed) masks are the exact ones.
+        ids, positions = self.ids[:, rows], self.positions[:, rows]
+        self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)

@@ -42,14 +42,13 @@ class Tree:
     draft_logprobs: torch.Tensor  # [n] float, log q(token | parent)
     dists: torch.Tensor | None = None  # [g, V] draft probabilities per sibling group; None = point masses
     dist_index: torch.Tensor | None = None  # [n] row of ``dists`` each node was drawn from
-    # Lookahead decoding learns from every row the target scored, not only the accepted ones: a tree drafted
-    # with ``want_target_argmax`` gets ``target_argmax`` [n + 1], the target's argmax at [root, nodes...],
-    # from the verifier (``decoding.verify.verify_batch``).
-    want_target_argmax: bool = False
     # A drafter with its own acceptance estimate (DSpark's confidence head): [n] the log-probability it gives that
     # the target accepts the path to each node. Adaptive depth reads it in place of the draft's own path logq.
     survival: torch.Tensor | None = None
-    target_argmax: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # The drafter's own reader of what the target scored on this tree, not only on the accepted path (lookahead
+    # decoding learns from every row): the decoding loop hands it the target's argmax [n + 1] at [root, nodes...]
+    # once the tree is verified. A tree cut or rebuilt from this one is another draft, without it.
+    on_target_argmax: Callable[[torch.Tensor], None] | None = field(default=None, repr=False, compare=False)
     _ancestors: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -117,10 +116,13 @@ def chain(tokens: torch.Tensor, dists: torch.Tensor | None = None) -> Tree:
 
 
 def tree_from_parents(
-    tokens: Sequence[int], parents: Sequence[int], device: torch.device, want_target_argmax: bool = False
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    device: torch.device,
+    on_target_argmax: Callable[[torch.Tensor], None] | None = None,
 ) -> Tree:
     """A tree of deterministic proposals (point masses) from each node's token and parent (-1 = the root),
-    a parent before its children."""
+    a parent before its children; ``on_target_argmax`` as ``Tree``'s."""
     depths: list[int] = []
     for parent in parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
@@ -130,7 +132,7 @@ def tree_from_parents(
 
     return Tree(
         longs(tokens), longs(parents), longs(depths), torch.zeros(len(tokens), device=device),
-        want_target_argmax=want_target_argmax,
+        on_target_argmax=on_target_argmax,
     )  # fmt: skip
 
 

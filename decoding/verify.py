@@ -19,27 +19,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
 from transformers import Cache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from headstart.decoding.static_cache import StaticCache, bucket, span_buffer, static_decoding
+from headstart.decoding.proposers_schedule import SpeculationByLoad
+from headstart.decoding.static_cache import StaticCache, StaticVerifyCache, static_decoding
 from headstart.decoding.target_cache import (
-    States,
-    commit_rows,
-    crop_attention,
+    ReplayingCache,
+    VerifyCache,
+    check_recurrent,
     layer_masks,
     new_cache,
     recurrent_target,
-    restore_states,
-    snapshot_states,
-    target_forward,
-    why_chains,
 )
-from headstart.decoding.tree import Tree, additive_mask, capped, empty_tree, is_chain, tree_batch_inputs
-from headstart.decoding.tree_config import Schedule, scheduled_depth
+from headstart.decoding.tree import Tree, additive_mask, tree_batch_inputs
+from headstart.decoding.tree_config import Schedule
 
 
 @dataclass
@@ -96,8 +94,8 @@ class Proposer(Protocol):
 @dataclass
 class Stats:
     target_forwards: int = 0  # verification forwards (the prompt's prefill is not counted)
-    # Forwards that rebuilt a recurrent target's state after a rejected draft (``replay``): not verification, so
-    # not in tau, but in the wall time (tokens/s and speedups count them).
+    # Forwards that rebuilt a recurrent target's state after a rejected draft (``ReplayingCache``): not
+    # verification, so not in tau, but in the wall time (tokens/s and speedups count them).
     replay_forwards: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per forward, bonus included
     depth_accepts: list[int] = field(default_factory=list)  # [d - 1]: forwards that accepted a depth-d node
@@ -195,21 +193,47 @@ def _hidden(out: CausalLMOutputWithPast, layers: tuple[int, ...]) -> torch.Tenso
     return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
 
-# On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 rows on a slower kernel: SmolLM2's
-# whole forward after 300 tokens (torch 2.13, 2-core AMD EPYC) took 60, 102, 121, 83, 90, 111, 131 and 80 ms for
-# 1 to 8 new tokens (``python -m scripts.bench.verify_rows``, docs/BENCHMARKS.md). So on a CPU a verify forward of
-# more than one query runs a multiple of 4, the extra queries padding that no row keeps. One query (plain
-# decoding) stays one: its matrix-vector kernel is the fastest of all.
-CPU_QUERY_MULTIPLE = 4
+@dataclass
+class Verdict:
+    """One sequence's outcome of a verify step."""
+
+    tree: Tree
+    path: torch.Tensor  # accepted node ids, root first
+    bonus: torch.Tensor  # [1] the target's token after them: the next pending root
+    hidden: torch.Tensor | None  # the target's states (per ``hidden_layers``) of the root and path rows
+    logits: torch.Tensor  # [n + 1, V] the target's at [root, nodes...]; a static cache's graph rewrites them next step
+
+    @cached_property
+    def new_tokens(self) -> torch.Tensor:
+        """The tokens the step commits: the accepted nodes', then the bonus."""
+        return torch.cat((self.tree.tokens[self.path], self.bonus))
 
 
-def verify_queries(device: torch.device, trees: list[Tree]) -> int:
-    """The queries a verify forward over ``trees`` runs on ``device``: the root and the largest tree, on a CPU
-    rounded up to a multiple of ``CPU_QUERY_MULTIPLE`` when there is a tree at all."""
-    queries = 1 + max(len(tree) for tree in trees)
-    if device.type != "cpu" or queries == 1:
-        return queries
-    return -(-queries // CPU_QUERY_MULTIPLE) * CPU_QUERY_MULTIPLE
+@dataclass
+class Verification:
+    """A verify step's outcome over B sequences."""
+
+    verdicts: list[Verdict]
+    valid: torch.Tensor  # [B, P + keep] the cache slots holding each sequence's committed rows
+    replayed: bool  # a recurrent target ran the accepted rows again to rebuild its state (``ReplayingCache``)
+
+
+def verify_cache(target: PreTrainedModel, cache: Cache) -> VerifyCache:
+    """How a verify step runs on ``cache``: the static cache's, a recurrent target's replays, or the dynamic one's."""
+    if isinstance(cache, StaticCache):
+        return StaticVerifyCache(target, cache)
+    if recurrent_target(target):
+        return ReplayingCache(target, cache)
+    return VerifyCache(target, cache)
+
+
+def accepted_rows(paths: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[B, keep] each sequence's step rows to keep: its root (row 0), then its accepted nodes'; shorter paths are
+    padded with the root (slots that are then marked invalid)."""
+    rows = torch.zeros(len(paths), max(len(path) for path in paths) + 1, dtype=torch.long, device=device)
+    for b, path in enumerate(paths):
+        rows[b, 1 : len(path) + 1] = path + 1
+    return rows
 
 
 def verify_batch(
@@ -220,82 +244,30 @@ def verify_batch(
     trees: list[Tree],
     sampling: Sampling,
     hidden_layers: tuple[int, ...] = (),
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
+) -> Verification:
     """One target forward over B sequences' [root, tree]; acceptance is per sequence.
 
     ``valid`` [B, P] marks the cache slots holding each sequence's committed rows: sequences that accepted
-    fewer tokens than the longest in a step leave unused slots behind, masked out from then on. Returns
-    (accepted node ids, bonus [1], hidden of root + path rows, per sequence; the new ``valid``). On return
+    fewer tokens than the longest in a step leave unused slots behind, masked out from then on. On return
     each sequence's root and accepted nodes follow the old slots (its bonus is its new root).
     """
-    prefix_len, recurrent = valid.shape[1], recurrent_target(target)
-    static = cache.engine if isinstance(cache, StaticCache) else None
-    if recurrent:
-        check_recurrent(target, len(trees), trees[0])
-    # Padding queries would run through a recurrent layer's state: a recurrent target runs the tree's rows only.
-    queries = 1 + len(trees[0]) if recurrent else verify_queries(target.device, trees)
-    # A static cache's forwards come in buckets of queries (one CUDA graph each).
-    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, bucket(queries) if static else queries)
+    steps = verify_cache(target, cache)
+    ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, steps.queries(trees))
     ids[:, 0] = roots
     key_positions = torch.cat((valid.long().cumsum(1) - 1, positions), dim=1)  # committed slots count up
-    saved = snapshot_states(cache) if recurrent and len(trees[0]) else None
-    if static is not None:  # the keys are the whole buffer: its slots past this step's rows are hidden
-        mask, key_positions = span_buffer(mask, key_positions, static.capacity)
-    masks, states = layer_masks(target, mask, positions, key_positions), bool(hidden_layers)
-    if static is not None:
-        out = static.forward(ids, masks, positions, states)
-    else:
-        out = target_forward(target, cache, ids, masks, positions, states)
-    paths, bonuses = zip(*(accept(tree, out.logits[b, : len(tree) + 1], sampling) for b, tree in enumerate(trees)))
-    for b, tree in enumerate(trees):
-        if tree.want_target_argmax:
-            tree.target_argmax = out.logits[b, : len(tree) + 1].argmax(-1)
-    keep = max(len(path) for path in paths) + 1
-    # Row 0 is the root; padding repeats it (those slots are marked invalid below).
-    rows = torch.zeros(len(trees), keep, dtype=torch.long, device=valid.device)
-    for b, path in enumerate(paths):
-        rows[b, 1 : len(path) + 1] = path + 1
-    if saved is not None and replays(trees[0], paths[0]):
-        replay(target, cache, saved, prefix_len, ids[:, rows[0]], positions[:, rows[0]])
-    else:
-        commit_rows(cache, prefix_len, prefix_len + rows)
+    out = steps.forward(ids, mask, positions, key_positions, bool(hidden_layers))
+    logits = [out.logits[b, : len(tree) + 1] for b, tree in enumerate(trees)]
+    paths, bonuses = zip(*(accept(tree, scores, sampling) for tree, scores in zip(trees, logits)))
+    rows = accepted_rows(list(paths), valid.device)
+    replayed = steps.commit(valid.shape[1], rows)
     lengths = torch.tensor([len(path) + 1 for path in paths], device=valid.device)
-    valid = torch.cat((valid, torch.arange(keep, device=valid.device)[None] < lengths[:, None]), 1)
+    kept = torch.arange(rows.shape[1], device=valid.device)[None] < lengths[:, None]
     hidden = _hidden(out, hidden_layers)
-    hiddens = [None if hidden is None else hidden[b, rows[b, : len(path) + 1]] for b, path in enumerate(paths)]
-    return list(paths), list(bonuses), hiddens, valid
-
-
-def check_recurrent(target: PreTrainedModel, batch: int, tree: Tree | None = None) -> None:
-    """Refuse what a recurrent target cannot verify exactly in one forward: several sequences (their padding
-    would run through the state) or a tree that is not a chain (the recurrence would run through siblings)."""
-    if batch > 1:
-        raise ValueError(f"cannot decode {batch} sequences together: {why_chains(target)}; decode one at a time")
-    if tree is not None and not is_chain(tree):
-        raise ValueError(f"cannot verify a tree that is not a chain: {why_chains(target)}; draft chains")
-
-
-def replays(tree: Tree, path: torch.Tensor) -> bool:
-    """Whether a recurrent target's step replays its accepted rows: some drafted node was rejected."""
-    return len(path) < len(tree)
-
-
-def replay(
-    target: PreTrainedModel,
-    cache: Cache,
-    saved: States,
-    prefix_len: int,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-) -> None:
-    """After a rejection on a recurrent target: put its states back as they were before the step (``saved``),
-    drop the step's attention rows and run the accepted rows ``ids`` [1, keep] (root + path) again, so every
-    layer holds exactly the committed tokens. A chain's accepted rows are a prefix of what ran, so the
-    verify forward's outputs for them were already exact; this forward only rebuilds the state."""
-    restore_states(cache, saved)
-    crop_attention(cache, prefix_len)
-    # No mask: one sequence, no padding, so the target's own causal (and windowed) masks are the exact ones.
-    target(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+    verdicts = [
+        Verdict(tree, path, bonus, None if hidden is None else hidden[b, rows[b, : len(path) + 1]], logits[b])
+        for b, (tree, path, bonus) in enumerate(zip(trees, paths, bonuses))
+    ]
+    return Verification(verdicts, torch.cat((valid, kept), 1), replayed)
 
 
 def verify(
@@ -305,15 +277,13 @@ def verify(
     tree: Tree,
     sampling: Sampling,
     hidden_layers: tuple[int, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One target forward over [root, tree] of one sequence whose cache slots are all valid; returns
-    (accepted node ids, bonus [1], hidden of root + path rows).
+) -> Verdict:
+    """One target forward over [root, tree] of one sequence whose cache slots are all valid.
 
     On return the cache holds the prefix, the root and the accepted nodes (the bonus is the new root).
     """
     valid = torch.ones(1, cache.get_seq_length(), dtype=torch.bool, device=root.device)
-    paths, bonuses, hiddens, _ = verify_batch(target, cache, valid, root, [tree], sampling, hidden_layers)
-    return paths[0], bonuses[0], hiddens[0]
+    return verify_batch(target, cache, valid, root, [tree], sampling, hidden_layers).verdicts[0]
 
 
 def _prefill(
@@ -336,6 +306,103 @@ def _prefill(
     return valid, [None if hidden is None else hidden[b, :n] for b, n in enumerate(lengths)]
 
 
+def _target_cache(target: PreTrainedModel, batch: int) -> Cache:
+    """An empty cache for ``batch`` sequences: the static one ``setup_static_cache`` made, for one sequence, else a
+    dynamic one. A recurrent target refuses several sequences."""
+    if recurrent_target(target):
+        check_recurrent(target, batch)
+    static = static_decoding(target) if batch == 1 else None
+    return static.cache() if static is not None else new_cache(target)
+
+
+@dataclass
+class DecodeState:
+    """One sequence being decoded: its proposer, its tokens so far and its statistics."""
+
+    proposer: Proposer
+    tokens: torch.Tensor  # [S + new] the prompt, then every committed token
+    prompt_len: int
+    stats: Stats = field(default_factory=Stats)
+
+    def commit(self, verdict: Verdict, replayed: bool) -> None:
+        """Append the verified tokens, count the step and hand the proposer's tree what the target scored."""
+        self.tokens = torch.cat((self.tokens, verdict.new_tokens))
+        self.stats.record(len(verdict.path))
+        self.stats.replay_forwards += replayed
+        if verdict.tree.on_target_argmax is not None:
+            verdict.tree.on_target_argmax(verdict.logits.argmax(-1))
+
+    def output(self, max_new_tokens: int, eos_token_id: int | None) -> torch.Tensor:
+        """[1, S + new]: the prompt and at most ``max_new_tokens`` new tokens, up to the first ``eos_token_id``."""
+        new = self.tokens[self.prompt_len : self.prompt_len + max_new_tokens]
+        if eos_token_id is not None and bool((new == eos_token_id).any()):
+            new = new[: int((new == eos_token_id).nonzero()[0]) + 1]
+        return torch.cat((self.tokens[: self.prompt_len], new))[None]
+
+
+class BatchDecoding:
+    """B sequences decoded together: the prefill, then ``step`` while any is ``active``; with a ``schedule``, each
+    proposer drafts as deep as it gives the sequences still decoding (``SpeculationByLoad``)."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        sequences: list[DecodeState],
+        max_new_tokens: int,
+        sampling: Sampling,
+        eos_token_id: int | None,
+        schedule: Schedule | None,
+    ) -> None:
+        self.target, self.sampling = target, sampling
+        self.max_new_tokens, self.eos_token_id = max_new_tokens, eos_token_id
+        self.start = time.perf_counter()
+        self.layers = sequences[0].proposer.hidden_layers
+        if any(seq.proposer.hidden_layers != self.layers for seq in sequences):
+            raise ValueError("proposers of one batch must read the same target layers")
+        if schedule:
+            for seq in sequences:
+                seq.proposer = SpeculationByLoad(seq.proposer, schedule, lambda: len(self.active))
+        self.cache = _target_cache(target, len(sequences))
+        self.valid, hidden = _prefill(target, self.cache, [seq.tokens for seq in sequences], self.layers)
+        self.active = sequences if max_new_tokens > 0 else []
+        for seq, rows in zip(sequences, hidden):
+            seq.proposer.reset(sampling)
+            seq.proposer.update(seq.tokens, rows)
+
+    def step(self) -> None:
+        """Draft, verify every active sequence in one forward, commit, retire the finished ones and let the
+        others' proposers read what was committed."""
+        trees = [seq.proposer.propose(seq.tokens) for seq in self.active]
+        roots = torch.stack([seq.tokens[-1] for seq in self.active])
+        result = verify_batch(self.target, self.cache, self.valid, roots, trees, self.sampling, self.layers)
+        for seq, verdict in zip(self.active, result.verdicts):
+            seq.commit(verdict, result.replayed)
+        done = [self.is_finished(seq, verdict) for seq, verdict in zip(self.active, result.verdicts)]
+        self.retire(done, result.valid)
+        going = [verdict for verdict, finished in zip(result.verdicts, done) if not finished]
+        for seq, verdict in zip(self.active, going):
+            seq.proposer.update(seq.tokens, verdict.hidden)
+
+    def is_finished(self, seq: DecodeState, verdict: Verdict) -> bool:
+        """Whether ``seq``, after committing ``verdict``, spent its budget or reached the end of text."""
+        if len(seq.tokens) - seq.prompt_len >= self.max_new_tokens:
+            return True
+        return self.eos_token_id is not None and bool((verdict.new_tokens == self.eos_token_id).any())
+
+    def retire(self, done: list[bool], valid: torch.Tensor) -> None:
+        """Drop the ``done`` sequences from the batch and from the target's cache (whose committed slots are
+        ``valid``), timing them."""
+        for seq, finished in zip(self.active, done):
+            if finished:
+                seq.stats.wall_time = time.perf_counter() - self.start
+        kept = [j for j, finished in enumerate(done) if not finished]
+        if kept and len(kept) < len(done):  # none left: no batch to select (nor can recurrent layers)
+            keep = torch.tensor(kept, dtype=torch.long, device=valid.device)
+            self.cache.batch_select_indices(keep)
+            valid = valid[keep]
+        self.valid, self.active = valid, [self.active[j] for j in kept]
+
+
 @torch.inference_mode()  # no autograd bookkeeping at all: less host work per op than no_grad
 def generate_batch(
     target: PreTrainedModel,
@@ -352,88 +419,18 @@ def generate_batch(
     after ``max_new_tokens`` or at ``eos_token_id`` (kept), as ``target.generate`` does. Sampling draws from
     torch's global generator: seed it for reproducible runs. A recurrent target decodes one sequence at a time.
 
-    ``schedule`` (``decoding.tree_config.Schedule``, a tree.json's ``depth_per_batch_size``) sets speculation by load:
-    at every step, with n sequences still decoding, the drafted trees are cut at the depth it gives n, and
-    at depth 0 nobody drafts (plain decoding, the proposers only read what was committed).
+    ``schedule`` (``decoding.tree_config.Schedule``, a tree.json's ``depth_per_batch_size``) sets speculation by load
+    (``decoding.proposers_schedule.SpeculationByLoad``): the drafted trees are cut at the depth it gives the
+    sequences still decoding, and at depth 0 nobody drafts.
     """
-    start, stats = time.perf_counter(), [Stats() for _ in prompts]
-    sampling = sampling or Sampling()
-    seqs = [p.flatten().to(target.device) for p in prompts]
-    prompt_lens = [len(s) for s in seqs]
-    layers = proposers[0].hidden_layers
-    if any(p.hidden_layers != layers for p in proposers):
-        raise ValueError("proposers of one batch must read the same target layers")
-    recurrent = recurrent_target(target)
-    if recurrent:
-        check_recurrent(target, len(prompts))
-    static = static_decoding(target) if len(prompts) == 1 else None  # one sequence: setup_static_cache's engine
-    cache = static.cache() if static is not None else new_cache(target)
-    valid, hidden = _prefill(target, cache, seqs, layers)
-    active = list(range(len(seqs))) if max_new_tokens > 0 else []
-    # Rows a proposer has not read: while the schedule says nobody drafts, the proposers skip their reading
-    # (an EAGLE head's forward over each new row) and catch up on all of them once drafting resumes.
-    unread: list[torch.Tensor | None] = [None] * len(seqs)
-    drafting = not schedule or scheduled_depth(schedule, len(active)) > 0
-    for i, (proposer, seq) in enumerate(zip(proposers, seqs)):
-        proposer.reset(sampling)
-        _read(proposer, seq, hidden[i], unread, i, drafting)
-    while active:
-        depth = scheduled_depth(schedule, len(active)) if schedule else None
-        if depth == 0:
-            trees = [empty_tree(target.device) for _ in active]
-        else:
-            trees = [proposers[i].propose(seqs[i]) for i in active]
-            trees = trees if depth is None else [capped(tree, depth) for tree in trees]
-        roots = torch.stack([seqs[i][-1] for i in active])
-        paths, bonuses, hidden, valid = verify_batch(target, cache, valid, roots, trees, sampling, layers)
-        still = []
-        for j, i in enumerate(active):
-            new = torch.cat((trees[j].tokens[paths[j]], bonuses[j]))
-            seqs[i] = torch.cat((seqs[i], new))
-            stats[i].record(len(paths[j]))
-            stats[i].replay_forwards += bool(recurrent and replays(trees[j], paths[j]))
-            if len(seqs[i]) - prompt_lens[i] >= max_new_tokens or (
-                eos_token_id is not None and bool((new == eos_token_id).any())
-            ):
-                stats[i].wall_time = time.perf_counter() - start
-            else:
-                still.append(j)
-        drafting = not schedule or not still or scheduled_depth(schedule, len(still)) > 0
-        for j in still:
-            _read(proposers[active[j]], seqs[active[j]], hidden[j], unread, active[j], drafting)
-        if not still:  # done: no batch to select (recurrent cache layers cannot select one)
-            break
-        if len(still) < len(active):
-            keep = torch.tensor(still, dtype=torch.long, device=valid.device)
-            cache.batch_select_indices(keep)
-            valid, active = valid[keep], [active[j] for j in still]
-    outputs = []
-    for seq, prompt_len in zip(seqs, prompt_lens):
-        new = seq[prompt_len : prompt_len + max_new_tokens]
-        if eos_token_id is not None and bool((new == eos_token_id).any()):
-            new = new[: int((new == eos_token_id).nonzero()[0]) + 1]
-        outputs.append(torch.cat((seq[:prompt_len], new))[None])
-    return outputs, stats
-
-
-def _read(
-    proposer: Proposer,
-    seq: torch.Tensor,
-    rows: torch.Tensor | None,
-    unread: list[torch.Tensor | None],
-    i: int,
-    drafting: bool,
-) -> None:
-    """Hand sequence ``i``'s newly committed ``rows`` (and any it has not read yet) to its proposer when the next
-    step drafts; otherwise keep them in ``unread[i]``."""
-    before = unread[i]
-    if rows is not None and before is not None:
-        rows = torch.cat((before, rows))
-    if drafting:
-        proposer.update(seq, rows)
-        unread[i] = None
-    else:
-        unread[i] = rows
+    sequences = [
+        DecodeState(proposer, prompt.flatten().to(target.device), prompt.numel())
+        for proposer, prompt in zip(proposers, prompts)
+    ]
+    decoding = BatchDecoding(target, sequences, max_new_tokens, sampling or Sampling(), eos_token_id, schedule)
+    while decoding.active:
+        decoding.step()
+    return [seq.output(max_new_tokens, eos_token_id) for seq in sequences], [seq.stats for seq in sequences]
 
 
 def generate(

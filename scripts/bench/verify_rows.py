@@ -3,10 +3,10 @@
     python -m scripts.bench.verify_rows --target runs/real-smollm2/target [--context 300] [--repeats 15]
 
 On a CPU, torch's matmuls run rows in blocks of 4 and a remainder of 2 or 3 on a slower kernel, so a forward
-over 3 new tokens can cost more than one over 4; ``decoding.verify`` rounds a verify's queries up to a multiple of
-``CPU_QUERY_MULTIPLE`` there. Both columns are measured in one process, one after the other for each q, at
-the same KV length: the bare forward over q new tokens, and ``decoding.verify.verify_batch`` over a chain of q - 1
-drafts (forward, acceptance and KV commit, padded where the rule says), medians of ``repeats``.
+over 3 new tokens can cost more than one over 4; ``decoding.target_cache.verify_queries`` rounds a verify's queries
+up to a multiple of ``CPU_QUERY_MULTIPLE`` there. Both columns are measured in one process, one after the other for
+each q, at the same KV length: the bare forward over q new tokens, and ``decoding.verify.verify_batch`` over a chain
+of q - 1 drafts (forward, acceptance and KV commit, padded where the rule says), medians of ``repeats``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from transformers import PreTrainedModel
 
 from headstart.core.models import load_model
 from headstart.core.timing import timed
+from headstart.decoding.target_cache import new_cache, verify_queries
 from headstart.decoding.tree import chain
-from headstart.decoding.verify import new_cache, verify_queries
 from headstart.eval.timing import measure_verify
 
 

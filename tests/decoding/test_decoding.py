@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from headstart.decoding.proposers import DraftModel, NGram, Vanilla
 from headstart.decoding.proposers_heads import Eagle, Medusa, PEagle
+from headstart.decoding.target_cache import CPU_QUERY_MULTIPLE, verify_queries
 from headstart.decoding.tree import (
     MC_SIM_7B_63,
     SMALL_CHOICES,
@@ -17,15 +18,7 @@ from headstart.decoding.tree import (
     tree_batch_inputs,
 )
 from headstart.decoding.tree_config import comb_choices
-from headstart.decoding.verify import (
-    CPU_QUERY_MULTIPLE,
-    Sampling,
-    accept,
-    generate,
-    generate_batch,
-    verify,
-    verify_queries,
-)
+from headstart.decoding.verify import Sampling, accept, generate, generate_batch, verify
 from headstart.heads import KVCache, build_head
 from tests.helpers import tiny_llama
 
@@ -148,7 +141,8 @@ def test_kv_compaction_equals_recomputing_the_accepted_prefix(four_layer_llama):
     cache = DynamicCache(config=four_layer_llama.config)
     with torch.no_grad():
         four_layer_llama(prompt[:, :-1], past_key_values=cache, use_cache=True)
-        path, bonus, _ = verify(four_layer_llama, cache, prompt[0, -1:], tree, Sampling())
+        verdict = verify(four_layer_llama, cache, prompt[0, -1:], tree, Sampling())
+        path, bonus = verdict.path, verdict.bonus
         assert path.tolist() == [1, 3] and int(bonus) == int(greedy[2])
         fresh = DynamicCache(config=four_layer_llama.config)
         committed = torch.cat((prompt[0], tokens[path]))
@@ -180,7 +174,8 @@ def test_a_short_cpu_verify_runs_four_queries_and_keeps_only_the_accepted_rows(f
     try:
         with torch.no_grad():
             four_layer_llama(prompt[:, :-1], past_key_values=cache, use_cache=True)
-            path, bonus, _ = verify(four_layer_llama, cache, prompt[0, -1:], tree, Sampling())
+            verdict = verify(four_layer_llama, cache, prompt[0, -1:], tree, Sampling())
+            path, bonus = verdict.path, verdict.bonus
             fresh = DynamicCache(config=four_layer_llama.config)
             four_layer_llama(torch.cat((prompt[0], greedy[:1]))[None], past_key_values=fresh, use_cache=True)
     finally:

@@ -73,15 +73,17 @@ def test_lookahead_window_rides_in_the_tree_and_its_outputs_fill_the_pool():
     # The context's 3-grams are pooled ("4 5 4", "5 4 6", "4 6 8"); none starts with the root 8, so the tree is
     # the window's first level: a chain of the context's last 3 tokens.
     assert proposer.pool == {4: {(5, 4): None, (6, 8): None}, 5: {(4, 6): None}}
-    assert tree.tokens.tolist() == [4, 6, 8] and tree.parents.tolist() == [-1, 0, 1] and tree.want_target_argmax
-    tree.target_argmax = torch.tensor([0, 11, 12, 13])  # the target's argmax at [root, nodes...]
+    assert (
+        tree.tokens.tolist() == [4, 6, 8] and tree.parents.tolist() == [-1, 0, 1] and tree.on_target_argmax is not None
+    )
+    tree.on_target_argmax(torch.tensor([0, 11, 12, 13]))  # the target's argmax at [root, nodes...]
     proposer.update(torch.tensor([4, 5, 4, 6, 8, 0]), None)
     assert proposer.levels == [[4, 6, 8], [11, 12, 13]]  # level 1: the outputs at level 0
     tree = proposer.propose(torch.tensor([4, 5, 4, 6, 8, 0]))
     # Level 1's column i hangs below level 0's column i: depth i + 1 + 1, seeing one token per level.
     assert tree.tokens.tolist() == [4, 6, 8, 11, 12, 13]
     assert tree.parents.tolist() == [-1, 0, 1, 0, 1, 2] and tree.depths.tolist() == [1, 2, 3, 2, 3, 4]
-    tree.target_argmax = torch.tensor([0, 1, 2, 3, 21, 22, 23])
+    tree.on_target_argmax(torch.tensor([0, 1, 2, 3, 21, 22, 23]))
     proposer.update(torch.tensor([4, 5, 4, 6, 8, 0, 7]), None)
     # The window was full (ngram - 1 = 2 levels): column i's n-gram is (level 0, level 1, output at level 1);
     # the oldest level is dropped and the outputs become the newest.
