@@ -24,7 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from headstart.core.settings import TaggedUnion
 from headstart.heads import dflash, dflash2, dspark, eagle, eagle3, medusa
-from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
+from headstart.heads.base import WEIGHTS_NAME, DraftHead, NonFiniteWeights, check_finite, state_problems
 from headstart.heads.config import (
     CONFIG_NAME,
     DraftArch,
@@ -103,6 +103,7 @@ __all__ = [
     "DsparkOptions",
     "DraftArch",
     "DraftHead",
+    "NonFiniteWeights",
     "Eagle3Head",
     "EagleHead",
     "HeadConfig",
@@ -113,6 +114,7 @@ __all__ = [
     "build_head",
     "build_vocab_mapping",
     "check_compatible",
+    "check_finite",
     "check_head_config",
     "check_tokenizer",
     "head_options",

@@ -32,6 +32,7 @@ from headstart.heads import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     HeadConfig,
+    check_finite,
     check_head_config,
     check_tokenizer,
     head_type,
@@ -106,6 +107,7 @@ def load_head_state(head_dir: Path, config: HeadConfig) -> dict[str, torch.Tenso
     problems = state_problems(expected, state)
     if problems:
         raise ValueError(f"{path} does not match its config.json: " + "; ".join(problems))
+    check_finite(state, path)  # nothing non-finite is written, exported or pushed
     return state
 
 
