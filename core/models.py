@@ -8,7 +8,7 @@ attention kernel. Decoding commands also call ``core.runtime.prepare_decoding`` 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -72,7 +72,9 @@ def load_model(
         check_tensor_parallel(config, tp_size, path)
         kwargs |= {"tp_plan": "auto", "device_mesh": tensor_parallel_mesh(device, tp_size)}
     try:
-        model, report = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        # With output_loading_info it returns (model, load report); transformers' types name the model alone.
+        loaded = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, report = cast(tuple[PreTrainedModel, dict[str, Any]], loaded)
     except (ValueError, ImportError) as err:
         if attention == AUTO_ATTENTION:
             raise
