@@ -99,7 +99,7 @@ def check_load_report(path: str, model: PreTrainedModel, report: dict[str, Any])
     """
     weights = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(name for name in report["missing_keys"] if name in weights)
-    decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
+    decoder = next((name for name, module in model.named_modules() if module is model.get_decoder()), "")
     unexpected = sorted(name for name in report["unexpected_keys"] if name.startswith(f"{decoder}.") or not decoder)
     if not missing and not unexpected:
         return

@@ -55,8 +55,9 @@ def state_problems(expected: dict[str, torch.Tensor], got: dict[str, torch.Tenso
 
 
 class NonFiniteWeights(ValueError):
-    """A head tensor holding NaN or infinity: such a head drafts garbage (NaN scores argmax to token 0) while every
-    shape check passes, so it is refused wherever a head's tensors are read (load, import, export, push)."""
+    """A head tensor holding NaN or infinity: such a head drafts garbage while every name and shape check passes
+    (and can even look lossless: the target's verification keeps the output right), so it is refused wherever a
+    head's tensors are read (load, import, export, push)."""
 
 
 def check_finite(state: Mapping[str, torch.Tensor], where: str | Path) -> None:
