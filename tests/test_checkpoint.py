@@ -274,7 +274,7 @@ def test_a_full_disk_at_a_checkpoint_is_named_and_the_last_complete_one_resumes(
     assert f"{ckpt_dir / tag_for(6)}, the last complete checkpoint, is untouched" in str(err.value)
     assert complete_steps(ckpt_dir) == [3, 6]
     verify_checkpoint(ckpt_dir / tag_for(6))
-    # Space freed: the run resumes from step 6 and ends as one that never ran out.
+    # Space freed: the run resumes from the last complete checkpoint and saves step 9.
     monkeypatch.undo()
     capsys.readouterr()
     run_here(monkeypatch, eagle, config, f"train.out_dir={out}", more)
