@@ -55,15 +55,39 @@ def _file_mode() -> int:
     return 0o666 & ~_umask()
 
 
+# torch.save's zip writer (what DeepSpeed's checkpoints go through) reports a write the disk refused in its own
+# words, without the OS error: "[enforce fail at inline_container.cc:672] unexpected pos", "basic_ios::clear:
+# iostream error", "PytorchStreamWriter failed writing file".
+TORCH_SHORT_WRITE = ("unexpected pos", "basic_ios::clear", "iostream error", "PytorchStreamWriter failed writing")
+
+
 def _no_room(err: BaseException) -> int | None:
     """The errno of an out-of-room failure, else None.
 
-    Native writers (safetensors' Rust core) raise their own exception types that only quote the
-    OS error, as ``... (os error 28)``.
+    Native writers raise their own exception types: safetensors' Rust core only quotes the OS error, as
+    ``... (os error 28)``; torch's zip writer says none (``TORCH_SHORT_WRITE``), taken as a full disk.
     """
     if isinstance(err, OSError) and err.errno in NO_ROOM:
         return err.errno
+    if isinstance(err, RuntimeError) and any(words in str(err) for words in TORCH_SHORT_WRITE):
+        return errno.ENOSPC
     return next((code for code in NO_ROOM if f"(os error {code})" in str(err)), None)
+
+
+def size_text(size: int | float) -> str:
+    """Bytes in words for an error: GB, or MB below 10 MB (where "0.00 GB" would say nothing)."""
+    return f"{size / 1e9:.2f} GB" if size >= 1e7 else f"{size / 1e6:.2f} MB"
+
+
+def free_space_problem(folder: Path, needed: int, what: str, remedy: str) -> str | None:
+    """Why ``folder`` (or the ancestor it would be made in) lacks the ``needed`` bytes ``what`` writes, ending in
+    ``remedy``; None when it has them. Said before a long write: running out midway loses the work, and some
+    writers' errors name no file."""
+    existing = next(p for p in [folder, *folder.absolute().parents] if p.exists())
+    free = shutil.disk_usage(existing).free
+    if needed <= free:
+        return None
+    return f"{what} needs {size_text(needed)} more in {folder} but only {size_text(free)} is free: {remedy}"
 
 
 def _remove_leftovers(path: Path) -> None:
@@ -74,7 +98,9 @@ def _remove_leftovers(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _out_of_space_named(path: Path) -> Iterator[None]:
+def out_of_space_named(path: Path, kept: str | None = None) -> Iterator[None]:
+    """A write of ``path`` in the block that runs out of room becomes ``OutOfSpaceError`` naming ``path``, what ran
+    out, the free space and what was ``kept`` (by default: the previous ``path``, as the atomic writes keep it)."""
     try:
         yield
     except Exception as err:
@@ -82,10 +108,9 @@ def _out_of_space_named(path: Path) -> Iterator[None]:
         if code is None:
             raise
         free = shutil.disk_usage(path.parent).free
+        kept = kept or f"the previous {path.name}, if any, is untouched"
         raise OutOfSpaceError(
-            code,
-            f"writing {path} failed: {NO_ROOM[code]} ({free / 1e9:.2f} GB free in {path.parent}); "
-            f"the previous {path.name}, if any, is untouched",
+            code, f"writing {path} failed: {NO_ROOM[code]} ({size_text(free)} free in {path.parent}); {kept}"
         ) from err
 
 
@@ -104,7 +129,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        with _out_of_space_named(path):
+        with out_of_space_named(path):
             yield tmp_path
             with open(tmp_path, "rb") as f:
                 os.fsync(f.fileno())
@@ -131,7 +156,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700
     try:
-        with _out_of_space_named(path):
+        with out_of_space_named(path):
             yield tmp
         mode = _file_mode()
         for folder, _, names in os.walk(tmp):  # links are left alone: their targets are not ours

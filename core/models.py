@@ -8,7 +8,7 @@ attention kernel. Decoding commands also call ``core.runtime.prepare_decoding`` 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,7 +26,14 @@ from headstart.core.runtime import (
     slow_dtype_warning,
 )
 from headstart.core.settings import AUTO_ATTENTION
-from headstart.core.weights import borrowed_model
+from headstart.core.weights import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    CheckpointError,
+    borrowed_model,
+    checkpoint_folder,
+    first_names,
+)
 
 
 def attention_implementation(config: Any, requested: str = AUTO_ATTENTION) -> str | None:
@@ -64,16 +71,55 @@ def load_model(
         check_tensor_parallel(config, tp_size, path)
         kwargs |= {"tp_plan": "auto", "device_mesh": tensor_parallel_mesh(device, tp_size)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        # With output_loading_info it returns (model, load report); transformers' types name the model alone.
+        loaded = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, report = cast(tuple[PreTrainedModel, dict[str, Any]], loaded)
     except (ValueError, ImportError) as err:
         if attention == AUTO_ATTENTION:
             raise
         # transformers' words for a kernel the family (or this install) lacks, named with the config key to change.
         raise ValueError(f"{path}: target.attn_implementation {attention!r} cannot load it: {err}") from None
+    check_load_report(path, model, report)
     if tp_size > 1:
         return model.eval().requires_grad_(False)
     # transformers types PreTrainedModel.to through a decorator that loses self: it takes a device.
     return model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
+
+
+def check_load_report(path: str, model: PreTrainedModel, report: dict[str, Any]) -> None:
+    """CheckpointError naming the checkpoint, the tensors and the likely cause when transformers' load report
+    (``from_pretrained(..., output_loading_info=True)``) has a weight of the model missing from the checkpoint, or
+    a decoder tensor in the checkpoint the model has no place for.
+
+    transformers only logs these: a missing weight is drawn at random (differently in every process), and an
+    extra decoder tensor is dropped, so a target with a shard missing, or a MoE checkpoint under a dense
+    family's config.json, would run as another model. Tied weights (an lm_head that is the embedding) are not
+    in the report, and buffers (rotary ``inv_freq``) are computed from the config, not read.
+    """
+    weights = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing = sorted(name for name in report["missing_keys"] if name in weights)
+    decoder = next((name for name, module in model.named_modules() if module is model.get_decoder()), "")
+    unexpected = sorted(name for name in report["unexpected_keys"] if name.startswith(f"{decoder}.") or not decoder)
+    if not missing and not unexpected:
+        return
+    folder = checkpoint_folder(path)
+    files = next((folder / name for name in (INDEX_NAME, SINGLE_NAME) if (folder / name).exists()), folder)
+    family = model.config.model_type
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} weights of the {family} model its config.json describes are not in {files} "
+            f"({first_names(missing)}): transformers would draw them at random"
+        )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} decoder tensors in {files} have no place in that model ({first_names(unexpected)})"
+        )
+    raise CheckpointError(
+        f"{folder}: {'; '.join(problems)}. Likely causes: a truncated or partial download (fetch the checkpoint "
+        f"again), or a config.json whose model_type ({family}) is not the family of these weights (a MoE "
+        "checkpoint under a dense family's config)"
+    )
 
 
 def load_decoding_target(

@@ -22,10 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 BORROWED = ("embed", "norm", "lm_head")  # the roles, in the order they are read and fingerprinted
+SHOWN_NAMES = 5  # tensor names in an error: a wrong family misses one per layer, a bad head may have dozens
 
 
 class CheckpointError(ValueError):
-    """A target folder without the safetensors a borrowed-tensor load needs, named with what is missing."""
+    """A target folder whose files do not hold what its config.json needs (the tensors a borrowed-tensor load
+    reads, or every weight of a full load), named with what is missing."""
 
 
 # The dtypes a borrowed tensor may be stored in: an integer or 8-bit float table is a quantized checkpoint's,
@@ -226,6 +228,12 @@ def borrowed_model(
     if "lm_head" not in tensors and "lm_head" in names:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied
     return model.eval()
+
+
+def first_names(names: list[str]) -> str:
+    """The first SHOWN_NAMES of ``names``, and their count when some are left out: ``a, b, c, ... (9 in all)``."""
+    more = f", ... ({len(names)} in all)" if len(names) > SHOWN_NAMES else ""
+    return ", ".join(names[:SHOWN_NAMES]) + more
 
 
 def safetensors_bytes(path: str | Path) -> int:

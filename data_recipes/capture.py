@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +43,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrain
 
 from headstart.core.config import ConfigError, load_config, run_command, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
-from headstart.core.io import OutOfSpaceError, check_writable, output_lock
+from headstart.core.io import OutOfSpaceError, check_writable, free_space_problem, output_lock
 from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory
 from headstart.core.models import load_model, load_tokenizer
 from headstart.core.runtime import Ranks, barrier, join_process_group, rank_device, resolve_dtype
@@ -163,14 +162,12 @@ def storage_estimate(tokens: int, hidden_size: int, n_aux: int, store_dtype: tor
 
 def check_free_disk(out_dir: Path, needed: int) -> None:
     check_writable(out_dir)  # a read-only folder may show 0 bytes free: say read-only, not full
-    existing = next(p for p in [out_dir, *out_dir.absolute().parents] if p.exists())
-    free = shutil.disk_usage(existing).free
-    if needed > free:
-        raise OutOfSpaceError(
-            f"capture needs {needed / 1e9:.2f} GB more in {out_dir} but only {free / 1e9:.2f} GB is free: "
-            f"free space, capture fewer samples (data.limit), store bf16 or fp8_e4m3 (capture.store_dtype), "
-            f"or train online (train.online_capture: true) without shards"
-        )
+    remedy = (
+        "free space, capture fewer samples (data.limit), store bf16 or fp8_e4m3 (capture.store_dtype), "
+        "or train online (train.online_capture: true) without shards"
+    )
+    if problem := free_space_problem(out_dir, needed, "capture", remedy):
+        raise OutOfSpaceError(problem)
 
 
 @contextmanager

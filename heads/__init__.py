@@ -26,7 +26,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from headstart.core.settings import TaggedUnion
 from headstart.heads import dflash, dflash2, dspark, eagle, eagle3, medusa
-from headstart.heads.base import WEIGHTS_NAME, DraftHead, state_problems
+from headstart.heads.base import WEIGHTS_NAME, DraftHead, NonFiniteWeights, check_finite, state_problems
 from headstart.heads.config import (
     CONFIG_NAME,
     DraftArch,
@@ -90,12 +90,14 @@ __all__ = [
     "WEIGHTS_NAME",
     "DraftArch",
     "DraftHead",
+    "NonFiniteWeights",
     "HeadConfig",
     "HeadFolder",
     "KVCache",
     "arch_from_target",
     "build_head",
     "check_compatible",
+    "check_finite",
     "check_head_config",
     "check_tokenizer",
     "head_options",

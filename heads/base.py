@@ -3,6 +3,7 @@ save and load), and a head folder's files: ``config.json`` (``heads.config``) + 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
@@ -13,6 +14,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
+from headstart.core.weights import first_names
 from headstart.heads.config import (
     CONFIG_NAME,
     HeadConfig,
@@ -52,12 +54,31 @@ def state_problems(expected: dict[str, torch.Tensor], got: dict[str, torch.Tenso
     return problems
 
 
+class NonFiniteWeights(ValueError):
+    """A head tensor holding NaN or infinity: such a head drafts garbage while every name and shape check passes
+    (and can even look lossless: the target's verification keeps the output right), so it is refused wherever a
+    head's tensors are read (load, import, export, push)."""
+
+
+def check_finite(state: Mapping[str, torch.Tensor], where: str | Path) -> None:
+    """NonFiniteWeights naming ``where`` (the file or checkpoint) and each tensor of ``state`` that holds a NaN or an
+    infinity, with how many; one ``isfinite`` pass over each floating tensor, once per load."""
+    bad = [(name, t) for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        said = [f"{name} ({int(t.isnan().sum())} NaN, {int(t.isinf().sum())} inf of {t.numel()})" for name, t in bad]
+        raise NonFiniteWeights(
+            f"{where}: tensors holding NaN or infinity: {first_names(said)}; a head with non-finite weights drafts "
+            "garbage: train it again, or take it from a checkpoint before the weights diverged"
+        )
+
+
 def load_head_weights(head: DraftHead, head_dir: str | Path, device: torch.device) -> nn.Module:
     """Load the saved tensors into ``head`` and move it to ``device`` in the dtype it was saved in.
 
     Names and shapes are compared first: weights that do not fit the config.json (edited by hand, or another
     head's) would end in torch's size-mismatch or missing-key error, which names neither the folder nor the
-    setting; this names both, with the config's values the shapes follow from.
+    setting; this names both, with the config's values the shapes follow from. Then every value must be
+    finite (``check_finite``).
     """
     path = Path(head_dir) / WEIGHTS_NAME
     state = load_file(str(path))
@@ -69,6 +90,7 @@ def load_head_weights(head: DraftHead, head_dir: str | Path, device: torch.devic
             + "; ".join(problems[:SHOWN_PROBLEMS])
             + more
         )
+    check_finite(state, path)
     head.load_state_dict(state, strict=True)
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())
     return head.to(device=device, dtype=dtype)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 
-from headstart.core.io import atomic_dir, atomic_write_text
+from headstart.core.io import OutOfSpaceError, atomic_dir, atomic_write_text, free_space_problem, out_of_space_named
 from headstart.core.runtime import collective_device
 from headstart.data_recipes.shards import file_sha256
 
@@ -203,6 +203,29 @@ def save_head_files(engine: deepspeed.DeepSpeedEngine, folder: Path, save_artifa
             save_artifacts(folder)
 
 
+def checkpoint_bytes(engine: deepspeed.DeepSpeedEngine, ckpt_dir: Path) -> int:
+    """What the next checkpoint takes on disk: as much as the newest complete one, or before the first, the trained
+    weights plus the optimizer's fp32 copy of them and Adam's two fp32 moments (12 bytes a parameter)."""
+    steps = complete_steps(ckpt_dir)
+    if steps:
+        return sum(p.stat().st_size for p in (ckpt_dir / tag_for(steps[-1])).rglob("*") if p.is_file())
+    trained = [p for p in engine.module.parameters() if p.requires_grad]
+    # ZeRO-3 leaves each rank a slice of a weight: ds_numel is the whole weight's size.
+    return sum(getattr(p, "ds_numel", p.numel()) * (p.element_size() + 12) for p in trained)
+
+
+def check_room(engine: deepspeed.DeepSpeedEngine, ckpt_dir: Path, step: int) -> None:
+    """OutOfSpaceError on every rank when one finds less free space in ``ckpt_dir`` than the checkpoint takes
+    (``checkpoint_bytes``): a disk that fills during DeepSpeed's save ends in torch's words ("unexpected pos"),
+    naming no file. Every rank stops here together, so none waits in a save the others never began."""
+    remedy = "free space there, or keep fewer checkpoints (train.keep_checkpoints)"
+    problem = free_space_problem(ckpt_dir, checkpoint_bytes(engine, ckpt_dir), f"the checkpoint of step {step}", remedy)
+    short = torch.tensor([float(problem is not None)], device=collective_device())
+    dist.all_reduce(short, op=dist.ReduceOp.MAX)
+    if short.item():
+        raise OutOfSpaceError(problem or f"another rank found too little free space in {ckpt_dir} for step {step}")
+
+
 def save_checkpoint(
     engine: deepspeed.DeepSpeedEngine,
     out_dir: Path,
@@ -212,11 +235,19 @@ def save_checkpoint(
     order: dict[str, int | str],
 ) -> Path:
     """DeepSpeed's checkpoint of ``step`` (all ranks), then the head alone, then the completion marker
-    (which records the world size, ZeRO stage, the data-order settings ``order`` and every file's sha256)."""
+    (which records the world size, ZeRO stage, the data-order settings ``order`` and every file's sha256).
+
+    Out of room (free space checked first, ``check_room``; a save that still runs out): OutOfSpaceError naming the
+    folder, and the last complete checkpoint stays what resume loads."""
     ckpt_dir, tag = checkpoint_dir(out_dir), tag_for(step)
     frozen = has_frozen_parameters(engine)
+    check_room(engine, ckpt_dir, step)
+    steps = complete_steps(ckpt_dir)
+    last = f"{ckpt_dir / tag_for(steps[-1])}, the last complete checkpoint," if steps else "no checkpoint was complete:"
+    kept = f"{last} is untouched (resume deletes the unfinished {tag}); free space and resume"
     # Returns after DeepSpeed's closing barrier: every rank's files are written.
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, exclude_frozen_parameters=frozen)
+    with out_of_space_named(ckpt_dir / tag, kept):
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, exclude_frozen_parameters=frozen)
     save_head_files(engine, out_dir, save_artifacts)
     if dist.get_rank() == 0:
         marker = {"step": step, "world": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(), **order}

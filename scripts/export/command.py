@@ -37,6 +37,7 @@ from headstart.heads import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     HeadConfig,
+    check_finite,
     check_head_config,
     check_tokenizer,
     head_type,
@@ -108,6 +109,7 @@ def load_head_state(head_dir: Path, config: HeadConfig) -> dict[str, torch.Tenso
     problems = state_problems(expected, state)
     if problems:
         raise ValueError(f"{path} does not match its config.json: " + "; ".join(problems))
+    check_finite(state, path)  # nothing non-finite is written, exported or pushed
     return state
 
 

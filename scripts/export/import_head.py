@@ -26,7 +26,15 @@ from headstart.core.settings import CommandFlags, Folder, Registered, command_fa
 from headstart.export.common import DRAFT_ARCH_KEYS, check_out
 from headstart.export.layouts import Imported
 from headstart.export.registry import layouts_of, sources
-from headstart.heads import DraftArch, DraftHead, check_compatible, head_options, head_type, state_problems
+from headstart.heads import (
+    DraftArch,
+    DraftHead,
+    check_compatible,
+    check_finite,
+    head_options,
+    head_type,
+    state_problems,
+)
 from headstart.heads.config import LayerOptions
 from headstart.heads.target import dense_mlp_width
 
@@ -105,6 +113,7 @@ def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwr
         options, arch, state = read_source(kind, src, target_config)
     except KeyError as err:
         raise ValueError(f"the {kind} checkpoint in {src} has no {err}: is it a {kind} checkpoint?") from err
+    check_finite(state, f"the {kind} checkpoint in {src} (tensors as headstart names them)")
     head = build_imported(options, arch, state, target, target_config, str(src))
     head.save_pretrained(out)
     return out

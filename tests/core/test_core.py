@@ -1,5 +1,7 @@
+import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -9,7 +11,9 @@ from headstart.core.errors import DataError
 from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
 from headstart.core.models import load_model
 from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, slow_dtype_warning
-from tests.helpers import REPO
+from headstart.core.weights import CheckpointError
+from headstart.data_recipes.capture import run_capture
+from tests.helpers import REPO, base_config, save_tiny_llama
 
 
 def test_overrides_parse_yaml_values_and_create_sections():
@@ -180,3 +184,49 @@ def test_the_loader_asks_for_sdpa_only_where_the_family_has_it(tmp_path, tiny_ll
     assert load_model(str(tiny_llama_dir), "cpu", attention="eager").config._attn_implementation == "eager"
     with pytest.raises(ValueError, match=r"gpt-oss: target.attn_implementation 'sdpa' cannot load it: .*GptOss"):
         load_model(str(tmp_path / "gpt-oss"), "cpu", attention="sdpa")
+
+
+def without_tensor(src, dst, name):
+    """A copy of the model folder ``src`` at ``dst`` whose model.safetensors lacks the tensor ``name``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_target_missing_a_weight_is_refused_by_name_before_capture_writes(tiny_target_dir, gsm8k_file, tmp_path):
+    # transformers would draw the missing tensor at random (another draw in each process) and capture shards from it.
+    gone = "model.layers.3.mlp.down_proj.weight"
+    target = without_tensor(tiny_target_dir, tmp_path / "target", gone)
+    said = rf"^{target}: 1 weights of the llama model .* not in {target / 'model.safetensors'} \({gone}\): .*truncated"
+    with pytest.raises(CheckpointError, match=said):
+        load_model(str(target), "cpu")
+    shards = tmp_path / "shards"
+    with pytest.raises(CheckpointError, match=said):
+        run_capture(base_config(target, gsm8k_file, shards, tmp_path / "run", "eagle3"))
+    assert not shards.exists()
+    # A tied lm_head is not in the checkpoint and not missing; the full checkpoint loads as before.
+    assert load_model(save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True), "cpu").config.tie_word_embeddings
+    assert load_model(str(tiny_target_dir), "cpu")
+
+
+def test_a_moe_checkpoint_under_a_dense_config_is_refused(tiny_target_dir, tmp_path):
+    # Every MLP of a dense Qwen3 is missing, and every expert has no place in it: both are named.
+    from transformers import AutoTokenizer
+
+    from headstart.scripts.dev.tiny_families import save_target
+
+    save_target(tmp_path / "moe", "qwen3_moe", AutoTokenizer.from_pretrained(tiny_target_dir))
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    config |= {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as err:
+        load_model(str(tmp_path / "moe"), "cpu")
+    message = str(err.value)
+    assert "weights of the qwen3 model its config.json describes are not in" in message
+    assert "model.layers.0.mlp.gate_proj.weight" in message
+    assert "decoder tensors in" in message and "model.layers.0.mlp.experts.0." in message
+    assert "(18 in all)" in message and "model_type (qwen3) is not the family of these weights" in message

@@ -7,9 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from headstart.heads import KVCache, load_head
+from headstart.heads import KVCache, NonFiniteWeights, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head, main
+from headstart.scripts.export.push_to_hub import stage
 from tests.helpers import LAYER_IDS, TINY_LLAMA, make_head, save_tiny_llama
 
 V = TINY_LLAMA["vocab_size"]
@@ -304,3 +305,38 @@ def test_a_pytorch_model_bin_that_is_not_a_tensor_file_is_refused_naming_it(
     (out / "pytorch_model.bin").write_bytes(b"<html>not found</html>")  # a download that went wrong
     with pytest.raises(ValueError, match=r"pytorch_model\.bin is not a tensor file loadable with torch\.load"):
         import_head("eagle3", out, tmp_path / "back", tiny_llama_dir)
+
+
+def poison(path, name, value):
+    """Write ``value`` (NaN or infinity) into one element of the tensor ``name`` of the safetensors file ``path``."""
+    tensors = load_file(str(path))
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_a_head_with_a_nan_or_inf_weight_is_refused_by_load_export_push_and_import(
+    tiny_llama_from_dir, tiny_llama_dir, tmp_path
+):
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
+    exported = export_head(head_dir, "vllm", tmp_path / "export")
+    # An EAGLE-3 head edited in place: eval and autotune load it, export and push write it.
+    weights = head_dir / "model.safetensors"
+    poison(weights, "fc.weight", float("nan"))
+    poison(weights, "norm.weight", float("inf"))
+    said = (
+        rf"^{weights}: tensors holding NaN or infinity: fc.weight \(1 NaN, 0 inf of \d+\), norm.weight \(0 NaN, 1 inf"
+    )
+    with pytest.raises(NonFiniteWeights, match=said):
+        load_head(head_dir, tiny_llama_from_dir)
+    with pytest.raises(NonFiniteWeights, match=said):
+        export_head(head_dir, "vllm", tmp_path / "export-nan")
+    with pytest.raises(NonFiniteWeights, match=said):
+        stage(head_dir, "acme/demo", "vllm", tmp_path / "staged", target_id="acme/t")
+    assert not (tmp_path / "export-nan").exists() and not (tmp_path / "staged").exists()
+    # A published checkpoint with a NaN: refused naming the tensor, nothing written.
+    poison(exported / "model.safetensors", "fc.weight", float("nan"))
+    with pytest.raises(
+        NonFiniteWeights, match=rf"the eagle3 checkpoint in {exported} .*: tensors holding NaN .*: fc.weight"
+    ):
+        import_head("eagle3", exported, tmp_path / "back", tiny_llama_dir)
+    assert not (tmp_path / "back").exists()

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from headstart.decoding.proposers_dspark import DSpark
 from headstart.decoding.proposers_heads import DFlash
 from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
-from headstart.heads import build_head, load_head
+from headstart.heads import NonFiniteWeights, build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle as trainer
@@ -269,3 +269,17 @@ def test_export_for_vllm_and_import_back_to_the_same_logits(peaked_wide_llama, t
         ValueError, match=r"cannot export a dspark head as 'sglang': no SGLang DSpark layout is written"
     ):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
+
+
+def test_a_dspark_checkpoint_with_a_nan_is_refused_on_import_naming_the_tensor(peaked_wide_llama, tmp_path):
+    # Unchecked, it would evaluate at tau 1.000, "greedy identical" (NaN scores argmax to one token), and export.
+    target_dir = tmp_path / "target"
+    peaked_wide_llama.save_pretrained(target_dir)
+    dspark_head(peaked_wide_llama).save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["markov_head.markov_w2.weight"][0, :2] = float("nan")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeights, match=r"dspark checkpoint .*: markov_head.markov_w2.weight \(2 NaN, 0 inf"):
+        import_head("dspark", out, tmp_path / "imported", str(target_dir))
+    assert not (tmp_path / "imported").exists()

@@ -5,14 +5,18 @@ The direct tests build tag folders by hand; the end-to-end ones copy one finishe
 (the EAGLE-3 recipe, world of one, checkpoints at steps 3 and 6) and damage the copy.
 """
 
+import errno
 import json
 import shutil
 
 import pytest
 import torch
 import yaml
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from safetensors.torch import load_file, save_file
 
+from headstart.core import io
+from headstart.core.io import OutOfSpaceError, out_of_space_named
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.shards import ShardDataset, shard_fingerprint
 from headstart.train import eagle, loop
@@ -228,3 +232,52 @@ def test_the_last_good_state_named_after_nan_is_one_that_verifies(make_config, s
         f"Not good: {step2 / OPTIM_STATES} ({(step2 / OPTIM_STATES).stat().st_size} bytes) does not match its "
         "sha256 in COMPLETE (truncated or altered)."
     )
+
+
+# What a full disk looks like through DeepSpeed's save (torch.save's zip writer), and through a plain write.
+FULL_DISK = [
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 10688 vs 10578"),
+    RuntimeError("basic_ios::clear: iostream error"),
+    OSError(errno.ENOSPC, "No space left on device"),
+]
+
+
+@pytest.mark.parametrize("failure", FULL_DISK, ids=["unexpected-pos", "iostream", "enospc"])
+def test_each_way_a_save_runs_out_of_room_is_named(tmp_path, failure):
+    said = rf"^\[Errno 28\] writing {tmp_path / 'step'} failed: no space left on the device \("
+    with pytest.raises(OutOfSpaceError, match=said), out_of_space_named(tmp_path / "step"):
+        raise failure
+
+
+def test_a_full_disk_at_a_checkpoint_is_named_and_the_last_complete_one_resumes(
+    finished, tmp_path, monkeypatch, capsys
+):
+    config, out = copy_run(finished, tmp_path)
+    ckpt_dir, more = out / "checkpoints", "train.max_steps=9"
+    # Checked before DeepSpeed writes: a free-space probe that finds the disk nearly full.
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(io.shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
+    with pytest.raises(OutOfSpaceError, match=rf"^the checkpoint of step 9 needs .* MB more in {ckpt_dir} but only "):
+        run_here(monkeypatch, eagle, config, f"train.out_dir={out}", more)
+    assert not (ckpt_dir / tag_for(9)).exists()
+    # The disk fills during the save: torch's words become the error naming the folder.
+    monkeypatch.setattr(io.shutil, "disk_usage", real_usage)
+
+    def full(self, state_dict, path):
+        raise FULL_DISK[0]
+
+    monkeypatch.setattr(TorchCheckpointEngine, "save", full)
+    with pytest.raises(OutOfSpaceError) as err:
+        run_here(monkeypatch, eagle, config, f"train.out_dir={out}", more)
+    said = f"[Errno 28] writing {ckpt_dir / tag_for(9)} failed: no space left on the device ("
+    assert str(err.value).startswith(said)
+    assert f"{ckpt_dir / tag_for(6)}, the last complete checkpoint, is untouched" in str(err.value)
+    assert complete_steps(ckpt_dir) == [3, 6]
+    verify_checkpoint(ckpt_dir / tag_for(6))
+    # Space freed: the run resumes from the last complete checkpoint and saves step 9.
+    monkeypatch.undo()
+    capsys.readouterr()
+    run_here(monkeypatch, eagle, config, f"train.out_dir={out}", more)
+    assert "resumed from step 6 of 9" in capsys.readouterr().out
+    assert complete_steps(ckpt_dir)[-1] == 9
+    verify_checkpoint(ckpt_dir / tag_for(9))
