@@ -2,8 +2,8 @@
 turns a YAML mapping into a validated section or one ConfigError naming every problem by its dotted key.
 
 Each command's and each head's settings are a ``Section`` declared beside the code that reads them
-(``train.config.Train``, ``data_recipes.settings.Capture``, ``heads.eagle3.Eagle3Options``, ...); a command's
-root model (``Stage``) composes the sections it reads, and ``scripts.config`` composes every section into the
+(``train.train_config.Train``, ``data_recipes.settings.Capture``, ``heads.eagle3.Eagle3Options``, ...); a command's
+root model (``Stage``) composes the sections it reads, and ``scripts.pipeline_config`` composes every section into the
 whole file's schema, which ``headstart`` checks before any verb runs. ``parse`` returns the validated model,
 which the code reads as attributes (``cfg.train.lr``), so mypy checks every read.
 
@@ -36,7 +36,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import CoreSchema, ErrorDetails, PydanticCustomError
 
-from headstart.core.config import ConfigError, quoted
+from headstart.core.config_files import ConfigError, quoted
 
 Settings = TypeVar("Settings", bound="Section")
 Flags = TypeVar("Flags", bound="CommandFlags")
@@ -185,7 +185,7 @@ def one_of(names: Iterable[str]) -> Any:
 
 
 # Every top-level section a config file may hold, in pipeline order. Each is declared beside the command that
-# reads it; scripts.config composes them all into the whole file's schema (and checks it holds exactly these).
+# reads it; scripts.pipeline_config composes them all into the whole file's schema (and checks it holds exactly these).
 SECTIONS = (
     "target", "data", "capture", "regenerate", "head", "train", "lora", "wandb", "metrics",
     "eval", "autotune", "export", "import_head", "push", "verify_engines",

@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.core.config import ConfigError, load_config, run_command, save_config
+from headstart.core.config_files import ConfigError, load_config, run_command, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from headstart.core.io import OutOfSpaceError, check_writable, free_space_problem, output_lock
 from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory

@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.core.config import load_config, run_command, save_config
+from headstart.core.config_files import load_config, run_command, save_config
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.io import atomic_path, atomic_write_text, output_lock
 from headstart.core.models import load_target, load_tokenizer

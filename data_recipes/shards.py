@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from headstart.core.config import run_command
+from headstart.core.config_files import run_command
 from headstart.core.io import atomic_path, atomic_write_text
 
 MANIFEST = "manifest.json"

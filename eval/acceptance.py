@@ -30,7 +30,7 @@ import transformers
 from pydantic import Field
 from transformers import AutoConfig
 
-from headstart.core.config import run_command, save_config
+from headstart.core.config_files import run_command, save_config
 from headstart.core.io import check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype

@@ -51,7 +51,7 @@ from pydantic_core import PydanticCustomError
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from headstart.core.config import run_command, save_config
+from headstart.core.config_files import run_command, save_config
 from headstart.core.io import atomic_write_text, check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.settings import TaggedUnion
 from headstart.heads import dflash, dflash2, dspark, eagle, eagle3, medusa
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, NonFiniteWeights, check_finite, state_problems
-from headstart.heads.config import (
+from headstart.heads.head_config import (
     CONFIG_NAME,
     DraftArch,
     HeadConfig,

@@ -1,5 +1,5 @@
 """``DraftHead``: what every head shares (its typed config, the parts borrowed from the target, build,
-save and load), and a head folder's files: ``config.json`` (``heads.config``) + ``model.safetensors``."""
+save and load), and a head folder's files: ``config.json`` (``heads.head_config``) + ``model.safetensors``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir
 from headstart.core.weights import first_names
-from headstart.heads.config import (
+from headstart.heads.head_config import (
     CONFIG_NAME,
     HeadConfig,
     HeadOptions,

@@ -47,8 +47,8 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, Float, NonNegative, Positive
 from headstart.heads.base import DraftHead
-from headstart.heads.config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.eagle3 import build_vocab_mapping
+from headstart.heads.head_config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary
 from headstart.heads.losses import batch_positions, chain_metrics, dpace_mean, label_mask, same_sample, sample_anchors
 from headstart.heads.sparse_attention import block_attention, chunked, query_chunk

@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 
 from headstart.core.settings import Count, Float
 from headstart.heads.block import BlockDrafter, BlockLayer, BlockOptions, only
-from headstart.heads.config import DraftArch, HeadConfig, HeadSettings
+from headstart.heads.head_config import DraftArch, HeadConfig, HeadSettings
 from headstart.heads.registry import Drafting, HeadType
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from headstart.core.settings import Count, Float, Positive
 from headstart.heads.block import BlockDrafter, BlockOptions, only
-from headstart.heads.config import HeadConfig
+from headstart.heads.head_config import HeadConfig
 from headstart.heads.losses import chain_metrics, dpace_mean
 from headstart.heads.registry import Drafting, HeadType
 

@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from headstart.core.settings import NonNegativeFloat
 from headstart.heads.base import FeatureDrafter
-from headstart.heads.config import HeadConfig, HeadSettings, LayerOptions
+from headstart.heads.head_config import HeadConfig, HeadSettings, LayerOptions
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
 from headstart.heads.losses import batch_positions, label_mask, sample_mask, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType

@@ -39,7 +39,7 @@ from transformers import PretrainedConfig
 from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, Decay, NonNegative, Section
 from headstart.heads.base import FeatureDrafter
-from headstart.heads.config import DraftArch, HeadConfig, HeadOptions, HeadSettings, LayerOptions, resolved
+from headstart.heads.head_config import DraftArch, HeadConfig, HeadOptions, HeadSettings, LayerOptions, resolved
 from headstart.heads.layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, StepKVCache, default_positions
 from headstart.heads.losses import batch_positions, label_mask, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType

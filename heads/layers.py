@@ -11,7 +11,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from headstart.heads.config import DraftArch
+from headstart.heads.head_config import DraftArch
 from headstart.heads.sparse_attention import ttt_attention
 
 

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.settings import Count, Decay, Float, NonNegative, NonNegativeFloat, Positive, Section
 from headstart.heads.base import DraftHead
-from headstart.heads.config import HeadConfig, HeadOptions, HeadSettings, parse_section
+from headstart.heads.head_config import HeadConfig, HeadOptions, HeadSettings, parse_section
 from headstart.heads.losses import label_mask, shift_left
 from headstart.heads.registry import Drafting, HeadType
 

@@ -22,7 +22,7 @@ from headstart.core.settings import rebuild_schemas
 
 if TYPE_CHECKING:
     from headstart.heads.base import DraftHead
-    from headstart.heads.config import HeadConfig, HeadOptions
+    from headstart.heads.head_config import HeadConfig, HeadOptions
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
-from headstart.heads.config import DraftArch, HeadConfig
+from headstart.heads.head_config import DraftArch, HeadConfig
 from headstart.heads.sparse_attention import query_chunk
 
 # The draft decoder layer belongs to the head, not to the target: EAGLE-1/2, EAGLE-3, P-EAGLE and DFlash build

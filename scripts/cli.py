@@ -7,12 +7,12 @@
 
 Three kinds of verb. ``fetch-target``, ``regenerate``, ``capture`` and ``demo`` hand their arguments
 unchanged to the module's own ``main`` (it reads ``--config`` and ``key=value`` overrides itself); for
-``regenerate`` and ``capture`` the whole config file is checked first (``scripts.config.PipelineConfig``),
+``regenerate`` and ``capture`` the whole config file is checked first (``scripts.pipeline_config.PipelineConfig``),
 every stage's section, which the module alone cannot see. So is ``train``'s.
 ``train`` runs the recipe of the config's ``head.type`` (its registry entry's ``trainer``, ``heads.trainers``): in
 this process for one process (a world of one, as ``torchrun --nproc_per_node 1`` runs it), else by
 exec'ing torchrun. The flag-driven commands (eval, autotune, export, import, push, verify-engines)
-read their settings from the config's section for them (``scripts.config.COMMAND_FLAGS``), the model
+read their settings from the config's section for them (``scripts.pipeline_config.COMMAND_FLAGS``), the model
 their flags are built from, checked before anything runs, and the command's ``run`` gets them as they are.
 """
 
@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import import_module
 
-from headstart.core.config import REFUSALS, apply_overrides, load_config
+from headstart.core.config_files import REFUSALS, apply_overrides, load_config
 from headstart.core.settings import parse
 from headstart.heads import trainers
-from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS, PipelineConfig
-from headstart.train.config import TrainConfig
+from headstart.scripts.pipeline_config import COMMAND_CONFIGS, COMMAND_FLAGS, PipelineConfig
+from headstart.train.train_config import TrainConfig
 
 
 @dataclass(frozen=True)

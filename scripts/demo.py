@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from headstart.core.config import ConfigError, load_config, run_command
+from headstart.core.config_files import ConfigError, load_config, run_command
 from headstart.core.io import atomic_write_text
 from headstart.core.settings import Count, Folder, Section, as_dict, parse
 from headstart.train.metrics import ACCEPTANCE_PLOT

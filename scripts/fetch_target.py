@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
-from headstart.core.config import run_command
+from headstart.core.config_files import run_command
 from headstart.core.io import NotWritableError, OutOfSpaceError, atomic_dir, check_writable
 
 RECORD = "headstart_target.json"

@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from headstart.core.config import load_config, run_command
+from headstart.core.config_files import load_config, run_command
 from headstart.core.settings import parse
 from headstart.data_recipes.engine_server import vllm_server
 from headstart.data_recipes.regenerate import run_regenerate

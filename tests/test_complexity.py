@@ -93,6 +93,6 @@ def f(x, ys):
 @pytest.mark.parametrize("folder", LIBRARY)
 def test_no_library_function_is_more_complex_than_the_limit(folder: str) -> None:
     paths = sorted((REPO / folder).rglob("*.py"))
-    assert paths or folder == "export", f"{folder}/ holds no Python files"
+    assert paths, f"{folder}/ holds no Python files"
     tangled = [f"{name}: {value}" for path in paths for name, value in functions(path) if value > LIMIT]
     assert not tangled, f"cyclomatic complexity over {LIMIT} (split the function):\n" + "\n".join(tangled)

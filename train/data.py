@@ -22,7 +22,7 @@ from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pack_collate, pad_collate
 from headstart.data_recipes.states import EngineCapture, OnlineCapture, resolve_aux_layers
 from headstart.heads import HeadOptions, head_type
-from headstart.train.config import Train, TrainConfig
+from headstart.train.train_config import Train, TrainConfig
 
 
 class SampleDataset(Dataset):

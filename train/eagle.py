@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headstart.core.config import run_command
+from headstart.core.config_files import run_command
 from headstart.core.runtime import seed_everything
 from headstart.heads import DraftHead, build_head
-from headstart.train.config import parse_args
 from headstart.train.data import fuses_layers, head_settings, load_data, loss_token_counts
 from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
+from headstart.train.train_config import parse_args
 
 
 def save_head(head: DraftHead, out_dir: Path) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from headstart.core.config import save_config
+from headstart.core.config_files import save_config
 from headstart.core.io import atomic_write_text, check_writable
 from headstart.core.memory import (
     MemoryNeed,
@@ -60,7 +60,6 @@ from headstart.heads import (
     read_head_config,
 )
 from headstart.train.checkpoint import all_finite, last_good, loads_universal, newest_marker, resume, save_checkpoint
-from headstart.train.config import Train, TrainConfig, measures_acceptance
 from headstart.train.data import TrainData, data_fingerprint, fuses_layers, head_settings, heldout_batches, step_batches
 from headstart.train.measured import (
     MeasuredAcceptance,
@@ -80,6 +79,7 @@ from headstart.train.metrics import (
     predicted_tau,
     training_summary,
 )
+from headstart.train.train_config import Train, TrainConfig, measures_acceptance
 
 
 class NonFiniteLoss(RuntimeError):

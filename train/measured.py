@@ -47,8 +47,8 @@ from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import Sampling, generate
 from headstart.heads import DraftHead, drafting_of
 from headstart.train.checkpoint import digest_problems, file_digests, save_head_files
-from headstart.train.config import TrainConfig, measures_acceptance
 from headstart.train.data import TrainData, token_rows
+from headstart.train.train_config import TrainConfig, measures_acceptance
 
 PROMPTS_FILE = "eval_prompts.jsonl"
 BEST_RECORD = "best.json"

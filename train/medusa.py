@@ -17,13 +17,13 @@ import torch
 from peft import PeftModel
 from torch import nn
 
-from headstart.core.config import run_command
+from headstart.core.config_files import run_command
 from headstart.core.io import atomic_dir
 from headstart.core.runtime import seed_everything
 from headstart.heads.medusa import Lora, MedusaHead, medusa2_wrap, medusa_loss, medusa_weight_at
-from headstart.train.config import parse_args
 from headstart.train.data import load_data
 from headstart.train.loop import HeadLoss, fit, load_run_target, start_processes
+from headstart.train.train_config import parse_args
 
 
 class Medusa2Loss(nn.Module):

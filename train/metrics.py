@@ -19,7 +19,7 @@ from headstart.core.acceptance import chain_tau as predicted_tau  # the chain mo
 from headstart.core.io import atomic_path, atomic_write_text, read_jsonl
 from headstart.core.settings import as_dict
 from headstart.heads import HeadConfig
-from headstart.train.config import TrainConfig
+from headstart.train.train_config import TrainConfig
 
 
 def heldout_top1(record: dict[str, Any]) -> list[float]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from headstart.core.config import load_config
+from headstart.core.config_files import load_config
 from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.core.settings import parse

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from headstart.core.memory import TargetSizes
 from headstart.core.weights import INDEX_NAME, borrowed_names, meta_model
@@ -119,7 +119,7 @@ def write_borrowed_checkpoint(
     }
 
 
-def _borrowed_files(model: torch.nn.Module, config: PretrainedConfig) -> tuple[list[str], dict[str, str]]:
+def _borrowed_files(model: PreTrainedModel, config: PretrainedConfig) -> tuple[list[str], dict[str, str]]:
     """The checkpoint's tensor names (a tied lm_head is not one) and the file each borrowed tensor goes to: the
     embedding in one, lm_head and the final norm in another (the norm beside the embedding when lm_head is tied)."""
     roles = borrowed_names(model)

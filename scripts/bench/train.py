@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from headstart.core.config import load_config
+from headstart.core.config_files import load_config
 from headstart.core.models import load_target
 from headstart.core.runtime import resolve_dtype
 from headstart.core.settings import parse
@@ -29,8 +29,8 @@ from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import pack_collate, pad_collate
 from headstart.data_recipes.states import OnlineCapture, resolve_aux_layers
 from headstart.heads import HEAD_TYPES, DraftHead, HeadOptions, build_head
-from headstart.train.config import TrainConfig
 from headstart.train.data import SampleDataset, fuses_layers
+from headstart.train.train_config import TrainConfig
 
 
 def head_options(cfg: TrainConfig, head_type: str, aux_layers: list[int]) -> HeadOptions:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import BatchEncoding, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from headstart.core.config import load_config, save_config
+from headstart.core.config_files import load_config, save_config
 from headstart.core.errors import DataError
 from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
 from headstart.core.runtime import cosine_with_warmup, mix_seed, resolve_device, resolve_dtype, seed_everything

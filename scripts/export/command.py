@@ -24,7 +24,7 @@ from pydantic import Field
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from headstart.core.config import run_command, save_config
+from headstart.core.config_files import run_command, save_config
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir, check_writable
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed

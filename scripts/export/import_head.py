@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 from transformers import AutoConfig, PretrainedConfig
 
-from headstart.core.config import run_command
+from headstart.core.config_files import run_command
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
 from headstart.export.common import DRAFT_ARCH_KEYS, check_out
 from headstart.export.layouts import Imported
@@ -35,7 +35,7 @@ from headstart.heads import (
     head_type,
     state_problems,
 )
-from headstart.heads.config import LayerOptions
+from headstart.heads.head_config import LayerOptions
 from headstart.heads.target import dense_mlp_width
 
 # --from: a layout a registered head type reads (read when the schema is built: export.registry.register_layouts

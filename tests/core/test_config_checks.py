@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from headstart.core.config import MAX_CONFIG_BYTES, QUOTE_CHARS, ConfigError, apply_overrides, load_config
+from headstart.core.config_files import MAX_CONFIG_BYTES, QUOTE_CHARS, ConfigError, apply_overrides, load_config
 from headstart.core.memory import device_memory
 from headstart.core.settings import parse
 from headstart.data_recipes.regenerate import RegenerateConfig
 from headstart.data_recipes.settings import CaptureConfig
 from headstart.scripts.export.command import export_head
-from headstart.train.config import TrainConfig
+from headstart.train.train_config import TrainConfig
 from tests.helpers import REPO, base_config, make_head, subprocess_env
 
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from headstart.core.config import ConfigError, apply_overrides, load_config, save_config
+from headstart.core.config_files import ConfigError, apply_overrides, load_config, save_config
 from headstart.core.errors import DataError
 from headstart.core.io import atomic_dir, atomic_path, atomic_write_text, read_jsonl
 from headstart.core.models import load_model

@@ -31,8 +31,8 @@ from headstart.data_recipes.shards import (
 from headstart.data_recipes.shards import main as verify_main
 from headstart.heads import build_head, load_head
 from headstart.scripts.export.command import export_head
-from headstart.train.config import resolve_config
 from headstart.train.data import load_data, loss_token_counts
+from headstart.train.train_config import resolve_config
 from tests.helpers import REPO
 
 

@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from headstart.core.config import ConfigError
+from headstart.core.config_files import ConfigError
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.engine_capture import (
     CPU_CONNECTOR,
@@ -35,7 +35,7 @@ from headstart.data_recipes.settings import CaptureConfig, Target
 from headstart.data_recipes.shards import read_manifest, shard_name
 from headstart.data_recipes.states import capture_hidden_states
 from headstart.train import eagle
-from headstart.train.config import resolve_config
+from headstart.train.train_config import resolve_config
 from tests.helpers import REPO, TARGET, records, resolve, run_here, subprocess_env, tiny_llama, wait_for
 
 ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"

@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from headstart.core.config import ConfigError
+from headstart.core.config_files import ConfigError
 from headstart.core.settings import as_dict, parse
 from headstart.data_recipes import shards
 from headstart.data_recipes.capture import capture_shard, run_capture

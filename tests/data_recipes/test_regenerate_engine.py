@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from headstart.core.config import ConfigError
+from headstart.core.config_files import ConfigError
 from headstart.data_recipes.engine_client import ChatServer, EngineError
 from headstart.data_recipes.prompts import raw_ids, text_prompt_length
 from headstart.data_recipes.regenerate import run_regenerate

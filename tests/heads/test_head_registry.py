@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PretrainedConfig
 
-from headstart.core.config import ConfigError
+from headstart.core.config_files import ConfigError
 from headstart.decoding.head_proposers import PROPOSERS, register_proposer
 from headstart.decoding.proposers_heads import Eagle
 from headstart.eval import acceptance, autotune
@@ -148,7 +148,7 @@ def test_a_head_type_from_outside_trains_evaluates_autotunes_and_exports(
 
 
 def test_a_registered_head_types_config_section_is_checked_like_the_packages(loop_head_type, make_config):
-    from headstart.train.config import parse_args
+    from headstart.train.train_config import parse_args
 
     config, _ = make_config("eagle", "typo")
     with pytest.raises(ConfigError, match=re.escape("unknown key head.fc_biass for a loop head")):
@@ -157,7 +157,7 @@ def test_a_registered_head_types_config_section_is_checked_like_the_packages(loo
 
 
 def test_unregistered_head_types_are_refused_by_name(make_config):
-    from headstart.train.config import parse_args
+    from headstart.train.train_config import parse_args
 
     config, _ = make_config("eagle", "gone")
     assert "loop" not in HEAD_TYPES  # registered only for the tests that ask for it

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers import models as hf
 
-from headstart.core.config import load_config
+from headstart.core.config_files import load_config
 from headstart.core.memory import GB, TargetSizes, kv_cache_bytes
 from headstart.core.models import load_model
 from headstart.data_recipes.capture import run_capture, storage_estimate
@@ -37,8 +37,8 @@ from headstart.scripts.dev.tiny_families import (
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle
-from headstart.train.config import resolve_config
 from headstart.train.loop import Process, training_memory
+from headstart.train.train_config import resolve_config
 from tests.core.test_tensor_parallel import torchrun
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_families import check_export

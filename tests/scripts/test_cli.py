@@ -17,14 +17,14 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from headstart.core.config import ConfigError, load_config
+from headstart.core.config_files import ConfigError, load_config
 from headstart.data_recipes.settings import RegenerateConfig
 from headstart.eval import acceptance, autotune
 from headstart.eval.acceptance import Eval
 from headstart.heads import HEAD_TYPES, build_head, load_head, trainers
 from headstart.scripts import cli
-from headstart.scripts.config import COMMAND_CONFIGS, COMMAND_FLAGS
 from headstart.scripts.export.import_head import ImportHead
+from headstart.scripts.pipeline_config import COMMAND_CONFIGS, COMMAND_FLAGS
 from tests.helpers import (
     REPO,
     TARGET,

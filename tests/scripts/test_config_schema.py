@@ -1,6 +1,6 @@
 """The config: each command refuses a bad config, naming each problem by its dotted key, before it loads a model or
 runs a stage; every bundled config resolves to the values it always has; the whole file is checked by ``headstart``
-(``scripts.config.PipelineConfig``), each command's own sections by the command."""
+(``scripts.pipeline_config.PipelineConfig``), each command's own sections by the command."""
 
 import ast
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from headstart.core.config import ConfigError, apply_overrides, load_config
+from headstart.core.config_files import ConfigError, apply_overrides, load_config
 from headstart.core.settings import SECTIONS, TaggedUnion, parse
 from headstart.data_recipes import capture, regenerate
 from headstart.data_recipes.formats import FORMATS
@@ -30,12 +30,12 @@ from headstart.heads import HEAD_TYPES, Head, HeadOptions
 from headstart.heads.medusa import Lora
 from headstart.heads.registry import head_options_models
 from headstart.scripts import cli, demo
-from headstart.scripts.config import COMMAND_CONFIGS, PipelineConfig
 from headstart.scripts.demo import DemoConfig
 from headstart.scripts.dev import build_demo_models
 from headstart.scripts.dev.build_demo_models import BuildDemoModelsConfig, DemoModel, ModelTraining
+from headstart.scripts.pipeline_config import COMMAND_CONFIGS, PipelineConfig
 from headstart.train import eagle, medusa
-from headstart.train.config import Metrics, Train, TrainConfig, Wandb, resolve_config
+from headstart.train.train_config import Metrics, Train, TrainConfig, Wandb, resolve_config
 from tests.helpers import REPO, resolve, write_config
 
 HEAD_OPTIONS = head_options_models()

@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from headstart.core.config import ConfigError, load_config
+from headstart.core.config_files import ConfigError, load_config
 from headstart.core.settings import parse
 from headstart.scripts.demo import DemoConfig, main, run_stages
 from tests.helpers import REPO

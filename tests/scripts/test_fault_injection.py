@@ -25,7 +25,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from headstart.core.config import load_config
+from headstart.core.config_files import load_config
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.shards import read_manifest, shard_name
 from headstart.scripts.export.command import main as export_main

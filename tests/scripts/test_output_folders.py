@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from headstart.core.config import load_config, run_command
+from headstart.core.config_files import load_config, run_command
 from headstart.core.io import NotWritableError
 from headstart.eval import acceptance, autotune
 from headstart.scripts.export import command as export
 from headstart.train import loop
-from headstart.train.config import resolve_config
+from headstart.train.train_config import resolve_config
 
 DEMO_TARGET = "assets/demo-target"
 BENCH = "assets/data/gsm8k_test.jsonl"

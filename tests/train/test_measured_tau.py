@@ -109,8 +109,8 @@ def test_a_resumed_run_forgets_a_best_recorded_after_its_checkpoint(tmp_path):
 
 
 def test_keep_best_without_measurement_and_too_many_prompts_are_refused(make_config):
-    from headstart.core.config import ConfigError, load_config
-    from headstart.train.config import resolve_config
+    from headstart.core.config_files import ConfigError, load_config
+    from headstart.train.train_config import resolve_config
 
     config, _ = make_config("eagle3", keep_best="measured_tau")
     with pytest.raises(ConfigError, match="keep_best: measured_tau needs train.eval_prompts"):

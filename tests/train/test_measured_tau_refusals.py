@@ -8,11 +8,11 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
-from headstart.core.config import ConfigError, load_config
+from headstart.core.config_files import ConfigError, load_config
 from headstart.train import eagle
-from headstart.train.config import resolve_config
 from headstart.train.loop import runs_target
 from headstart.train.measured import export_best, forget_best_after, write_best
+from headstart.train.train_config import resolve_config
 from tests.helpers import head_weights, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")

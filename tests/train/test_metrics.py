@@ -6,8 +6,8 @@ import json
 import pytest
 
 from headstart.core.settings import parse
-from headstart.train.config import TrainConfig
 from headstart.train.metrics import MetricsLog
+from headstart.train.train_config import TrainConfig
 
 
 def config(out_dir, **metrics):
@@ -132,7 +132,7 @@ def test_wandb_offline_runs_in_the_out_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("section", [{"tensorbord": True}, {"mlflow": "yes"}])
 def test_a_bad_metrics_section_is_refused(tmp_path, section):
-    from headstart.core.config import ConfigError
+    from headstart.core.config_files import ConfigError
 
     with pytest.raises(ConfigError, match=r"metrics\."):
         config(tmp_path / "run", **section)

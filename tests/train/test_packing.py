@@ -6,12 +6,12 @@ import torch
 from safetensors.torch import load_file
 
 import headstart.core.memory as memory
-from headstart.core.config import ConfigError, load_config
+from headstart.core.config_files import ConfigError, load_config
 from headstart.data_recipes.shards import pack_collate, pad_collate
 from headstart.heads import build_head
 from headstart.heads.sparse_attention import ttt_attention
 from headstart.train import eagle
-from headstart.train.config import resolve_config
+from headstart.train.train_config import resolve_config
 from tests.heads.test_long_sequences import HEADS, loss_and_grads
 from tests.helpers import make_batch, records, run_here
 

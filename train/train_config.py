@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field
 
-from headstart.core.config import load_config
+from headstart.core.config_files import load_config
 from headstart.core.settings import (
     Count,
     Float,

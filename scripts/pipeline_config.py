@@ -23,7 +23,7 @@ from headstart.scripts.export.command import Export
 from headstart.scripts.export.import_head import ImportHead
 from headstart.scripts.export.push_to_hub import Push
 from headstart.scripts.export.verify_engines import VerifyEngines
-from headstart.train.config import Metrics, Train, Wandb
+from headstart.train.train_config import Metrics, Train, Wandb
 
 # The flag-driven commands' sections, by section name.
 COMMAND_FLAGS: dict[str, type[CommandFlags]] = {
