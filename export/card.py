@@ -5,6 +5,7 @@ draft tree ``eval.autotune`` tuned for it. A head type's own rows and serve comm
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from headstart.decoding.tree_config import Schedule, load_tree_config
@@ -34,8 +35,8 @@ def vllm_command(
         spec["parallel_drafting"] = True
     if schedule:
         spec["num_speculative_tokens_per_batch_size"] = schedule
-    backend = " --model-impl transformers" if aux_family and not captures_natively(aux_family, "vllm") else ""
-    return f"vllm serve {target}{backend} --speculative-config '{json.dumps(spec)}'"
+    backend = ["--model-impl", "transformers"] if aux_family and not captures_natively(aux_family, "vllm") else []
+    return shlex.join(["vllm", "serve", target, *backend, "--speculative-config", json.dumps(spec)])
 
 
 def served_schedule(head_dir: str | Path) -> Schedule | None:
@@ -47,14 +48,16 @@ def served_schedule(head_dir: str | Path) -> Schedule | None:
 
 
 def sglang_command(target: str, draft: str, algorithm: str) -> str:
-    return (
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
-        f"--speculative-draft-model-path {draft} --speculative-num-steps {STEPS} --speculative-eagle-topk 1 "
-        f"--speculative-num-draft-tokens {STEPS + 1}"
+    return shlex.join(
+        ["python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", algorithm]
+        + ["--speculative-draft-model-path", draft, "--speculative-num-steps", str(STEPS), "--speculative-eagle-topk"]
+        + ["1", "--speculative-num-draft-tokens", str(STEPS + 1)]
     )
 
 
 def code_block(command: str) -> str:
+    """A shell command (built with ``shlex.join``: every value quoted, so a path with a space or a ``;`` stays one
+    argument when the line is pasted) as a Markdown block."""
     return f"```bash\n{command}\n```"
 
 
@@ -64,7 +67,12 @@ def served_steps(schedule: Schedule | None) -> int:
 
 
 def reexport_command(head_dir: str, fmt: str, out: str) -> str:
-    return code_block(f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}")
+    return code_block(export_command(head_dir, fmt, out))
+
+
+def export_command(head_dir: str | Path, fmt: str, out: str | Path) -> str:
+    """The command that writes ``head_dir`` in layout ``fmt`` to ``out``."""
+    return shlex.join(["python", "-m", "scripts.export", "--head", str(head_dir), "--format", fmt, "--out", str(out)])
 
 
 def raw_prompt_section(target: str) -> str:
@@ -74,7 +82,11 @@ def raw_prompt_section(target: str) -> str:
     return (
         "The head was trained on raw text (`data.format: text`): the target is prompted as raw text, with no chat "
         "template, so ask it through the completion API:\n\n"
-        + code_block(f"curl http://localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+        + code_block(
+            shlex.join(
+                ["curl", "http://localhost:8000/v1/completions", "-H", "Content-Type: application/json", "-d", body]
+            )
+        )
         + "\n\n(`model` is the path `vllm serve` was given.) `/v1/chat/completions` needs a chat template, which "
         "the target lacks (a base model), and would prompt it otherwise than the head was trained on. SGLang: its "
         "`/v1/completions` the same way (on its port, 30000 by default)."

@@ -23,6 +23,7 @@ Matched against vllm 0.33.0, sglang 0.5.23 and speculators 0.9.0 (docs/EXPORT.md
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -305,7 +306,7 @@ def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) 
     if fmt == "speculators":
         return (
             "vLLM reads the target from `speculators_config.verifier.name_or_path`:\n\n"
-            + code_block(f"vllm serve {draft}")
+            + code_block(shlex.join(["vllm", "serve", draft]))
             + "\n\nor names it itself:\n\n"
             + code_block(vllm_command(target, draft, "eagle3", depths or steps, bool(depths), schedule, family))
             + f"\n\n{no_sglang}"

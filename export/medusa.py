@@ -12,6 +12,7 @@ vLLM 0.33 and SGLang 0.5.23 no longer serve Medusa (no ``medusa`` speculative me
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -96,5 +97,5 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
 def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) -> str:
     return (
         f"{NOT_SERVED}.\n\nWith the Medusa repo (it loads the target from `base_model_name_or_path`):\n\n"
-        + code_block(f"python -m medusa.inference.cli --model {draft}")
+        + code_block(shlex.join(["python", "-m", "medusa.inference.cli", "--model", draft]))
     )

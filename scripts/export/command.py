@@ -28,7 +28,7 @@ from headstart.core.config_files import run_command, save_config
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir, check_writable
 from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
-from headstart.export.card import model_card, tree_card_section
+from headstart.export.card import export_command, model_card, tree_card_section
 from headstart.export.common import check_out
 from headstart.export.layouts import EngineFiles
 from headstart.export.parity import card_section, weights_digest
@@ -196,7 +196,7 @@ def export_head(
     engine_config, tensors, weights_file = engine_files(config, state, fmt, public_target, target_config)
     layouts = layouts_of(config.type)
     extra = layouts.extra_files(config, state)
-    command = f"python -m scripts.export --head {head_dir} --format {fmt} --out {out}"
+    command = export_command(head_dir, fmt, out)
     if target != config.target:
         command += f" --target {target}"
     # The tree eval.autotune tuned for this head, when its folder has a tree.json.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -225,7 +226,9 @@ def stage(
         sections.append(
             "## Training\n\nThe resolved training config is [`training_config.yaml`](training_config.yaml).\n"
         )
-    made_by = f"python -m scripts.export.push_to_hub --head {HEAD_NAME} --repo-id {repo_id} --format {fmt}"
+    made_by = shlex.join(
+        ["python", "-m", "scripts.export.push_to_hub", "--head", HEAD_NAME, "--repo-id", repo_id, "--format", fmt]
+    )
     export_head(
         head_dir,
         fmt,

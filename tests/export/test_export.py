@@ -7,6 +7,7 @@ a rename in our heads or in the export breaks a test here even without the engin
 
 import json
 import os
+import shlex
 
 import pytest
 import torch
@@ -271,6 +272,22 @@ def test_model_card_has_the_serve_commands(tiny_llama_from_dir, tiny_llama_dir, 
         export_head(make_head(tiny_llama_from_dir, tmp_path, "medusa", "m"), "medusa", tmp_path / "m-out") / "README.md"
     ).read_text()
     assert "no longer serve Medusa" in medusa_card and "vllm serve" not in medusa_card
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_the_model_cards_commands_keep_a_path_with_a_space_or_a_semicolon_one_argument(
+    tiny_llama_from_dir, tmp_path, fmt
+):
+    """Pasted into a shell, an unquoted ``--speculative-draft-model-path <out>`` would split at the space and run
+    what follows the ``;``."""
+    out = tmp_path / "my exports; touch pwned"
+    card = (export_head(make_head(tiny_llama_from_dir, tmp_path, "eagle3"), fmt, out) / "README.md").read_text()
+    commands = [block.split("\n```")[0] for block in card.split("```bash\n")[1:]]
+    assert len(commands) >= 2
+    for command in commands:
+        words = shlex.split(command)
+        config = next((json.loads(w) for w in words if w.startswith("{")), {})
+        assert str(out) in words or config.get("model") == str(out) or str(out) + "-sglang" in words, command
 
 
 def test_cli(tiny_llama_from_dir, tmp_path, capsys):
