@@ -226,8 +226,9 @@ def stage(
         sections.append(
             "## Training\n\nThe resolved training config is [`training_config.yaml`](training_config.yaml).\n"
         )
-    made_by = shlex.join(
-        ["python", "-m", "scripts.export.push_to_hub", "--head", HEAD_NAME, "--repo-id", repo_id, "--format", fmt]
+    # HEAD_NAME stands for the user's folder: a placeholder, not a value to quote.
+    made_by = f"python -m scripts.export.push_to_hub --head {HEAD_NAME} " + shlex.join(
+        ["--repo-id", repo_id, "--format", fmt]
     )
     export_head(
         head_dir,
