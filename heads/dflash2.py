@@ -27,7 +27,8 @@ from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -53,6 +54,19 @@ class Dflash2Options(BlockOptions):
     selector_rank: Count = 256  # r of the selector's codebooks [V, r] and hidden_projection [r, H]
     selector_top_k: Annotated[int, Field(ge=2)] = 16  # candidates per slot, from the target lm_head's logits
     selector_weight: Annotated[Float, Field(ge=0)] = 1.0  # the selector's cross-entropy beside the block loss
+
+    @model_validator(mode="after")
+    def _kernel_within_the_block(self) -> Dflash2Options:
+        # Tap t reads slot i - t of the same block: taps past the block read nothing, and past the whole layout
+        # the convolution's shapes no longer line up (a RuntimeError mid-step, after the target has loaded).
+        if self.conv_kernel_size > self.block_size:
+            raise PydanticCustomError(
+                "section_rule",
+                "conv_kernel_size ({kernel}) must not exceed block_size ({block}): a tap reads an earlier slot of "
+                "the same block",
+                {"kernel": self.conv_kernel_size, "block": self.block_size},
+            )
+        return self
 
 
 class GroupedConv(nn.Module):

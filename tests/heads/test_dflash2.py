@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from headstart.core.config_files import ConfigError, load_config
 from headstart.decoding.proposers_heads import DFlash, DFlash2
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
 from headstart.heads import build_head, load_head
@@ -15,6 +16,7 @@ from headstart.heads.dflash2 import GroupedConv
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train import eagle as trainer
+from headstart.train.train_config import resolve_config
 from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_dflash import (
     NEW,
@@ -27,6 +29,7 @@ from tests.heads.test_dflash import (
     trained_on,
 )
 from tests.helpers import (
+    REPO,
     WIDE,
     assert_matches,
     block_drafter_run,
@@ -245,3 +248,12 @@ def test_export_for_vllm_and_import_back_to_the_same_drafts(peaked_wide_llama, t
         import_head("dflash2", out, tmp_path / "refused", str(target_dir))
     with pytest.raises(ValueError, match="cannot export a dflash2 head as 'sglang': SGLang 0.5.23 has no DFlash-2"):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
+
+
+def test_a_kernel_longer_than_the_block_is_refused_with_the_config(peaked_wide_llama):
+    """Unchecked, it passed every check, loaded the target and wrote config.yaml, then died mid-step."""
+    overrides = ["head.conv_kernel_size=100", "head.block_size=4"]
+    with pytest.raises(ConfigError, match=r"head.conv_kernel_size \(100\) must not exceed block_size \(4\)"):
+        resolve_config(load_config(REPO / "configs" / "demo-dflash2.yaml", overrides), "eagle")
+    head = build_head(SETTINGS | {"conv_kernel_size": 4}, peaked_wide_llama)  # every slot of a block of 4
+    assert head.layers[0].attention_conv.taps == 4
