@@ -223,6 +223,17 @@ def tuned_trees(heads: dict[str, HeadFolder], flags: TreeSpec, wanted: Sequence[
         tunable = proposer_of(method).tunable
         if tunable and flags.shape is None and path.is_file():
             found[method] = load_tree(path)
+            check_tuned_for(found[method], method, path)
             # From the head's config: a head folder's own tree.json fails here, before any model loads.
             check_tree_vocab(found[method], draft_vocab_size(head.config), str(path), f"the head {head.path}")
     return found
+
+
+def check_tuned_for(tree: TreeSpec, method: str, path: Path) -> None:
+    """Refuse a tree.json tuned for another drafter (its ``method``): its shape and schedule were measured for that
+    drafter's acceptance and cost, not this one's. A tree.json that names no drafter is taken as it is."""
+    if tree.method is not None and tree.method != method:
+        raise ValueError(
+            f"{path} was tuned for {tree.method}, not {method}: tune one for it (python -m eval.autotune) or draft "
+            "in a shape of the flags (--tree static or dynamic)"
+        )

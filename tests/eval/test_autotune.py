@@ -201,6 +201,24 @@ def test_a_head_folders_own_tree_json_fails_before_any_model_loads(tiny_llama_fr
         acceptance.main(argv + ["--bench", str(tmp_path / "no-bench.jsonl"), "--out", str(tmp_path / "r")])
 
 
+@pytest.mark.parametrize("tuned_for", ["dflash2", "medusa", "eagle"])
+@pytest.mark.parametrize("given", ["head folder", "--tree"])
+def test_a_tree_json_tuned_for_another_drafter_is_refused_before_any_model_loads(
+    tiny_llama_from_dir, tmp_path, tuned_for, given
+):
+    """Its shape and schedule were measured for that drafter: an EAGLE-3 head would decode with them silently."""
+    head = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
+    tree = tmp_path / "elsewhere.json" if given == "--tree" else head / "tree.json"
+    tree.write_text(json.dumps(DYNAMIC | {"method": tuned_for}))
+    argv = ["--target", str(tmp_path / "no-target"), "--head", str(head), "--method", "eagle3"]
+    argv += ["--tree", str(tree)] if given == "--tree" else []
+    with pytest.raises(ValueError, match=rf"^{tree} was tuned for {tuned_for}, not eagle3: tune one for it"):
+        acceptance.main(argv + ["--bench", str(tmp_path / "no-bench.jsonl"), "--out", str(tmp_path / "r")])
+    tree.write_text(json.dumps(DYNAMIC | {"method": "eagle3"}))  # its own: taken (the missing target fails next)
+    with pytest.raises(OSError):
+        acceptance.main(argv + ["--bench", str(tmp_path / "no-bench.jsonl"), "--out", str(tmp_path / "r")])
+
+
 def test_model_card_section_names_the_tuned_tree(tmp_path):
     assert tree_card_section(tmp_path) == []  # no tree.json: the card has no such section
     tree = TreeSpec.static([[0], [0, 0], [1]]).config() | {"machine": "Xeon, 2 torch threads", "device": "cpu"}
