@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from headstart.core.settings import Count, Float, Section
 from headstart.decoding.head_proposers import head_proposer, proposer_of
 from headstart.decoding.proposers import DraftModel, NGram, ProposerWrapper, SelfSpec, Vanilla, early_exit
-from headstart.decoding.proposers_heads import DraftSource
+from headstart.decoding.proposers_heads import DraftSource, tree_depth_bound
 from headstart.decoding.proposers_lookup import Lookahead, Suffix
 from headstart.decoding.target_cache import recurrent_target, why_chains
 from headstart.decoding.tree import Tree, first_chain, is_chain
@@ -116,13 +116,27 @@ def build_proposer(
     # DraftModel crops its drafter's cache after every step, which a recurrent layer's state cannot undo.
     if method == "draft_model" and draft is not None and recurrent_target(draft):
         raise ValueError(f"draft_model crops its draft's cache, but {why_chains(draft)}")
+    depth = drafted_depth(method, flags, heads, tuned)
     if target is None or not recurrent_target(target) or method == "vanilla":
         return _build(method, flags, draft, heads, tuned, target)
     if method == "self_spec":
         raise ValueError(f"self_spec drafts with the target's layers and crops their cache, but {why_chains(target)}")
-    log.warning("%s drafts chains of %d (its tree settings are set aside): %s", method, flags.depth, why_chains(target))
+    log.warning("%s drafts chains of %d (its tree settings are set aside): %s", method, depth, why_chains(target))
     chains = flags.model_copy(update={"shape": "static"})
     return ChainOnly(_build(method, chains, draft, heads, None, target))
+
+
+def drafted_depth(method: str, flags: TreeSpec, heads: dict[str, DraftHead] | None, tuned: TreeSpec | None) -> int:
+    """How deep ``method`` drafts under the tree ``flags``: their depth, or its head's limit where that is less (a
+    block drafter's slots), said once here where the flags asked for more (a tuned tree is its own depth)."""
+    if tuned is not None or heads is None or method not in heads:
+        return flags.depth
+    depth = tree_depth_bound(heads[method], flags.depth)
+    if depth < flags.depth:
+        log.warning(
+            "%s drafts at most %d tokens a step (its head's limit): depth %d is cut to it", method, depth, flags.depth
+        )
+    return depth
 
 
 def _build(

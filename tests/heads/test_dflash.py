@@ -4,6 +4,7 @@ import in vLLM's layout."""
 
 import io
 import json
+import logging
 import os
 import pickle
 import re
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from headstart.decoding.methods import TreeSettings, build_proposer
 from headstart.decoding.proposers_heads import DFlash
 from headstart.decoding.tree_config import comb_choices
 from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
@@ -485,3 +487,17 @@ def test_a_mask_embedding_that_is_not_a_tensor_file_is_refused_naming_it(peaked_
     mask_file.write_bytes(buffer.getvalue())
     with pytest.raises(ValueError, match=rf"{re.escape(str(mask_file))} holds no mask vector: .*got list"):
         import_head("dflash", out, tmp_path / "list", str(target_dir))
+
+
+def test_a_depth_past_the_block_is_cut_to_its_slots_and_said_once(peaked_wide_llama, caplog):
+    """A block of 5 drafts 4 tokens a step: --tree static --depth 8 drafts chains of 4, and the log says so."""
+    heads = {"dflash": dflash_head(peaked_wide_llama)}
+    with caplog.at_level(logging.WARNING):
+        proposer = build_proposer("dflash", TreeSettings(tree="static", depth=8).tree_spec(), heads=heads)
+    assert max(len(c) for c in proposer.choices) == 4
+    said = "dflash drafts at most 4 tokens a step (its head's limit): depth 8 is cut to it"
+    assert caplog.text.count(said) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        build_proposer("dflash", TreeSettings(tree="static", depth=4).tree_spec(), heads=heads)
+    assert "cut to it" not in caplog.text
