@@ -83,13 +83,13 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
         problems.append("the fill-in block (sample_from_anchor: false: only the mask slots draft)")
     if engine_config.get("markov_head_type", "vanilla") != "vanilla":
         problems.append(f"a {engine_config['markov_head_type']!r} Markov head (vLLM serves 'vanilla' only)")
-    confidence = bool(engine_config.get("enable_confidence_head")) and "confidence_head.proj.weight" in state
+    # The config says whether there is a confidence head; its tensors then must be there, and otherwise must not be
+    # (the one check of every import refuses a missing or extra tensor by name).
+    confidence = bool(engine_config.get("enable_confidence_head"))
     if confidence and not engine_config.get("confidence_head_with_markov"):
         problems.append("a confidence head without the Markov embedding")
     if problems:
         raise ValueError(f"this DSpark checkpoint uses {', '.join(problems)}, which headstart's DSpark head does not")
-    if not confidence:
-        state = {k: v for k, v in state.items() if not k.startswith("confidence_head.")}
     options, arch, state = dflash.read_block_drafter(engine_config, state, target_config, "DSpark")
     options |= {"type": "dspark", "markov_rank": engine_config["markov_rank"], "confidence_head": confidence}
     return Imported(options, arch, state)

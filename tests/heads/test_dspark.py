@@ -283,3 +283,24 @@ def test_a_dspark_checkpoint_with_a_nan_is_refused_on_import_naming_the_tensor(p
     with pytest.raises(NonFiniteWeights, match=r"dspark checkpoint .*: markov_head.markov_w2.weight \(2 NaN, 0 inf"):
         import_head("dspark", out, tmp_path / "imported", str(target_dir))
     assert not (tmp_path / "imported").exists()
+
+
+def test_confidence_tensors_a_checkpoint_says_it_has_none_of_are_refused_like_any_extra_tensor(
+    peaked_wide_llama, tmp_path
+):
+    target_dir = tmp_path / "target"
+    peaked_wide_llama.save_pretrained(target_dir)
+    dspark_head(peaked_wide_llama).save_pretrained(tmp_path / "head")  # with a confidence head
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"enable_confidence_head": False}))
+    with pytest.raises(ValueError, match=r"unexpected .*confidence_head\.proj\.weight"):
+        import_head("dspark", out, tmp_path / "imported", str(target_dir))
+    assert not (tmp_path / "imported").exists()
+    tensors = load_file(str(out / "model.safetensors"))  # and a config that has one, without its tensors
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("confidence_head.")}, str(out / "model.safetensors")
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"missing .*confidence_head\.proj\.weight"):
+        import_head("dspark", out, tmp_path / "imported", str(target_dir))
