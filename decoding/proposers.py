@@ -201,14 +201,17 @@ class ProposerWrapper:
 
 
 class DepthRecorder(ProposerWrapper):
-    """A proposer that records each proposed tree's depth (0: nothing drafted): what the per-depth acceptance
-    rates are counted against (``core.acceptance.chain_acceptance``)."""
+    """A proposer that records each proposed tree's depth (0: nothing drafted), what the per-depth acceptance
+    rates are counted against (``core.acceptance.chain_acceptance``), and its size: the tree that really ran,
+    whatever the flags asked for (a block's slots, a tree.json, a recurrent target's chains)."""
 
     def __init__(self, proposer: Proposer) -> None:
         super().__init__(proposer)
         self.depths: list[int] = []  # proposed tree depth per step
+        self.most_nodes = 0  # the largest tree proposed
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         tree = self.proposer.propose(tokens)
         self.depths.append(int(tree.depths.max()) if len(tree) else 0)
+        self.most_nodes = max(self.most_nodes, len(tree))
         return tree

@@ -280,6 +280,7 @@ def settings(args: Eval, loaded: Loaded) -> dict:
         "top_k": args.top_k,
         "tree": {
             "shape": str(args.tree) if args.tree else None,
+            "file": str(args.tree_file()) if args.tree_file() else None,
             "top_k_draft": args.top_k_draft,
             "depth": args.depth,
             "total": args.total_tokens,

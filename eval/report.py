@@ -4,13 +4,14 @@ autotune.md, autotune.png).
 
 report.json, as ``eval.acceptance`` builds it:
 
-    target, draft, heads, bench, limit, per_group, prompts, max_new_tokens, temperature, top_p, top_k, tree, seed,
+    target, draft, heads, bench, limit, per_group, prompts, max_new_tokens, temperature, top_p, top_k, seed,
+    tree (the flags: shape, file (a tree.json given as --tree), top_k_draft, depth, total, exit_layer),
     device, dtype, machine, torch, transformers,
     prompt_format (as asked: auto, chat or raw), prompt_format_resolved (what rendered the prompts: chat or raw),
     methods.<name> (``eval.results.MethodResult``; report.json keeps its fields' order):
         requested, tau, acceptance_by_depth [rate of depth d given d - 1; null: never tried],
         alpha, mean_accepted, target_forwards, new_tokens, wall_s, tokens_per_s, speedup_vs_vanilla, predicted_speedup,
-        draft_depth (k), draft_cost_ratio (c), target_forward_ms,
+        draft_depth (k: the deepest tree drafted), drafted_nodes (the largest), draft_cost_ratio (c), target_forward_ms,
         peak_memory_mb (CUDA: max allocated during the method; CPU: the process's peak RSS so far),
         greedy_identical (bool; null when sampling), mismatched_prompts, divergences (per mismatch: prompt, turn,
         token, vanilla_token, method_token, logit_gap, near_tie),
@@ -116,25 +117,36 @@ def _settings_lines(report: dict[str, Any]) -> list[str]:
         f"{report['max_new_tokens']} new tokens per turn",
         f"- prompts: {prompts_rendered(report['prompt_format'], report['prompt_format_resolved'])}",
         f"- sampling: temperature {report['temperature']}, top-p {report['top_p']}, top-k {report['top_k']}; "
-        f"tree {tree['shape'] or 'per method'} (top-k {tree['top_k_draft']}, depth {tree['depth']}, "
-        f"{tree['total']} nodes); seed {report['seed']}",
+        f"{_tree_asked(tree)}; seed {report['seed']}",
         f"- machine: {report['machine']} ({report['device']}, {report['dtype']}); "
         f"torch {report['torch']}, transformers {report['transformers']}",
         "",
     ]
 
 
+def _tree_asked(tree: dict[str, Any]) -> str:
+    """The tree the flags asked for; what each method drafted (a block's slots, a tree.json) is in its row."""
+    if tree.get("file"):
+        asked = f"tree {tree['file']} (a tree.json)"
+    else:
+        asked = (
+            f"tree {tree['shape'] or 'per method'} (top-k {tree['top_k_draft']}, depth {tree['depth']}, "
+            f"{tree['total']} nodes)"
+        )
+    return asked + " asked; each method's row says the deepest and largest tree it drafted"
+
+
 def _method_table(methods: dict[str, MethodResult]) -> list[str]:
     lines = [
         "| method | tau | training predicted tau | training measured tau | alpha | mean accepted | target forwards "
-        "| tokens/s | speedup | predicted (k, c) | peak MB | greedy identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tree drafted (depth, nodes) | tokens/s | speedup | predicted (k, c) | peak MB | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in methods.items():
         predicted, measured = _tau(e.predicted_tau), _tau(e.training_measured_tau)
         lines.append(
             f"| {name} | {e.tau:.3f} | {predicted} | {measured} | {e.alpha:.3f} | {e.mean_accepted:.3f} "
-            f"| {e.target_forwards} "
+            f"| {e.target_forwards} | {e.draft_depth}, {e.drafted_nodes} "
             f"| {e.tokens_per_s:.1f} | {e.speedup_vs_vanilla:.3f} | {e.predicted_speedup:.3f} "
             f"({e.draft_depth}, {e.draft_cost_ratio:.3f}) | {e.peak_memory_mb:.0f} | {_identical(e.greedy_identical)} |"
         )

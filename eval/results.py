@@ -53,7 +53,7 @@ class MethodResult:
     wall_s: float
     tokens_per_s: float
     speedup_vs_vanilla: float
-    draft_depth: int  # k
+    draft_depth: int  # k: the deepest tree drafted
     draft_cost_ratio: float  # c
     target_forward_ms: float
     predicted_speedup: float
@@ -65,6 +65,7 @@ class MethodResult:
     predicted_tau: float | None = None  # the head's training-time chain prediction (config.json "training")
     training_measured_tau: float | None = None  # the tau training measured by decoding
     tree_config: dict[str, Any] | None = None  # the tree.json an EAGLE method decoded with; None: the tree flags
+    drafted_nodes: int = 0  # the largest tree drafted (with draft_depth: the tree that ran, whatever was asked)
     divergences: list[dict[str, Any]] = field(default_factory=list)  # per mismatch: ``eval.run.divergence``
 
     def to_json(self) -> dict[str, Any]:

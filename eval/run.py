@@ -208,6 +208,7 @@ def summarize(run: MethodRun, baseline: MethodRun, greedy: bool) -> MethodResult
         tokens_per_s=run.tokens_per_s,
         speedup_vs_vanilla=run.speedup_over(baseline),
         draft_depth=k,
+        drafted_nodes=timer.most_nodes,
         draft_cost_ratio=c,
         target_forward_ms=forward_s * 1e3,
         predicted_speedup=predicted_speedup(alpha, c, k),

@@ -139,11 +139,19 @@ def test_report_run_on_tiny_models(tiny_target_dir, models, tmp_path):
     # Depth-limited drafters: chains of 3 (ngram, draft model), trees of depth <= 3 (EAGLE-3, 3 Medusa heads).
     assert methods["draft_model"]["draft_depth"] == 3 and len(methods["draft_model"]["acceptance_by_depth"]) == 3
     assert 1 <= methods["eagle3"]["draft_depth"] <= 3 and methods["medusa"]["draft_depth"] == 3
+    # The tree each method really drafted, beside what the flags asked for: the draft model's chains of 3.
+    assert methods["draft_model"]["drafted_nodes"] == 3 and methods["vanilla"]["drafted_nodes"] == 0
+    assert 1 <= methods["eagle3"]["drafted_nodes"] <= 6
     for plot in ("tau_per_category.png", "acceptance_by_depth.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "report.md").read_text()
     assert "| method | tau |" in md and "| eagle3 |" in md and "WARNING" not in md
     assert "| vanilla | 1.000 (1.00x) | 1.000 (1.00x) |" in md  # per category: tau (speedup)
+    assert "tree per method (top-k 2, depth 3, 6 nodes) asked; each method's row says the deepest" in md
+    assert "| draft_model | " in md and "| 3, 3 |" in md.split("| draft_model | ")[1].split("\n")[0]
+    as_file = report | {"tree": report["tree"] | {"shape": "t.json", "file": "t.json"}}
+    said = markdown(as_file | {"methods": read_methods(report)})
+    assert "tree t.json (a tree.json) asked" in said and "top-k 2, depth 3" not in said
     report["methods"]["eagle3"] |= {"greedy_identical": False, "mismatched_prompts": ["83"]}
     assert "WARNING: eagle3 did NOT reproduce vanilla greedy decoding" in markdown(
         report | {"methods": read_methods(report)}
