@@ -96,7 +96,8 @@ OWN_LAYOUTS = {"medusa": "the 'medusa' format holds Medusa heads only"}
 
 
 def not_written(head_type: str, fmt: str, layouts: tuple[str, ...], reasons: dict[str, str] | None = None) -> str:
-    """The usual refusal: ``cannot export a eagle head as 'speculators': <why>; formats for it: (...)``, the
-    reason from ``reasons`` (the head type's own), else the layout's."""
+    """The usual refusal: ``cannot export a eagle head as 'speculators': <why>``, the reason from ``reasons`` (the
+    head type's own), else the layout's. The export adds the formats this very head takes (``layouts`` are its
+    type's; a head's options can rule some out)."""
     why = (reasons or {}).get(fmt) or OWN_LAYOUTS.get(fmt) or f"no {fmt} layout is written for {head_type} heads"
-    return f"cannot export a {head_type} head as {fmt!r}: {why}; formats for it: {layouts}"
+    return f"cannot export a {head_type} head as {fmt!r}: {why}"

@@ -16,6 +16,7 @@ export_config.yaml (the ``export:`` section that ``headstart export --config`` r
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -116,11 +117,29 @@ def load_head_state(head_dir: Path, config: HeadConfig) -> dict[str, torch.Tenso
 def engine_files(
     config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
 ) -> EngineFiles:
-    """(config.json, tensors, weights file name) of the head in ``fmt``; ValueError where ``fmt`` cannot hold it."""
+    """(config.json, tensors, weights file name) of the head in ``fmt``; ValueError where ``fmt`` cannot hold it,
+    naming the formats this head takes (its type's layouts, less those its options rule out)."""
     layouts = layouts_of(config.type)
-    if fmt not in layouts.LAYOUTS:
-        raise ValueError(layouts.refusal(fmt))
-    return layouts.export_files(config, state, fmt, target, target_config)
+    try:
+        if fmt not in layouts.LAYOUTS:
+            raise ValueError(layouts.refusal(fmt))
+        return layouts.export_files(config, state, fmt, target, target_config)
+    except ValueError as refused:
+        takes = [
+            other for other in layouts.LAYOUTS if other != fmt and writes(config, state, other, target, target_config)
+        ]
+        raise ValueError(f"{refused}; formats this head takes: {', '.join(takes) or 'none'}") from None
+
+
+def writes(
+    config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
+) -> bool:
+    """Whether the head's layouts write it in ``fmt`` (a dry run of the conversion, nothing written)."""
+    try:
+        layouts_of(config.type).export_files(config, state, fmt, target, target_config)
+    except ValueError:
+        return False
+    return True
 
 
 def parity_card_section(parity: Path, head_dir: Path) -> str:
@@ -198,7 +217,7 @@ def export_head(
     extra = layouts.extra_files(config, state)
     command = export_command(head_dir, fmt, out)
     if target != config.target:
-        command += f" --target {target}"
+        command += " " + shlex.join(["--target", target])
     # The tree eval.autotune tuned for this head, when its folder has a tree.json.
     sections.extend(tree_card_section(head_dir))
     draft, head = draft_name or str(out), head_name or str(head_dir)

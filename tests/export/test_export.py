@@ -169,6 +169,19 @@ def test_eagle_with_fc_bias_cannot_go_to_vllm(tiny_llama_from_dir, tmp_path):
     assert tensors["fc.bias"].any()
 
 
+def test_a_refusal_lists_only_the_formats_this_head_takes(tiny_llama_from_dir, tmp_path):
+    """An EAGLE-1 head with an fc bias: its type has vllm and sglang layouts, but vLLM's cannot hold this one."""
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle", fc_bias=True)
+    with pytest.raises(ValueError, match=r"as 'speculators': .*; formats this head takes: sglang$"):
+        export_head(head_dir, "speculators", tmp_path / "out")
+    with pytest.raises(ValueError, match=r"fc bias.*; formats this head takes: sglang$"):
+        export_head(head_dir, "vllm", tmp_path / "out")
+    plain = make_head(tiny_llama_from_dir, tmp_path, "eagle", name="plain")
+    with pytest.raises(ValueError, match=r"; formats this head takes: vllm, sglang$"):
+        export_head(plain, "speculators", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_medusa_layout(tiny_llama_from_dir, tiny_llama_dir, tmp_path):
     head_dir = make_head(tiny_llama_from_dir, tmp_path, "medusa", num_heads=3)
     out = export_head(head_dir, "medusa", tmp_path / "out")
