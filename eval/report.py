@@ -301,8 +301,8 @@ def matrix_markdown(matrix: dict) -> str:
         "- groups: " + "; ".join(f"{g} = {' + '.join(members)}" for g, members in groups.items()),
         "- speedup: a method's tokens/s over vanilla's on the same prompts at the same temperature (per group: "
         "over vanilla's on that group). Greedy (T=0) outputs must equal vanilla's token for token; sampled ones "
-        "follow the target's distribution exactly (the chi-square tests of tests/test_decoding_sampling.py), so a "
-        "sampled run's tokens differ from vanilla's by chance only.",
+        "follow the target's distribution exactly (the chi-square tests of "
+        "tests/decoding/test_decoding_sampling.py), so a sampled run's tokens differ from vanilla's by chance only.",
     ]
     for row in rows:
         lines += ["", f"## {_temperature(row)}: speedup (tau) per group", ""]
