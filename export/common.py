@@ -137,8 +137,15 @@ def decoder_config(arch: DraftArch, dtype: str) -> dict[str, Any]:
 
 
 def arch_from_decoder(config: dict[str, Any], target_config: PretrainedConfig) -> DraftArch:
-    """Our draft arch read from a published draft's decoder config (family and layer count: the target's)."""
-    skip = ("architectures", "auto_map", "num_hidden_layers", "model_type")
+    """Our draft arch read from a published draft's decoder config (family and layer count: the target's).
+
+    The draft's own layer count and ``layer_types`` are left out: transformers checks one against the other, and
+    speculators 0.9.0 writes ``layer_types`` for its one layer without ``num_hidden_layers`` (LlamaConfig's default
+    is 32). A layer type other than full attention is one headstart's draft layers do not have: refused."""
+    layer_types = config.get("layer_types") or []
+    if set(layer_types) - {"full_attention"}:
+        raise ValueError(f"layer_types {layer_types}: headstart's draft layers attend to the whole context only")
+    skip = ("architectures", "auto_map", "num_hidden_layers", "model_type", "layer_types")
     arch = arch_from_target(LlamaConfig(**{k: v for k, v in config.items() if k not in skip}))
     arch.family, arch.num_hidden_layers = target_config.model_type, target_config.num_hidden_layers
     return arch

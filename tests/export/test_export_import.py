@@ -50,6 +50,41 @@ def test_export_then_import_gives_the_same_head(tiny_llama_from_dir, tiny_llama_
         assert torch.equal(x, y)
 
 
+def as_speculators_trainer_writes(out):
+    """Our speculators export rewritten as speculators 0.9.0's own checkpointer writes a draft (what its trainer
+    wrote here, ../shared/FORMATS.md): ``layer_types`` for its one layer and no ``num_hidden_layers`` in
+    ``transformer_layer_config``, an ``auto_map`` to a config.py beside it, bf16 weights, the trainer's state files."""
+    config = json.loads((out / "config.json").read_text())
+    layer = {k: v for k, v in config["transformer_layer_config"].items() if k != "num_hidden_layers"}
+    config |= {"transformer_layer_config": layer | {"layer_types": ["full_attention"]}, "speculators_version": "0.9.0"}
+    config |= {"auto_map": {"AutoConfig": "config.Eagle3SpeculatorConfig"}}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.py").write_text("raise SystemExit('never run')\n")
+    for name in ("optimizer_state_dict.pt", "scheduler_state_dict.pt"):
+        (out / name).write_bytes(b"not read")
+    (out / "training_state.json").write_text("{}")
+    tensors = load_file(str(out / "model.safetensors"))
+    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(bf16, str(out / "model.safetensors"))
+    return config
+
+
+def test_a_draft_as_the_speculators_trainer_writes_it_imports(tiny_llama_from_dir, tiny_llama_dir, tmp_path):
+    """transformers 5.23 refused its decoder config (1 layer type against LlamaConfig's default 32 layers)."""
+    head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3")
+    out = export_head(head_dir, "speculators", tmp_path / "export")
+    config = as_speculators_trainer_writes(out)
+    imported = load_head(import_head("speculators", out, tmp_path / "back", tiny_llama_dir), tiny_llama_from_dir)
+    original = load_head(head_dir, tiny_llama_from_dir)
+    assert imported.config.arch == original.config.arch
+    a, b = original.state_dict(), imported.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k].to(b[k].dtype), b[k]) for k in a)
+    config["transformer_layer_config"]["layer_types"] = ["sliding_attention"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"layer_types \['sliding_attention'\]: .*whole context only"):
+        import_head("speculators", out, tmp_path / "sliding", tiny_llama_dir)
+
+
 @pytest.mark.parametrize(("fmt", "source"), [("vllm", "eagle3"), ("speculators", "speculators")])
 def test_peagle_export_then_import_gives_the_same_head(tiny_llama_from_dir, tiny_llama_dir, tmp_path, fmt, source):
     head_dir = make_head(tiny_llama_from_dir, tmp_path, "eagle3", parallel_drafting={"mask_token_id": 5})
