@@ -77,7 +77,8 @@ from headstart.decoding.proposers import check_draft_vocab, early_exit
 from headstart.decoding.proposers_heads import DraftSource, adapts_depth, drafts_level_by_level, tree_depth_bound
 from headstart.decoding.target_cache import recurrent_target, why_chains
 from headstart.decoding.tree_config import EAGLE_DEFAULT, TreeSpec, schedule_ranges
-from headstart.eval.report import prompts_rendered, write_autotune_report
+from headstart.eval.autotune_report import write_autotune_report
+from headstart.eval.report import prompts_rendered
 from headstart.eval.speedup import Choice, ConfidenceStep, Costs, batch_table, fit_confidence, grid, tune
 from headstart.eval.timing import machine, measure_costs
 from headstart.eval.tune_runs import calibrate, validate, validate_batches, validation_checks, validation_rows

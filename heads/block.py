@@ -48,10 +48,10 @@ from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, Float, NonNegative, Positive
 from headstart.heads.base import DraftHead
 from headstart.heads.eagle3 import build_vocab_mapping
-from headstart.heads.head_config import DraftArch, HeadConfig, HeadSettings, LayerOptions, resolved
-from headstart.heads.layers import MLP, Attention, RMSNorm, RotaryEmbedding, apply_rotary
+from headstart.heads.head_config import HeadConfig, HeadSettings, LayerOptions, resolved
+from headstart.heads.layers import BlockLayer, RMSNorm, RotaryEmbedding
 from headstart.heads.losses import batch_positions, chain_metrics, dpace_mean, label_mask, same_sample, sample_anchors
-from headstart.heads.sparse_attention import block_attention, chunked, query_chunk
+from headstart.heads.sparse_attention import chunked, query_chunk
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
 
@@ -127,56 +127,6 @@ class BlockOptions(LayerOptions):
             f"head.block_size ({self.block_size}) must not exceed data.max_length ({max_length}): "
             "a block's slots past the end of a sample have no token to learn"
         ]
-
-
-class BlockLayer(nn.Module):
-    """A pre-norm Qwen3 decoder layer whose attention also reads the context's keys and values."""
-
-    def __init__(self, arch: DraftArch):
-        super().__init__()
-        hidden, eps = arch.hidden_size, arch.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(arch, hidden)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = MLP(arch)
-
-    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (k_norm, then rotary) and values [B, kv_heads, n, head_dim] of the inputs ``x`` [B, n, H]."""
-        attn = self.self_attn
-        b, n, _ = x.shape
-        k = attn.k_norm(attn.k_proj(x).view(b, n, attn.n_kv, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(x).view(b, n, attn.n_kv, attn.head_dim).transpose(1, 2)
-        return apply_rotary(k, cos, sin), v
-
-    def attend(
-        self,
-        normed: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
-        context_visible: torch.Tensor | None,
-        causal: bool,
-    ) -> torch.Tensor:
-        """The attention sublayer's output (after o_proj) for its normed inputs [B, n, H]: ``block_attention``."""
-        attn = self.self_attn
-        b, n, _ = normed.shape
-        q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k, v = self.key_values(normed, cos, sin)
-        out = block_attention(q, k, v, *context_kv, context_visible, causal)
-        return attn.o_proj(out.transpose(1, 2).flatten(2))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
-        context_visible: torch.Tensor | None,
-        causal: bool,
-    ) -> torch.Tensor:
-        x = x + self.attend(self.input_layernorm(x), cos, sin, context_kv, context_visible, causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 BlockOpts = TypeVar("BlockOpts", bound=BlockOptions)

@@ -1,5 +1,6 @@
-"""The Llama building blocks of the EAGLE heads' draft layer: RMSNorm, rotary embeddings, GQA attention
-over a KV cache, SwiGLU MLP and the decoder layer, each sized by the head's ``DraftArch``."""
+"""The Llama building blocks of the draft layers: RMSNorm, rotary embeddings, GQA attention over a KV cache,
+SwiGLU MLP, the EAGLE heads' decoder layer and the block drafters' (``BlockLayer``: attention over the block and
+the context's keys and values), each sized by the head's ``DraftArch``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from headstart.heads.head_config import DraftArch
-from headstart.heads.sparse_attention import ttt_attention
+from headstart.heads.sparse_attention import block_attention, ttt_attention
 
 
 class RMSNorm(nn.Module):
@@ -305,4 +306,54 @@ class DecoderLayer(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer whose attention also reads the context's keys and values."""
+
+    def __init__(self, arch: DraftArch):
+        super().__init__()
+        hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(arch, hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(arch)
+
+    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, then rotary) and values [B, kv_heads, n, head_dim] of the inputs ``x`` [B, n, H]."""
+        attn = self.self_attn
+        b, n, _ = x.shape
+        k = attn.k_norm(attn.k_proj(x).view(b, n, attn.n_kv, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(b, n, attn.n_kv, attn.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def attend(
+        self,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        context_visible: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """The attention sublayer's output (after o_proj) for its normed inputs [B, n, H]: ``block_attention``."""
+        attn = self.self_attn
+        b, n, _ = normed.shape
+        q = attn.q_norm(attn.q_proj(normed).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.key_values(normed, cos, sin)
+        out = block_attention(q, k, v, *context_kv, context_visible, causal)
+        return attn.o_proj(out.transpose(1, 2).flatten(2))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        context_visible: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        x = x + self.attend(self.input_layernorm(x), cos, sin, context_kv, context_visible, causal)
         return x + self.mlp(self.post_attention_layernorm(x))

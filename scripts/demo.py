@@ -193,7 +193,11 @@ def run_or_skip(step: Step) -> dict[str, Any]:
     """Skip the stage when its stamp's key matches and its outputs exist, else run it and stamp it; its timing."""
     stamp = read_stamp(step.stamp, step.header)
     if stamp is not None and stamp["key"] == step.key and all(p.exists() for p in step.outputs):
-        print(f"{step.header}: done, skipped ({skip_reason(step, stamp)})", flush=True)
+        now = outputs_fingerprint(step.outputs)
+        changed = [path for path, seen in now.items() if stamp.get("outputs", {}).get(path) != seen]
+        if changed:  # the stages after it are keyed on the outputs as they are now: they run again once, not always
+            atomic_write_text(step.stamp, json.dumps(stamp | {"outputs": now}, indent=1))
+        print(f"{step.header}: done, skipped ({skip_reason(step, stamp, changed)})", flush=True)
         return {"status": "skipped", "seconds": 0.0, "seconds_when_run": stamp["seconds"]}
     for later in step.later_stamps:  # made from this stage's old outputs: they run again, even after a kill
         later.unlink(missing_ok=True)
@@ -212,17 +216,13 @@ def run_or_skip(step: Step) -> dict[str, Any]:
     return {"status": "ran", "seconds": seconds, "seconds_when_run": seconds}
 
 
-def skip_reason(step: Step, stamp: dict[str, Any]) -> str:
-    """What a skip compared, in words; an output rewritten since the stage ran is named, and re-stamped: the stages
-    after it are keyed on it as it is now, so they run again once, not on every later run."""
-    now = outputs_fingerprint(step.outputs)
+def skip_reason(step: Step, stamp: dict[str, Any], changed: list[str]) -> str:
+    """What a skip compared, in words, naming the outputs rewritten since the stage ran."""
     reason = (
         f"outputs complete: {', '.join(map(str, step.outputs)) or 'none listed'}; the same command, input files, "
         f"and earlier stages and their outputs as when it ran, which took {stamp['seconds']:.1f} s"
     )
-    changed = [path for path, seen in now.items() if stamp.get("outputs", {}).get(path) != seen]
     if changed:
-        atomic_write_text(step.stamp, json.dumps(stamp | {"outputs": now}, indent=1))
         reason += f"; {', '.join(changed)} changed since then: the stages after it run again"
     return reason
 

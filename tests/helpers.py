@@ -394,3 +394,21 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def shards_with_a_nan(shards: Path, out: Path, order_index: int) -> Path:
+    """A copy of ``shards`` in ``out`` whose ``order_index``-th training sample (in the seeded epoch-0 order of
+    ``SAMPLES`` less ``HELDOUT``, seed 3) has a NaN in its captured last hidden state, its fingerprint rewritten."""
+    from safetensors.torch import load_file, save_file
+
+    from headstart.data_recipes.shards import ShardDataset, shard_fingerprint
+    from headstart.train.data import epoch_order, split_heldout
+
+    train_ids, _ = split_heldout(SAMPLES, HELDOUT, seed=3)
+    bad = epoch_order(train_ids, seed=3, epoch=0)[order_index]
+    shutil.copytree(shards, out)
+    ref = ShardDataset(out).refs[bad]
+    tensors = load_file(str(out / ref.shard))
+    tensors["last_hidden"][ref.start + 1] = float("nan")
+    save_file(tensors, str(out / ref.shard), metadata={"fingerprint": shard_fingerprint(out / ref.shard)})
+    return out

@@ -13,12 +13,11 @@ import pytest
 import torch
 import yaml
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from safetensors.torch import load_file, save_file
 
 from headstart.core import io
 from headstart.core.io import OutOfSpaceError, out_of_space_named
 from headstart.data_recipes.capture import run_capture
-from headstart.data_recipes.shards import ShardDataset, shard_fingerprint
+from headstart.data_recipes.shards import ShardDataset
 from headstart.train import eagle, loop
 from headstart.train.checkpoint import (
     MARKER,
@@ -29,9 +28,8 @@ from headstart.train.checkpoint import (
     to_universal,
     verify_checkpoint,
 )
-from headstart.train.data import epoch_order, split_heldout
 from headstart.train.loop import NonFiniteLoss
-from tests.helpers import HELDOUT, SAMPLES, base_config, head_weights, records, run_here
+from tests.helpers import base_config, head_weights, records, run_here, shards_with_a_nan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -202,14 +200,7 @@ def test_resume_on_another_capture_of_the_same_size_is_refused(
 
 def test_the_last_good_state_named_after_nan_is_one_that_verifies(make_config, shards, tmp_path, monkeypatch):
     # A NaN in the second micro-batch of step 3 (the 12th sample of the seeded order), checkpoints every step.
-    train_ids, _ = split_heldout(SAMPLES, HELDOUT, seed=3)
-    bad = epoch_order(train_ids, seed=3, epoch=0)[11]
-    corrupt = tmp_path / "shards"
-    shutil.copytree(shards, corrupt)
-    ref = ShardDataset(corrupt).refs[bad]
-    tensors = load_file(str(corrupt / ref.shard))
-    tensors["last_hidden"][ref.start + 1] = float("nan")
-    save_file(tensors, str(corrupt / ref.shard), metadata={"fingerprint": shard_fingerprint(corrupt / ref.shard)})
+    corrupt = shards_with_a_nan(shards, tmp_path / "shards", 11)
 
     # The disk flips one byte of step 2's optimizer state once it is written.
     real_save = loop.save_checkpoint

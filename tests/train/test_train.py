@@ -14,24 +14,21 @@ import sys
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headstart.core.fingerprint import tokenizer_hash
-from headstart.data_recipes.shards import ShardDataset, shard_fingerprint
 from headstart.heads import load_head
 from headstart.train import eagle, medusa
 from headstart.train.checkpoint import MARKER, complete_steps
-from headstart.train.data import epoch_order, split_heldout
 from headstart.train.loop import NonFiniteLoss
 from tests.helpers import (
-    HELDOUT,
     REPO,
-    SAMPLES,
     head_weights,
     records,
     run_here,
     run_torchrun,
+    shards_with_a_nan,
     subprocess_env,
     wait_for,
 )
@@ -150,14 +147,7 @@ def test_sigkilled_run_resumes_to_the_same_head(make_config, monkeypatch, capsys
 def test_nan_loss_stops_at_its_step_and_keeps_the_last_good_state(make_config, shards, tmp_path, monkeypatch):
     # A real NaN in the data: one training sample's captured state, placed so it is the 8th sample of
     # the seeded order, i.e. the second micro-batch of step 2 (after the first one's backward).
-    train_ids, _ = split_heldout(SAMPLES, HELDOUT, seed=3)
-    bad = epoch_order(train_ids, seed=3, epoch=0)[7]
-    corrupt = tmp_path / "shards"
-    shutil.copytree(shards, corrupt)
-    ref = ShardDataset(corrupt).refs[bad]
-    tensors = load_file(str(corrupt / ref.shard))
-    tensors["last_hidden"][ref.start + 1] = float("nan")
-    save_file(tensors, str(corrupt / ref.shard), metadata={"fingerprint": shard_fingerprint(corrupt / ref.shard)})
+    corrupt = shards_with_a_nan(shards, tmp_path / "shards", 7)
 
     config, out = make_config("eagle3", save_every=0)
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss \(nan\) at step 2.*last good state .*step-00000001"):
