@@ -12,7 +12,14 @@ from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from headstart.core.memory import check_memory, decoding_memory
@@ -33,6 +40,8 @@ from headstart.core.weights import (
     borrowed_model,
     checkpoint_folder,
     first_names,
+    is_vision_language,
+    model_class,
 )
 
 
@@ -72,7 +81,7 @@ def load_model(
         kwargs |= {"tp_plan": "auto", "device_mesh": tensor_parallel_mesh(device, tp_size)}
     try:
         # With output_loading_info it returns (model, load report); transformers' types name the model alone.
-        loaded = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        loaded = model_class(config).from_pretrained(path, output_loading_info=True, **kwargs)
         model, report = cast(tuple[PreTrainedModel, dict[str, Any]], loaded)
     except (ValueError, ImportError) as err:
         if attention == AUTO_ATTENTION:
@@ -182,6 +191,21 @@ def tensor_parallel_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
+
+
+def load_processor(path: str) -> ProcessorMixin | None:
+    """The processor of a vision-language target (its image processor and tokenizer: what turns images and their
+    markers into the target's inputs); None for a text target."""
+    if not is_vision_language(AutoConfig.from_pretrained(path)):
+        return None
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (ImportError, ValueError, AttributeError) as err:
+        # Qwen-VL processors hold a video processor, which transformers builds only with torchvision installed.
+        raise ValueError(
+            f"{path}: the vision-language target's processor cannot be built ({type(err).__name__}: {err}); the "
+            "Qwen-VL families' processors need torchvision (a build matching the installed torch)"
+        ) from err
 
 
 def load_target(

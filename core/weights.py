@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -136,10 +142,21 @@ def target_config(folder: Path) -> PretrainedConfig:
         raise CheckpointError(f"{folder / 'config.json'}: transformers refuses this config: {said}") from None
 
 
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """Whether the target reads images: its config has a vision tower (Qwen-VL, Llava, Gemma-3, ...)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def model_class(config: PretrainedConfig) -> type[AutoModelForCausalLM] | type[AutoModelForImageTextToText]:
+    """The transformers auto class a target loads with: image-text-to-text for a vision-language target (its vision
+    tower and projector included; most of those families have no causal-LM mapping), else causal LM."""
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def meta_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The target's module tree without memory: every parameter on the meta device."""
+    """The target's module tree without memory: every parameter on the meta device (a vision tower included)."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return model_class(config).from_config(config)
 
 
 def borrowed_names(model: PreTrainedModel) -> dict[str, str]:

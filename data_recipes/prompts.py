@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import date
-from typing import Literal, cast, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -75,7 +75,7 @@ def chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def chat_text(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool = False
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = False
 ) -> str:
     """``messages`` rendered by the target's chat template (``chat_template``: its date pinned), as text."""
     template = chat_template(tokenizer)

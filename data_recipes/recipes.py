@@ -6,6 +6,10 @@ end-of-turn token that closes them (the model must learn to stop), 0 on system/u
 template's own headers. Under gpt-oss's harmony template the model writes its own channel headers after the
 generation prompt, so there the mask covers everything from that prompt's end to the turn's closer
 (``data_recipes.harmony``).
+
+A conversation with images (``data_recipes.images``) is rendered the same way, each image as the template's one
+image marker, and then through the target's processor, which turns each marker into the image's placeholder
+tokens and computes the vision inputs (pixel values, image grid, ...): the placeholders are never in the loss.
 """
 
 from __future__ import annotations
@@ -13,19 +17,26 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
+import torch
 from jinja2 import TemplateError
-from transformers import BatchEncoding, PreTrainedTokenizerBase
+from PIL import Image
+from transformers import BatchEncoding, PreTrainedTokenizerBase, ProcessorMixin
 
 from headstart.data_recipes.errors import DataError
 from headstart.data_recipes.formats import check_messages, get_format
 from headstart.data_recipes.harmony import is_harmony, reply_end
+from headstart.data_recipes.images import image_refs, load_images
 from headstart.data_recipes.prompts import chat_template, chat_text, has_chat_template, raw_ids
 from headstart.data_recipes.sources import read_records
 
 # The marker transformers looks for before it can compute ``return_assistant_tokens_mask``.
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# The processor's outputs with one value per token (Qwen-VL's text / image / video flags): cut with the tokens.
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+Messages = list[dict[str, Any]]  # {"role", "content": a string or a list of parts (images), "thinking"?}
 
 
 @dataclass
@@ -33,6 +44,9 @@ class Sample:
     input_ids: list[int]
     loss_mask: list[int]
     source: str  # the record's location, e.g. "data.jsonl:17"
+    # A conversation with images: the target's vision inputs from its processor (pixel_values, image_grid_thw, ...),
+    # each [1, ...] or the processor's own batch layout; empty for text.
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,7 +73,7 @@ class RecipeReport:
 
 
 def tokenize_messages(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_length: int
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, max_length: int
 ) -> tuple[list[int], list[int], bool]:
     """Token ids and loss mask of one conversation, cut to ``max_length`` (the head is kept).
 
@@ -68,9 +82,7 @@ def tokenize_messages(
     return input_ids[:max_length], loss_mask[:max_length], len(input_ids) > max_length
 
 
-def whole_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
-) -> tuple[list[int], list[int]]:
+def whole_conversation(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> tuple[list[int], list[int]]:
     """Token ids and loss mask of one whole conversation. A single ``text`` message is tokenized raw with every
     token in the loss; a chat uses the template's ``{% generation %}`` blocks when it has them, else the
     character spans of the assistant contents in the rendered text.
@@ -92,6 +104,59 @@ def whole_conversation(
     return input_ids, loss_mask
 
 
+def with_images(
+    processor: ProcessorMixin,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Messages,
+    images: list[Image.Image],
+    input_ids: list[int],
+    loss_mask: list[int],
+) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    """A conversation with images through the target's processor: (token ids with each image's placeholders, the
+    loss mask 0 on them, the vision inputs). The processor reads the same rendering ``whole_conversation``
+    tokenized; its ids must equal those apart from the placeholders, or the record is refused."""
+    text = chat_text(tokenizer, messages)
+    out = dict(processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False))
+    expanded = out.pop("input_ids")[0].tolist()
+    out.pop("attention_mask", None)
+    mask = expand_loss_mask(input_ids, loss_mask, expanded, image_token_id(processor))
+    return expanded, mask, out
+
+
+def image_token_id(processor: ProcessorMixin) -> int:
+    """The placeholder token id the processor writes for each image's features."""
+    token_id = getattr(processor, "image_token_id", None)
+    if token_id is None:
+        raise ValueError(f"{type(processor).__name__} names no image_token_id: not a vision-language processor")
+    return int(token_id)
+
+
+def expand_loss_mask(input_ids: list[int], loss_mask: list[int], expanded: list[int], image_token: int) -> list[int]:
+    """``loss_mask`` of ``input_ids`` (each image one ``image_token``) carried to ``expanded`` (each image a run of
+    them): 0 on every placeholder. DataError when the two differ anywhere else. Adjacent images' markers are one
+    run in both."""
+    mask: list[int] = []
+    j = 0
+    for k, (token, keep) in enumerate(zip(input_ids, loss_mask)):
+        if token == image_token:
+            if k and input_ids[k - 1] == image_token:
+                continue  # the run before took this image's placeholders too
+            start = j
+            while j < len(expanded) and expanded[j] == image_token:
+                j += 1
+            if j == start:
+                raise DataError(f"the processor wrote no image placeholders where the template put image {k}")
+            mask += [0] * (j - start)
+        elif j < len(expanded) and expanded[j] == token:
+            mask.append(keep)
+            j += 1
+        else:
+            raise DataError(f"the processor's tokens differ from the chat template's at token {k}, not an image's")
+    if j != len(expanded):
+        raise DataError(f"the processor wrote {len(expanded) - j} tokens past the chat template's")
+    return mask
+
+
 def split_at_turns(input_ids: list[int], loss_mask: list[int], max_length: int) -> list[tuple[int, int]]:
     """[start, end) pieces of at most ``max_length`` tokens covering a conversation (``data.over_length: split``),
     each ending where a turn ends if one does within reach: a turn ends where an assistant reply does (the loss
@@ -107,7 +172,7 @@ def split_at_turns(input_ids: list[int], loss_mask: list[int], max_length: int) 
     return pieces
 
 
-def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> tuple[list[int], list[int]]:
     """Loss mask for templates without generation blocks (Llama-3, Qwen, Mistral, ...).
 
     A token is masked when its characters lie inside an assistant content; so is the special token that
@@ -127,9 +192,7 @@ def _mask_from_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str
     return input_ids, loss_mask
 
 
-def _assistant_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], text: str
-) -> list[tuple[int, int]]:
+def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, text: str) -> list[tuple[int, int]]:
     """Character spans ``[begin, end)`` of the assistant contents in ``text``, the rendered conversation.
 
     Under a harmony template a span is the whole reply the model writes after the generation prompt
@@ -173,16 +236,21 @@ def read_conversations(
     split: str = "train",
     limit: int | None = None,
     report: RecipeReport | None = None,
-) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """Yield ``(location, messages)`` for every record of ``source`` that maps to a valid conversation.
+    image_dir: str | None = None,
+) -> Iterator[tuple[str, Messages]]:
+    """Yield ``(location, messages)`` for every record of ``source`` that maps to a valid conversation, each image
+    read and decoded into its part (``data_recipes.images.load_images``: from the data file's folder or
+    ``image_dir``).
 
-    A bad record raises DataError naming its location, or with ``on_error="skip"`` is counted in ``report``
-    (the first ones printed) and passed over. ``limit`` stops after that many conversations.
+    A bad record (a bad image too) raises DataError naming its location, or with ``on_error="skip"`` is counted in
+    ``report`` (the first ones printed) and passed over. ``limit`` stops after that many conversations.
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     to_messages = get_format(format)
     report = RecipeReport() if report is None else report
+    path = Path(source).expanduser()
+    root = path.parent if path.is_file() else None
 
     def skip_unreadable(err: DataError) -> None:
         report.read += 1
@@ -194,6 +262,7 @@ def read_conversations(
         try:
             messages = to_messages(record)
             check_messages(messages, plain_text=format == "text")
+            load_images(messages, root, image_dir)
         except DataError as err:
             _bad_record(err.at(location), err, on_error, report)
             continue
@@ -212,6 +281,8 @@ def load_samples(
     split: str = "train",
     limit: int | None = None,
     over_length: str = "truncate",
+    processor: ProcessorMixin | None = None,
+    image_dir: str | None = None,
 ) -> tuple[list[Sample], RecipeReport]:
     """Read ``source`` as ``format`` and tokenize every record with the target's chat template.
 
@@ -220,17 +291,19 @@ def load_samples(
     tokens is, by ``over_length`` (``data.over_length``): cut to it (``truncate``), cut into pieces at its turn
     ends (``split``, ``split_at_turns``: each piece a sample, without the context before it), or a bad record
     (``refuse``, under ``on_error``). The report is printed: nothing is truncated, split, dropped or skipped
-    silently.
+    silently. Conversations with images go through ``processor``, the vision-language target's (``with_images``);
+    without one they are bad records.
     """
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
     check_template(tokenizer, source, format)
     report = RecipeReport()
     samples = []
-    for location, messages in read_conversations(source, format, on_error, split, report=report):
+    for location, messages in read_conversations(source, format, on_error, split, report=report, image_dir=image_dir):
         try:
-            input_ids, loss_mask = whole_conversation(tokenizer, messages)
-            pieces = over_length_pieces(input_ids, loss_mask, max_length, over_length)
+            input_ids, loss_mask, vision = tokenized(tokenizer, processor, messages)
+            image_token = image_token_id(processor) if vision and processor is not None else None
+            pieces = over_length_pieces(input_ids, loss_mask, max_length, over_length, image_token)
         except (DataError, TemplateError) as err:
             # Templates reject what they cannot render (roles, alternation) with jinja's raise_exception.
             message = err.message if isinstance(err, DataError) else f"chat template rejected the conversation: {err}"
@@ -242,7 +315,8 @@ def load_samples(
                 report.dropped_empty_mask += 1
                 continue
             where = location if len(pieces) == 1 else f"{location} (tokens {start}-{end - 1})"
-            samples.append(Sample(input_ids[start:end], loss_mask[start:end], where))
+            kept = {key: value[..., start:end] if key in TOKEN_KEYS else value for key, value in vision.items()}
+            samples.append(Sample(input_ids[start:end], loss_mask[start:end], where, kept))
             report.kept += 1
             report.truncated += end < len(input_ids) and len(pieces) == 1  # truncate: the one piece, cut
             if limit is not None and report.kept >= limit:
@@ -253,10 +327,41 @@ def load_samples(
     return samples, report
 
 
-def over_length_pieces(input_ids: list[int], loss_mask: list[int], max_length: int, rule: str) -> list[tuple[int, int]]:
-    """The [start, end) samples ``data.over_length`` makes of one conversation (``load_samples``)."""
+def tokenized(
+    tokenizer: PreTrainedTokenizerBase, processor: ProcessorMixin | None, messages: Messages
+) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    """(token ids, loss mask, vision inputs) of one whole conversation: ``whole_conversation``, then, when it holds
+    images, ``with_images``."""
+    images = image_refs(messages)
+    if images and processor is None:  # before a text model's template is asked to render image parts
+        raise DataError(
+            f"the conversation holds {len(images)} image(s), but the target is a text model (no image processor): "
+            "use a vision-language target, or data without images"
+        )
+    input_ids, loss_mask = whole_conversation(tokenizer, messages)
+    if not images or processor is None:
+        return input_ids, loss_mask, {}
+    return with_images(processor, tokenizer, messages, images, input_ids, loss_mask)
+
+
+def over_length_pieces(
+    input_ids: list[int], loss_mask: list[int], max_length: int, rule: str, image_token: int | None = None
+) -> list[tuple[int, int]]:
+    """The [start, end) samples ``data.over_length`` makes of one conversation (``load_samples``). A conversation with
+    images (their placeholders ``image_token``) is never split (a piece after the first would lose the images it
+    reads about) nor cut through an image's placeholders (its vision inputs would not match)."""
     if len(input_ids) <= max_length:
         return [(0, len(input_ids))]
+    if image_token is not None and (rule == "split" or image_token in input_ids[max_length:]):
+        raise DataError(
+            f"the conversation with images is {len(input_ids)} tokens, past data.max_length={max_length}, and "
+            + (
+                "data.over_length split would part its turns from its images"
+                if rule == "split"
+                else "cutting it there would cut an image's placeholder tokens"
+            )
+            + ": raise data.max_length"
+        )
     if rule == "refuse":
         raise DataError(
             f"the conversation is {len(input_ids)} tokens, past data.max_length={max_length} "

@@ -56,6 +56,8 @@ class Data(Section):
     # A conversation past max_length: truncate (kept up to it), split (into samples at its turn ends, each without
     # the turns before it), or refuse (a bad record, under on_error). Each is counted in the printed report.
     over_length: Literal["truncate", "split", "refuse"] = "truncate"
+    # A folder images may also be read from, besides the data file's own (data_recipes.images); null: that one only
+    image_dir: Folder | None = None
 
 
 class TokenizedData(Data):

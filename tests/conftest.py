@@ -76,6 +76,14 @@ def tiny_target_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory):
+    """A tiny random Llava (CLIP vision tower, Llama text model) with its processor (scripts/dev/tiny_vl.py)."""
+    from headstart.scripts.dev.tiny_vl import build_llava
+
+    return build_llava(tmp_path_factory.mktemp("tiny-llava") / "target")
+
+
+@pytest.fixture(scope="session")
 def base_target(tmp_path_factory):
     """The bundled target without its chat template (a base model)."""
     return without_chat_template(TARGET, tmp_path_factory.mktemp("base-target") / "target")

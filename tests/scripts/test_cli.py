@@ -82,7 +82,7 @@ def test_each_verb_has_its_own_help(verb, capsys):
         (
             "capture",
             "data.limt=2",
-            "unknown key data.limt (known: format, limit, max_length, on_error, over_length, source)",
+            "unknown key data.limt (known: format, image_dir, limit, max_length, on_error, over_length, source)",
         ),
         ("regenerate", "regenerate.top_p=0", "regenerate.top_p must be > 0, got 0"),
         ("train", "train.lrr=1e-3", "unknown key train.lrr (known: attention, batch_size, betas,"),

@@ -83,7 +83,7 @@ def test_one_error_lists_every_problem_by_its_dotted_key():
         parse(config, PipelineConfig)  # the whole file, as headstart checks it before any verb
     assert str(err.value).splitlines() == [
         "invalid pipeline config:",
-        "  unknown key data.limt (known: format, limit, max_length, on_error, over_length, source)",
+        "  unknown key data.limt (known: format, image_dir, limit, max_length, on_error, over_length, source)",
         "  capture.shard_samples must be >= 1, got -1",
         "  head.ttt_decay must be <= 1, got 2",
         "  train.lr must be > 0, got 0",
@@ -92,7 +92,7 @@ def test_one_error_lists_every_problem_by_its_dotted_key():
         parse(config, CaptureConfig)  # the capture command: its own sections
     assert str(err.value).splitlines() == [
         "invalid capture config:",
-        "  unknown key data.limt (known: format, limit, max_length, on_error, over_length, source)",
+        "  unknown key data.limt (known: format, image_dir, limit, max_length, on_error, over_length, source)",
         "  capture.shard_samples must be >= 1, got -1",
     ]
 
@@ -125,7 +125,10 @@ def unloadable_config(tmp_path, name, overrides):
 
 
 CAPTURE_PROBLEMS = [
-    (["data.limt=2"], r"unknown key data\.limt \(known: format, limit, max_length, on_error, over_length, source\)"),
+    (
+        ["data.limt=2"],
+        r"unknown key data\.limt \(known: format, image_dir, limit, max_length, on_error, over_length, source\)",
+    ),
     (["capture.shard_samples=-1"], r"capture\.shard_samples must be >= 1, got -1"),
     (["data.limit=0"], r"data\.limit must be >= 1, got 0"),
     (["data.limit=-1"], r"data\.limit must be >= 1, got -1"),
