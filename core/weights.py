@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, apply_renamings
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -170,28 +173,39 @@ def borrowed_names(model: PreTrainedModel) -> dict[str, str]:
     return {role: f"{names[id(module)]}.weight" for role, module in modules.items() if module is not None}
 
 
+def stored_names(model: PreTrainedModel, stored: Iterable[str]) -> dict[str, str]:
+    """The model's parameter name -> the name ``stored`` holds it under. Checkpoints of several families keep an
+    older layout than transformers' modules (Llava's ``language_model.model.*``, Qwen2.5-VL's ``model.*`` for
+    ``model.language_model.*``), which transformers renames as it loads them (its conversion mapping's
+    renamings): the same renamings, applied here to the stored names."""
+    renamings = [rule for rule in get_model_conversion_mapping(model) if isinstance(rule, WeightRenaming)]
+    return {apply_renamings(name, renamings): name for name in stored}
+
+
 def read_borrowed(folder: Path, model: PreTrainedModel, tokenizer_size: int | None = None) -> dict[str, torch.Tensor]:
     """Role -> the tensor as stored, read by name; a tied lm_head absent from the file is the embedding.
 
     Each is checked against ``model``'s own parameter (its config's shapes) and ``tokenizer_size`` (the
     tokenizer's length, where the caller has it) before anything trains on it (``check_borrowed``)."""
     files = tensor_files(folder)
+    stored_as = stored_names(model, files)
     tensors = {}
     for role, name in borrowed_names(model).items():
-        if name not in files and role == "lm_head" and model.config.get_text_config().tie_word_embeddings:
+        if name not in stored_as and role == "lm_head" and model.config.get_text_config().tie_word_embeddings:
             continue  # tied: the embedding read above serves as lm_head
-        if name not in files:
+        if name not in stored_as:
             raise CheckpointError(
                 f"{folder}: the checkpoint has no tensor {name!r} (the target's {role}); "
                 f"its tensors are named like {sorted(files)[:3]}"
             )
-        file = _inside(files[name], folder, f"the file of {name!r}")
+        stored = stored_as[name]
+        file = _inside(files[stored], folder, f"the file of {stored!r}")
         try:
             with safe_open(str(file), framework="pt") as f:
-                if name not in f.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
+                if stored not in f.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
                     where = f"{INDEX_NAME} names it" if (folder / INDEX_NAME).exists() else "its tensors are listed"
-                    raise CheckpointError(f"{file}: holds no tensor {name!r} (the target's {role}), yet {where}")
-                tensors[role] = f.get_tensor(name)
+                    raise CheckpointError(f"{file}: holds no tensor {stored!r} (the target's {role}), yet {where}")
+                tensors[role] = f.get_tensor(stored)
         except SafetensorError as error:
             raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
         check_borrowed(file, name, role, tensors[role], model, tokenizer_size)

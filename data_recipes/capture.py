@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 from headstart.core.config_files import ConfigError, load_config, run_command, save_config
 from headstart.core.fingerprint import settings_fingerprint, tokenizer_hash, weights_hash
 from headstart.core.io import OutOfSpaceError, check_writable, free_space_problem, output_lock
 from headstart.core.memory import MemoryNeed, TargetSizes, capture_activations, check_memory
-from headstart.core.models import load_model, load_tokenizer
+from headstart.core.models import load_model, load_processor, load_tokenizer
 from headstart.core.runtime import Ranks, barrier, join_process_group, rank_device, resolve_dtype
 from headstart.core.settings import as_dict, parse
 from headstart.data_recipes.engine_capture import check_engine, engine_states_for
@@ -70,7 +70,7 @@ from headstart.data_recipes.shards import (
     write_manifest,
     write_shard,
 )
-from headstart.data_recipes.states import StateSource, forward_states, resolve_aux_layers
+from headstart.data_recipes.states import StateSource, VisionRows, forward_states, resolve_aux_layers
 
 
 def capture_shard(
@@ -80,8 +80,10 @@ def capture_shard(
     n_aux: int,
     store_dtype: torch.dtype,
     hidden_size: int | None = None,
+    vision: VisionRows | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One shard's tensors: its samples' states, as stored (``store_hidden``), end to end along the tokens.
+    """One shard's tensors: its samples' states, as stored (``store_hidden``), end to end along the tokens; for a
+    vision-language target also which rows are image placeholders and the draft's positions (``VisionRows``).
 
     Each sample's states are checked first (``check_states``: a row per token, the target's ``hidden_size``,
     float, finite), and again once cast to ``store_dtype`` (fp16 overflows where bf16 does not): concatenated,
@@ -106,7 +108,7 @@ def capture_shard(
             for key, value in kept.items():
                 if value.dtype != FP8:
                     check_finite(value, f"sample {sample_id}: {key} stored as {store_dtype} (capture.store_dtype)")
-    return token_tensors(samples, sample_ids) | host
+    return token_tensors(samples, sample_ids, vision) | host
 
 
 # Page-locked host memory is scarce (the OS cannot swap it) and slow to allocate in large blocks: a shard tensor
@@ -134,30 +136,40 @@ def host_buffers(stored: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return out
 
 
-def token_tensors(samples: list[Sample], sample_ids: list[int]) -> dict[str, torch.Tensor]:
-    """A shard's tensors other than the hidden states: token ids, loss mask, sample offsets and ids."""
+def token_tensors(
+    samples: list[Sample], sample_ids: list[int], vision: VisionRows | None = None
+) -> dict[str, torch.Tensor]:
+    """A shard's tensors other than the hidden states: token ids, loss mask, sample offsets and ids (and a
+    vision-language target's image rows and positions, ``VisionRows.tensors``)."""
     lengths = [len(s.input_ids) for s in samples]
     return {
         "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8),
         "sample_offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
         "sample_ids": torch.tensor(sample_ids, dtype=torch.int64),
-    }
+    } | (vision.tensors(samples) if vision is not None else {})
 
 
 def samples_hash(samples: list[Sample]) -> str:
+    """The samples' tokens, loss masks and vision inputs (the images as the processor gave them)."""
     digest = hashlib.sha256()
     for s in samples:
         digest.update(torch.tensor(s.input_ids, dtype=torch.int32).numpy().tobytes())
         digest.update(bytes(s.loss_mask))
+        for key, value in sorted(s.vision.items()):
+            digest.update(key.encode() + value.contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
-def storage_estimate(tokens: int, hidden_size: int, n_aux: int, store_dtype: torch.dtype) -> int:
+def storage_estimate(
+    tokens: int, hidden_size: int, n_aux: int, store_dtype: torch.dtype, vision: VisionRows | None = None
+) -> int:
     """Bytes on disk: hidden states (k aux layers + the last one; fp8 adds a float32 scale per token and
-    layer) plus 5 bytes of ids and mask per token."""
+    layer) plus 5 bytes of ids and mask per token; a vision-language target's image mask adds 1, its positions
+    (mrope) 8."""
     scales = 4 * (n_aux + 1) if store_dtype == FP8 else 0
-    return tokens * (hidden_size * (n_aux + 1) * store_dtype.itemsize + scales + 5)
+    rows = 0 if vision is None else 1 + 8 * vision.mrope
+    return tokens * (hidden_size * (n_aux + 1) * store_dtype.itemsize + scales + 5 + rows)
 
 
 def check_free_disk(out_dir: Path, needed: int) -> None:
@@ -220,13 +232,14 @@ class CaptureJob:
     aux_layers: list[int]
     hidden_size: int
     store_dtype: torch.dtype
+    vision: VisionRows | None = None  # a vision-language target's image rows and positions
 
     @property
     def out_dir(self) -> Path:
         return Path(self.cfg.capture.out_dir)
 
     def estimate(self, tokens: int) -> int:
-        return storage_estimate(tokens, self.hidden_size, len(self.aux_layers), self.store_dtype)
+        return storage_estimate(tokens, self.hidden_size, len(self.aux_layers), self.store_dtype, self.vision)
 
 
 def capture_ranks(cfg: CaptureConfig) -> tuple[Ranks, torch.device]:
@@ -248,9 +261,15 @@ def capture_ranks(cfg: CaptureConfig) -> tuple[Ranks, torch.device]:
 
 
 def plan_capture(
-    cfg: CaptureConfig, ranks: Ranks, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+    cfg: CaptureConfig,
+    ranks: Ranks,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    processor: ProcessorMixin | None = None,
+    vision: VisionRows | None = None,
 ) -> CaptureJob:
-    """Load the samples and fix the job: its fingerprinted settings and its shards."""
+    """Load the samples and fix the job: its fingerprinted settings and its shards. A vision-language target's
+    ``processor`` reads the images, and ``vision`` says what its shards hold beside the states."""
     target, data, cap = cfg.target, cfg.data, cfg.capture
     samples, report = load_samples(
         data.source,
@@ -260,6 +279,8 @@ def plan_capture(
         data.on_error,
         limit=data.limit,
         over_length=data.over_length,
+        processor=processor,
+        image_dir=data.image_dir,
     )
     require_samples(samples, report, data.source, data.max_length)
     num_layers, hidden = config.get_text_config().num_hidden_layers, config.get_text_config().hidden_size
@@ -280,10 +301,13 @@ def plan_capture(
         "shard_samples": cap.shard_samples,
         "batch_tokens": cap.batch_tokens,
     }
+    if vision is not None:  # a text capture's settings (and fingerprint) stay as they were
+        positions = "mrope" if vision.mrope else "sequence"
+        settings["vision"] = {"image_token_id": vision.image_token, "positions": positions}
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i].input_ids), i))
     plan = [order[i : i + cap.shard_samples] for i in range(0, len(order), cap.shard_samples)]
     fingerprint = settings_fingerprint(settings)
-    return CaptureJob(cfg, ranks, samples, settings, fingerprint, plan, aux_layers, hidden, store_dtype)
+    return CaptureJob(cfg, ranks, samples, settings, fingerprint, plan, aux_layers, hidden, store_dtype, vision)
 
 
 def announce(job: CaptureJob, done: set[int]) -> None:
@@ -327,7 +351,9 @@ def capture_mine(
         start = time.perf_counter()  # after a server's start: the rate is the capture's own
         for k in mine:
             shard = [samples[i] for i in plan[k]]
-            tensors = capture_shard(states, shard, plan[k], len(job.aux_layers), job.store_dtype, job.hidden_size)
+            tensors = capture_shard(
+                states, shard, plan[k], len(job.aux_layers), job.store_dtype, job.hidden_size, job.vision
+            )
             if ranks.writes:  # the other ranks of a tensor-parallel group computed the same states
                 writer.put(write, k, tensors)
             bar.update(len(tensors["input_ids"]))
@@ -386,10 +412,17 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
         check_engine(target, cfg.capture)
     config, tokenizer = AutoConfig.from_pretrained(target.path), load_tokenizer(target.path)
     check_max_length(cfg.data.max_length, config, target.path)
+    processor = load_processor(target.path)
+    if processor is not None and cfg.capture.engine == "vllm":
+        raise ValueError(
+            f"{target.path} is a vision-language target: capture.engine vllm sends token ids only, without the "
+            "images; capture it with capture.engine: hf"
+        )
     model = None
     if cfg.capture.engine != "vllm":
         model = load_model(target.path, device, target.dtype, target.tp_size, target.attn_implementation)
-    job = plan_capture(cfg, ranks, config, tokenizer)
+    vision = VisionRows.of(model) if processor is not None and model is not None else None
+    job = plan_capture(cfg, ranks, config, tokenizer, processor, vision)
     out_dir, rank = job.out_dir, ranks.rank
     if (out_dir / MANIFEST).exists() and read_manifest(out_dir)["fingerprint"] == job.fingerprint:
         if rank == 0:
@@ -401,7 +434,7 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
     # next shard is captured.
     lock = output_lock(out_dir) if rank == 0 else contextlib.nullcontext(out_dir)
     with lock, ThreadPoolExecutor(max_workers=1) as hasher:
-        done = _finished_shards(out_dir, job.plan, job.fingerprint, job.samples)
+        done = _finished_shards(out_dir, job.plan, job.fingerprint, job.samples, job.vision)
         # Data parallelism across tensor-parallel groups: group g captures the shards k with k % groups == g.
         mine = [k for k in range(len(job.plan)) if k % ranks.dp_world == ranks.dp_rank and k not in done]
         if rank == 0:
@@ -418,7 +451,9 @@ def run_capture(given: dict[str, Any] | CaptureConfig) -> Path:
     return out_dir
 
 
-def _finished_shards(out_dir: Path, plan: list[list[int]], fingerprint: str, samples: list[Sample]) -> set[int]:
+def _finished_shards(
+    out_dir: Path, plan: list[list[int]], fingerprint: str, samples: list[Sample], vision: VisionRows | None
+) -> set[int]:
     """Shards already on disk from a run with the same settings; a foreign capture is an error.
 
     The fingerprint says a shard came from these settings, not that it sits in its own slot: a shard
@@ -435,7 +470,7 @@ def _finished_shards(out_dir: Path, plan: list[list[int]], fingerprint: str, sam
                 f"{path} was captured with other settings (target, data, layers or dtype): "
                 f"choose a new capture.out_dir or delete {out_dir}"
             )
-        expected = token_tensors([samples[i] for i in shard], shard)
+        expected = token_tensors([samples[i] for i in shard], shard, vision)
         with open_shard(path) as f:
             if not all(torch.equal(f.get_tensor(key), value) for key, value in expected.items()):
                 raise ShardError(f"{path} has this capture's fingerprint but not the samples of shard {k}; {RECAPTURE}")

@@ -25,6 +25,7 @@ from jinja2 import TemplateError
 from PIL import Image
 from transformers import BatchEncoding, PreTrainedTokenizerBase, ProcessorMixin
 
+from headstart.core.vision import TOKEN_KEYS
 from headstart.data_recipes.errors import DataError
 from headstart.data_recipes.formats import check_messages, get_format
 from headstart.data_recipes.harmony import is_harmony, reply_end
@@ -34,8 +35,6 @@ from headstart.data_recipes.sources import read_records
 
 # The marker transformers looks for before it can compute ``return_assistant_tokens_mask``.
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# The processor's outputs with one value per token (Qwen-VL's text / image / video flags): cut with the tokens.
-TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 Messages = list[dict[str, Any]]  # {"role", "content": a string or a list of parts (images), "thinking"?}
 
 
@@ -121,6 +120,18 @@ def with_images(
     out.pop("attention_mask", None)
     mask = expand_loss_mask(input_ids, loss_mask, expanded, image_token_id(processor))
     return expanded, mask, out
+
+
+def image_prompt(
+    processor: ProcessorMixin, tokenizer: PreTrainedTokenizerBase, messages: Messages
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A prompt with images as the target reads it: (token ids [1, S] with the images' placeholders, through the
+    chat template with its generation prompt, the vision inputs), the messages' images already decoded
+    (``read_conversations``)."""
+    text = chat_text(tokenizer, messages, add_generation_prompt=True)
+    out = dict(processor(text=[text], images=image_refs(messages), return_tensors="pt", add_special_tokens=False))
+    out.pop("attention_mask", None)
+    return out.pop("input_ids"), out
 
 
 def image_token_id(processor: ProcessorMixin) -> int:

@@ -9,6 +9,12 @@ A shard holds several samples concatenated along the token axis (no padding on d
     *_scale        [T, k] float32   fp8 shards only: each token's and layer's scale (``quantize_fp8``)
     sample_offsets [n+1] int64      sample i spans tokens offsets[i]:offsets[i+1]
     sample_ids     [n] int64        index of each sample in the recipe's output (proves nothing is duplicated)
+    image_mask     [T] uint8        vision-language targets only: 1 on image placeholder rows (context, never trained)
+    position_ids   [T] int64        mrope targets only (Qwen-VL): each row's rotary position as the draft sees it
+                                    (``data_recipes.states.VisionRows``); absent, a sample's rows count from 0
+
+The manifest's ``vision`` entry (``{"image_token_id", "positions": "sequence" | "mrope"}``) says a capture holds
+them; a text capture has neither the entry nor the tensors, byte for byte as before.
 
 Each shard is written to a temporary file and renamed, so a shard file that exists is complete.
 ``manifest.json`` is written last and describes the whole capture (each shard's samples, tokens,
@@ -301,7 +307,7 @@ class ShardDataset(torch.utils.data.Dataset):
         self.hidden_keys = ["last_hidden"] + (["aux_hidden"] if self.manifest["aux_layers"] else [])
         self.fp8 = self.manifest["store_dtype"] == str(FP8).removeprefix("torch.")
         scales = [f"{key}_scale" for key in self.hidden_keys] if self.fp8 else []
-        self.keys = ["input_ids", "loss_mask", *self.hidden_keys, *scales]
+        self.keys = ["input_ids", "loss_mask", *self.hidden_keys, *scales, *vision_keys(self.manifest)]
         self._handles: dict[str, Any] = {}
 
     def __len__(self) -> int:
@@ -322,8 +328,8 @@ class ShardDataset(torch.utils.data.Dataset):
                 sample[key] = dequantize_fp8(sample[key], sample.pop(f"{key}_scale"))
         if self.vocab_size is not None:
             check_token_ids(sample["input_ids"], self.vocab_size, f"{self.dir / ref.shard}, sample {ref.sample_id}")
-        sample["input_ids"] = sample["input_ids"].long()
-        sample["loss_mask"] = sample["loss_mask"].long()
+        for key in ("input_ids", "loss_mask", *vision_keys(self.manifest)):
+            sample[key] = sample[key].long()
         sample["sample_id"] = torch.tensor(ref.sample_id)
         return sample
 
@@ -342,6 +348,14 @@ class ShardDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": {}}
+
+
+def vision_keys(manifest: dict[str, Any]) -> list[str]:
+    """The per-token tensors a vision-language capture adds (the module docstring); none for text."""
+    vision = manifest.get("vision")
+    if not vision:
+        return []
+    return ["image_mask"] + (["position_ids"] if vision["positions"] == "mrope" else [])
 
 
 def _read_index(path: Path, entry: dict[str, Any], manifest: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -382,7 +396,8 @@ def _row_problems(f: safe_open, manifest: dict[str, Any], offsets: list[int]) ->
         return [f"the sample offsets {offsets[:8]}... do not rise from 0"]
     tokens, hidden, k = offsets[-1], manifest["hidden_size"], len(manifest["aux_layers"])
     layers = {"last_hidden": 1} | ({"aux_hidden": k} if k else {})
-    shapes = {"input_ids": [tokens], "loss_mask": [tokens]} | {key: [tokens, n * hidden] for key, n in layers.items()}
+    shapes = {key: [tokens] for key in ("input_ids", "loss_mask", *vision_keys(manifest))}
+    shapes |= {key: [tokens, n * hidden] for key, n in layers.items()}
     if manifest["store_dtype"] == str(FP8).removeprefix("torch."):
         shapes |= {f"{key}_scale": [tokens, n] for key, n in layers.items()}
     problems, keys = [], set(f.keys())
@@ -453,12 +468,14 @@ def pad_collate(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict
 
 def pack_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The samples end to end in one row, no padding (``train.pack``): ``position_ids`` restart at 0 for each
-    sample, ``segment_ids`` number them 0.. along the row, and the heads keep each sample's attention and labels
-    to itself (``heads.losses.label_mask``, ``sample_mask``, ``same_sample``; ``heads.sparse_attention``)."""
+    sample (or are the samples' own, from an mrope capture), ``segment_ids`` number them 0.. along the row, and the
+    heads keep each sample's attention and labels to itself (``heads.losses.label_mask``, ``sample_mask``,
+    ``same_sample``; ``heads.sparse_attention``)."""
     batch = {key: torch.cat([s[key] for s in samples])[None] for key in samples[0] if samples[0][key].ndim}
     batch |= {key: torch.stack([s[key] for s in samples]) for key in samples[0] if not samples[0][key].ndim}
     lengths, device = [s["input_ids"].shape[0] for s in samples], samples[0]["input_ids"].device
-    batch["position_ids"] = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    if "position_ids" not in batch:
+        batch["position_ids"] = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
     batch["segment_ids"] = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])[None]
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
     return batch

@@ -7,6 +7,7 @@ so a head trains on the same tensors either way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.core.models import default_aux_layers
+from headstart.core.vision import image_token_id, on_model, rope_positions, uses_mrope
 from headstart.data_recipes.engine_capture import check_engine, engine_states_for
 from headstart.data_recipes.recipes import Sample
 from headstart.data_recipes.settings import Capture, Target
@@ -34,13 +36,20 @@ def resolve_aux_layers(setting: Any, num_hidden_layers: int) -> list[int]:
 
 @torch.no_grad()
 def capture_hidden_states(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layers: list[int]
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    aux_layers: list[int],
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One forward of the target's decoder; returns ``last_hidden`` [B,S,H] and ``aux_hidden`` [B,S,k*H].
 
     ``aux_hidden`` holds the inputs of the decoder layers in ``aux_layers`` (ascending), caught with
     pre-hooks so that only those layers are kept, not all L+1 hidden states. The decoder is run
-    without ``lm_head``: the logits are not needed and cost a vocab-sized matmul.
+    without ``lm_head``: the logits are not needed and cost a vocab-sized matmul. With ``vision`` inputs (a
+    vision-language target's, ``Sample.vision``) the target's base model runs instead: its vision tower puts the
+    images' features in their placeholder rows (and a Qwen-VL target computes its 3-D rotary positions), then the
+    same decoder runs over every row, images included as context.
     """
     decoder = model.get_decoder()
     caught: dict[int, torch.Tensor] = {}
@@ -52,8 +61,10 @@ def capture_hidden_states(
         return keep_input
 
     handles = [decoder.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in aux_layers]
+    runs = model.base_model if vision else decoder
     try:
-        last = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        last = runs(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(vision or {}))
+        last = last.last_hidden_state
     finally:
         for handle in handles:
             handle.remove()
@@ -146,12 +157,20 @@ StateSource = Callable[[list[Sample], list[int]], list[dict[str, torch.Tensor]]]
 
 
 def forward_states(model: PreTrainedModel, aux_layers: list[int], batch_tokens: int, pad_id: int) -> StateSource:
-    """The transformers target's states, run in padded batches of at most ``batch_tokens`` tokens."""
+    """The transformers target's states, run in padded batches of at most ``batch_tokens`` tokens; a sample with
+    images alone (each family lays out several samples' images its own way)."""
 
     def states(samples: list[Sample], sample_ids: list[int]) -> list[dict[str, torch.Tensor]]:
         lengths = [len(s.input_ids) for s in samples]
         out: list[dict[str, torch.Tensor]] = [{} for _ in samples]
-        for batch in length_batches(lengths, batch_tokens):
+        for i in (i for i, sample in enumerate(samples) if sample.vision):
+            ids = torch.tensor([samples[i].input_ids], device=model.device)
+            found = capture_hidden_states(
+                model, ids, torch.ones_like(ids), aux_layers, on_model(samples[i].vision, model)
+            )
+            out[i] = {key: value[0] for key, value in found.items()}
+        text = [i for i, sample in enumerate(samples) if not sample.vision]
+        for batch in ([text[j] for j in group] for group in length_batches([lengths[i] for i in text], batch_tokens)):
             longest = max(lengths[i] for i in batch)
             ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -164,3 +183,32 @@ def forward_states(model: PreTrainedModel, aux_layers: list[int], batch_tokens: 
         return out
 
     return states
+
+
+@dataclass
+class VisionRows:
+    """What a vision-language target's shards hold beside the states (``data_recipes.shards``): which rows are image
+    placeholders (``image_mask``, never trained on, kept as the context they are), and for a target with 3-D
+    rotary positions (Qwen-VL's mrope) each row's position as a text-only draft sees it (``position_ids``,
+    ``core.vision.rope_positions``)."""
+
+    image_token: int
+    model: PreTrainedModel | None  # an mrope target, whose positions are computed from its images; None otherwise
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> VisionRows:
+        return cls(image_token_id(model.config), model if uses_mrope(model) else None)
+
+    @property
+    def mrope(self) -> bool:
+        return self.model is not None
+
+    def tensors(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        """A shard's ``image_mask`` [T] uint8 and, for an mrope target, ``position_ids`` [T] int64."""
+        ids = torch.tensor([t for s in samples for t in s.input_ids])
+        out = {"image_mask": (ids == self.image_token).to(torch.uint8)}
+        if self.model is not None:
+            model = self.model
+            rows = [rope_positions(model, torch.tensor([s.input_ids]), s.vision)[0] for s in samples]
+            out["position_ids"] = torch.cat(rows) if rows else ids.long()
+        return out
