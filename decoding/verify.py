@@ -26,6 +26,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from headstart.core.vision import TOKEN_KEYS, on_model, rope_positions
 from headstart.decoding.proposers_schedule import SpeculationByLoad
 from headstart.decoding.static_cache import StaticCache, StaticVerifyCache, static_decoding
 from headstart.decoding.target_cache import (
@@ -244,17 +245,21 @@ def verify_batch(
     trees: list[Tree],
     sampling: Sampling,
     hidden_layers: tuple[int, ...] = (),
+    position_shift: int = 0,
 ) -> Verification:
     """One target forward over B sequences' [root, tree]; acceptance is per sequence.
 
     ``valid`` [B, P] marks the cache slots holding each sequence's committed rows: sequences that accepted
     fewer tokens than the longest in a step leave unused slots behind, masked out from then on. On return
     each sequence's root and accepted nodes follow the old slots (its bonus is its new root).
+    ``position_shift``: what the rotary position of a row past an image prompt's rows adds to its index (an mrope
+    target's, ``core.vision.rope_positions``; 0 for every other).
     """
     steps = verify_cache(target, cache)
     ids, mask, positions = tree_batch_inputs(valid, trees, target.dtype, steps.queries(trees))
     ids[:, 0] = roots
-    key_positions = torch.cat((valid.long().cumsum(1) - 1, positions), dim=1)  # committed slots count up
+    positions = positions + position_shift
+    key_positions = torch.cat((valid.long().cumsum(1) - 1 + position_shift, positions), dim=1)  # committed count up
     out = steps.forward(ids, mask, positions, key_positions, bool(hidden_layers))
     logits = [out.logits[b, : len(tree) + 1] for b, tree in enumerate(trees)]
     paths, bonuses = zip(*(accept(tree, scores, sampling) for tree, scores in zip(trees, logits)))
@@ -287,9 +292,14 @@ def verify(
 
 
 def _prefill(
-    target: PreTrainedModel, cache: Cache, seqs: list[torch.Tensor], layers: tuple[int, ...]
+    target: PreTrainedModel,
+    cache: Cache,
+    seqs: list[torch.Tensor],
+    layers: tuple[int, ...],
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Read every sequence but its last token into ``cache``, right-padded: (valid [B, P], hidden per sequence)."""
+    """Read every sequence but its last token into ``cache``, right-padded: (valid [B, P], hidden per sequence).
+    ``vision``: the one sequence's vision inputs for those tokens (``prompt_vision``), the images read here."""
     lengths = [len(s) - 1 for s in seqs]
     width, device = max(lengths), seqs[0].device
     valid = torch.arange(width, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
@@ -301,7 +311,14 @@ def _prefill(
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         positions = torch.arange(width, device=device)[None]
         mask = layer_masks(target, additive_mask(causal[None] & valid[:, None], target.dtype), positions, positions)
-    out = target(ids, attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+    out = target(
+        ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(layers),
+        **(vision or {}),
+    )
     hidden = _hidden(out, layers)
     return valid, [None if hidden is None else hidden[b, :n] for b, n in enumerate(lengths)]
 
@@ -352,6 +369,7 @@ class BatchDecoding:
         sampling: Sampling,
         eos_token_id: int | None,
         schedule: Schedule | None,
+        vision: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.target, self.sampling = target, sampling
         self.max_new_tokens, self.eos_token_id = max_new_tokens, eos_token_id
@@ -363,7 +381,8 @@ class BatchDecoding:
             for seq in sequences:
                 seq.proposer = SpeculationByLoad(seq.proposer, schedule, lambda: len(self.active))
         self.cache = _target_cache(target, len(sequences))
-        self.valid, hidden = _prefill(target, self.cache, [seq.tokens for seq in sequences], self.layers)
+        prefill, self.position_shift = prompt_vision(target, [seq.tokens for seq in sequences], vision)
+        self.valid, hidden = _prefill(target, self.cache, [seq.tokens for seq in sequences], self.layers, prefill)
         self.active = sequences if max_new_tokens > 0 else []
         for seq, rows in zip(sequences, hidden):
             seq.proposer.reset(sampling)
@@ -374,7 +393,9 @@ class BatchDecoding:
         others' proposers read what was committed."""
         trees = [seq.proposer.propose(seq.tokens) for seq in self.active]
         roots = torch.stack([seq.tokens[-1] for seq in self.active])
-        result = verify_batch(self.target, self.cache, self.valid, roots, trees, self.sampling, self.layers)
+        result = verify_batch(
+            self.target, self.cache, self.valid, roots, trees, self.sampling, self.layers, self.position_shift
+        )
         for seq, verdict in zip(self.active, result.verdicts):
             seq.commit(verdict, result.replayed)
         done = [self.is_finished(seq, verdict) for seq, verdict in zip(self.active, result.verdicts)]
@@ -403,6 +424,22 @@ class BatchDecoding:
         self.valid, self.active = valid, [self.active[j] for j in kept]
 
 
+def prompt_vision(
+    target: PreTrainedModel, prompts: list[torch.Tensor], vision: dict[str, torch.Tensor] | None
+) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """An image prompt's vision inputs for its prefill (every token but the last, the pending root; on the target's
+    device and dtype) and the rotary shift of the rows after them (``VisionRows.rope``: an mrope target's positions
+    past an image are not the rows' indices). One prompt at a time: each family batches images its own way."""
+    if not vision:
+        return None, 0
+    if len(prompts) != 1:
+        raise ValueError(f"a prompt with images decodes alone, not in a batch of {len(prompts)}")
+    head = prompts[0][:-1][None]
+    prefill = {key: value[..., :-1] if key in TOKEN_KEYS else value for key, value in vision.items()}
+    _, shift = rope_positions(target, head, prefill)
+    return on_model(prefill, target), shift
+
+
 @torch.inference_mode()  # no autograd bookkeeping at all: less host work per op than no_grad
 def generate_batch(
     target: PreTrainedModel,
@@ -412,6 +449,7 @@ def generate_batch(
     sampling: Sampling | None = None,
     eos_token_id: int | None = None,
     schedule: Schedule | None = None,
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[Stats]]:
     """Speculative decoding of B sequences, one proposer each (the same ``hidden_layers``), verified together.
 
@@ -421,13 +459,15 @@ def generate_batch(
 
     ``schedule`` (``decoding.tree_config.Schedule``, a tree.json's ``depth_per_batch_size``) sets speculation by load
     (``decoding.proposers_schedule.SpeculationByLoad``): the drafted trees are cut at the depth it gives the
-    sequences still decoding, and at depth 0 nobody drafts.
+    sequences still decoding, and at depth 0 nobody drafts. ``vision``: a vision-language target's inputs for the one
+    prompt's images (its processor's, ``data_recipes.recipes.Sample.vision``); the images are read in the prefill and
+    the decoding steps are text.
     """
     sequences = [
         DecodeState(proposer, prompt.flatten().to(target.device), prompt.numel())
         for proposer, prompt in zip(proposers, prompts)
     ]
-    decoding = BatchDecoding(target, sequences, max_new_tokens, sampling or Sampling(), eos_token_id, schedule)
+    decoding = BatchDecoding(target, sequences, max_new_tokens, sampling or Sampling(), eos_token_id, schedule, vision)
     while decoding.active:
         decoding.step()
     return [seq.output(max_new_tokens, eos_token_id) for seq in sequences], [seq.stats for seq in sequences]
@@ -440,7 +480,10 @@ def generate(
     max_new_tokens: int,
     sampling: Sampling | None = None,
     eos_token_id: int | None = None,
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Speculative decoding of one sequence: (prompt + new tokens [1, S + new], stats); see ``generate_batch``."""
-    outputs, stats = generate_batch(target, [proposer], [input_ids], max_new_tokens, sampling, eos_token_id)
+    outputs, stats = generate_batch(
+        target, [proposer], [input_ids], max_new_tokens, sampling, eos_token_id, vision=vision
+    )
     return outputs[0], stats[0]

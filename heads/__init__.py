@@ -53,7 +53,7 @@ from headstart.heads.registry import (
     trainers,
 )
 from headstart.heads.sparse_attention import ttt_attention_mask
-from headstart.heads.target import arch_from_target, check_compatible, check_tokenizer
+from headstart.heads.target import arch_from_target, check_compatible, check_tokenizer, draft_target_config
 
 # The head types of this package, one line each, in the order every list of them follows (a head type from
 # elsewhere: heads.register(its HEAD_TYPE)).
@@ -140,7 +140,7 @@ def meta_head(settings: HeadSettings, target_config: PretrainedConfig) -> DraftH
     without memory, for sizing a run before anything is loaded (``core.memory``)."""
     head_class = _head_class(_type_of(settings))
     with torch.device("meta"):
-        return head_class(head_class.make_config(settings, target_config))
+        return head_class(head_class.make_config(settings, draft_target_config(target_config)))
 
 
 def check_head_config(config: HeadConfig, target_config: PretrainedConfig, where: str | Path) -> None:

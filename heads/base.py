@@ -32,6 +32,7 @@ from headstart.heads.target import (
     check_compatible,
     check_tokenizer,
     draft_mlp_width,
+    draft_target_config,
     target_parts,
 )
 
@@ -178,6 +179,7 @@ class DraftHead(nn.Module):
         Loading, export and import all check a head this way: a config.json edited by hand (or from elsewhere)
         meets the same rules as a head being built, and fails naming the file, the key and its value.
         """
+        target_config = draft_target_config(target_config)
         try:
             check_compatible(config, target_config, cls.head_type)
             built = cls.make_config(config.options, target_config).options
@@ -213,7 +215,8 @@ class DraftHead(nn.Module):
         ``tokenizer``, the target's, is recorded as its hash in the config, so loading the head on a target
         with another tokenizer fails (``check_tokenizer``).
         """
-        config = cls.make_config(settings, target_model.config)
+        config = cls.make_config(settings, draft_target_config(target_model.config))
+        config.target = getattr(target_model.config, "_name_or_path", "") or config.target
         if tokenizer is not None:
             config.tokenizer_hash = tokenizer_hash(tokenizer)
         head = cls(config)

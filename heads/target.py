@@ -64,6 +64,16 @@ UNSERVED_EAGLE1 = {
 }
 
 
+def draft_target_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config a draft is built from and checked against: a vision-language target's text model (the draft is
+    text-only, as vLLM's EAGLE-3 drafts for those targets are: it reads the text model's hidden states and token
+    embeddings, images included only as the placeholder rows' states), else the target's own. A family whose
+    multimodal checkpoint no head serves yet (``UNSERVED_FAMILIES``) keeps its config, to be refused by name."""
+    if getattr(config, "vision_config", None) is None or config.model_type in UNSERVED_FAMILIES:
+        return config
+    return config.get_text_config()
+
+
 def arch_from_target(cfg: PretrainedConfig) -> DraftArch:
     """The draft decoder layer's shape for this target (``family`` is its ``model_type``): the engines' dense
     Llama layer (Qwen3's for ``QK_NORM_FAMILIES``) with the target's hidden size, heads and rotary settings, a
