@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.runtime import mix_seed, resolve_dtype
+from headstart.core.weights import is_vision_language
 from headstart.data_recipes.capture import check_max_length, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pack_collate, pad_collate
@@ -80,9 +81,15 @@ def load_data(
     step with ``OnlineCapture`` (Medusa-2 runs the target itself and passes False).
     """
     data, cap, train = cfg.data, cfg.capture, cfg.train
-    num_layers = target.config.num_hidden_layers
+    text = target.config.get_text_config()  # a vision-language target's text model: what the head reads
+    num_layers = text.num_hidden_layers
     aux_layers = resolve_aux_layers(cap.aux_layers, num_layers) if aux else []
     capture: OnlineCapture | None = None
+    if train.online_capture and is_vision_language(target.config):
+        raise ValueError(
+            f"{cfg.target.path} is a vision-language target: train.online_capture runs text samples only; "
+            "capture its shards (python -m data_recipes.capture) and train from them"
+        )
     if train.online_capture:
         check_max_length(data.max_length, target.config, cfg.target.path)
         samples, report = load_samples(
@@ -99,10 +106,10 @@ def load_data(
             capture = OnlineCapture(target, aux_layers, store_dtype)
     else:
         assert cap.out_dir is not None  # consistency_problems: shards need capture.out_dir
-        dataset = ShardDataset(cap.out_dir, vocab_size=target.config.vocab_size)
+        dataset = ShardDataset(cap.out_dir, vocab_size=text.vocab_size)
         check_manifest(
             dataset.manifest,
-            hidden_size=target.config.hidden_size,
+            hidden_size=text.hidden_size,
             num_hidden_layers=num_layers,
             tokenizer_hash=tokenizer_hash(tokenizer),
             weights_hash=weights_hash(cfg.target.path, cfg.target.dtype),  # borrowed tensors + inventory

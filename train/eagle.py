@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     seed_everything(cfg.train.seed)
     head = build_head(head_settings(cfg.head, data.aux_layers), target, tokenizer)  # records its hash
     if head.picks_draft_vocab():  # a reduced draft vocabulary: the most frequent loss tokens of the training samples
-        head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, target.config.vocab_size))
+        vocab = target.config.get_text_config().vocab_size  # a vision-language target's: its text model's
+        head.set_vocab_mapping(loss_token_counts(data.dataset, data.train_ids, vocab))
 
     fit(HeadLoss(head, data.capture), head, data, cfg, proc, target, tokenizer, lambda out: save_head(head, out))
 
