@@ -84,6 +84,23 @@ def tiny_llava_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_vl(tmp_path_factory):
+    """A tiny random Qwen2.5-VL (mrope) from scripts/dev/tiny_vl.py: (model, tokenizer, image processor). Its processor
+    class needs torchvision; ``tests.helpers.qwen_prompt`` does its work for one image."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from headstart.core.models import load_model
+    from headstart.scripts.dev.tiny_vl import build_qwen2_5_vl
+
+    path = build_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl") / "target")
+    return (
+        load_model(str(path), "cpu", "fp32"),
+        AutoTokenizer.from_pretrained(path),
+        AutoImageProcessor.from_pretrained(path),
+    )
+
+
+@pytest.fixture(scope="session")
 def base_target(tmp_path_factory):
     """The bundled target without its chat template (a base model)."""
     return without_chat_template(TARGET, tmp_path_factory.mktemp("base-target") / "target")

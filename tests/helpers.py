@@ -412,3 +412,25 @@ def shards_with_a_nan(shards: Path, out: Path, order_index: int) -> Path:
     tensors["last_hidden"][ref.start + 1] = float("nan")
     save_file(tensors, str(out / ref.shard), metadata={"fingerprint": shard_fingerprint(out / ref.shard)})
     return out
+
+
+# ---- vision-language targets
+
+
+def qwen_prompt(tokenizer, image_processor, image_name: str, question: str):
+    """(ids [1, S], vision inputs) of a one-image question from assets/data/vl/images, as Qwen2_5_VLProcessor makes
+    them (that class needs torchvision, which the pinned venv lacks): the image processor's inputs, the image
+    marker repeated once per merged 2 x 2 patch, the token type flags (1 on the image rows)."""
+    from PIL import Image
+
+    image = Image.open(REPO / "assets" / "data" / "vl" / "images" / image_name).convert("RGB")
+    vision = dict(image_processor(images=[image], return_tensors="pt"))
+    placeholders = int(vision["image_grid_thw"].prod()) // image_processor.merge_size**2
+    parts = [{"type": "image", "image": image}, {"type": "text", "text": question}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * placeholders)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    vision["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
+    return ids, vision

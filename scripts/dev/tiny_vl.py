@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -26,6 +27,7 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
 )
+from transformers.utils import is_torchvision_available
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "demo-target"
 # The text model every family shares: 4 layers so that EAGLE-3 fuses three distinct ones ([1, 2, 3]).
@@ -97,8 +99,12 @@ def build_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     )
     pixels = IMAGE_SIDE * IMAGE_SIDE
     image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels})
+    if not is_torchvision_available():
+        # Qwen2_5_VLProcessor holds a video processor, which transformers builds only with torchvision: without it
+        # the folder gets the processor's parts (the image processor, the tokenizer), as a hub checkpoint has them.
+        return _save(out, config, [image_processor, tokenizer], seed)
     processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    return _save(out, config, processor, seed)
+    return _save(out, config, [processor], seed)
 
 
 def build_llava(out: Path, seed: int = 0) -> Path:
@@ -138,14 +144,15 @@ def build_llava(out: Path, seed: int = 0) -> Path:
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops
     )
-    return _save(out, config, processor, seed)
+    return _save(out, config, [processor], seed)
 
 
-def _save(out: Path, config: object, processor: object, seed: int) -> Path:
+def _save(out: Path, config: object, processors: list[Any], seed: int) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(out)
-    processor.save_pretrained(out)  # type: ignore[attr-defined]
+    for processor in processors:
+        processor.save_pretrained(out)
     return out
 
 

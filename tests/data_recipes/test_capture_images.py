@@ -14,11 +14,11 @@ from safetensors import safe_open
 from transformers import AutoModelForImageTextToText
 
 from headstart.core.models import load_processor, load_tokenizer
-from headstart.data_recipes.capture import run_capture, storage_estimate
-from headstart.data_recipes.recipes import load_samples
+from headstart.data_recipes.capture import capture_shard, run_capture, storage_estimate
+from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import ShardDataset, pack_collate, read_manifest
-from headstart.data_recipes.states import VisionRows
-from tests.helpers import REPO, subprocess_env
+from headstart.data_recipes.states import VisionRows, forward_states
+from tests.helpers import REPO, qwen_prompt, subprocess_env
 
 VL_CHAT = REPO / "assets" / "data" / "vl" / "chat.jsonl"
 
@@ -122,3 +122,27 @@ def test_a_vision_language_capture_killed_and_resumed_is_byte_identical(tiny_lla
     assert f"({len(written)} already complete, resuming)" in resumed.stdout
     for name in names:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+@torch.no_grad()
+def test_an_mrope_targets_shards_hold_each_rows_draft_position(tiny_qwen_vl, one_thread):
+    target, tokenizer, image_processor = tiny_qwen_vl
+    ids, vision = qwen_prompt(tokenizer, image_processor, "chart-02.png", "Which bar is the tallest?")
+    answer = tokenizer(" The red bar.<|im_end|>", add_special_tokens=False).input_ids
+    full = ids[0].tolist() + answer
+    vision["mm_token_type_ids"] = torch.cat(
+        (vision["mm_token_type_ids"], torch.zeros(1, len(answer), dtype=torch.int)), 1
+    )
+    sample = Sample(full, [0] * ids.shape[1] + [1] * len(answer), "chart-02", vision)
+    rows = VisionRows.of(target)
+    assert rows.mrope and rows.image_token == target.config.image_token_id
+    shard = capture_shard(forward_states(target, [1, 2, 3], 256, 0), [sample], [0], 3, torch.float32, 64, rows)
+    fresh = target(torch.tensor([full]), **vision, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(shard["aux_hidden"], torch.cat([fresh[i][0] for i in (1, 2, 3)], -1))
+    image = shard["image_mask"].bool()
+    assert image.sum() == 4 and torch.equal(image, torch.tensor(full) == rows.image_token)
+    first = int(image.nonzero()[0])
+    # The image's rows share one temporal position; the text after it runs 2 behind its row index (a 2 x 2 grid).
+    assert shard["position_ids"][first : first + 4].tolist() == [first] * 4
+    assert shard["position_ids"][first + 4 :].tolist() == list(range(first + 2, len(full) - 2))
+    assert storage_estimate(10, 64, 3, torch.float32, rows) - storage_estimate(10, 64, 3, torch.float32) == 90

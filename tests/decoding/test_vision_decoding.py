@@ -5,12 +5,14 @@ import pytest
 import torch
 
 from headstart.core.models import load_model, load_processor, load_tokenizer
+from headstart.core.vision import rope_positions
 from headstart.data_recipes.recipes import image_prompt, read_conversations
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import Eagle
-from headstart.decoding.verify import generate, generate_batch
+from headstart.decoding.tree import empty_tree
+from headstart.decoding.verify import BatchDecoding, DecodeState, Sampling, generate, generate_batch, verify_batch
 from headstart.heads import build_head
-from tests.helpers import REPO
+from tests.helpers import REPO, qwen_prompt
 
 VL_CHAT = REPO / "assets" / "data" / "vl" / "chat.jsonl"
 
@@ -54,3 +56,40 @@ def test_a_prompt_with_images_decodes_alone(llava):
     (ids, vision), (other, _) = prompts(tokenizer, processor, count=2)
     with pytest.raises(ValueError, match="a prompt with images decodes alone, not in a batch of 2"):
         generate_batch(target, [Vanilla(), Vanilla()], [ids, other], 4, vision=vision)
+
+
+# ---- Qwen2.5-VL: 3-D rotary positions (mrope), a text row past an image at its index less what the image's grid saved
+
+
+@torch.no_grad()
+def test_an_mrope_targets_steps_sit_where_its_own_forward_puts_them(tiny_qwen_vl, one_thread):
+    target, tokenizer, image_processor = tiny_qwen_vl
+    ids, vision = qwen_prompt(tokenizer, image_processor, "chart-01.png", "Which bar is the tallest?")
+    positions, shift = rope_positions(target, ids, vision)
+    first = int((vision["mm_token_type_ids"][0] == 1).nonzero()[0])
+    # A 56-pixel image: 4 x 4 patches merged 2 x 2, its 4 rows at one temporal position; text goes on 2 further.
+    assert shift == -2 and positions[first : first + 4].tolist() == [first] * 4
+    assert positions[first + 4] == first + 2 and positions[-1] == len(positions) - 1 + shift
+    whole = target(ids, **vision).logits[0, -1]
+    for step_shift, close in ((shift, True), (0, False)):
+        decoding = BatchDecoding(
+            target, [DecodeState(Vanilla(), ids[0], ids.shape[1])], 4, Sampling(), None, None, vision
+        )
+        assert decoding.position_shift == shift
+        root = ids[0, -1:]
+        verdict = verify_batch(
+            target, decoding.cache, decoding.valid, root, [empty_tree(root.device)], Sampling(), (), step_shift
+        )
+        assert torch.allclose(verdict.verdicts[0].logits[0], whole, atol=1e-5) == close
+
+
+@torch.no_grad()
+def test_image_prompts_of_an_mrope_target_decode_to_its_own_greedy_output(tiny_qwen_vl, one_thread):
+    target, tokenizer, image_processor = tiny_qwen_vl
+    head = build_head({"type": "eagle3", "layer_ids": [1, 2, 3]}, target)
+    for name, question in (("shape-02.png", "What shape is it?"), ("text-05.png", "What word is written?")):
+        ids, vision = qwen_prompt(tokenizer, image_processor, name, question)
+        reference = target.generate(ids, **vision, do_sample=False, max_new_tokens=12, pad_token_id=0)
+        for proposer in (Vanilla(), NGram(k=3), Eagle(head, top_k=3, depth=3, total_tokens=8)):
+            out, _ = generate(target, proposer, ids, 12, vision=vision)
+            assert torch.equal(out, reference), type(proposer).__name__
