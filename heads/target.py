@@ -124,6 +124,10 @@ def _rope(cfg: PretrainedConfig) -> dict[str, Any]:
     rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
     rope = dict(rope["full_attention"]) if "full_attention" in rope else rope
     rope.pop("partial_rotary_factor", None)
+    # A Qwen-VL target's 3-D split of each head (mrope) is its own too: the text-only draft rotates one position per
+    # row, the temporal one (data_recipes.states.VisionRows), which vLLM feeds a draft whose config has no mrope.
+    for key in ("mrope_section", "mrope_interleaved"):
+        rope.pop(key, None)
     return rope
 
 
