@@ -179,7 +179,8 @@ def stored_names(model: PreTrainedModel, stored: Iterable[str]) -> dict[str, str
     ``model.language_model.*``), which transformers renames as it loads them (its conversion mapping's
     renamings): the same renamings, applied here to the stored names."""
     renamings = [rule for rule in get_model_conversion_mapping(model) if isinstance(rule, WeightRenaming)]
-    return {apply_renamings(name, renamings): name for name in stored}
+    stored = list(stored)
+    return {name: name for name in stored} | {apply_renamings(name, renamings): name for name in stored}
 
 
 def read_borrowed(folder: Path, model: PreTrainedModel, tokenizer_size: int | None = None) -> dict[str, torch.Tensor]:
