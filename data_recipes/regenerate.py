@@ -61,6 +61,7 @@ from headstart.core.runtime import Ranks, barrier, join_process_group, mix_seed,
 from headstart.core.settings import as_dict, parse
 from headstart.data_recipes.engine_client import ChatServer, EngineError, chat_request, completion_request
 from headstart.data_recipes.harmony import is_harmony, reply_message, served_message, split_reply, without_reasoning
+from headstart.data_recipes.images import image_refs
 from headstart.data_recipes.prompts import TEXT_PROMPT_FRACTION, chat_template, chat_text, text_prompt_length
 from headstart.data_recipes.recipes import check_template, read_conversations
 from headstart.data_recipes.settings import Generation, RegenerateConfig
@@ -447,6 +448,11 @@ def run_regenerate(given: dict[str, Any] | RegenerateConfig) -> Path:
     conversations = [
         messages for _, messages in read_conversations(data.source, data.format, data.on_error, limit=data.limit)
     ]
+    if any(image_refs(messages) for messages in conversations):
+        raise ValueError(
+            f"{data.source}: regeneration asks the target with text only, and these conversations hold images: "
+            "capture them with their own replies (python -m data_recipes.capture)"
+        )
     with chunk_generator(cfg, conversations) as (settings, make_chunk):
         size = settings["chunk_size"]
         chunks = [conversations[i : i + size] for i in range(0, len(conversations), size)]

@@ -12,7 +12,7 @@ from PIL import Image
 from headstart.core.errors import DataError
 from headstart.core.models import load_processor, load_tokenizer
 from headstart.data_recipes.recipes import expand_loss_mask, load_samples
-from tests.helpers import REPO, TARGET, write_jsonl
+from tests.helpers import REPO, TARGET, world_of_one, write_jsonl
 
 VL_DATA = REPO / "assets" / "data" / "vl"
 
@@ -135,3 +135,17 @@ def test_the_loss_mask_follows_the_placeholders_and_refuses_other_differences():
     with pytest.raises(DataError, match="wrote no image placeholders"):
         expand_loss_mask([5, 9, 6], [0, 0, 1], [5, 6], image_token=9)
     assert json.dumps(expand_loss_mask([], [], [], 9)) == "[]"
+
+
+def test_regeneration_refuses_conversations_with_images(tiny_llava_dir, tmp_path, monkeypatch):
+    from headstart.data_recipes.regenerate import run_regenerate
+
+    world_of_one(monkeypatch)
+    config = {
+        "target": {"path": str(tiny_llava_dir), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": str(VL_DATA / "chat.jsonl"), "format": "messages", "limit": 2},
+        "regenerate": {"out": str(tmp_path / "regen.jsonl"), "max_new_tokens": 4},
+    }
+    with pytest.raises(ValueError, match="regeneration asks the target with text only, and these conversations hold"):
+        run_regenerate(config)
+    assert not (tmp_path / "regen.jsonl").exists()
