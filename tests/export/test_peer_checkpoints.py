@@ -27,7 +27,7 @@ from headstart.heads import load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import main as import_main
 from headstart.scripts.export.verify_engines_side import side_import_path
-from tests.helpers import LAYER_IDS, REPO, TINY_LLAMA, greedy_reference
+from tests.helpers import LAYER_IDS, REPO, SAMPLES, TINY_LLAMA, greedy_reference
 
 pytestmark = pytest.mark.engines
 
@@ -162,3 +162,50 @@ def test_a_peagle_draft_speculators_writes_imports_decodes_and_exports_back(
     exported = load_file(str(back / "model.safetensors"))
     expected = {k: v for k, v in theirs.items() if k != "embed_tokens.weight"}
     assert same_tensors(exported | {"mask_hidden": exported["mask_hidden"].reshape(1, 1, -1)}, expected)
+
+
+def test_a_capture_converted_for_speculators_trainer_reads_there_as_headstart_captured_it(
+    tiny_target_dir, gsm8k_file, tmp_path
+):
+    """scripts/bench/peer_speculators.py's conversion, read back by speculators' own ``ArrowDataset``: the same
+    tokens, loss mask and fused layers, headstart's training samples first, and the last state that speculators'
+    verifier norm turns back into the post-norm state the capture stored."""
+    from transformers import LlamaForCausalLM
+
+    from headstart.data_recipes.capture import run_capture
+    from headstart.data_recipes.shards import ShardDataset
+    from headstart.scripts.bench.peer_speculators import side, side_env, to_speculators
+    from headstart.train.data import split_heldout
+    from headstart.train.train_config import TrainConfig
+    from tests.helpers import base_config, make_head, resolve
+
+    target = LlamaForCausalLM.from_pretrained(tiny_target_dir).eval()
+    config = base_config(tiny_target_dir, gsm8k_file, tmp_path / "capture", tmp_path, "eagle3")
+    run_capture(config)
+    train = TrainConfig(**resolve(config, TrainConfig)).train
+    head_dir = make_head(target, tmp_path, "eagle3", layer_ids=config["capture"]["aux_layers"])
+    data = tmp_path / "speculators-data"
+    split = to_speculators(tmp_path / "capture", head_dir, data, train)
+    train_ids, heldout_ids = split_heldout(SAMPLES, train.heldout_samples, train.seed)
+    assert split["train_ratio"] == len(train_ids) / SAMPLES and split["heldout"] == len(heldout_ids)
+    args = type("Args", (), {"engines_python": str(ENGINES_PYTHON)})()
+    done = subprocess.run(side(args, "dataset", str(data)), env=side_env(tmp_path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    code = (
+        "import sys, torch; from safetensors.torch import save_file; from speculators.train.data import ArrowDataset; "
+        "rows = ArrowDataset(4096, sys.argv[1], on_missing='raise', hidden_states_dtype=torch.float32); "
+        "save_file({f'{k}.{i}': v.contiguous() for i in (0, len(rows) - 1) for k, v in rows[i].items()}, sys.argv[2])"
+    )
+    read = tmp_path / "read.safetensors"
+    done = subprocess.run([str(ENGINES_PYTHON), "-c", code, str(data), str(read)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = load_file(str(read))
+    capture = ShardDataset(tmp_path / "capture")
+    for i, index in ((0, train_ids[0]), (len(train_ids) + len(heldout_ids) - 1, heldout_ids[-1])):
+        ours = capture[index]
+        assert torch.equal(theirs[f"input_ids.{i}"], ours["input_ids"])
+        assert torch.equal(theirs[f"loss_mask.{i}"], ours["loss_mask"].bool())
+        assert torch.equal(theirs[f"hidden_states.{i}"], ours["aux_hidden"])
+        with torch.no_grad():
+            normed = target.model.norm(theirs[f"verifier_last_hidden_states.{i}"])
+        assert torch.allclose(normed, ours["last_hidden"], rtol=1e-4, atol=1e-5)
