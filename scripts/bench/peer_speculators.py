@@ -227,21 +227,24 @@ def tau_in_our_engine(head: str, prompts: int, out: Path) -> float:
     return float(json.loads((out / "report.json").read_text())["methods"]["eagle3"]["tau"])
 
 
-def tau_served(args: argparse.Namespace, head: str, work: Path) -> dict[str, float]:
+def tau_served(args: argparse.Namespace, head: str, work: Path) -> dict[str, float | None]:
     """verify_engines' acceptance lengths of ``head``: ours and vLLM's, per export layout (chains of 3)."""
     cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", args.engines_python]
     cmd += ["--target", TARGET, "--eagle3", head, "--eagle", "", "--dflash", "", "--work", str(work)]
-    subprocess.run(cmd, stdout=(work.parent / f"{work.name}.log").open("w"), stderr=subprocess.STDOUT)  # judged below
+    with (work.parent / f"{work.name}.log").open("w") as log:  # its verdicts are in WORK/parity.json, read below
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
     entry = json.loads((work / "parity.json").read_text())["heads"][0]
-    served = {f"vllm {s['layout']}": s["engine_acceptance"]["acceptance_length"] for s in entry["served"]}
+    # A layout vLLM failed on has no acceptance: None, its reason in WORK/parity.md.
+    served = {f"vllm {s['layout']}": s.get("engine_acceptance", {}).get("acceptance_length") for s in entry["served"]}
     return {"ours": entry["ours"]["acceptance_length"], **served}
 
 
 def ratios(report: dict[str, Any]) -> dict[str, float]:
     ours, theirs = report["headstart"], report["speculators"]
     result = {"tau": ours["tau"] / theirs["tau"]}
-    for where in ours.get("served", {}):
-        result[f"served {where}"] = ours["served"][where] / theirs["served"][where]
+    for where, mine in ours.get("served", {}).items():
+        if mine and theirs["served"].get(where):
+            result[f"served {where}"] = mine / theirs["served"][where]
     return result
 
 
