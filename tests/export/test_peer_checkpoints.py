@@ -10,6 +10,9 @@ alone, and exports back to the very tensors speculators wrote.
 Its trainer's defaults are set where headstart's head does not implement them (``--no-norm-before-residual``, and
 ``--full-attention-indices 0``: its default draft layer attends through a 2048-token sliding window) and P-EAGLE's
 default Qwen3 layer is kept. speculators' DFlash layout is not one import reads (``--from dflash`` reads vLLM's).
+
+The last test reads a headstart capture converted for speculators' trainer (``scripts/bench/peer_speculators.py``)
+back through speculators' own dataset class.
 """
 
 import json
