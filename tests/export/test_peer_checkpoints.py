@@ -55,6 +55,7 @@ def speculators_writes(kind: str, target: str, data: Path, out: Path) -> Path:
     cmd = [str(ENGINES_PYTHON), "-m", "speculators.train", "--dry-run", "--speculator-type", kind]
     cmd += ["--verifier-name-or-path", target, "--data-path", str(data), "--save-path", str(out), "--logger", ""]
     cmd += ["--draft-vocab-size", str(DRAFT_VOCAB), "--target-layer-ids", *map(str, LAYER_IDS)]
+    # Its trainer looks a mask token up in the verifier's tokenizer even for EAGLE-3; the tiny target has none.
     cmd += ["--mask-token-id", str(MASK_TOKEN), "--draft-attn-impl", "sdpa"]
     cmd += ["--no-norm-before-residual", "--full-attention-indices", "0", "--seed", "0"]
     done = subprocess.run(
