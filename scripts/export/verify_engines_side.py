@@ -50,31 +50,43 @@ def read_counters(metrics: dict[str, Any], k: int) -> dict[str, Any]:
     return acceptance(int(drafts), [int(a) for a in per_pos])
 
 
-def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
-    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+def speculators_logits(
+    folder: str | Path, reference: dict[str, torch.Tensor], embedding: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The step-0 draft logits of speculators' own ``Eagle3DraftModel`` loaded from ``folder`` (fp32, eager
+    attention) on ``reference``'s ``input_ids`` and target features ``aux``, as EAGLE-3 drafts step 0: the features
+    of positions 0..S-2 with the tokens 1..S-1; ``embedding``: the target's, for a draft saved without its own."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
 
-    ref = load_file(str(work / "reference.safetensors"))
-    export = facts["exports"]["speculators"]
-    config = Eagle3SpeculatorConfig.from_pretrained(export)
+    config = Eagle3SpeculatorConfig.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention is for GPUs
-    model = Eagle3DraftModel.from_pretrained(export, config=config).float().eval()
-    # speculators leaves embed_tokens out of the draft; the served draft uses the target's (as vLLM does).
-    target_state = load_file(str(Path(settings["target"]) / "model.safetensors"))
-    model.embed_tokens.weight.data.copy_(target_state["model.embed_tokens.weight"])
+    model = Eagle3DraftModel.from_pretrained(folder, config=config).float().eval()
+    if embedding is not None:
+        model.embed_tokens.weight.data.copy_(embedding)
     captured = []
     model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
-    seq = ref["input_ids"].shape[1] - 1
+    seq = reference["input_ids"].shape[1] - 1
     with torch.no_grad():
         model(
-            hidden_states=ref["aux"][:, :-1],
-            input_ids=ref["input_ids"][:, 1:],
+            hidden_states=reference["aux"][:, :-1],
+            input_ids=reference["input_ids"][:, 1:],
             document_ids=torch.zeros(1, seq, dtype=torch.long),
             position_ids=torch.arange(seq)[None],
             ttt_steps=1,
         )
-    diff = (captured[0] - ref["logits"]).abs().max().item()
+    return captured[0]
+
+
+def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    ref = load_file(str(work / "reference.safetensors"))
+    export = facts["exports"]["speculators"]
+    # speculators leaves embed_tokens out of the draft; the served draft uses the target's (as vLLM does).
+    target_state = load_file(str(Path(settings["target"]) / "model.safetensors"))
+    logits = speculators_logits(export, ref, target_state["model.embed_tokens.weight"])
+    diff = (logits - ref["logits"]).abs().max().item()
     converted = work / "converted-by-speculators"
     Eagle3Converter().convert(
         facts["exports"]["vllm"], converted, base_model=settings["target"], validate=False,
@@ -89,7 +101,7 @@ def check_speculators(work: Path, settings: dict[str, Any], facts: dict[str, Any
     ok = diff <= TOLERANCE and not different
     detail = (
         f"`Eagle3DraftModel` draft logits vs ours: max abs diff {diff:.1e} "
-        f"(tolerance {TOLERANCE:.0e}, fp32) over {tuple(captured[0].shape)}; its `Eagle3Converter` on our "
+        f"(tolerance {TOLERANCE:.0e}, fp32) over {tuple(logits.shape)}; its `Eagle3Converter` on our "
         f"EAGLE-repo export: {len(same)}/{len(ours)} tensors equal to our speculators export"
         + (f", differing: {different}" if different else "")
         + (f"; not carried by its converter (use our --format speculators): {absent}" if absent else "")

