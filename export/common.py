@@ -136,16 +136,37 @@ def decoder_config(arch: DraftArch, dtype: str) -> dict[str, Any]:
     }
 
 
+def check_full_attention(config: dict[str, Any], target_config: PretrainedConfig) -> None:
+    """Refuse a draft layer that attends through a sliding window shorter than the target's context.
+
+    headstart's draft layers attend to the whole context. A ``sliding_attention`` layer (speculators 0.9.0's
+    trainer default: a 2048-token window) whose window is at least the target's ``max_position_embeddings`` sees
+    every key the target's context can hold, as vLLM serves it (a query at position p keeps keys p - window + 1
+    .. p): exactly full attention. A shorter window would drop keys the head attends to."""
+    layer_types = config.get("layer_types") or []
+    others = set(layer_types) - {"full_attention", "sliding_attention"}
+    if others:
+        raise ValueError(f"layer_types {layer_types}: headstart's draft layers attend to the whole context only")
+    if "sliding_attention" not in layer_types:
+        return
+    window, context = config.get("sliding_window"), target_config.max_position_embeddings
+    if window is None or window < context:
+        raise ValueError(
+            f"the draft layer is a sliding_attention layer with a {window}-token window, shorter than the target's "
+            f"{context}-token context (max_position_embeddings): headstart's draft layers attend to the whole "
+            "context, which a window of at least the context is (train the draft with full attention: "
+            "speculators' --full-attention-indices 0)"
+        )
+
+
 def arch_from_decoder(config: dict[str, Any], target_config: PretrainedConfig) -> DraftArch:
     """Our draft arch read from a published draft's decoder config (family and layer count: the target's).
 
     The draft's own layer count and ``layer_types`` are left out: transformers checks one against the other, and
     speculators 0.9.0 writes ``layer_types`` for its one layer without ``num_hidden_layers`` (LlamaConfig's default
-    is 32). A layer type other than full attention is one headstart's draft layers do not have: refused."""
-    layer_types = config.get("layer_types") or []
-    if set(layer_types) - {"full_attention"}:
-        raise ValueError(f"layer_types {layer_types}: headstart's draft layers attend to the whole context only")
-    skip = ("architectures", "auto_map", "num_hidden_layers", "model_type", "layer_types")
+    is 32). Its window is left out too, once ``check_full_attention`` finds it covers the target's context."""
+    check_full_attention(config, target_config)
+    skip = {"architectures", "auto_map", "num_hidden_layers", "model_type", "layer_types", "sliding_window"}
     arch = arch_from_target(LlamaConfig(**{k: v for k, v in config.items() if k not in skip}))
     arch.family, arch.num_hidden_layers = target_config.model_type, target_config.num_hidden_layers
     return arch

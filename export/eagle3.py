@@ -61,8 +61,8 @@ REPO_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM registry.py and SGLang llam
 # transformer_layer_config to it, algos.py). SGLang has no such class: its EAGLE-3 drafts are Llama layers.
 QK_NORM_ARCHITECTURE = "Eagle3Qwen3ForCausalLM"
 SPECULATORS_VERSION = "0.9.0"
-# Our Eagle3Layer keeps the un-normed feature as the residual (norm_before_residual off); the paper's layer has no
-# norm before fc and feeds the pre-norm output back, EAGLE-3.1 turns on fc_norm and norm_output, gpt-oss heads
+# The paper's layer keeps the un-normed feature as the residual, has no norm before fc and feeds the pre-norm output
+# back; speculators' trainer turns on norm_before_residual, EAGLE-3.1 fc_norm and norm_output, gpt-oss heads
 # norm_before_fc (``norm_flags``: the head's). The four are always written: vLLM defaults norm_before_residual to
 # TRUE for speculators configs (algos.py).
 NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
@@ -71,12 +71,16 @@ SPECULATOR_ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpecu
 
 
 def norm_flags(config: HeadConfig) -> dict[str, bool]:
-    """The four flags: ``norm_before_residual`` off (our layer's residual is the un-normed feature), the others as
-    the head has them (EAGLE-3.1's ``fc_norm`` and ``norm_output``, gpt-oss's ``norm_before_fc``); their tensors
-    ``input_norm.weight`` and ``fc_norm.{i}.weight`` carry vLLM's and SGLang's names as they are."""
+    """The four flags as the head has them (speculators' ``norm_before_residual``, EAGLE-3.1's ``fc_norm`` and
+    ``norm_output``, gpt-oss's ``norm_before_fc``); their tensors ``input_norm.weight`` and ``fc_norm.{i}.weight``
+    carry vLLM's and SGLang's names as they are."""
     options = config.options
-    flags = {"norm_before_fc": bool(options.norm_before_fc), "fc_norm": options.fc_norm}
-    return {**NORM_FLAGS, **flags, "norm_output": options.norm_output}
+    return {
+        "norm_before_residual": bool(options.norm_before_residual),
+        "norm_before_fc": bool(options.norm_before_fc),
+        "fc_norm": options.fc_norm,
+        "norm_output": options.norm_output,
+    }
 
 
 def mask_token_id(config: HeadConfig) -> int | None:
@@ -126,6 +130,11 @@ def repo_layout(config: HeadConfig, state: dict[str, torch.Tensor], fmt: str) ->
         raise ValueError(
             "this is a P-EAGLE head (parallel_drafting), which SGLang 0.5.23 cannot draft (no parallel drafting: "
             "sgl-project/sglang#23171): export it with --format vllm or speculators"
+        )
+    if config.options.norm_before_residual and fmt == "sglang":
+        raise ValueError(
+            "this EAGLE-3 head sets norm_before_residual, which SGLang's LlamaForCausalLMEagle3 does not read (its "
+            "residual is the un-normed feature): export it with --format vllm or speculators"
         )
     if qk_norm and fmt == "sglang":
         raise ValueError(
@@ -206,20 +215,17 @@ def _read_mask_token(engine_config: dict[str, Any]) -> int:
     )
 
 
-def _read_norm_flags(engine_config: dict[str, Any], speculators: bool) -> dict[str, bool]:
-    """The checkpoint's ``norm_before_fc``, ``fc_norm`` and ``norm_output`` (as vLLM reads them: eagle_config first
-    for norm_before_fc); ValueError for ``norm_before_residual``, which headstart's layer does not implement."""
+def _read_norm_flags(engine_config: dict[str, Any], speculators: bool) -> dict[str, bool | None]:
+    """The checkpoint's four norm flags as vLLM reads them (eagle_config first for norm_before_fc), as head
+    options: ``norm_before_residual`` off is left unset (null), as a head trained without it saves it."""
     nested = engine_config.get("eagle_config") or {}
     # vLLM's default for a missing norm_before_residual: true for speculators configs, false otherwise.
     defaults = {**NORM_FLAGS, "norm_before_residual": speculators}
     flags = {k: nested.get(k, engine_config.get(k, defaults[k])) for k in NORM_FLAGS}
     flags["fc_norm"] = flags["fc_norm"] or engine_config.get("use_aux_norm", False)  # SGLang's older name
-    if flags["norm_before_residual"]:
-        raise ValueError(
-            "this EAGLE-3 checkpoint sets norm_before_residual (as vLLM reads its config); headstart's EAGLE-3 head "
-            "keeps the un-normed feature as the residual (the paper's layer, EAGLE-3.1's norms optional)"
-        )
-    return {key: bool(flags[key]) for key in ("norm_before_fc", "fc_norm", "norm_output")}
+    options: dict[str, bool | None] = {key: bool(on) for key, on in flags.items()}
+    options["norm_before_residual"] = options["norm_before_residual"] or None
+    return options
 
 
 def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Imported:

@@ -5,8 +5,9 @@ Weight names follow the EAGLE repo's layout (``fc``, ``midlayer.*``, ``norm``, `
 
 The layer (EAGLE repo ``traineagle3/cnets.py``, SpecForge ``llama3_eagle.py``, vLLM's default
 ``norm_before_residual=False``): q/k/v read cat(input_layernorm(embedding), hidden_norm(feature))
-(2H wide); the residual around attention is the feature itself, un-normed; then the usual
-post_attention_layernorm + MLP residual. Its output, before ``norm``, is the feature fed to the
+(2H wide); the residual around attention is the feature itself, un-normed (option ``norm_before_residual``:
+hidden_norm(feature), as speculators' trainer writes by default and vLLM's ``llama_eagle3.py`` serves it); then
+the usual post_attention_layernorm + MLP residual. Its output, before ``norm``, is the feature fed to the
 next draft step; ``lm_head(norm(output))`` gives draft-vocab logits.
 
 Alignment: at step 0, position i pairs fc(aux_hidden_i) with the embedding of input_ids[i+1] at
@@ -111,6 +112,10 @@ class Eagle3Options(LayerOptions):
     # (fc_norm.{i}.weight, after norm_before_fc's), and the post-norm output fed to the next step (norm_output).
     fc_norm: bool = False
     norm_output: bool = False
+    # The residual around the draft layer's attention is the normed feature, hidden_norm(feature), instead of the
+    # feature itself (vLLM's and speculators' norm_before_residual; speculators' trainer default). null: off, and
+    # not written to config.json, so heads saved before the option existed read and save the same.
+    norm_before_residual: bool | None = None
     # P-EAGLE (true, or {mask_token_id: ...}); absent: EAGLE-3's autoregressive drafting.
     parallel_drafting: Annotated[ParallelDrafting | None, BeforeValidator(_flag_as_section)] = None
 
@@ -122,16 +127,18 @@ class Eagle3Options(LayerOptions):
 
 
 class Eagle3Layer(nn.Module):
-    """The ``midlayer``: attention over the normed (embedding, feature) pair, residual on the raw feature.
+    """The ``midlayer``: attention over the normed (embedding, feature) pair, residual on the raw feature (on the
+    normed one with ``norm_before_residual``: vLLM's ``_norm_before_residual``, speculators' ``Eagle3FirstLayerMixin``).
 
     Its attention follows the target family where vLLM has that family's EAGLE-3 layer: Qwen3's q/k
     norm (``qwen3_eagle3.py``, ``Eagle3Qwen3ForCausalLM``). Never q/k/v biases: vLLM and SGLang replace
     the layer's qkv projection by a 2H-wide one without (``llama_eagle3.py``, ``attention_bias`` false).
     """
 
-    def __init__(self, arch: DraftArch):
+    def __init__(self, arch: DraftArch, norm_before_residual: bool = False):
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(hidden, eps)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.self_attn = Attention(arch, 2 * hidden)
@@ -147,8 +154,9 @@ class Eagle3Layer(nn.Module):
         mask: torch.Tensor | None = None,
         cache: KVCache | StepKVCache | None = None,
     ) -> torch.Tensor:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(features)), dim=-1)
-        x = features + self.self_attn(x, cos, sin, mask, cache)
+        normed = self.hidden_norm(features)
+        residual = normed if self.norm_before_residual else features
+        x = residual + self.self_attn(torch.cat((self.input_layernorm(embeds), normed), dim=-1), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -213,7 +221,7 @@ class Eagle3Head(FeatureDrafter):
         if options.parallel_drafting is not None:
             # In the fused states' space, before fc, as vLLM loads it; randn like speculators' P-EAGLE.
             self.mask_hidden = nn.Parameter(torch.randn(1, fused))
-        self.midlayer = Eagle3Layer(arch)
+        self.midlayer = Eagle3Layer(arch, bool(options.norm_before_residual))
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.rotary = RotaryEmbedding(arch)

@@ -7,9 +7,10 @@ imported with ``import_head --from speculators``, checked tensor for tensor agai
 the logits speculators' own model computes on the same target features, decodes greedy-identically to the target
 alone, and exports back to the very tensors speculators wrote.
 
-Its trainer's defaults are set where headstart's head does not implement them (``--no-norm-before-residual``, and
-``--full-attention-indices 0``: its default draft layer attends through a 2048-token sliding window) and P-EAGLE's
-default Qwen3 layer is kept. speculators' DFlash layout is not one import reads (``--from dflash`` reads vLLM's).
+The EAGLE-3 draft is written with its trainer's defaults (``norm_before_residual``, and a draft layer attending
+through a 2048-token sliding window, which covers the tiny target's 2048-token context: full attention) and once as
+the paper's layer (``--no-norm-before-residual --full-attention-indices 0``); P-EAGLE with its defaults (a Qwen3
+layer). speculators' DFlash layout is not one import reads (``--from dflash`` reads vLLM's).
 
 The last test reads a headstart capture converted for speculators' trainer (``scripts/bench/peer_speculators.py``)
 back through speculators' own dataset class.
@@ -50,14 +51,15 @@ def token_frequencies(tmp_path_factory) -> Path:
     return data
 
 
-def speculators_writes(kind: str, target: str, data: Path, out: Path) -> Path:
-    """A fresh ``kind`` draft for ``target`` built and saved by speculators 0.9.0's own trainer (``--dry-run``)."""
+def speculators_writes(kind: str, target: str, data: Path, out: Path, flags: tuple[str, ...] = ()) -> Path:
+    """A fresh ``kind`` draft for ``target`` built and saved by speculators 0.9.0's own trainer (``--dry-run``), with
+    its defaults but for ``flags``."""
     cmd = [str(ENGINES_PYTHON), "-m", "speculators.train", "--dry-run", "--speculator-type", kind]
     cmd += ["--verifier-name-or-path", target, "--data-path", str(data), "--save-path", str(out), "--logger", ""]
     cmd += ["--draft-vocab-size", str(DRAFT_VOCAB), "--target-layer-ids", *map(str, LAYER_IDS)]
     # Its trainer looks a mask token up in the verifier's tokenizer even for EAGLE-3; the tiny target has none.
     cmd += ["--mask-token-id", str(MASK_TOKEN), "--draft-attn-impl", "sdpa"]
-    cmd += ["--no-norm-before-residual", "--full-attention-indices", "0", "--seed", "0"]
+    cmd += ["--seed", "0", *flags]
     done = subprocess.run(
         cmd, capture_output=True, text=True, cwd=out.parent, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     )
@@ -112,10 +114,19 @@ def decodes_as_the_target(head_dir: Path, target) -> None:
         assert torch.equal(out, greedy_reference(target, prompt)) and stats.target_forwards > 0
 
 
+# (speculators' trainer flags, the residual of its draft layer normed, its layer types)
+EAGLE3_LAYERS = {
+    "defaults": ((), True, ["sliding_attention"]),
+    "paper-layer": (("--no-norm-before-residual", "--full-attention-indices", "0"), False, ["full_attention"]),
+}
+
+
+@pytest.mark.parametrize("layer", EAGLE3_LAYERS)
 def test_an_eagle3_draft_speculators_writes_imports_drafts_its_logits_and_exports_back(
-    tiny_llama_dir, tiny_llama_from_dir, token_frequencies, tmp_path
+    tiny_llama_dir, tiny_llama_from_dir, token_frequencies, tmp_path, layer
 ):
-    written = speculators_writes("eagle3", tiny_llama_dir, token_frequencies, tmp_path / "speculators")
+    flags, normed_residual, layer_types = EAGLE3_LAYERS[layer]
+    written = speculators_writes("eagle3", tiny_llama_dir, token_frequencies, tmp_path / "speculators", flags)
     config = json.loads((written / "config.json").read_text())
     theirs = load_file(str(written / "model.safetensors"))
     # What its trainer writes: bf16 tensors, EAGLE-3.1's norms by default, the layer's type beside no layer count.
@@ -123,13 +134,18 @@ def test_an_eagle3_draft_speculators_writes_imports_drafts_its_logits_and_export
         v.dtype for k, v in theirs.items() if "d2t" not in k and "t2d" not in k
     } == {torch.bfloat16}
     assert config["norm_before_fc"] and config["norm_output"] and "input_norm.weight" in theirs
-    assert config["transformer_layer_config"]["layer_types"] == ["full_attention"]
+    assert config["norm_before_residual"] is normed_residual
+    decoder = config["transformer_layer_config"]
+    assert decoder["layer_types"] == layer_types
+    if layer_types == ["sliding_attention"]:  # its window covers the target's whole context: full attention
+        assert decoder["sliding_window"] == tiny_llama_from_dir.config.max_position_embeddings == 2048
     assert torch.equal(theirs["d2t"], torch.full((DRAFT_VOCAB,), 100))  # its mapping from the frequencies
     head_dir = imported(written, tiny_llama_dir, tmp_path / "head")
     head = load_head(head_dir, tiny_llama_from_dir)
     options = head.config.options
     assert options.layer_ids == LAYER_IDS and options.draft_vocab_size == DRAFT_VOCAB
     assert options.norm_before_fc and options.norm_output and not options.fc_norm
+    assert bool(options.norm_before_residual) is normed_residual
     assert same_tensors(load_file(str(head_dir / "model.safetensors")), as_we_name_them(theirs))
 
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
@@ -147,7 +163,9 @@ def test_an_eagle3_draft_speculators_writes_imports_drafts_its_logits_and_export
     back = export_head(head_dir, "speculators", tmp_path / "export", tiny_llama_dir)
     exported = load_file(str(back / "model.safetensors"))
     assert same_tensors(exported, {k: v for k, v in theirs.items() if k != "embed_tokens.weight"})
-    assert json.loads((back / "config.json").read_text())["transformer_layer_config"]["num_hidden_layers"] == 1
+    again = json.loads((back / "config.json").read_text())
+    assert again["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert again["norm_before_residual"] is normed_residual
 
 
 def test_a_peagle_draft_speculators_writes_imports_decodes_and_exports_back(
