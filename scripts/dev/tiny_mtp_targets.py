@@ -51,7 +51,7 @@ def tiny_mtp_config(family: str, vocab_size: int = 300, **overrides: Any) -> Pre
         vocab_size=vocab_size,
         num_nextn_predict_layers=1,
         tie_word_embeddings=False,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
         pad_token_id=0,
         eos_token_id=1,
     )
@@ -75,18 +75,24 @@ def save_tiny_mtp_target(
     seed: int = 0,
     tokenizer: str | Path | None = None,
     vocab_size: int = 300,
+    logit_scale: float = 1.0,
     **overrides: Any,
 ) -> str:
     """A tiny random ``family`` target with a random MTP layer in its checkpoint, saved at ``path`` (with the
-    tokenizer of the folder ``tokenizer``, its vocabulary then the tokenizer's size); the folder as a string."""
+    tokenizer of the folder ``tokenizer``: its vocabulary size and special ids), its lm_head times ``logit_scale``
+    (peaked predictions); the folder as a string."""
     path = Path(path)
     if tokenizer is not None:
         from transformers import AutoTokenizer
 
-        vocab_size = len(AutoTokenizer.from_pretrained(tokenizer))
+        loaded = AutoTokenizer.from_pretrained(tokenizer)
+        vocab_size = len(loaded)
+        overrides = {"bos_token_id": loaded.bos_token_id, "eos_token_id": loaded.eos_token_id, **overrides}
+        overrides = {"pad_token_id": loaded.pad_token_id, **overrides}
     config = tiny_mtp_config(family, vocab_size, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
+    model.get_output_embeddings().weight.data *= logit_scale
     architectures, mtp_layer = list(config.architectures or []), random_mtp_layer(config, seed)
     model.save_pretrained(path)  # which writes its own class as the architecture
     weights = path / "model.safetensors"
