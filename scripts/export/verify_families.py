@@ -39,7 +39,7 @@ MAX_GAP = 0.02  # vLLM's acceptance length and per-position rates, relative to o
 LOGIT_SCALE = 30.0  # lm_head x this: peaked predictions (logits of std ~5 over the vocabulary)
 # Training steps per family: gpt-oss's head learns slower on these targets (held-out first-draft accuracy 0.26 after
 # 200 steps, qwen3_moe's 0.49); a weak head's near-tied drafts flip under another engine's arithmetic.
-TRAIN_STEPS = {"qwen3_moe": 200, "gpt_oss": 600, "mimo_mtp": 150, "ernie_mtp": 150}
+TRAIN_STEPS = {"qwen3_moe": 200, "gpt_oss": 600, "mimo_mtp": 60, "ernie_mtp": 60}
 TRAIN_SAMPLES = 1600
 SHAPE = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 EXPERTS = dict(num_experts_per_tok=2)
