@@ -41,6 +41,7 @@ LOGIT_SCALE = 30.0  # lm_head x this: peaked predictions (logits of std ~5 over 
 # 200 steps, qwen3_moe's 0.49); a weak head's near-tied drafts flip under another engine's arithmetic.
 TRAIN_STEPS = {"qwen3_moe": 200, "gpt_oss": 600, "mimo_mtp": 60, "ernie_mtp": 60}
 TRAIN_SAMPLES = 1600
+REGENERATED_SAMPLES = 400  # GSM8K training questions an MTP family's target answers to fine-tune its layer on
 SHAPE = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 EXPERTS = dict(num_experts_per_tok=2)
 # model_type: (transformers config class name, what sets the family apart). Every layer routes to experts.
@@ -112,14 +113,14 @@ def save_target(family: str, out: Path, tokenizer_dir: str = DEMO_TOKENIZER) -> 
     GenerationConfig.from_pretrained(tokenizer_dir).save_pretrained(out)
 
 
-def train_config(target: Path, out: Path, steps: int, head: dict[str, Any]) -> dict[str, Any]:
-    """train/eagle.py's config for ``head`` on ``target``: the target runs inside each step (online capture: no
-    shards for a model this small), an EAGLE-3 head over its whole vocabulary (a random target's argmax tokens are
-    not the training text's frequent ones)."""
+def train_config(target: Path, out: Path, steps: int, head: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """train/eagle.py's config for ``head`` on ``target`` and ``data``: the target runs inside each step (online
+    capture: no shards for a model this small), an EAGLE-3 head over its whole vocabulary (a random target's argmax
+    tokens are not the training text's frequent ones)."""
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     return {
         "target": {"path": str(target), "device": "cpu", "dtype": "fp32"},
-        "data": {"source": TRAIN_DATA, "format": "gsm8k", "max_length": 160, "limit": TRAIN_SAMPLES},
+        "data": {**data, "max_length": 160},
         "head": head | ({"draft_vocab_size": vocab} if head["type"] == "eagle3" else {}),
         "train": {
             "out_dir": str(out), "seed": 0, "max_steps": steps, "batch_size": 8, "micro_batch_size": 8,
@@ -129,6 +130,32 @@ def train_config(target: Path, out: Path, steps: int, head: dict[str, Any]) -> d
         },
         "wandb": {"mode": "disabled"},
     }  # fmt: skip
+
+
+def regenerate_config(target: Path, out: Path) -> dict[str, Any]:
+    """data_recipes/regenerate.py's config: the target's own greedy replies to GSM8K training questions, the data
+    FastMTP fine-tunes an MTP layer on (a random target's replies are nothing like the dataset's)."""
+    return {
+        "target": {"path": str(target), "device": "cpu", "dtype": "fp32"},
+        "data": {"source": TRAIN_DATA, "format": "gsm8k", "limit": REGENERATED_SAMPLES},
+        "regenerate": {"out": str(out), "max_new_tokens": 96, "temperature": 0.0, "chunk_size": 64},
+    }
+
+
+def run_module(family: str, module: str, config: dict[str, Any], work: Path, name: str) -> None:
+    """``python -m headstart.<module> --config`` on ``config`` (written as work/NAME.yaml, its output in
+    work/NAME.log), as a world of one of its own: torchrun's variables from a caller would make it wait for ranks
+    that never come."""
+    path, log = work / f"{name}.yaml", work / f"{name}.log"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    print(f"[{family}] {name} (log: {log})", flush=True)
+    with log.open("w") as out:
+        done = subprocess.run([sys.executable, "-m", f"headstart.{module}", "--config", str(path)], env=env,
+                              stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    if done.returncode:
+        tail = log.read_text().strip().splitlines()[-5:]
+        raise RuntimeError(f"[{family}] {name} failed (exit {done.returncode}): " + " | ".join(tail))
 
 
 def target_recipe(family: str) -> list[Any]:
@@ -144,29 +171,27 @@ def target_recipe(family: str) -> list[Any]:
 
 def prepare_family(family: str, work: Path, steps: int) -> tuple[Path, Path]:
     """(target folder, trained head folder) for ``family`` under ``work``; kept from an earlier run with the same
-    recipe (a stamp of it), else built and trained here (train/eagle.py as a world of one, in a subprocess)."""
+    recipe (a stamp of it), else built and trained here (train/eagle.py in a subprocess; an MTP layer on the
+    target's regenerated replies, data_recipes/regenerate.py first)."""
     head = head_of(family)
     target, run = work / "target", work / f"train-{head['type']}"  # not eagle3/: verify_engines.prepare's folder
+    regenerated = head["type"] == "mtp"
     recipe = {"config": target_recipe(family), "scale": LOGIT_SCALE, "steps": steps, "head": head,
-              "samples": TRAIN_SAMPLES}  # fmt: skip
+              "samples": REGENERATED_SAMPLES if regenerated else TRAIN_SAMPLES, "regenerated": regenerated}  # fmt: skip
     stamp = work / "recipe.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == recipe and (run / "head" / "config.json").is_file():
         return target, run / "head"
     stamp.unlink(missing_ok=True)
     save_target(family, target)
-    config = work / f"{head['type']}.yaml"
-    config.write_text(yaml.safe_dump(train_config(target, run, steps, head), sort_keys=False))
-    # A world of one of its own: torchrun's variables from a caller would make it wait for ranks that never come.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    log = run / "train.log"
-    print(f"[{family}] training a {head['type']} head for {steps} steps on {target} (log: {log})", flush=True)
+    data = {"source": TRAIN_DATA, "format": "gsm8k", "limit": TRAIN_SAMPLES}
+    if regenerated:
+        replies = work / "regenerated.jsonl"
+        replies.unlink(missing_ok=True)
+        run_module(family, "data_recipes.regenerate", regenerate_config(target, replies), work, "regenerate")
+        data = {"source": str(replies), "format": "messages"}
     run.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "headstart.train.eagle", "--config", str(config)]
-    with log.open("w") as out:
-        done = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode:
-        tail = log.read_text().strip().splitlines()[-5:]
-        raise RuntimeError(f"[{family}] training failed (exit {done.returncode}): " + " | ".join(tail))
+    config = train_config(target, run, steps, head, data)
+    run_module(family, "train.eagle", config, work, f"train-{head['type']}-{steps}-steps")
     stamp.write_text(json.dumps(recipe))
     return target, run / "head"
 
