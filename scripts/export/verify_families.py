@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +183,7 @@ def prepare_family(family: str, work: Path, steps: int) -> tuple[Path, Path]:
     if stamp.is_file() and json.loads(stamp.read_text()) == recipe and (run / "head" / "config.json").is_file():
         return target, run / "head"
     stamp.unlink(missing_ok=True)
+    shutil.rmtree(run, ignore_errors=True)  # an earlier recipe's checkpoints: training would resume from them
     save_target(family, target)
     data = {"source": TRAIN_DATA, "format": "gsm8k", "limit": TRAIN_SAMPLES}
     if regenerated:
