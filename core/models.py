@@ -16,6 +16,7 @@ from transformers import (
     AutoConfig,
     AutoProcessor,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     ProcessorMixin,
@@ -95,6 +96,18 @@ def load_model(
     return model.to(device).eval().requires_grad_(False)  # type: ignore[arg-type]
 
 
+def mtp_tensor(name: str, config: PretrainedConfig) -> bool:
+    """Whether ``name`` is a tensor of the checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``
+    of them: ``model.mtp_*``, or DeepSeek's ``model.layers.{L}`` past the decoder's L layers), which transformers
+    leaves out of the model it builds, as it should: only an MTP head reads them (``heads/mtp.py``)."""
+    if not getattr(config, "num_nextn_predict_layers", None):
+        return False
+    parts = name.split(".")
+    layer = parts[2] if len(parts) > 2 and parts[1] == "layers" else ""
+    past_the_decoder = layer.isdigit() and int(layer) >= config.num_hidden_layers
+    return parts[1].startswith("mtp") or past_the_decoder
+
+
 def check_load_report(path: str, model: PreTrainedModel, report: dict[str, Any]) -> None:
     """CheckpointError naming the checkpoint, the tensors and the likely cause when transformers' load report
     (``from_pretrained(..., output_loading_info=True)``) has a weight of the model missing from the checkpoint, or
@@ -108,7 +121,11 @@ def check_load_report(path: str, model: PreTrainedModel, report: dict[str, Any])
     weights = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(name for name in report["missing_keys"] if name in weights)
     decoder = next((name for name, module in model.named_modules() if module is model.get_decoder()), "")
-    unexpected = sorted(name for name in report["unexpected_keys"] if name.startswith(f"{decoder}.") or not decoder)
+    unexpected = sorted(
+        name
+        for name in report["unexpected_keys"]
+        if (name.startswith(f"{decoder}.") or not decoder) and not mtp_tensor(name, model.config)
+    )
     if not missing and not unexpected:
         return
     folder = checkpoint_folder(path)

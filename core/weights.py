@@ -213,6 +213,29 @@ def read_borrowed(folder: Path, model: PreTrainedModel, tokenizer_size: int | No
     return tensors
 
 
+def read_named(path: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of the checkpoint in ``path`` (a folder or a cached hub id), read by name from the files
+    that hold them and nothing else: the layers a head borrows whole (a target's own MTP layer), which transformers
+    leaves out of the model it loads. CheckpointError naming the folder and the tensors it lacks."""
+    folder = checkpoint_folder(path)
+    files = tensor_files(folder)
+    missing = [name for name in names if name not in files]
+    if missing:
+        raise CheckpointError(
+            f"{folder}: the checkpoint has no tensors {first_names(missing)}; its tensors are named like "
+            f"{first_names(sorted(files))}"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for file in dict.fromkeys(files[name] for name in names):
+        inside = _inside(file, folder)
+        try:
+            with safe_open(str(inside), framework="pt") as f:
+                tensors |= {name: f.get_tensor(name) for name in names if files[name] == file}
+        except SafetensorError as error:
+            raise CheckpointError(f"{inside}: not a readable safetensors file ({error})") from None
+    return tensors
+
+
 def check_borrowed(
     file: Path, name: str, role: str, tensor: torch.Tensor, model: PreTrainedModel, tokenizer_size: int | None
 ) -> None:

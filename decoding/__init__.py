@@ -17,3 +17,4 @@ register_proposer("medusa", Medusa)
 register_proposer("dflash", DFlash)
 register_proposer("dspark", DSpark)
 register_proposer("dflash2", DFlash2)
+register_proposer("mtp", Eagle)  # the target's MTP layer drafts as an EAGLE-1 head does: a feature per step

@@ -34,6 +34,7 @@ from headstart.export.common import check_out
 from headstart.export.layouts import EngineFiles
 from headstart.export.parity import card_section, weights_digest
 from headstart.export.registry import export_files_names, layouts_of, written_layouts
+from headstart.export.stitch import stitch_target
 from headstart.heads import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -69,6 +70,11 @@ class Export(CommandFlags):
     )
     allow_other_tokenizer: bool = Field(
         False, description="export for a --target whose tokenizer differs from the one the head was trained with"
+    )
+    stitch: bool = Field(
+        False,
+        description="write a copy of the target with the head's tensors in place of its own (an MTP head), "
+        "not a draft folder",
     )
 
 
@@ -177,6 +183,7 @@ def export_head(
     overwrite: bool = False,
     allow_other_tokenizer: bool = False,
     settings: dict[str, Any] | None = None,
+    stitch: bool = False,
 ) -> Path:
     """Write the head in ``head_dir`` as ``fmt`` to ``out`` (config.json, weights, README.md), atomically.
 
@@ -188,7 +195,8 @@ def export_head(
     ``head_name`` (default: ``head_dir``). An existing ``out`` is replaced only if it holds an earlier
     export, or with ``overwrite``. A ``target`` given must have the tokenizer the head was trained with,
     unless ``allow_other_tokenizer``. ``settings`` (the command's config) go in as export_config.yaml; the
-    hub push leaves them out, as they name local folders.
+    hub push leaves them out, as they name local folders. ``stitch``: ``out`` is a copy of the target with the
+    head's tensors of ``fmt`` in place of its own (``export.stitch``), and nothing else.
     """
     head_dir, out = Path(head_dir), Path(out)
     if fmt not in written_layouts():
@@ -213,6 +221,8 @@ def export_head(
         sections.append(parity_card_section(Path(parity), head_dir))
     public_target = target_name or target
     engine_config, tensors, weights_file = engine_files(config, state, fmt, public_target, target_config)
+    if stitch:
+        return stitch_target(target, tensors, out)
     layouts = layouts_of(config.type)
     extra = layouts.extra_files(config, state)
     command = export_command(head_dir, fmt, out)
@@ -250,6 +260,7 @@ def run(args: Export) -> None:
             overwrite=args.overwrite,
             allow_other_tokenizer=args.allow_other_tokenizer,
             settings=args.as_config(),
+            stitch=args.stitch,
         )
     except (ValueError, FileNotFoundError, NotImplementedError) as err:  # NotImplementedError: the target's family
         command_failed(f"export failed: {err}")

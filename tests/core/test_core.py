@@ -230,3 +230,18 @@ def test_a_moe_checkpoint_under_a_dense_config_is_refused(tiny_target_dir, tmp_p
     assert "model.layers.0.mlp.gate_proj.weight" in message
     assert "decoder tensors in" in message and "model.layers.0.mlp.experts.0." in message
     assert "(18 in all)" in message and "model_type (qwen3) is not the family of these weights" in message
+
+
+def test_a_targets_mtp_layer_loads_and_a_stray_decoder_tensor_is_still_refused(tmp_path):
+    # transformers leaves the MTP layer out of the model (heads/mtp.py reads it): not a bad load; a tensor of no
+    # layer at all still is.
+    from safetensors.torch import load_file, save_file
+
+    from headstart.scripts.dev.tiny_mtp_targets import save_tiny_mtp_target
+
+    folder = save_tiny_mtp_target(tmp_path / "mimo", "mimo")
+    assert load_model(folder, "cpu").config.num_nextn_predict_layers == 1
+    weights = tmp_path / "mimo" / "model.safetensors"
+    save_file(load_file(weights) | {"model.extra.weight": torch.zeros(2)}, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"1 decoder tensors in .* \(model.extra.weight\)"):
+        load_model(folder, "cpu")

