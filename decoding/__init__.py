@@ -6,7 +6,7 @@ it imports only ``core`` and ``heads``.
 
 from headstart.decoding.head_proposers import register_proposer
 from headstart.decoding.proposers_dspark import DSpark
-from headstart.decoding.proposers_heads import DFlash, DFlash2, Eagle, Medusa, PEagle
+from headstart.decoding.proposers_heads import DFlash, DFlash2, Domino, Eagle, Medusa, PEagle
 
 # The proposers of the package's head types, one line per drafting method (heads.register adds the method; a head
 # type from elsewhere: head_proposers.register_proposer).
@@ -17,3 +17,4 @@ register_proposer("medusa", Medusa)
 register_proposer("dflash", DFlash)
 register_proposer("dspark", DSpark)
 register_proposer("dflash2", DFlash2)
+register_proposer("domino", Domino)
