@@ -57,12 +57,11 @@ class DominoHead(BlockDrafter[DominoOptions]):
         super().__init__(config)
         hidden, options = config.arch.hidden_size, config.options
         self.prefix_gru = nn.GRU(hidden, options.gru_hidden_dim, batch_first=True, bias=False)
+        correction = nn.Linear(options.emb_dim, config.vocab_size, bias=False)
+        nn.init.zeros_(correction.weight)
         self.embed_proj = nn.Sequential(
-            nn.Linear(hidden + options.gru_hidden_dim, options.emb_dim, bias=False),
-            nn.SiLU(),
-            nn.Linear(options.emb_dim, config.vocab_size, bias=False),
+            nn.Linear(hidden + options.gru_hidden_dim, options.emb_dim, bias=False), nn.SiLU(), correction
         )
-        nn.init.zeros_(self.embed_proj[2].weight)
 
     def lambda_base(self) -> float:
         """The backbone's own loss share at this point of training (``training_progress``)."""
@@ -72,7 +71,7 @@ class DominoHead(BlockDrafter[DominoOptions]):
     def prefix_states(self, previous: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """GRU states [.., n, G] after each of the tokens ``previous`` [.., n] in turn, from ``state`` [.., G]
         (None: the block's start, zeros)."""
-        embeds = self.embed(previous).to(self.prefix_gru.weight_ih_l0.dtype)
+        embeds = self.embed(previous)  # the head's dtype, its GRU's
         rows = embeds.flatten(0, -3) if embeds.dim() > 2 else embeds[None]
         initial = None if state is None else state.reshape(1, len(rows), -1).to(embeds.dtype)
         out, _ = self.prefix_gru(rows, initial)
@@ -81,9 +80,7 @@ class DominoHead(BlockDrafter[DominoOptions]):
     def corrected_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Target-vocab logits [.., V] of slots with normed outputs ``hidden`` [.., H] and GRU states ``state``
         [.., G]: the backbone's through the target's lm_head plus the correction."""
-        correction = self.embed_proj(
-            torch.cat((hidden, state.to(hidden.dtype)), -1).to(self.embed_proj[0].weight.dtype)
-        )
+        correction = self.embed_proj(torch.cat((hidden, state.to(hidden.dtype)), -1).to(self.fc.weight.dtype))
         return self.logits(hidden) + correction.to(hidden.dtype)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -32,6 +32,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dflash": {"method": "dflash"},
     "dflash2": {"method": "dflash"},  # the architecture, DFlash2DraftModel, picks its speculator
     "dspark": {"method": "dspark"},
+    "domino": {"method": "dflash"},  # dflash_config.projector_type: domino builds the GRU head (vLLM after 0.32)
 }
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 
