@@ -6,7 +6,7 @@ it imports only ``core`` and ``heads``.
 
 from headstart.decoding.head_proposers import register_proposer
 from headstart.decoding.proposers_dspark import DSpark
-from headstart.decoding.proposers_heads import DFlash, DFlash2, Eagle, Medusa, PEagle
+from headstart.decoding.proposers_heads import DFlash, DFlash2, Domino, Eagle, Medusa, PEagle
 
 # The proposers of the package's head types, one line per drafting method (heads.register adds the method; a head
 # type from elsewhere: head_proposers.register_proposer).
@@ -18,3 +18,4 @@ register_proposer("dflash", DFlash)
 register_proposer("dspark", DSpark)
 register_proposer("dflash2", DFlash2)
 register_proposer("mtp", Eagle)  # the target's MTP layer drafts as an EAGLE-1 head does: a feature per step
+register_proposer("domino", Domino)

@@ -15,7 +15,7 @@ Greedy runs propose top-k tokens; sampling runs draw from the draft's q and hand
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -38,8 +38,12 @@ from headstart.decoding.verify import Proposer, Sampling, probabilities
 from headstart.heads import DraftHead, KVCache, drafting_of
 from headstart.heads.base import FeatureDrafter
 from headstart.heads.block import BlockDrafter
+from headstart.heads.domino import DominoHead
 from headstart.heads.eagle3 import Eagle3Head
 from headstart.heads.medusa import MedusaHead
+
+# BlockWalk.walk's step: (the expanded nodes' tokens [k], their parents' slots [k], level) -> logits [k, V].
+WalkStep = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class HeadProposer:
@@ -412,20 +416,28 @@ class BlockWalk(DFlash):
     def propose(self, tokens: torch.Tensor) -> Tree:
         if self.committed == 0:  # a one-token prompt: no target feature yet
             return empty_tree(tokens.device)
-        head = self.head
-        hidden = head.draft_hidden(tokens[-1], self.committed, self.context_kv, max(len(c) for c in self.choices))
-
-        def logq_after(parents: torch.Tensor, level: int) -> torch.Tensor:
-            return draft_logq(head.walk_logits(hidden[level], parents), self.sampling)
-
+        hidden = self.head.draft_hidden(tokens[-1], self.committed, self.context_kv, max(len(c) for c in self.choices))
+        first, after = self.walk(hidden, tokens[-1])
         sample = not (self.sampling.greedy or self.sampling.acceptance == "typical")
         tree = shaped_tree(
-            logq_after(tokens[-1:], 0)[0],
-            lambda parents, _slots, level, _visible: logq_after(parents, level),
+            draft_logq(first, self.sampling),
+            lambda parents, slots, level, _visible: draft_logq(after(parents, slots, level), self.sampling),
             self.choices,
             sample,
         )
         return self.cut(tree, hidden, tokens[-1]) if len(tree) else tree
+
+    def walk(self, hidden: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, WalkStep]:
+        """(depth 1's logits [V] after ``root``, the step that gives the logits [k, V] of depth ``level`` + 1's slot
+        after each of ``parents`` [k], the nodes being expanded, whose own parents hold ``parent_slots`` [k]: -1 the
+        root, else the expansion they came in, in order). The slots' outputs are ``hidden`` [depth, H]; the head's
+        ``walk_logits`` reads each parent's token only."""
+        head = self.head
+
+        def after(parents: torch.Tensor, _parent_slots: torch.Tensor, level: int) -> torch.Tensor:
+            return head.walk_logits(hidden[level], parents)
+
+        return head.walk_logits(hidden[0], root.view(1))[0], after
 
     def cut(self, tree: Tree, hidden: torch.Tensor, root: torch.Tensor) -> Tree:
         """The drafted tree, cut where the drafter doubts it (DSpark's confidence head); as drafted by default."""
@@ -437,6 +449,26 @@ class DFlash2(BlockWalk):
     candidate selector given the parent's token (vLLM drafts the greedy walk: the chain of each depth's best)."""
 
     title = "DFlash-2"
+
+
+class Domino(BlockWalk):
+    """A Domino head (``heads/domino.py``): depth d's logits are its slot's plus the correction from the GRU state
+    of the path to it, the block's newest token then each drafted ancestor in turn (vLLM drafts the greedy walk).
+    Each expanded node's state is its parent's advanced by its own token, kept in expansion order."""
+
+    title = "Domino"
+
+    def walk(self, hidden: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, WalkStep]:
+        head = cast(DominoHead, self.head)
+        states = head.prefix_states(root.view(1, 1))[0]  # row 0: the root's; row s + 1: expansion slot s's
+
+        def after(parents: torch.Tensor, parent_slots: torch.Tensor, level: int) -> torch.Tensor:
+            nonlocal states
+            own = head.prefix_states(parents[:, None], states[parent_slots + 1])[:, 0]
+            states = torch.cat((states, own))
+            return head.corrected_logits(hidden[level].expand(len(parents), -1), own)
+
+        return head.corrected_logits(hidden[0], states[0]), after
 
 
 Drafter = HeadProposer | DraftModel  # a proposer that takes a tree shape (``choices``)

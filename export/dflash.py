@@ -169,6 +169,9 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
         raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
     if kind == "dflash" and "DFlash2DraftModel" in architectures:
         raise ValueError("this is a DFlash-2 draft (DFlash2DraftModel): import it --from dflash2")
+    projector = (engine_config.get("dflash_config") or {}).get("projector_type")
+    if kind == "dflash" and projector is not None:
+        raise ValueError(f"this is a DFlash draft with a {projector} projector: import it --from {projector}")
     mask_embedding_file = src / MASK_EMBEDDING_FILE
     mask_embedding = (
         file_inside(mask_embedding_file, checkpoint_roots(src)).read_bytes() if mask_embedding_file.exists() else None

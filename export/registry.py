@@ -11,7 +11,7 @@ A head type with no layouts registered is trained, evaluated and tuned as any ot
 from __future__ import annotations
 
 from headstart.core.settings import rebuild_schemas
-from headstart.export import dflash, dflash2, dspark, eagle, eagle3, medusa, mtp
+from headstart.export import dflash, dflash2, domino, dspark, eagle, eagle3, medusa, mtp
 from headstart.export.layouts import EngineLayouts
 from headstart.heads import HEAD_TYPES, head_type
 
@@ -64,3 +64,4 @@ register_layouts("dflash", dflash)
 register_layouts("dspark", dspark)
 register_layouts("dflash2", dflash2)
 register_layouts("mtp", mtp)
+register_layouts("domino", domino)

@@ -1,4 +1,5 @@
-"""Draft-head modules: EAGLE-1/2, EAGLE-3, Medusa, DFlash, DSpark, DFlash-2 and MTP (built on the shared core only).
+"""Draft-head modules: EAGLE-1/2, EAGLE-3, Medusa, DFlash, DSpark, DFlash-2, Domino and MTP (built on the shared core
+only).
 
 head = build_head({"type": "eagle3", "draft_vocab_size": 8000}, target_model, tokenizer)
 head.config.options.layer_ids, head.config.arch.hidden_size, head.hidden_layers
@@ -10,10 +11,10 @@ One file per job: ``registry`` (the head types: one ``HeadType`` entry each), ``
 and its config.json), ``target`` (the target's layer shape, the families served, compatibility and tokenizer
 checks), ``base`` (``DraftHead``: build, save, load), ``layers`` (the Llama draft layer: norm, rotary, attention
 over the KV cache, MLP), ``losses`` (label alignment, soft cross-entropy), ``block`` (``BlockDrafter``: the
-backbone DFlash, DSpark and DFlash-2 share), and one file per head type, which
-declares its options, module and ``HEAD_TYPE`` entry: ``eagle``, ``eagle3``, ``medusa``, ``dflash``, ``dspark``,
-``dflash2``, ``mtp``. A head type's own classes and functions are imported from its file (``heads.eagle3.Eagle3Head``);
-this package names what works for every head type.
+backbone DFlash, DSpark, DFlash-2 and Domino share), and one file per head type, which declares its options, module
+and ``HEAD_TYPE`` entry: ``eagle``, ``eagle3``, ``medusa``, ``dflash``, ``dspark``, ``dflash2``, ``domino``, ``mtp``. A
+head type's own classes and functions are imported from its file (``heads.eagle3.Eagle3Head``); this package names
+what works for every head type.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.settings import TaggedUnion
-from headstart.heads import dflash, dflash2, dspark, eagle, eagle3, medusa, mtp
+from headstart.heads import dflash, dflash2, domino, dspark, eagle, eagle3, medusa, mtp
 from headstart.heads.base import WEIGHTS_NAME, DraftHead, NonFiniteWeights, check_finite, state_problems
 from headstart.heads.head_config import (
     CONFIG_NAME,
@@ -64,6 +65,7 @@ register(dflash.HEAD_TYPE)
 register(dspark.HEAD_TYPE)
 register(dflash2.HEAD_TYPE)
 register(mtp.HEAD_TYPE)
+register(domino.HEAD_TYPE)
 
 # The config's head: section: its ``type`` picks the registered options model, so a key is checked against that
 # head's options.

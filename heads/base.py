@@ -118,6 +118,9 @@ class DraftHead(nn.Module):
         self.checkpoint_steps: bool | None = None
         # Training's attention kernel (``train.attention: fused``; heads.sparse_attention): not saved either.
         self.fused_attention = False
+        # The share of training's steps done, set by the loop before each step (1 outside training): what a loss
+        # curriculum reads (Domino's lambda_base). Not saved either.
+        self.training_progress = 1.0
 
     def recomputes(self, seq_len: int) -> bool:
         """Whether a training step over samples of ``seq_len`` tokens recomputes its drafting steps in backward."""

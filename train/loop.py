@@ -431,6 +431,7 @@ def train(
     with data.capture or contextlib.nullcontext():
         try:
             for step, batches in step_batches(data, train_cfg, start, total, proc.dp_rank, proc.dp_world):
+                head.training_progress = step / total
                 log.log(train_step(engine, batches, step, train_cfg.seed, proc))
                 done = step + 1
                 if _due(done, train_cfg.eval_every, total):

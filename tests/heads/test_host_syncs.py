@@ -28,6 +28,7 @@ HEADS = {  # each head type, and the waits its step is allowed
         {"type": "dflash2", "layer_ids": LAYER_IDS, "block_size": 4, "selector_rank": 8, "selector_top_k": 4},
         {"nonzero": 1},
     ),
+    "domino": ({"type": "domino", "layer_ids": LAYER_IDS, "block_size": 4, "gru_hidden_dim": 8}, {"nonzero": 1}),
 }
 
 

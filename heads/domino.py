@@ -1,0 +1,131 @@
+"""Domino: the DFlash block drafter plus a causal correction head, a GRU over the block's earlier tokens whose state
+shifts each slot's logits (Domino, arXiv 2605.29707).
+
+The backbone is DFlash's (``heads/block.py``: the block [x_a, mask, ...] over the context strictly before a; slot
+k >= 1 drafts the token at a + k), and so is its layout: vLLM serves the head as a DFlash draft whose
+``dflash_config.projector_type`` is ``domino`` (its ``qwen3_dflash.py`` after 0.32, ``DominoHead``), with its own
+tensors beside the backbone's:
+
+- ``prefix_gru``: a one-layer GRU without biases, input the target's embedding [H] of each token, state
+  [``gru_hidden_dim``]. It starts from zeros at the block's first token (the newest committed one) and reads the
+  block's tokens in order: slot k's state has read the tokens at a .. a + k - 1 (the data's in training, the
+  drafted ones when drafting), what the parallel slots cannot see of each other.
+- ``embed_proj``: Linear [H + gru_hidden_dim -> ``emb_dim``], SiLU, Linear [emb_dim -> V], no biases, on
+  [the slot's normed output, its GRU state]: a correction added to the slot's logits through the target's lm_head.
+  Its last layer starts at zero, so an untrained Domino drafts as the DFlash under it.
+
+The loss is the public trainers' (SpecForge, Model-Optimizer, NeMo), with DFlash's soft cross-entropy to the target's
+distribution in place of their hard labels: (1 - lambda) x that of the corrected logits + lambda x that of the
+backbone's own, with lambda falling linearly from ``lambda_base_start`` to 0 over the first ``lambda_base_decay``
+of training (their base-anchored curriculum: the parallel backbone learns first, then the correction).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from headstart.core.settings import Count, Float
+from headstart.heads.block import BlockDrafter, BlockOptions, only
+from headstart.heads.head_config import HeadConfig
+from headstart.heads.registry import Drafting, HeadType
+
+
+class DominoOptions(BlockOptions):
+    type: Literal["domino"] = "domino"
+    # The whole vocabulary: the key stays in the options a run saves (null).
+    draft_vocab_size: Annotated[
+        None,
+        only(None, "Domino's correction covers the target's whole vocabulary (vLLM's embed_proj has V rows, no d2t)"),
+    ] = None
+    gru_hidden_dim: Count = 1024  # the GRU's state (the public drafts': 1024)
+    emb_dim: Count = 256  # the correction's bottleneck (the public drafts': 256)
+    lambda_base_start: Annotated[Float, Field(ge=0, le=1)] = 1.0  # the backbone's own loss share at step 0
+    lambda_base_decay: Annotated[Float, Field(gt=0, le=1)] = 1.0  # the share of training over which it falls to 0
+
+
+class DominoHead(BlockDrafter[DominoOptions]):
+    head_type = "domino"
+    options_model = DominoOptions
+    shape_keys = (*BlockDrafter.shape_keys, "gru_hidden_dim", "emb_dim")
+    first_drafting_slot = 1  # DFlash's block: the newest token's slot drafts nothing
+
+    def __init__(self, config: HeadConfig[DominoOptions]):
+        super().__init__(config)
+        hidden, options = config.arch.hidden_size, config.options
+        self.prefix_gru = nn.GRU(hidden, options.gru_hidden_dim, batch_first=True, bias=False)
+        correction = nn.Linear(options.emb_dim, config.vocab_size, bias=False)
+        nn.init.zeros_(correction.weight)
+        self.embed_proj = nn.Sequential(
+            nn.Linear(hidden + options.gru_hidden_dim, options.emb_dim, bias=False), nn.SiLU(), correction
+        )
+
+    def lambda_base(self) -> float:
+        """The backbone's own loss share at this point of training (``training_progress``)."""
+        options = self.config.options
+        return options.lambda_base_start * max(0.0, 1.0 - self.training_progress / options.lambda_base_decay)
+
+    def prefix_states(self, previous: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """GRU states [.., n, G] after each of the tokens ``previous`` [.., n] in turn, from ``state`` [.., G]
+        (None: the block's start, zeros)."""
+        embeds = self.embed(previous)  # the head's dtype, its GRU's
+        rows = embeds.flatten(0, -3) if embeds.dim() > 2 else embeds[None]
+        initial = None if state is None else state.reshape(1, len(rows), -1).to(embeds.dtype)
+        out, _ = self.prefix_gru(rows, initial)
+        return out.view(*previous.shape, -1)
+
+    def corrected_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Target-vocab logits [.., V] of slots with normed outputs ``hidden`` [.., H] and GRU states ``state``
+        [.., G]: the backbone's through the target's lm_head plus the correction."""
+        correction = self.embed_proj(torch.cat((hidden, state.to(hidden.dtype)), -1).to(self.fc.weight.dtype))
+        return self.logits(hidden) + correction.to(hidden.dtype)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``BlockDrafter.loss`` with each drafting slot's teacher-forced GRU state beside its output: slot k of
+        the block at a has read the data's tokens at a .. a + k - 1 (``slot_terms`` splits them again)."""
+        hidden, label_at, labelled = self.block_states(batch)
+        ids = batch["input_ids"]
+        previous = ids.gather(1, (label_at - 1).clamp(max=ids.shape[1] - 1).flatten(1)).view_as(label_at)
+        states = self.prefix_states(previous)  # a slot past the sample's end reads garbage, never scored
+        return self.block_loss(batch, torch.cat((hidden, states.to(hidden.dtype)), -1), label_at, labelled)
+
+    def slot_terms(
+        self,
+        batch: dict[str, torch.Tensor],
+        states: torch.Tensor,
+        sample: torch.Tensor,
+        positions: torch.Tensor,
+        greedy: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """``loss``: (1 - lambda) x the soft cross-entropy of the corrected logits to the target's distribution +
+        lambda x that of the backbone's (``lambda_base``); ``hit`` and ``confidence`` (D-PACE's) are the corrected
+        logits', what drafting draws from when the slots before were right. Metrics: ``final_ce``, ``base_ce``,
+        ``base_hit`` (the backbone's argmax is the target's greedy token)."""
+        hidden, prefix = states.split((self.config.arch.hidden_size, self.config.options.gru_hidden_dim), -1)
+        target_probs = self.target_probs(batch, sample, positions)
+        base = self.draft_logits(hidden)
+        final = self.corrected_logits(hidden, prefix)
+        base_log_probs, log_probs = base.float().log_softmax(-1), final.float().log_softmax(-1)
+        base_ce = -(target_probs * base_log_probs).sum(-1)
+        final_ce = -(target_probs * log_probs).sum(-1)
+        share = self.lambda_base()
+        return {
+            "loss": (1 - share) * final_ce + share * base_ce,
+            "hit": self.greedy_hits(final, greedy),
+            "confidence": self.draft_confidence(log_probs.detach(), greedy),
+            "final_ce": final_ce.detach(),
+            "base_ce": base_ce.detach(),
+            "base_hit": self.greedy_hits(base, greedy).float(),
+        }
+
+
+HEAD_TYPE = HeadType(
+    name="domino",
+    head=DominoHead,
+    trainer="eagle",
+    fuses_layers=True,
+    drafting=Drafting("domino", "Domino"),
+)

@@ -1,0 +1,235 @@
+"""Domino block drafters: the loss against a per-block reference with a GRU written out gate by gate, the
+curriculum, the GRU's walk through the verifier (greedy identity for chains and trees, lossless sampling), training
+with exact resume, export in vLLM's DFlash layout with projector_type domino and import."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from headstart.decoding.proposers_heads import DFlash, Domino
+from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.heads import build_head, load_head
+from headstart.scripts.export.command import export_head
+from headstart.scripts.export.import_head import import_head
+from headstart.train import eagle as trainer
+from tests.decoding.test_decoding_sampling import exact_two_tokens_of
+from tests.heads.test_dflash import NEW, V, assert_same_head, block_batch, features, first_tree, prompts, trained_on
+from tests.helpers import (
+    WIDE,
+    assert_matches,
+    block_drafter_run,
+    greedy_reference,
+    tiny_llama,
+    trains_then_resumes_identically,
+    world_of_one,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SETTINGS = {"type": "domino", "layer_ids": [1, 3, 4], "block_size": 4, "num_layers": 2, "gru_hidden_dim": 12}
+
+
+def domino_head(target, seed: int = 1, **options):
+    torch.manual_seed(seed)
+    head = build_head(SETTINGS | {"emb_dim": 8} | options, target)
+    with torch.no_grad():  # a correction that matters, as after training (it starts at zero)
+        head.embed_proj[2].weight.normal_(0, 1.0)
+    return head
+
+
+def gru_by_hand(head, tokens):
+    """The GRU state [G] after ``tokens`` from zeros, torch's equations written out (no biases)."""
+    w_ih, w_hh = head.prefix_gru.weight_ih_l0, head.prefix_gru.weight_hh_l0
+    state = torch.zeros(w_hh.shape[1])
+    for x in head.target.embed(tokens):
+        r_i, z_i, n_i = (w_ih @ x).chunk(3)
+        r_h, z_h, n_h = (w_hh @ state).chunk(3)
+        r, z = torch.sigmoid(r_i + r_h), torch.sigmoid(z_i + z_h)
+        state = (1 - z) * torch.tanh(n_i + r * n_h) + z * state
+    return state
+
+
+def corrected_by_hand(head, hidden, state):
+    """The slot's logits: the target lm_head's plus embed_proj's two layers on [output, state]."""
+    first, last = head.embed_proj[0].weight, head.embed_proj[2].weight
+    return head.target.lm_head(hidden) + last @ F.silu(first @ torch.cat((hidden, state)))
+
+
+def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_every_block(peaked_wide_llama):
+    head = domino_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0, lambda_base_start=0.8, lambda_base_decay=0.5)
+    head.training_progress = 0.25  # lambda = 0.8 x (1 - 0.25 / 0.5)
+    batch = block_batch(peaked_wide_llama, head)
+    ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    loss, metrics = head.loss(batch)
+    slot_sums, counts, base_hits = torch.zeros(3), torch.zeros(3), 0
+    with torch.no_grad():
+        for b in range(2):
+            n = int(attention[b].sum())
+            for a in range(n - 1):
+                if not loss_mask[b, a + 1]:
+                    continue  # an anchor's next token is a label
+                context = head.context_kv(batch["aux_hidden"][b : b + 1, :a], torch.arange(a)[None])
+                hidden = head.draft_hidden(ids[b, a], a, context, 3)
+                for k in range(min(3, n - 1 - a)):
+                    if not loss_mask[b, a + 1 + k]:
+                        continue
+                    base = peaked_wide_llama.lm_head(hidden[k])
+                    final = corrected_by_hand(head, hidden[k], gru_by_hand(head, ids[b, a : a + k + 1]))
+                    p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
+                    ce_base = -(p_target * base.log_softmax(-1)).sum()
+                    slot_sums[k] += 0.6 * -(p_target * final.log_softmax(-1)).sum() + 0.4 * ce_base
+                    counts[k] += 1
+                    base_hits += int(base.argmax() == p_target.argmax())
+    weights = torch.exp(-torch.arange(3) / 2.0)
+    torch.testing.assert_close(loss, (weights * slot_sums / counts).sum() / weights.sum(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(metrics["base_hit"], torch.tensor(base_hits / counts.sum().item()))
+    assert metrics["final_ce"] != metrics["base_ce"]
+    loss.backward()  # every part learns: the GRU, both correction layers, the backbone; the target does not
+    for name in ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "fc.weight"):
+        assert head.get_parameter(name).grad.abs().sum() > 0, name
+    assert peaked_wide_llama.lm_head.weight.grad is None
+
+
+def test_the_backbones_share_falls_linearly_to_zero_and_an_untrained_correction_is_zero(peaked_wide_llama):
+    torch.manual_seed(0)
+    head = build_head(SETTINGS | {"lambda_base_start": 0.8, "lambda_base_decay": 0.5}, peaked_wide_llama)
+    shares = []
+    for progress in (0.0, 0.25, 0.5, 0.9):
+        head.training_progress = progress
+        shares.append(head.lambda_base())
+    assert shares == pytest.approx([0.8, 0.4, 0.0, 0.0])
+    hidden, state = torch.randn(3, 64), torch.randn(3, 12)
+    assert torch.equal(head.corrected_logits(hidden, state), head.logits(hidden))  # it drafts as its DFlash
+
+
+def test_training_raises_the_corrected_chain_accuracy_above_the_backbones(peaked_wide_llama):
+    torch.manual_seed(1)
+    head = build_head(SETTINGS | {"num_anchors": 64, "emb_dim": 8}, peaked_wide_llama)  # as training starts it
+    batch = block_batch(peaked_wide_llama, head)
+    first, (loss, metrics) = trained_on(head, batch, 80)  # lambda 0: the corrected logits only
+    assert loss < 0.5 * first[0] and metrics["acc_2"] > first[1]["acc_2"] and metrics["acc_2"] > 0.5
+    assert metrics["final_ce"] < metrics["base_ce"]
+
+
+def test_each_node_is_its_parents_best_under_the_gru_of_its_path(peaked_wide_llama):
+    head = domino_head(peaked_wide_llama)
+    proposer = Domino(head, choices=[[0], [1], [0, 0], [1, 0], [1, 1], [1, 1, 0]])
+    tokens = prompts()[2][0]
+    tree, aux = first_tree(peaked_wide_llama, proposer)
+    with torch.no_grad():
+        hidden = head.draft_hidden(tokens[-1], 11, head.context_kv(aux, torch.arange(11)[None]), 3)
+        first = corrected_by_hand(head, hidden[0], gru_by_hand(head, tokens[-1:])).topk(2).indices
+        path = torch.cat((tokens[-1:], first[1:]))
+        second = corrected_by_hand(head, hidden[1], gru_by_hand(head, path)).topk(2).indices
+        third = corrected_by_hand(head, hidden[2], gru_by_hand(head, torch.cat((path, second[1:])))).argmax()
+    assert tree.parents.tolist() == [-1, -1, 0, 1, 1, 4] and tree.tokens[:2].tolist() == first.tolist()
+    assert tree.tokens[3:5].tolist() == second.tolist() and int(tree.tokens[5]) == int(third)
+
+
+@pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
+def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
+    head = domino_head(peaked_wide_llama)
+    for prompt in prompts():
+        out, _ = generate(
+            peaked_wide_llama, Domino(head, choices), prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
+        )
+        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
+    outputs, _ = generate_batch(peaked_wide_llama, [Domino(head, choices) for _ in prompts()], prompts(), NEW)
+    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
+
+
+def test_sampled_tree_is_lossless():
+    target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
+    target.lm_head.weight.data *= 5
+    head = domino_head(target, seed=4, emb_dim=4)
+    sampling = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
+    exact = exact_two_tokens_of(target, prompt, sampling)
+    root = prompt[0, -1:]
+    with torch.no_grad():
+        aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
+        hidden = head.draft_hidden(root[0], 6, head.context_kv(aux, torch.arange(6)[None]), 2)
+        q0 = probabilities(corrected_by_hand(head, hidden[0], gru_by_hand(head, root)), sampling)
+        q1 = torch.stack(
+            [probabilities(corrected_by_hand(head, hidden[1], gru_by_hand(head, torch.tensor([root[0], t]))), sampling)
+             for t in range(5)]
+        )  # fmt: skip
+    torch.manual_seed(0)
+    counts, accepted = torch.zeros(25), 0
+    for _ in range(10):
+        proposers = [Domino(head, [[0], [1], [0, 0], [0, 1], [1, 0]]) for _ in range(100)]
+        outputs, stats = generate_batch(target, proposers, [prompt] * 100, 2, sampling)
+        for out, stat in zip(outputs, stats):
+            counts[out[0, -2] * 5 + out[0, -1]] += 1
+            accepted += stat.accepted_lengths[0] - 1
+    assert accepted > 300
+    assert_matches(counts, exact, (q0[:, None] * q1).flatten())
+
+
+def test_refusals(peaked_wide_llama):
+    with pytest.raises(ValueError, match="DFlash drafting needs a dflash head, not a domino head"):
+        DFlash(domino_head(peaked_wide_llama))
+    with pytest.raises(ValueError, match="Domino's correction covers the target's whole vocabulary"):
+        build_head(SETTINGS | {"draft_vocab_size": 100}, peaked_wide_llama)
+
+
+def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
+    # train/eagle.py (the config's domino head) through DeepSpeed (a world of one, online capture), the backbone's
+    # share falling over the 4 steps: 4 steps straight, then resumed from the step-2 checkpoint, the same head.
+    world_of_one(monkeypatch)
+    head = {"type": "domino", "block_size": 3, "num_anchors": 8, "gru_hidden_dim": 8, "emb_dim": 8}
+    path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
+    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
+    heldout = [r for r in lines if r["split"] == "heldout"]
+    assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
+    assert {"final_ce", "base_ce", "base_hit", "acc_0", "acc_1"} <= heldout[1].keys()
+    assert straight["embed_proj.2.weight"].abs().sum() > 0  # the correction learned once the share fell
+
+
+def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peaked_wide_llama, tmp_path):
+    target_dir = tmp_path / "target"
+    peaked_wide_llama.save_pretrained(target_dir)
+    head = domino_head(peaked_wide_llama, mask_embedding=True)
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {
+        "mask_token_id": 0,
+        "target_layer_ids": [0, 2, 3],
+        "causal": False,
+        "projector_type": "domino",
+        "gru_hidden_dim": 12,
+        "emb_dim": 8,
+        "pure_draft_prefix_len": 0,
+        "shift_label": False,
+    }
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == set(head.state_dict()) - {"mask_embedding"} and (out / "mask_embedding.pt").exists()
+    # The names and shapes vLLM's DominoHead builds (nn.GRU(H, G, bias=False); embed_proj [H + G -> E -> V]).
+    domino = {k: tuple(v.shape) for k, v in tensors.items() if k.startswith(("prefix_gru.", "embed_proj."))}
+    assert domino == {
+        "prefix_gru.weight_ih_l0": (3 * 12, 64),
+        "prefix_gru.weight_hh_l0": (3 * 12, 12),
+        "embed_proj.0.weight": (8, 64 + 12),
+        "embed_proj.2.weight": (V, 8),
+    }
+    readme = (out / "README.md").read_text()
+    assert '"method": "dflash"' in readme and '"num_speculative_tokens": 3' in readme and "predates Domino" in readme
+
+    imported = load_head(import_head("domino", out, tmp_path / "imported", str(target_dir)), peaked_wide_llama)
+    assert_same_head(imported, head)
+    trees = [first_tree(peaked_wide_llama, Domino(one, [[0], [1], [0, 0], [0, 0, 0]]))[0] for one in (head, imported)]
+    assert torch.equal(trees[0].tokens, trees[1].tokens)
+
+    with pytest.raises(ValueError, match="a DFlash draft with a domino projector: import it --from domino"):
+        import_head("dflash", out, tmp_path / "as-dflash", str(target_dir))
+    for change, why in (({"pure_draft_prefix_len": 1}, "uses uncorrected leading slots"), ({"emb_dim": None}, "")):
+        settings = {k: v for k, v in (config["dflash_config"] | change).items() if v is not None}
+        (out / "config.json").write_text(json.dumps(config | {"dflash_config": settings}))
+        with pytest.raises(ValueError, match=why or r"lacks \['emb_dim'\]"):
+            import_head("domino", out, tmp_path / "refused", str(target_dir))
+    with pytest.raises(ValueError, match="cannot export a domino head as 'sglang': SGLang 0.5.23 has no Domino"):
+        export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
