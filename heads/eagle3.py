@@ -399,14 +399,19 @@ class Eagle3Head(FeatureDrafter):
             with torch.no_grad():
                 target_probs, on_draft = self.draft_vocab_targets(batch, target_logits, rows, draft_in_target, lk)
                 padding = (0, 0, 0, end + steps - 1 - start - target_probs.shape[1])  # past the end
-                target_probs, on_draft = F.pad(target_probs, padding), F.pad(on_draft, padding)
+                target_probs = F.pad(target_probs, padding)
+                on_draft = None if on_draft is None else F.pad(on_draft, padding)
             sums = []
             for j, out in enumerate(outs):
                 logits = self.lm_head(self.norm(out[:, start:end]))
                 target, scored = target_probs[:, j : j + end - start], counted[j, :, start:end]
                 with torch.no_grad():
                     agree = (logits.argmax(-1) == target.argmax(-1)) & scored
-                accepted = (acceptance_rate(logits, on_draft[:, j : j + end - start]) * scored).sum() if lk else 0.0
+                accepted = (
+                    0.0
+                    if on_draft is None
+                    else (acceptance_rate(logits, on_draft[:, j : j + end - start]) * scored).sum()
+                )
                 loss = (soft_cross_entropy(logits, target) * scored).sum()
                 sums.append(torch.stack((loss, agree.sum().float(), torch.as_tensor(accepted, device=loss.device))))
             return torch.stack(sums, 1)
@@ -431,11 +436,11 @@ class Eagle3Head(FeatureDrafter):
         rows: slice,
         draft_in_target: torch.Tensor,
         whole_vocab: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the target's distribution over the draft vocabulary, renormalised there [B, n, V_draft]: what the soft
         cross-entropy reads; its own probabilities of those tokens [B, n, V_draft]: what acceptance reads) at the
-        positions ``rows``, from ``target_logits`` or ``last_hidden``. ``whole_vocab`` false: the second is the
-        first (it is not read), and only the draft vocabulary's logits are computed."""
+        positions ``rows``, from ``target_logits`` or ``last_hidden``. ``whole_vocab`` false: None for the second,
+        and only the draft vocabulary's logits are computed."""
         if target_logits is None:
             hidden = batch["last_hidden"][:, rows]
             logits = self.target.logits(hidden) if whole_vocab else self.target.logits(hidden, draft_in_target)
@@ -444,7 +449,7 @@ class Eagle3Head(FeatureDrafter):
         draft_logits = logits[..., draft_in_target] if whole_vocab or target_logits is not None else logits
         target_probs = draft_logits.float().softmax(-1)
         if not whole_vocab:
-            return target_probs, target_probs
+            return target_probs, None
         return target_probs, target_probs * draft_vocab_mass(logits, draft_logits)
 
 
