@@ -36,7 +36,7 @@ shrinks in proportion.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
+from typing import Annotated, Any, ClassVar, Generic, Literal, NamedTuple, TypeVar, cast
 
 import torch
 from pydantic import BeforeValidator, Field
@@ -50,10 +50,37 @@ from headstart.heads.base import DraftHead
 from headstart.heads.eagle3 import build_vocab_mapping
 from headstart.heads.head_config import HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.layers import BlockLayer, RMSNorm, RotaryEmbedding
-from headstart.heads.losses import batch_positions, chain_metrics, dpace_mean, label_mask, same_sample, sample_anchors
+from headstart.heads.losses import (
+    acceptance_rate,
+    batch_positions,
+    chain_metrics,
+    dpace_mean,
+    draft_vocab_mass,
+    label_mask,
+    lk_loss,
+    same_sample,
+    sample_anchors,
+    soft_cross_entropy,
+)
 from headstart.heads.sparse_attention import chunked, query_chunk
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
+# Variable-prefix training (D2SD, arXiv 2606.04446): a block shows l real tokens with Pr(l) ~ base**l, the prior
+# NeMo AutoModel's prefix_weight_base defaults to (below 1: short prefixes, the common case after a rejection, weigh
+# most).
+PREFIX_PRIOR_BASE = 0.9
+MIN_PREFIX = 2  # a prefix of 1 is plain DFlash's block, which every other training step already draws
+
+
+class BlockStates(NamedTuple):
+    """The drafting slots of a batch's blocks (``BlockDrafter.block_states``), each [B, N, K] but ``hidden``."""
+
+    hidden: torch.Tensor  # [B, N, K, H]: the slots' normed outputs
+    label_at: torch.Tensor  # the row position of the token each slot drafts
+    labelled: torch.Tensor  # whether it is scored
+    # Its place in the chain drafted after the tokens the block shows (0: the first drafted token); negative where
+    # the block shows the token (a variable prefix), which is then not scored.
+    step: torch.Tensor
 
 
 def resolve_mask_token_id(target_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None) -> int:
@@ -111,6 +138,11 @@ class BlockOptions(LayerOptions):
     # the draft's confidence in it (heads/losses.py, dpace_weights); loss_gamma is then unused.
     loss_weighting: Literal["decay", "dpace"] = "decay"
     dpace_alpha: Annotated[Float, Field(gt=0, le=1)] = 0.5  # D-PACE's smoothing q~ = alpha + (1 - alpha) q
+    # HeadOptions' choices, and variable_prefix: D2SD's VP-Drafter training (arXiv 2606.04446, NeMo AutoModel's
+    # loss_type: variable_prefix). Each training block shows l >= 2 real tokens from its anchor (Pr(l) ~ 0.9**l,
+    # PREFIX_PRIOR_BASE) and is scored on the slots after them, the decay restarting there: the draft learns to
+    # re-draft a block's rest behind a partly accepted one. Held-out blocks show the anchor only, as served.
+    loss: Literal["lk", "variable_prefix"] | None = None
 
     def trained_depth(self) -> int:
         return self.block_size - 1  # the mask slots: the newest token's slot drafts nothing (DSpark's says more)
@@ -327,10 +359,21 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         """Target-vocab logits [masks, V] of the tokens after ``root`` from one block (``draft_hidden``)."""
         return self.logits(self.draft_hidden(root, position, context_kv, masks))
 
-    def block_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden [B, N, K, H], label_at [B, N, K], labelled [B, N, K]) of the drafting slots of
-        blocks at random anchors: slot k of the block at anchor a drafts the token at ``label_at`` = a + k, k =
-        1..K, which is scored where it is a label.
+    def shown_prefix(self, anchors: torch.Tensor, drafting_slots: int) -> torch.Tensor:
+        """[B, N]: how many real tokens, from its anchor on, each block at ``anchors`` [B, N] shows: its anchor
+        alone, or in training with ``loss: variable_prefix`` l in [MIN_PREFIX, drafting_slots] drawn with Pr(l) ~
+        PREFIX_PRIOR_BASE**l (from torch's generator, which the loop seeds per micro-batch)."""
+        if not (self.training and self.config.options.loss == "variable_prefix"):
+            return torch.ones_like(anchors)
+        low = min(MIN_PREFIX, drafting_slots)
+        lengths = torch.arange(low, drafting_slots + 1, device=anchors.device)
+        prior = PREFIX_PRIOR_BASE ** lengths.double()
+        return lengths[torch.multinomial(prior, anchors.numel(), replacement=True)].view_as(anchors)
+
+    def block_states(self, batch: dict[str, torch.Tensor]) -> BlockStates:
+        """The drafting slots of blocks at random anchors (``BlockStates``): slot k of the block at anchor a drafts
+        the token at ``label_at`` = a + k, k = 1..K, which is scored where it is a label and the block does not
+        show it (``shown_prefix``).
 
         Anchors are positions whose next token is a label. Each block sees the context strictly before its anchor
         (serving has no target state of the newest token yet) and its own slots.
@@ -344,8 +387,10 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         anchors, real = sample_anchors(label_mask(batch, 1), count, not self.training)
         offsets = torch.arange(self.config.options.block_size, device=ids.device)
         slots = anchors[..., None] + offsets  # [B, N, S]: the row's positions the block stands for
-        block_ids = torch.full_like(slots, self.mask_token_id)
-        block_ids[..., 0] = ids.gather(1, anchors)
+        prefix = self.shown_prefix(anchors, self.config.options.block_size - first)
+        within = slots.clamp(max=seq - 1)
+        shown = (offsets < prefix[..., None]) & (slots < seq) & same_sample(batch, anchors, within)
+        block_ids = torch.where(shown, ids.gather(1, within.flatten(1)).view_as(slots), self.mask_token_id)
         positions = batch_positions(batch)  # rotary: a packed sample's own from 0
         context_kv = self.context_kv(batch["aux_hidden"], positions)
         rows = torch.arange(seq, device=ids.device)
@@ -355,11 +400,12 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         hidden = self(block_ids.flatten(1), block_positions.flatten(1), context_kv, visible)
         hidden = hidden.view(*slots.shape, -1)[:, :, first:]  # the drafting slots
         label_at = slots[..., first:] + 1 - first  # [B, N, K]: where each slot's token is
+        step = label_at - anchors[..., None] - prefix[..., None]
         with torch.no_grad():
             inside = label_at.clamp(max=seq - 1)
             labelled = label_mask(batch, 0).gather(1, inside.flatten(1)).view_as(label_at)
-            labelled &= (label_at < seq) & real[..., None] & same_sample(batch, anchors, inside)
-        return hidden, label_at, labelled
+            labelled &= (label_at < seq) & real[..., None] & same_sample(batch, anchors, inside) & (step >= 0)
+        return BlockStates(hidden, label_at, labelled, step)
 
     def target_probs(
         self, batch: dict[str, torch.Tensor], sample: torch.Tensor, positions: torch.Tensor
@@ -370,6 +416,39 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         with torch.no_grad():
             ids = None if self.lm_head is None else self.draft_ids()
             return self.target.logits(batch["last_hidden"][sample, positions - 1], ids).float().softmax(-1)
+
+    def distribution_terms(
+        self,
+        batch: dict[str, torch.Tensor],
+        logits: torch.Tensor,
+        sample: torch.Tensor,
+        positions: torch.Tensor,
+        target_probs: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Per scored slot [R] with draft-vocab ``logits`` [R, V_draft] and the target's ``target_probs``: ``soft_ce``,
+        the soft cross-entropy to the target's distribution, and with ``loss: lk`` ``acceptance``, the rate at
+        which verification accepts the slot's draft (against the target's whole-vocabulary probabilities of the
+        draft's tokens: over a reduced vocabulary, ``target_probs`` times the target's mass on it)."""
+        terms = {"soft_ce": soft_cross_entropy(logits, target_probs)}
+        if self.config.options.loss != "lk":
+            return terms
+        on_draft = target_probs
+        if self.lm_head is not None:
+            with torch.no_grad():
+                hidden = batch["last_hidden"][sample, positions - 1]
+                whole, draft = self.target.logits(hidden), self.target.logits(hidden, self.draft_ids())
+                on_draft = target_probs * draft_vocab_mass(whole, draft)
+        return terms | {"acceptance": acceptance_rate(logits, on_draft)}
+
+    def slot_losses(self, terms: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each scored slot's training loss [R] from its ``slot_terms``: its ``divergence`` (with ``loss: lk``, the
+        LK hybrid of its soft cross-entropy and its acceptance, the KL's weight set by the batch's mean acceptance)
+        plus its ``auxiliary`` terms."""
+        divergence = terms["divergence"]
+        if self.config.options.loss == "lk":
+            acceptance = terms["acceptance"]
+            divergence = lk_loss(terms["soft_ce"], acceptance, acceptance.mean())
+        return divergence + terms["auxiliary"] if "auxiliary" in terms else divergence
 
     def draft_confidence(self, log_probs: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """D-PACE's confidence [R]: the draft's probability of the target's greedy token ``greedy`` [R] (0 off its
@@ -387,18 +466,27 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
             return self.draft_ids()[logits.argmax(-1)] == greedy
 
     def weighted_loss(
-        self, per_slot: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, confidence: torch.Tensor
+        self,
+        per_slot: torch.Tensor,
+        rows: tuple[torch.Tensor, ...],
+        states: BlockStates,
+        confidence: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss, each drafting slot's mean loss [K]) of the scored slots' losses ``per_slot`` [R]: position k's
         mean weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1;
-        with ``loss_weighting: dpace``, D-PACE's weighted mean over every scored slot (heads/losses.py) from the
-        draft's ``confidence`` [R] in each."""
-        options, depth = self.config.options, labelled.shape[-1]
-        slot = rows[2]
+        with ``loss: variable_prefix``, each slot weighted exp(-step / loss_gamma) by its place after the shown
+        prefix (``BlockStates.step``), the weighted mean over every scored slot, as NeMo weighs it; with
+        ``loss_weighting: dpace``, D-PACE's weighted mean over every scored slot (heads/losses.py) from the draft's
+        ``confidence`` [R] in each (the shown slots neither cut nor earn: unscored)."""
+        options, labelled = self.config.options, states.labelled
+        depth, slot = labelled.shape[-1], rows[2]
         counts = torch.bincount(slot, minlength=depth)
         slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts.clamp(min=1)
         if options.loss_weighting == "dpace":
             return dpace_mean(per_slot, confidence, rows, labelled, options.dpace_alpha), slot_loss
+        if options.loss == "variable_prefix":
+            weights = torch.exp(-states.step[rows].float() / options.loss_gamma)
+            return (weights * per_slot).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny), slot_loss
         weights = torch.exp(-torch.arange(depth, device=per_slot.device) / options.loss_gamma)
         return (weights * slot_loss).sum() / weights.sum(), slot_loss
 
@@ -432,28 +520,30 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """Per scored slot [R] (outputs ``states`` [R, H], drafting the token at ``positions`` of ``sample``, whose
-        greedy token the target gives as ``greedy``): ``loss``, the head type's training loss; ``hit``, whether its
-        draft is the target's greedy token; ``confidence``, D-PACE's (the draft's probability of that token). A head
-        type may add its own terms; any besides these three are reported as metrics (their mean)."""
+        greedy token the target gives as ``greedy``): ``divergence``, the head type's distribution term, with
+        ``distribution_terms`` (``soft_ce`` and, with ``loss: lk``, ``acceptance``), which ``slot_losses`` turns into
+        the training loss with the head's ``auxiliary`` terms, if it has any; ``hit``, whether its draft is the
+        target's greedy token; ``confidence``, D-PACE's (the draft's probability of that token). A head type may add
+        its own terms; any but these are reported as metrics (their mean)."""
 
     def block_loss(
-        self, batch: dict[str, torch.Tensor], hidden: torch.Tensor, label_at: torch.Tensor, labelled: torch.Tensor
+        self, batch: dict[str, torch.Tensor], states: BlockStates
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss and metrics of the scored slots ``labelled`` [B, N, K] (``scored_slots``), weighted by
-        ``weighted_loss``; metrics: ``chain_metrics`` and the mean of each extra term."""
-        rows = labelled.nonzero(as_tuple=True)
-        terms = self.scored_slots(batch, hidden, rows, label_at)
-        total, slot_loss = self.weighted_loss(terms["loss"], rows, labelled, terms["confidence"])
-        metrics = {k: v.detach().float().mean() for k, v in terms.items() if k not in ("loss", "hit", "confidence")}
-        return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"])
+        """The loss and metrics of the scored slots of ``states`` (``scored_slots``), weighted by ``weighted_loss``;
+        metrics: ``chain_metrics`` and the mean of each extra term."""
+        rows = states.labelled.nonzero(as_tuple=True)
+        terms = self.scored_slots(batch, states.hidden, rows, states.label_at)
+        total, slot_loss = self.weighted_loss(self.slot_losses(terms), rows, states, terms["confidence"])
+        own = ("divergence", "auxiliary", "soft_ce", "hit", "confidence")
+        metrics = {k: v.detach().float().mean() for k, v in terms.items() if k not in own}
+        return total, metrics | chain_metrics(slot_loss, rows, states.labelled, terms["hit"], states.step < 0)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Block loss over random anchors (``block_states``): the head type's ``slot_terms`` of every drafting slot
         whose token is a label, weighted by ``weighted_loss`` (a fixed decay over positions, or D-PACE from the
         draft's probability of the target's greedy token). Metrics: ``chain_metrics`` and the mean of each extra
-        term.
+        term (``acceptance`` with ``loss: lk``).
 
         Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, ``last_hidden``.
         """
-        hidden, label_at, labelled = self.block_states(batch)
-        return self.block_loss(batch, hidden, label_at, labelled)
+        return self.block_loss(batch, self.block_states(batch))

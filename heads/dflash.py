@@ -4,7 +4,7 @@ architecture ``DFlashDraftModel``).
 Slot 0 of the block anchored at a holds x_a and drafts nothing; slot k >= 1 predicts the token at its own position
 a + k. Serving: a = the newest token (vLLM's bonus token), the context every token the target has verified before
 it, k = 1 .. num_speculative_tokens. The loss is the soft cross-entropy of every slot to the target's
-distribution (``slot_terms``).
+distribution (``slot_terms``), or with ``loss: lk`` the LK hybrid of it and the acceptance rate.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ class DFlashHead(BlockDrafter[DflashOptions]):
         miss). ``hit``: the slot's argmax is the target's greedy token."""
         target_probs = self.target_probs(batch, sample, positions)
         logits = self.draft_logits(states)
-        log_probs = logits.float().log_softmax(-1)
-        return {
-            "loss": -(target_probs * log_probs).sum(-1),
+        terms = self.distribution_terms(batch, logits, sample, positions, target_probs)
+        return terms | {
+            "divergence": terms["soft_ce"],
             "hit": self.greedy_hits(logits, greedy),
-            "confidence": self.draft_confidence(log_probs.detach(), greedy),
+            "confidence": self.draft_confidence(logits.detach().float().log_softmax(-1), greedy),
         }
 
 

@@ -196,7 +196,7 @@ class DFlash2Head(BlockDrafter[Dflash2Options]):
         positions: torch.Tensor,
         greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """DFlash's per-slot terms (``DFlashHead.slot_terms``), the selector's in them: ``loss`` adds
+        """DFlash's per-slot terms (``DFlashHead.slot_terms``), the selector's in them: ``auxiliary`` is
         ``selector_weight`` x the selector's cross-entropy over the slot's top-k candidates, scored after the data's
         previous token (the anchor for slot 1), to the target's greedy token, which replaces the weakest candidate
         where it is not one (the loss only); ``hit`` and ``confidence`` (D-PACE's) are the selector's choice and
@@ -216,13 +216,14 @@ class DFlash2Head(BlockDrafter[Dflash2Options]):
         choice = torch.where(recalled[:, None], scores[:, :-1], torch.cat((scores[:, :-2], scores[:, -1:]), -1))
         label = torch.where(recalled, place, options.selector_top_k - 1)
         selector_ce = F.cross_entropy(choice.float(), label, reduction="none")
-        soft_ce = -(target_probs * logits.float().log_softmax(-1)).sum(-1)
+        terms = self.distribution_terms(batch, logits, sample, positions, target_probs)
         with torch.no_grad():
             walk = scores[:, :-1].float().softmax(-1)
             hit = found.gather(1, walk.argmax(-1, keepdim=True))[:, 0]
             confidence = walk.gather(1, place[:, None])[:, 0] * recalled
-        return {
-            "loss": soft_ce + options.selector_weight * selector_ce,
+        return terms | {
+            "divergence": terms["soft_ce"],
+            "auxiliary": options.selector_weight * selector_ce,
             "hit": hit,
             "confidence": confidence,
             "selector_ce": selector_ce.detach(),

@@ -130,23 +130,28 @@ class DSparkHead(BlockDrafter[DsparkOptions]):
         with ``loss_weighting: dpace``, D-PACE's weights instead. Over a reduced draft vocabulary a data token
         outside it adds no cross-entropy. Metrics: ``chain_metrics`` (the chain with the Markov bias), and
         ``confidence_bce`` and ``confidence_gap`` (mean predicted minus mean label), with a confidence head.
+
+        With ``loss: lk``, the LK hybrid of the soft cross-entropy to p_target and the acceptance rate replaces the
+        cross-entropy and L1 terms; with ``loss: variable_prefix``, each block shows a variable prefix of real
+        tokens (``BlockDrafter.shown_prefix``) and slot k's weight counts from the first slot after it.
         """
         options = self.config.options
-        hidden, label_at, labelled = self.block_states(batch)
-        labelled = labelled.long().cumprod(-1).bool()
+        states = self.block_states(batch)
+        shown = states.step < 0  # a variable prefix: neither cuts the block nor is scored
+        labelled = (states.labelled | shown).long().cumprod(-1).bool() & ~shown
         rows = labelled.nonzero(as_tuple=True)
-        terms = self.scored_slots(batch, hidden, rows, label_at)
-        per_slot, slot = terms["loss"], rows[2]
+        terms = self.scored_slots(batch, states.hidden, rows, states.label_at)
+        per_slot, slot = self.slot_losses(terms), rows[2]
         depth = labelled.shape[-1]
         counts = torch.bincount(slot, minlength=depth).clamp(min=1)
         slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts
         if options.loss_weighting == "dpace":
             total = dpace_mean(per_slot, terms["confidence"], rows, labelled, options.dpace_alpha)
         else:
-            weights = torch.exp(-slot.float() / options.loss_gamma)
+            weights = torch.exp(-states.step[rows].float() / options.loss_gamma)
             total = (weights * per_slot).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
-        metrics = {k: v.detach().mean() for k, v in terms.items() if k.startswith("confidence_")}
-        return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"])
+        metrics = {k: v.detach().mean() for k, v in terms.items() if k.startswith("confidence_") or k == "acceptance"}
+        return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"], shown)
 
     def slot_terms(
         self,
@@ -156,16 +161,17 @@ class DSparkHead(BlockDrafter[DsparkOptions]):
         positions: torch.Tensor,
         greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """The per-slot terms (``BlockDrafter.slot_terms``) with DeepSpec's loss as ``loss``, and ``confidence_bce``
-        and ``confidence_gap`` (predicted minus label) with a confidence head."""
+        """The per-slot terms (``BlockDrafter.slot_terms``): DeepSpec's cross-entropy and L1 terms as
+        ``divergence``, the confidence head's BCE as ``auxiliary``, and ``confidence_bce`` and ``confidence_gap``
+        (predicted minus label) with a confidence head."""
         options, ids = self.config.options, batch["input_ids"]
         previous, tokens = ids[sample, positions - 1], ids[sample, positions]
         logits = self.markov_logits(states, previous)
         target_probs = self.target_probs(batch, sample, positions)
         log_probs = logits.float().log_softmax(-1)
         l1 = (log_probs.exp() - target_probs).abs().sum(-1)
-        per_slot = options.tv_weight * l1 + options.ce_weight * self.token_cross_entropy(logits, tokens)
-        terms = {
+        terms = self.distribution_terms(batch, logits, sample, positions, target_probs) | {
+            "divergence": options.tv_weight * l1 + options.ce_weight * self.token_cross_entropy(logits, tokens),
             "hit": self.greedy_hits(logits, greedy),
             "confidence": self.draft_confidence(log_probs.detach(), greedy),
         }
@@ -173,9 +179,12 @@ class DSparkHead(BlockDrafter[DsparkOptions]):
             label = (1 - l1.detach() / 2).clamp(0, 1)
             confidence = self.confidence_logit(states, previous)
             bce = F.binary_cross_entropy_with_logits(confidence, label, reduction="none")
-            per_slot = per_slot + options.confidence_weight * bce
-            terms |= {"confidence_bce": bce.detach(), "confidence_gap": confidence.detach().sigmoid() - label}
-        return terms | {"loss": per_slot}
+            terms |= {
+                "auxiliary": options.confidence_weight * bce,
+                "confidence_bce": bce.detach(),
+                "confidence_gap": confidence.detach().sigmoid() - label,
+            }
+        return terms
 
     def token_cross_entropy(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Cross-entropy [R] of draft-vocab ``logits`` [R, V_draft] to the target ids ``tokens`` [R]; 0 where a

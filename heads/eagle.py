@@ -25,7 +25,15 @@ from headstart.core.settings import NonNegativeFloat
 from headstart.heads.base import FeatureDrafter
 from headstart.heads.head_config import HeadConfig, HeadSettings, LayerOptions
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
-from headstart.heads.losses import batch_positions, label_mask, sample_mask, shift_left, soft_cross_entropy
+from headstart.heads.losses import (
+    acceptance_rate,
+    batch_positions,
+    label_mask,
+    lk_loss,
+    sample_mask,
+    shift_left,
+    soft_cross_entropy,
+)
 from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.target import check_eagle_family
 
@@ -95,8 +103,9 @@ class EagleHead(FeatureDrafter):
         """EAGLE-1 training loss on one batch (keys ``input_ids``, ``loss_mask``, ``attention_mask``, ``last_hidden``).
 
         Position i reads (f_i, input_ids[i+1]) and is scored on f_{i+1} (smooth L1) and on the target's
-        distribution over input_ids[i+2] (soft cross-entropy); it counts when input_ids[i+2] is a label.
-        Metrics are detached 0-d tensors: vloss, ploss, acc (argmax agreement with the target).
+        distribution over input_ids[i+2] (soft cross-entropy; with ``loss: lk``, the LK hybrid of it and the
+        acceptance rate); it counts when input_ids[i+2] is a label. Metrics are detached 0-d tensors: vloss,
+        ploss, acc (argmax agreement with the target), and with LK acceptance (the mean acceptance rate).
         """
         features = self.first_features(batch["last_hidden"])
         logits, predicted = self(
@@ -108,13 +117,19 @@ class EagleHead(FeatureDrafter):
         mask = label_mask(batch, 2).float()
         count = mask.sum().clamp(min=1)
         vloss = F.smooth_l1_loss(predicted.float(), target_features.float(), reduction="none").mean(-1)
-        ploss = soft_cross_entropy(logits, target_logits.softmax(-1))
+        target_probs = target_logits.softmax(-1)
+        ploss = soft_cross_entropy(logits, target_probs)
         vloss, ploss = (vloss * mask).sum() / count, (ploss * mask).sum() / count
         options = self.config.options
-        loss = options.vloss_weight * vloss + options.ploss_weight * ploss
         agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(mask.dtype)
         metrics = {"vloss": vloss.detach(), "ploss": ploss.detach(), "acc": (agree * mask).sum() / count}
-        return loss, metrics
+        if options.loss != "lk":
+            return options.vloss_weight * vloss + options.ploss_weight * ploss, metrics
+        acceptance = (acceptance_rate(logits, target_probs) * mask).sum() / count
+        token_loss = lk_loss(ploss, acceptance, acceptance)
+        return options.vloss_weight * vloss + options.ploss_weight * token_loss, metrics | {
+            "acceptance": acceptance.detach()
+        }
 
 
 HEAD_TYPE = HeadType(

@@ -42,7 +42,15 @@ from headstart.core.settings import Count, Decay, NonNegative, Section
 from headstart.heads.base import FeatureDrafter
 from headstart.heads.head_config import DraftArch, HeadConfig, HeadOptions, HeadSettings, LayerOptions, resolved
 from headstart.heads.layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, StepKVCache, default_positions
-from headstart.heads.losses import batch_positions, label_mask, shift_left, soft_cross_entropy
+from headstart.heads.losses import (
+    acceptance_rate,
+    batch_positions,
+    draft_vocab_mass,
+    label_mask,
+    lk_loss,
+    shift_left,
+    soft_cross_entropy,
+)
 from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.sparse_attention import chunked, query_chunk
 from headstart.heads.target import NORM_BEFORE_FC_FAMILIES, check_eagle_family
@@ -363,7 +371,10 @@ class Eagle3Head(FeatureDrafter):
         so the geometric decay spends the draft's capacity where tau gains; speculators' and SpecForge's
         P-EAGLE weight depths equally (``ttt_decay: 1.0`` does that).
 
-        (Soft cross-entropy is the forward KL plus the target's entropy: the same gradient.)
+        (Soft cross-entropy is the forward KL plus the target's entropy: the same gradient.) With ``loss: lk``, each
+        step's loss is the LK hybrid of its mean soft cross-entropy and its mean acceptance rate (``lk_loss``, the
+        KL's weight set by that step's mean acceptance, as SpecForge weights it), the acceptance measured against
+        the target's whole-vocabulary probabilities of the draft's tokens.
 
         Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask``, ``aux_hidden``, and ``last_hidden``
         unless ``target_logits`` [B,S,V] (the target's logits at each position, soft-capped where it caps them:
@@ -371,8 +382,9 @@ class Eagle3Head(FeatureDrafter):
         is scored on the target's distribution at position i+j+1 (over input_ids[i+j+2]); it counts when that
         token is a label and, as in EAGLE-3, the target's argmax is in the draft vocab (else the draft cannot
         match it). Each step's loss is averaged over the positions with a label at that step. Metrics
-        (detached 0-d tensors): loss_j and acc_j (draft argmax == target argmax, over the same positions,
-        out-of-vocab targets counting as misses) for each step j.
+        (detached 0-d tensors): loss_j (the soft cross-entropy) and acc_j (draft argmax == target argmax, over the
+        same positions, out-of-vocab targets counting as misses) for each step j, and with ``loss: lk`` its mean
+        acceptance rate acceptance_j.
         """
         options = self.config.options
         steps, (batch_size, seq) = options.ttt_steps, batch["input_ids"].shape
@@ -386,35 +398,67 @@ class Eagle3Head(FeatureDrafter):
         # Positions per chunk: the chunk's target and draft logits over the draft vocabulary (k - 1 target rows more
         # for the later steps) within the score budget, so memory does not grow with it beyond one chunk.
         chunk = max(1, query_chunk(seq, len(draft_in_target), batch_size, features.device) - steps)
+        lk = options.loss == "lk"
 
         def chunk_sums(start: int, end: int) -> torch.Tensor:
-            """[2, steps]: each step's summed loss and count of agreeing argmaxes over positions start..end-1."""
+            """[3, steps]: each step's summed loss, count of agreeing argmaxes and (``lk``) summed acceptance rate
+            over positions start..end-1."""
             rows = slice(start + 1, end + steps)  # the target's positions that steps 0..k-1 score
             with torch.no_grad():
-                if target_logits is None:
-                    logits_t = self.target.logits(batch["last_hidden"][:, rows], draft_in_target)
-                else:
-                    logits_t = target_logits[:, rows][..., draft_in_target]
-                logits_t = F.pad(logits_t, (0, 0, 0, end + steps - 1 - start - logits_t.shape[1]))  # past the end
-                target_probs = logits_t.float().softmax(-1)
+                target_probs, on_draft = self.draft_vocab_targets(batch, target_logits, rows, draft_in_target, lk)
+                padding = (0, 0, 0, end + steps - 1 - start - target_probs.shape[1])  # past the end
+                target_probs = F.pad(target_probs, padding)
+                on_draft = None if on_draft is None else F.pad(on_draft, padding)
             sums = []
             for j, out in enumerate(outs):
                 logits = self.lm_head(self.norm(out[:, start:end]))
                 target, scored = target_probs[:, j : j + end - start], counted[j, :, start:end]
                 with torch.no_grad():
                     agree = (logits.argmax(-1) == target.argmax(-1)) & scored
-                sums.append(torch.stack(((soft_cross_entropy(logits, target) * scored).sum(), agree.sum().float())))
+                accepted = (
+                    0.0
+                    if on_draft is None
+                    else (acceptance_rate(logits, on_draft[:, j : j + end - start]) * scored).sum()
+                )
+                loss = (soft_cross_entropy(logits, target) * scored).sum()
+                sums.append(torch.stack((loss, agree.sum().float(), torch.as_tensor(accepted, device=loss.device))))
             return torch.stack(sums, 1)
 
-        loss_sums, agree_sums = chunked(chunk_sums, seq, chunk, dim=0).view(-1, 2, steps).sum(0)
+        loss_sums, agree_sums, accepted_sums = chunked(chunk_sums, seq, chunk, dim=0).view(-1, 3, steps).sum(0)
         counts = labelled.flatten(1).sum(1).clamp(min=1)
-        step_losses = loss_sums / counts
+        step_losses, acceptance = loss_sums / counts, accepted_sums / counts
+        step_objectives = lk_loss(step_losses, acceptance, acceptance) if lk else step_losses
         weights = options.ttt_decay ** torch.arange(steps, device=step_losses.device, dtype=step_losses.dtype)
         metrics = {}
         for j in range(steps):
             metrics[f"loss_{j}"] = step_losses[j].detach()
             metrics[f"acc_{j}"] = (agree_sums[j] / counts[j]).detach()
-        return (weights * step_losses).sum(), metrics
+            if lk:
+                metrics[f"acceptance_{j}"] = acceptance[j].detach()
+        return (weights * step_objectives).sum(), metrics
+
+    def draft_vocab_targets(
+        self,
+        batch: dict[str, torch.Tensor],
+        target_logits: torch.Tensor | None,
+        rows: slice,
+        draft_in_target: torch.Tensor,
+        whole_vocab: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the target's distribution over the draft vocabulary, renormalised there [B, n, V_draft]: what the soft
+        cross-entropy reads; its own probabilities of those tokens [B, n, V_draft]: what acceptance reads) at the
+        positions ``rows``, from ``target_logits`` or ``last_hidden``. ``whole_vocab`` false: None for the second,
+        and only the draft vocabulary's logits are computed."""
+        if target_logits is None:
+            hidden = batch["last_hidden"][:, rows]
+            logits = self.target.logits(hidden) if whole_vocab else self.target.logits(hidden, draft_in_target)
+        else:
+            logits = target_logits[:, rows]
+        draft_logits = logits[..., draft_in_target] if whole_vocab or target_logits is not None else logits
+        target_probs = draft_logits.float().softmax(-1)
+        if not whole_vocab:
+            return target_probs, None
+        return target_probs, target_probs * draft_vocab_mass(logits, draft_logits)
 
 
 def drafts_in_parallel(options: HeadOptions) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from headstart.core.settings import Count, Section, check
 from headstart.heads.registry import head_options_models
@@ -25,6 +25,16 @@ class HeadOptions(Section):
 
     if TYPE_CHECKING:
         type: str  # each head type's model declares it, as a Literal with its one value
+
+    # The training loss. null: the head type's own (its soft cross-entropy to the target's distribution, or its
+    # published loss); lk: the LK hybrid of arXiv 2602.23881 in place of its distribution term, which moves from the
+    # KL to the acceptance rate itself as the draft improves (heads/losses.py, lk_loss). A block drafter's model adds
+    # its own choices (to mypy, any name: a model may widen the choices). Left null, it is not saved: heads from
+    # before it read the same.
+    if TYPE_CHECKING:
+        loss: str | None
+    else:
+        loss: Literal["lk"] | None = None
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:

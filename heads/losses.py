@@ -1,5 +1,5 @@
-"""What the heads' training losses share: aligning labels with positions, the soft cross-entropy, D-PACE's
-weights and the chain acceptance metrics of block drafters."""
+"""What the heads' training losses share: aligning labels with positions, the soft cross-entropy, the LK losses,
+D-PACE's weights and the chain acceptance metrics of block drafters."""
 
 from __future__ import annotations
 
@@ -66,12 +66,50 @@ def batch_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["position_ids"] if "position_ids" in batch else default_positions(batch["input_ids"])
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or as it is when wider (fp64: a gradient check's)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """Cross-entropy [...] of ``logits`` [..., V] to the distributions ``target_probs`` [..., V], in fp32.
 
     (The forward KL plus the target's entropy: the same gradient.)
     """
-    return -(target_probs * logits.float().log_softmax(-1)).sum(-1)
+    return -(target_probs * at_least_fp32(logits).log_softmax(-1)).sum(-1)
+
+
+# LK (arXiv 2602.23881; SpecForge's ``lk_loss_type: lambda`` and its default kl_decay): the KL term's weight
+# exp(-decay x the mean acceptance) falls as the draft's acceptance rises.
+LK_KL_DECAY = 1.0
+
+
+def acceptance_rate(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """The chance [...] that verification accepts a token drafted from softmax(``logits``) [..., V]: sum_v
+    min(p_v, q_v), 1 - the total variation distance, in fp32. ``target_probs`` [..., V] are the target's
+    probabilities of the draft's tokens; over a reduced draft vocabulary, the target's whole-vocabulary
+    probabilities of those tokens (``draft_vocab_mass``), not renormalised: a token the draft cannot propose is
+    never accepted."""
+    return torch.minimum(at_least_fp32(logits).softmax(-1), target_probs).sum(-1)
+
+
+def draft_vocab_mass(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """[..., 1]: the target's probability mass on a reduced draft vocabulary, from its logits over the whole
+    vocabulary [..., V] and over the draft's tokens [..., V_draft]; renormalised draft-vocab probabilities times it
+    are the target's own."""
+    return (draft_logits.float().logsumexp(-1, keepdim=True) - target_logits.float().logsumexp(-1, keepdim=True)).exp()
+
+
+def lk_loss(cross_entropy: torch.Tensor, acceptance: torch.Tensor, mean_acceptance: torch.Tensor) -> torch.Tensor:
+    """The LK hybrid loss (arXiv 2602.23881) of positions with soft cross-entropies ``cross_entropy`` [...] (the KL
+    to the target plus its entropy: the same gradient) and acceptance rates ``acceptance`` [...]:
+    lambda x CE + (1 - lambda) x (1 - acceptance), with lambda = exp(-LK_KL_DECAY x ``mean_acceptance``), the
+    group's mean acceptance, detached (a schedule, not a thing to optimise). A draft far from the target learns
+    mostly from the KL, whose gradient does not vanish where the distributions do not overlap; as its acceptance
+    rises, the loss moves to the acceptance rate itself, what decoding gains from. Linear in both terms, so the
+    loss of a mean is the mean of the losses."""
+    weight = torch.exp(-LK_KL_DECAY * at_least_fp32(mean_acceptance.detach()))
+    return weight * cross_entropy + (1 - weight) * (1 - acceptance)
 
 
 def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -104,13 +142,18 @@ def dpace_mean(
 
 
 def chain_metrics(
-    slot_loss: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, hits: torch.Tensor
+    slot_loss: torch.Tensor,
+    rows: tuple[torch.Tensor, ...],
+    labelled: torch.Tensor,
+    hits: torch.Tensor,
+    shown: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """``loss_j`` (slot j + 1's mean loss) and ``acc_j``: the rate at which slot j + 1 drafts the target's greedy
     token (``hits`` [R], per scored slot) among blocks whose slots 1..j all did, the chain acceptance rate of
-    position j + 1, so ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks."""
+    position j + 1, so ``train.metrics.predicted_tau`` of them is the expected accepted length of these blocks.
+    The slots ``shown`` [..., K] (a variable prefix's: the block holds their tokens) count as right."""
     with torch.no_grad():
-        agree = torch.zeros_like(labelled)
+        agree = torch.zeros_like(labelled) if shown is None else shown.clone()
         agree[rows] = hits
         # Slot j is tried when it is labelled and slots 1..j-1 were all labelled and right.
         right_before = torch.cat((torch.ones_like(agree[..., :1]), agree[..., :-1]), -1).long().cumprod(-1).bool()

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from headstart.core.settings import Count, Decay, Float, NonNegative, NonNegativeFloat, Positive, Section
 from headstart.heads.base import DraftHead
 from headstart.heads.head_config import HeadConfig, HeadOptions, HeadSettings, parse_section
-from headstart.heads.losses import label_mask, shift_left
+from headstart.heads.losses import acceptance_rate, label_mask, lk_loss, shift_left, soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
 
 
@@ -107,8 +107,13 @@ class MedusaHead(DraftHead):
         return self(last_hidden[:, None])[:, 0].float().log_softmax(-1)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Medusa-1 loss on a batch with ``input_ids``, ``loss_mask``, ``attention_mask``, ``last_hidden``."""
-        return medusa_loss(self(batch["last_hidden"]), batch, self.config.options.decay)
+        """Medusa-1 loss on a batch with ``input_ids``, ``loss_mask``, ``attention_mask``, ``last_hidden``; with
+        ``loss: lk``, against the target's own logits there (``medusa_loss``)."""
+        target_logits = None
+        if self.config.options.loss == "lk":
+            with torch.no_grad():
+                target_logits = self.target.logits(batch["last_hidden"])
+        return medusa_loss(self(batch["last_hidden"]), batch, self.config.options.decay, lk_target_logits=target_logits)
 
 
 def _token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: int) -> tuple[torch.Tensor, ...]:
@@ -121,23 +126,48 @@ def _token_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: in
     return (ce * mask).sum() / count, acc.detach()
 
 
+def _lk_token_loss(
+    logits: torch.Tensor, batch: dict[str, torch.Tensor], offset: int, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The LK loss (``heads.losses.lk_loss``) of ``logits`` [B,S,V] at position i to the target's distribution
+    over input_ids[i+offset] (its ``target_logits`` [B,S,V] at position i+offset-1, what verification reads), its
+    mean acceptance rate, and the top-1 accuracy against the data's token, as ``_token_loss``."""
+    mask = label_mask(batch, offset).float()
+    count = mask.sum().clamp(min=1)
+    target_probs = shift_left(target_logits, offset - 1).float().softmax(-1)
+    cross_entropy = (soft_cross_entropy(logits, target_probs) * mask).sum() / count
+    acceptance = (acceptance_rate(logits, target_probs) * mask).sum() / count
+    labels = shift_left(batch["input_ids"], offset)
+    acc = ((logits.argmax(-1) == labels).float() * mask).sum() / count
+    return lk_loss(cross_entropy, acceptance, acceptance), acc.detach(), acceptance.detach()
+
+
 def medusa_loss(
     head_logits: torch.Tensor,
     batch: dict[str, torch.Tensor],
     decay: float = 0.8,
     lm_logits: torch.Tensor | None = None,
     medusa_weight: float = 1.0,
+    lk_target_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """medusa_weight * sum_k decay**k * CE(head k) [+ the base LM loss when ``lm_logits`` are given: Medusa-2].
 
     ``head_logits`` [B,S,K,V] from ``MedusaHead.forward``; ``lm_logits`` [B,S,V] from the (LoRA) target.
-    A position counts for a head when its label token has loss_mask 1 (see ``label_mask``).
-    Metrics (detached): loss_k, acc_k per head, and lm_loss for Medusa-2.
+    A position counts for a head when its label token has loss_mask 1 (see ``label_mask``). With
+    ``lk_target_logits`` [B,S,V] (the target's, detached: ``loss: lk``), head k's loss is the LK hybrid of its soft
+    cross-entropy to the target's distribution and its acceptance rate (``_lk_token_loss``) instead of the
+    data token's cross-entropy. Metrics (detached): loss_k, acc_k per head (and acceptance_k with LK), and lm_loss
+    for Medusa-2.
     """
     total: torch.Tensor | float = 0.0
     metrics = {}
     for k in range(head_logits.shape[2]):
-        loss_k, metrics[f"acc_{k}"] = _token_loss(head_logits[:, :, k], batch, k + 2)
+        if lk_target_logits is None:
+            loss_k, metrics[f"acc_{k}"] = _token_loss(head_logits[:, :, k], batch, k + 2)
+        else:
+            loss_k, metrics[f"acc_{k}"], metrics[f"acceptance_{k}"] = _lk_token_loss(
+                head_logits[:, :, k], batch, k + 2, lk_target_logits
+            )
         metrics[f"loss_{k}"] = loss_k.detach()
         total = total + decay**k * loss_k
     total = medusa_weight * total

@@ -79,6 +79,7 @@ from headstart.train.metrics import (
     predicted_tau,
     training_summary,
 )
+from headstart.train.optimizers import build_optimizer
 from headstart.train.train_config import Train, TrainConfig, measures_acceptance
 
 
@@ -261,21 +262,30 @@ def deepspeed_config(train: Train, world: int, load_universal: bool = False, tp_
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": train.batch_size // (micro * groups),
         "gradient_clipping": train.max_grad_norm,
-        "zero_optimization": {"stage": train.zero_stage},
+        "zero_optimization": zero_config(train),
         "bf16": {"enabled": train.dtype == "bf16"},
-        # The optimizer is torch's AdamW, which ZeRO handles fine but does not list as tested.
+        # The optimizer is torch's AdamW or DeepSpeed's Muon (train/optimizers.py), which ZeRO handles fine but does
+        # not list as tested when handed over built.
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "checkpoint": {"load_universal": load_universal},
     }
 
 
-def build_engine(module: nn.Module, train: Train, proc: Process, total: int) -> deepspeed.DeepSpeedEngine:
-    """DeepSpeed over ``module``'s trainable parameters: AdamW, cosine schedule with warm-up, clipping, ZeRO."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=train.lr, betas=(train.betas[0], train.betas[1]), weight_decay=train.weight_decay
-    )
+def zero_config(train: Train) -> dict[str, Any]:
+    """DeepSpeed's ``zero_optimization`` section: the stage; with Muon at ZeRO-3, no reduce-scatter of gradients
+    (that stage gathers each Muon matrix's whole gradient itself, and refuses the two together)."""
+    if train.optimizer == "muon" and train.zero_stage == 3:
+        return {"stage": 3, "reduce_scatter": False}
+    return {"stage": train.zero_stage}
+
+
+def build_engine(
+    module: nn.Module, train: Train, proc: Process, total: int, vocab_size: int
+) -> deepspeed.DeepSpeedEngine:
+    """DeepSpeed over ``module``'s trainable parameters: AdamW or Muon (``train.optimizers``), cosine schedule with
+    warm-up, clipping, ZeRO."""
+    optimizer = build_optimizer(module, train, vocab_size)
     multiplier = partial(cosine_with_warmup, warmup=train.warmup_steps, total=total, min_ratio=train.min_lr_ratio)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
     # A checkpoint from another process count is read in DeepSpeed's universal layout (train/checkpoint.py).
@@ -382,7 +392,7 @@ def fit(
     if measures_acceptance(cfg.train):
         prompts = data_prompt_format(cfg.data.format)
         measured = MeasuredAcceptance(cfg, target, tokenizer, data, prompts, proc.rank, proc.tp_size)
-    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data))
+    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data), head.config.vocab_size)
     train(engine, head, data, cfg, proc, save_artifacts, measured)
 
 

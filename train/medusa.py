@@ -40,8 +40,14 @@ class Medusa2Loss(nn.Module):
         )
         weight = medusa_weight_at(step, self.warmup, self.head_weight)
         head_logits = self.head(out.hidden_states[-1])  # the last state after the final norm, as lm_head reads it
+        lk_target = out.logits.detach() if self.head.config.options.loss == "lk" else None  # what verifies the heads
         return medusa_loss(
-            head_logits, batch, self.head.config.options.decay, lm_logits=out.logits, medusa_weight=weight
+            head_logits,
+            batch,
+            self.head.config.options.decay,
+            lm_logits=out.logits,
+            medusa_weight=weight,
+            lk_target_logits=lk_target,
         )
 
 

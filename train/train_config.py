@@ -50,6 +50,11 @@ class Train(Section):
     weight_decay: NonNegativeFloat = 0.0
     betas: Annotated[list[Annotated[Float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.95]
     max_grad_norm: NonNegativeFloat = 1.0  # 0: no clipping
+    # adamw: torch's AdamW over every trained parameter. muon: Muon on the draft's weight matrices at muon_lr (its
+    # updates are orthogonalised, so they take a larger rate) and AdamW at lr on the rest: norms, biases, embeddings
+    # and vocabulary matrices (train/optimizers.py); speculators' default for drafts.
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: Positive = 0.02
     zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(not_a_flag)] = 2
     dtype: TrainDtype = "fp32"  # the head's training precision
     # Recompute the head's drafting steps (EAGLE-3's training-time-test steps) in backward instead of keeping their
