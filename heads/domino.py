@@ -31,6 +31,7 @@ from torch import nn
 from headstart.core.settings import Count, Float
 from headstart.heads.block import BlockDrafter, BlockOptions, only
 from headstart.heads.head_config import HeadConfig
+from headstart.heads.losses import soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
 
 
@@ -86,11 +87,13 @@ class DominoHead(BlockDrafter[DominoOptions]):
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``BlockDrafter.loss`` with each drafting slot's teacher-forced GRU state beside its output: slot k of
         the block at a has read the data's tokens at a .. a + k - 1 (``slot_terms`` splits them again)."""
-        hidden, label_at, labelled = self.block_states(batch)
-        ids = batch["input_ids"]
+        slots = self.block_states(batch)
+        ids, label_at = batch["input_ids"], slots.label_at
         previous = ids.gather(1, (label_at - 1).clamp(max=ids.shape[1] - 1).flatten(1)).view_as(label_at)
         states = self.prefix_states(previous)  # a slot past the sample's end reads garbage, never scored
-        return self.block_loss(batch, torch.cat((hidden, states.to(hidden.dtype)), -1), label_at, labelled)
+        return self.block_loss(
+            batch, slots._replace(hidden=torch.cat((slots.hidden, states.to(slots.hidden.dtype)), -1))
+        )
 
     def slot_terms(
         self,
@@ -100,23 +103,24 @@ class DominoHead(BlockDrafter[DominoOptions]):
         positions: torch.Tensor,
         greedy: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """``loss``: (1 - lambda) x the soft cross-entropy of the corrected logits to the target's distribution +
-        lambda x that of the backbone's (``lambda_base``); ``hit`` and ``confidence`` (D-PACE's) are the corrected
-        logits', what drafting draws from when the slots before were right. Metrics: ``final_ce``, ``base_ce``,
-        ``base_hit`` (the backbone's argmax is the target's greedy token)."""
+        """``divergence``: (1 - lambda) x the soft cross-entropy of the corrected logits to the target's distribution,
+        and ``auxiliary``: lambda x that of the backbone's (``lambda_base``); with ``loss: lk`` the corrected logits'
+        LK term replaces the first. ``hit`` and ``confidence`` (D-PACE's) are the corrected logits', what drafting
+        draws from when the slots before were right. Metrics: ``final_ce``, ``base_ce``, ``base_hit`` (the
+        backbone's argmax is the target's greedy token)."""
         hidden, prefix = states.split((self.config.arch.hidden_size, self.config.options.gru_hidden_dim), -1)
         target_probs = self.target_probs(batch, sample, positions)
         base = self.draft_logits(hidden)
         final = self.corrected_logits(hidden, prefix)
-        base_log_probs, log_probs = base.float().log_softmax(-1), final.float().log_softmax(-1)
-        base_ce = -(target_probs * base_log_probs).sum(-1)
-        final_ce = -(target_probs * log_probs).sum(-1)
+        terms = self.distribution_terms(batch, final, sample, positions, target_probs)
+        base_ce = soft_cross_entropy(base, target_probs)
         share = self.lambda_base()
-        return {
-            "loss": (1 - share) * final_ce + share * base_ce,
+        return terms | {
+            "divergence": (1 - share) * terms["soft_ce"],
+            "auxiliary": share * base_ce,
             "hit": self.greedy_hits(final, greedy),
-            "confidence": self.draft_confidence(log_probs.detach(), greedy),
-            "final_ce": final_ce.detach(),
+            "confidence": self.draft_confidence(final.float().log_softmax(-1).detach(), greedy),
+            "final_ce": terms["soft_ce"].detach(),
             "base_ce": base_ce.detach(),
             "base_hit": self.greedy_hits(base, greedy).float(),
         }

@@ -114,15 +114,15 @@ def save_target(family: str, out: Path, tokenizer_dir: str = DEMO_TOKENIZER) -> 
     GenerationConfig.from_pretrained(tokenizer_dir).save_pretrained(out)
 
 
-def train_config(target: Path, out: Path, steps: int, head: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
-    """train/eagle.py's config for ``head`` on ``target`` and ``data``: the target runs inside each step (online
-    capture: no shards for a model this small), an EAGLE-3 head over its whole vocabulary (a random target's argmax
-    tokens are not the training text's frequent ones)."""
+def train_config(target: Path, out: Path, steps: int, drafter: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """train/eagle.py's config for the head options ``drafter`` on ``target`` and ``data``: the target runs in each step
+    (online capture: no shards for a model this small), an EAGLE-3 head over its whole vocabulary (a random target's
+    argmax tokens are not the training text's frequent ones)."""
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     return {
         "target": {"path": str(target), "device": "cpu", "dtype": "fp32"},
         "data": {**data, "max_length": 160},
-        "head": head | ({"draft_vocab_size": vocab} if head["type"] == "eagle3" else {}),
+        "head": drafter | ({"draft_vocab_size": vocab} if drafter["type"] == "eagle3" else {}),
         "train": {
             "out_dir": str(out), "seed": 0, "max_steps": steps, "batch_size": 8, "micro_batch_size": 8,
             "lr": 3.0e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "zero_stage": 2, "dtype": "fp32",
@@ -174,10 +174,10 @@ def prepare_family(family: str, work: Path, steps: int) -> tuple[Path, Path]:
     """(target folder, trained head folder) for ``family`` under ``work``; kept from an earlier run with the same
     recipe (a stamp of it), else built and trained here (train/eagle.py in a subprocess; an MTP layer on the
     target's regenerated replies, data_recipes/regenerate.py first)."""
-    head = head_of(family)
-    target, run = work / "target", work / f"train-{head['type']}"  # not eagle3/: verify_engines.prepare's folder
-    regenerated = head["type"] == "mtp"
-    recipe = {"config": target_recipe(family), "scale": LOGIT_SCALE, "steps": steps, "head": head,
+    drafter = head_of(family)
+    target, run = work / "target", work / f"train-{drafter['type']}"  # not eagle3/: verify_engines.prepare's folder
+    regenerated = drafter["type"] == "mtp"
+    recipe = {"config": target_recipe(family), "scale": LOGIT_SCALE, "steps": steps, "head": drafter,
               "samples": REGENERATED_SAMPLES if regenerated else TRAIN_SAMPLES, "regenerated": regenerated}  # fmt: skip
     stamp = work / "recipe.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == recipe and (run / "head" / "config.json").is_file():
@@ -192,8 +192,8 @@ def prepare_family(family: str, work: Path, steps: int) -> tuple[Path, Path]:
         run_module(family, "data_recipes.regenerate", regenerate_config(target, replies), work, "regenerate")
         data = {"source": str(replies), "format": "messages"}
     run.mkdir(parents=True, exist_ok=True)
-    config = train_config(target, run, steps, head, data)
-    run_module(family, "train.eagle", config, work, f"train-{head['type']}-{steps}-steps")
+    config = train_config(target, run, steps, drafter, data)
+    run_module(family, "train.eagle", config, work, f"train-{drafter['type']}-{steps}-steps")
     stamp.write_text(json.dumps(recipe))
     return target, run / "head"
 
