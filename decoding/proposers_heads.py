@@ -119,9 +119,8 @@ class HeadProposer:
         if head.config.type in kinds:
             return
         article = "an" if kinds and kinds[0][0] in "aeiou" else "a"
-        raise ValueError(
-            f"{cls.title} drafting needs {article} {' or '.join(kinds)} head, not a {head.config.type} head"
-        )
+        named = " or ".join(kinds) if len(kinds) < 3 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+        raise ValueError(f"{cls.title} drafting needs {article} {named} head, not a {head.config.type} head")
 
 
 class Eagle(HeadProposer):

@@ -76,8 +76,11 @@ def parse_families(text: str) -> list[str]:
 
 
 def head_of(family: str) -> dict[str, Any]:
-    """The head trained and served on ``family``'s target: its own MTP layer, or an EAGLE-3 head."""
-    return MTP_HEAD if family in MTP_CHECKED else HEAD
+    """The head trained and served on ``family``'s target: its own MTP layer, or an EAGLE-3 head over the target's
+    whole vocabulary (a random target's argmax tokens are not the training text's frequent ones)."""
+    if family in MTP_CHECKED:
+        return MTP_HEAD
+    return HEAD | {"draft_vocab_size": family_config(family).vocab_size}
 
 
 def family_config(family: str, tokenizer_dir: str = DEMO_TOKENIZER) -> Any:
@@ -116,13 +119,11 @@ def save_target(family: str, out: Path, tokenizer_dir: str = DEMO_TOKENIZER) -> 
 
 def train_config(target: Path, out: Path, steps: int, drafter: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """train/eagle.py's config for the head options ``drafter`` on ``target`` and ``data``: the target runs in each step
-    (online capture: no shards for a model this small), an EAGLE-3 head over its whole vocabulary (a random target's
-    argmax tokens are not the training text's frequent ones)."""
-    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    (online capture: no shards for a model this small)."""
     return {
         "target": {"path": str(target), "device": "cpu", "dtype": "fp32"},
         "data": {**data, "max_length": 160},
-        "head": drafter | ({"draft_vocab_size": vocab} if drafter["type"] == "eagle3" else {}),
+        "head": drafter,
         "train": {
             "out_dir": str(out), "seed": 0, "max_steps": steps, "batch_size": 8, "micro_batch_size": 8,
             "lr": 3.0e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "zero_stage": 2, "dtype": "fp32",
@@ -176,7 +177,7 @@ def prepare_family(family: str, work: Path, steps: int) -> tuple[Path, Path]:
     target's regenerated replies, data_recipes/regenerate.py first)."""
     drafter = head_of(family)
     target, run = work / "target", work / f"train-{drafter['type']}"  # not eagle3/: verify_engines.prepare's folder
-    regenerated = drafter["type"] == "mtp"
+    regenerated = family in MTP_CHECKED
     recipe = {"config": target_recipe(family), "scale": LOGIT_SCALE, "steps": steps, "head": drafter,
               "samples": REGENERATED_SAMPLES if regenerated else TRAIN_SAMPLES, "regenerated": regenerated}  # fmt: skip
     stamp = work / "recipe.json"
@@ -201,6 +202,7 @@ def prepare_family(family: str, work: Path, steps: int) -> tuple[Path, Path]:
 def run_families(args: VerifyEngines) -> str:
     """``verify_engines --families``: each family's target and head under ``args.work``/FAMILY, served in the vLLM
     layout and judged within MAX_GAP (its parity.json, parity.md, printed checks); PASS only if every family passed."""
+    from headstart.heads import read_head_config
     from headstart.scripts.export.verify_engines import finish, measure
 
     statuses = []
@@ -208,7 +210,7 @@ def run_families(args: VerifyEngines) -> str:
         work = Path(args.work) / family
         target, head = prepare_family(family, work, TRAIN_STEPS[family])
         settings = args.model_copy(update={"target": str(target), "work": str(work), "schedule": None})
-        kind = head_of(family)["type"]
+        kind = read_head_config(head).type
         report = measure({kind: str(head)}, settings, work, {kind: ("vllm",)}, MAX_GAP)
         report["family"] = family
         statuses.append(finish(report, work / "parity.json", f"[{family}] "))

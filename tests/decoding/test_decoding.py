@@ -371,7 +371,7 @@ def test_peagle_drafts_every_depth_in_one_forward_as_training_computes_them(four
 
 def test_a_head_proposer_refuses_another_kind_of_head(four_layer_llama):
     medusa = build_head({"type": "medusa", "num_heads": 2}, four_layer_llama)
-    with pytest.raises(ValueError, match="EAGLE drafting needs an eagle or eagle3 head, not a medusa head"):
+    with pytest.raises(ValueError, match="EAGLE drafting needs an eagle, eagle3 or mtp head, not a medusa head"):
         Eagle(medusa)
     with pytest.raises(ValueError, match="Medusa drafting needs a medusa head, not a eagle head"):
         Medusa(build_head({"type": "eagle"}, four_layer_llama))

@@ -270,12 +270,18 @@ def test_a_peagle_head_is_served_with_parallel_drafting_and_drafts_its_chain_in_
         verify_engines.resolve_head("peagle", str(tmp_path / "eagle3"), model, tmp_path)
 
 
-@pytest.mark.parametrize("kind", sorted(verify_engines.LAYOUTS))
+@pytest.mark.parametrize("kind", sorted(set(verify_engines.LAYOUTS) - {"mtp"}))
 def test_a_missing_head_folder_gets_a_random_head_of_its_kind(demo_target, tmp_path, kind):
     # make verify-engines checks every kind by default; a kind not trained yet is served untrained, never skipped.
     model, _ = demo_target
     head_dir, random_init = verify_engines.resolve_head(kind, str(tmp_path / "none"), model, tmp_path)
     assert random_init and drafting_of(read_head_config(head_dir)).method == kind
+
+
+def test_an_mtp_head_is_never_made_up_for_a_target_without_an_mtp_layer(demo_target, tmp_path):
+    # An MTP head is the target's own layer (checked only when --mtp names one): a Llama target has none to draw.
+    with pytest.raises(ValueError, match="no MTP family for a llama target"):
+        verify_engines.resolve_head("mtp", str(tmp_path / "none"), demo_target[0], tmp_path)
 
 
 def test_served_schedule_is_judged_by_the_deepest_k_it_allows():

@@ -273,7 +273,7 @@ def test_headstart_export_and_import_take_their_settings_from_overrides_alone(ti
     saved = yaml.safe_load((tmp_path / "vllm" / "export_config.yaml").read_text())
     assert saved["export"] == {
         "head": str(tmp_path / "head"), "format": "vllm", "out": str(tmp_path / "vllm"), "overwrite": False,
-        "target": None, "parity": None, "allow_other_tokenizer": False,
+        "target": None, "parity": None, "allow_other_tokenizer": False, "stitch": False,
     }  # fmt: skip
     cli.main(export)  # an earlier export, its config included, is replaced without --overwrite
 
