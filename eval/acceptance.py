@@ -30,6 +30,7 @@ import transformers
 from pydantic import Field
 from transformers import AutoConfig
 
+from headstart.core.command_flags import CommandFlags
 from headstart.core.config_files import run_command, save_config
 from headstart.core.io import check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
@@ -37,7 +38,6 @@ from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.settings import (
     AUTO_ATTENTION,
     AttentionKernel,
-    CommandFlags,
     Count,
     Device,
     Dtype,

@@ -51,20 +51,12 @@ from pydantic_core import PydanticCustomError
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from headstart.core.command_flags import CommandFlags
 from headstart.core.config_files import run_command, save_config
 from headstart.core.io import atomic_write_text, check_writable
 from headstart.core.models import load_decoding_target, load_model, load_tokenizer
 from headstart.core.runtime import prepare_decoding, rank_zero_value, resolve_dtype, seed_everything
-from headstart.core.settings import (
-    AUTO_ATTENTION,
-    AttentionKernel,
-    CommandFlags,
-    Count,
-    Device,
-    Dtype,
-    Folder,
-    NonNegative,
-)
+from headstart.core.settings import AUTO_ATTENTION, AttentionKernel, Count, Device, Dtype, Folder, NonNegative
 from headstart.core.weights import safetensors_bytes
 from headstart.data_recipes.bench import (
     check_token_ids,

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 from pydantic import create_model
 
-from headstart.core.settings import SECTIONS, CommandFlags, Stage
+from headstart.core.command_flags import CommandFlags
+from headstart.core.settings import SECTIONS, Stage
 from headstart.data_recipes.settings import Capture, Data, Regenerate, Target
 from headstart.eval.acceptance import Eval
 from headstart.eval.autotune import Autotune

@@ -25,10 +25,11 @@ from pydantic import Field
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from headstart.core.command_flags import CommandFlags, command_failed
 from headstart.core.config_files import run_command, save_config
 from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import atomic_dir, check_writable
-from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
+from headstart.core.settings import Folder, Registered
 from headstart.export.card import export_command, model_card, tree_card_section
 from headstart.export.common import check_out
 from headstart.export.layouts import EngineFiles

@@ -21,8 +21,9 @@ import torch
 from pydantic import Field
 from transformers import AutoConfig, PretrainedConfig
 
+from headstart.core.command_flags import CommandFlags, command_failed
 from headstart.core.config_files import run_command
-from headstart.core.settings import CommandFlags, Folder, Registered, command_failed
+from headstart.core.settings import Folder, Registered
 from headstart.export.common import DRAFT_ARCH_KEYS, check_out
 from headstart.export.layouts import Imported
 from headstart.export.registry import layouts_of, sources

@@ -38,9 +38,9 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from pydantic import Field
 from safetensors import safe_open
 
+from headstart.core.command_flags import CommandFlags, command_failed
 from headstart.core.config_files import run_command
 from headstart.core.redact import LOCAL_PATH, redact_data, redact_document, redact_text
-from headstart.core.settings import CommandFlags, command_failed
 from headstart.export.common import file_inside
 from headstart.heads import read_head_config
 from headstart.scripts.export.command import ExportFormat, export_head

@@ -62,9 +62,10 @@ import torch
 from pydantic import Field
 from safetensors.torch import save_file
 
+from headstart.core.command_flags import CommandFlags, command_failed
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
-from headstart.core.settings import CommandFlags, Count, command_failed
+from headstart.core.settings import Count
 from headstart.data_recipes.errors import get_field
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat
 from headstart.export.parity import report_markdown, weights_digest
