@@ -47,6 +47,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, Float, NonNegative, Positive
 from headstart.heads.base import DraftHead
+from headstart.heads.block_training import draw_prefix_lengths, slot_losses, weighted_slot_loss
 from headstart.heads.eagle3 import build_vocab_mapping
 from headstart.heads.head_config import HeadConfig, HeadSettings, LayerOptions, resolved
 from headstart.heads.layers import BlockLayer, RMSNorm, RotaryEmbedding
@@ -54,10 +55,8 @@ from headstart.heads.losses import (
     acceptance_rate,
     batch_positions,
     chain_metrics,
-    dpace_mean,
     draft_vocab_mass,
     label_mask,
-    lk_loss,
     same_sample,
     sample_anchors,
     soft_cross_entropy,
@@ -65,11 +64,6 @@ from headstart.heads.losses import (
 from headstart.heads.sparse_attention import chunked, query_chunk
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
-# Variable-prefix training (D2SD, arXiv 2606.04446): a block shows l real tokens with Pr(l) ~ base**l, the prior
-# NeMo AutoModel's prefix_weight_base defaults to (below 1: short prefixes, the common case after a rejection, weigh
-# most).
-PREFIX_PRIOR_BASE = 0.9
-MIN_PREFIX = 2  # a prefix of 1 is plain DFlash's block, which every other training step already draws
 
 
 class BlockStates(NamedTuple):
@@ -361,14 +355,10 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
 
     def shown_prefix(self, anchors: torch.Tensor, drafting_slots: int) -> torch.Tensor:
         """[B, N]: how many real tokens, from its anchor on, each block at ``anchors`` [B, N] shows: its anchor
-        alone, or in training with ``loss: variable_prefix`` l in [MIN_PREFIX, drafting_slots] drawn with Pr(l) ~
-        PREFIX_PRIOR_BASE**l (from torch's generator, which the loop seeds per micro-batch)."""
+        alone, or in training with ``loss: variable_prefix`` a drawn length (``draw_prefix_lengths``)."""
         if not (self.training and self.config.options.loss == "variable_prefix"):
             return torch.ones_like(anchors)
-        low = min(MIN_PREFIX, drafting_slots)
-        lengths = torch.arange(low, drafting_slots + 1, device=anchors.device)
-        prior = PREFIX_PRIOR_BASE ** lengths.double()
-        return lengths[torch.multinomial(prior, anchors.numel(), replacement=True)].view_as(anchors)
+        return draw_prefix_lengths(anchors, drafting_slots)
 
     def block_states(self, batch: dict[str, torch.Tensor]) -> BlockStates:
         """The drafting slots of blocks at random anchors (``BlockStates``): slot k of the block at anchor a drafts
@@ -440,16 +430,6 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
                 on_draft = target_probs * draft_vocab_mass(whole, draft)
         return terms | {"acceptance": acceptance_rate(logits, on_draft)}
 
-    def slot_losses(self, terms: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Each scored slot's training loss [R] from its ``slot_terms``: its ``divergence`` (with ``loss: lk``, the
-        LK hybrid of its soft cross-entropy and its acceptance, the KL's weight set by the batch's mean acceptance)
-        plus its ``auxiliary`` terms."""
-        divergence = terms["divergence"]
-        if self.config.options.loss == "lk":
-            acceptance = terms["acceptance"]
-            divergence = lk_loss(terms["soft_ce"], acceptance, acceptance.mean())
-        return divergence + terms["auxiliary"] if "auxiliary" in terms else divergence
-
     def draft_confidence(self, log_probs: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """D-PACE's confidence [R]: the draft's probability of the target's greedy token ``greedy`` [R] (0 off its
         vocabulary), from the draft's log-probabilities [R, V_draft]."""
@@ -464,31 +444,6 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         miss)."""
         with torch.no_grad():
             return self.draft_ids()[logits.argmax(-1)] == greedy
-
-    def weighted_loss(
-        self,
-        per_slot: torch.Tensor,
-        rows: tuple[torch.Tensor, ...],
-        states: BlockStates,
-        confidence: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss, each drafting slot's mean loss [K]) of the scored slots' losses ``per_slot`` [R]: position k's
-        mean weighted exp(-(k - 1) / loss_gamma) (later slots are accepted less often), weights normalised to 1;
-        with ``loss: variable_prefix``, each slot weighted exp(-step / loss_gamma) by its place after the shown
-        prefix (``BlockStates.step``), the weighted mean over every scored slot, as NeMo weighs it; with
-        ``loss_weighting: dpace``, D-PACE's weighted mean over every scored slot (heads/losses.py) from the draft's
-        ``confidence`` [R] in each (the shown slots neither cut nor earn: unscored)."""
-        options, labelled = self.config.options, states.labelled
-        depth, slot = labelled.shape[-1], rows[2]
-        counts = torch.bincount(slot, minlength=depth)
-        slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts.clamp(min=1)
-        if options.loss_weighting == "dpace":
-            return dpace_mean(per_slot, confidence, rows, labelled, options.dpace_alpha), slot_loss
-        if options.loss == "variable_prefix":
-            weights = torch.exp(-states.step[rows].float() / options.loss_gamma)
-            return (weights * per_slot).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny), slot_loss
-        weights = torch.exp(-torch.arange(depth, device=per_slot.device) / options.loss_gamma)
-        return (weights * slot_loss).sum() / weights.sum(), slot_loss
 
     def scored_slots(
         self,
@@ -521,26 +476,37 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
     ) -> dict[str, torch.Tensor]:
         """Per scored slot [R] (outputs ``states`` [R, H], drafting the token at ``positions`` of ``sample``, whose
         greedy token the target gives as ``greedy``): ``divergence``, the head type's distribution term, with
-        ``distribution_terms`` (``soft_ce`` and, with ``loss: lk``, ``acceptance``), which ``slot_losses`` turns into
-        the training loss with the head's ``auxiliary`` terms, if it has any; ``hit``, whether its draft is the
-        target's greedy token; ``confidence``, D-PACE's (the draft's probability of that token). A head type may add
-        its own terms; any but these are reported as metrics (their mean)."""
+        ``distribution_terms`` (``soft_ce`` and, with ``loss: lk``, ``acceptance``), which
+        ``block_training.slot_losses`` turns into the training loss with the head's ``auxiliary`` terms, if it has
+        any; ``hit``, whether its draft is the target's greedy token; ``confidence``, D-PACE's (the draft's
+        probability of that token). A head type may add its own terms; any but these are reported as metrics (their
+        mean)."""
 
     def block_loss(
         self, batch: dict[str, torch.Tensor], states: BlockStates
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss and metrics of the scored slots of ``states`` (``scored_slots``), weighted by ``weighted_loss``;
-        metrics: ``chain_metrics`` and the mean of each extra term."""
+        """The loss and metrics of the scored slots of ``states`` (``scored_slots``), weighted by
+        ``weighted_slot_loss``; metrics: ``chain_metrics`` and the mean of each extra term."""
         rows = states.labelled.nonzero(as_tuple=True)
         terms = self.scored_slots(batch, states.hidden, rows, states.label_at)
-        total, slot_loss = self.weighted_loss(self.slot_losses(terms), rows, states, terms["confidence"])
+        options = self.config.options
+        per_slot = slot_losses(terms, options.loss)
+        total, slot_loss = weighted_slot_loss(
+            per_slot,
+            rows,
+            states.labelled,
+            states.step,
+            terms["confidence"],
+            options,
+            options.loss == "variable_prefix",
+        )
         own = ("divergence", "auxiliary", "soft_ce", "hit", "confidence")
         metrics = {k: v.detach().float().mean() for k, v in terms.items() if k not in own}
         return total, metrics | chain_metrics(slot_loss, rows, states.labelled, terms["hit"], states.step < 0)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Block loss over random anchors (``block_states``): the head type's ``slot_terms`` of every drafting slot
-        whose token is a label, weighted by ``weighted_loss`` (a fixed decay over positions, or D-PACE from the
+        whose token is a label, weighted by ``weighted_slot_loss`` (a fixed decay over positions, or D-PACE from the
         draft's probability of the target's greedy token). Metrics: ``chain_metrics`` and the mean of each extra
         term (``acceptance`` with ``loss: lk``).
 

@@ -32,8 +32,9 @@ from torch import nn
 
 from headstart.core.settings import Count, Float, Positive
 from headstart.heads.block import BlockDrafter, BlockOptions, only
+from headstart.heads.block_training import slot_losses, weighted_slot_loss
 from headstart.heads.head_config import HeadConfig
-from headstart.heads.losses import chain_metrics, dpace_mean
+from headstart.heads.losses import chain_metrics
 from headstart.heads.registry import Drafting, HeadType
 
 Weight = Annotated[Float, Field(ge=0)]
@@ -141,15 +142,8 @@ class DSparkHead(BlockDrafter[DsparkOptions]):
         labelled = (states.labelled | shown).long().cumprod(-1).bool() & ~shown
         rows = labelled.nonzero(as_tuple=True)
         terms = self.scored_slots(batch, states.hidden, rows, states.label_at)
-        per_slot, slot = self.slot_losses(terms), rows[2]
-        depth = labelled.shape[-1]
-        counts = torch.bincount(slot, minlength=depth).clamp(min=1)
-        slot_loss = torch.zeros(depth, device=per_slot.device).index_add(0, slot, per_slot) / counts
-        if options.loss_weighting == "dpace":
-            total = dpace_mean(per_slot, terms["confidence"], rows, labelled, options.dpace_alpha)
-        else:
-            weights = torch.exp(-states.step[rows].float() / options.loss_gamma)
-            total = (weights * per_slot).sum() / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
+        per_slot = slot_losses(terms, options.loss)
+        total, slot_loss = weighted_slot_loss(per_slot, rows, labelled, states.step, terms["confidence"], options, True)
         metrics = {k: v.detach().mean() for k, v in terms.items() if k.startswith("confidence_") or k == "acceptance"}
         return total, metrics | chain_metrics(slot_loss, rows, labelled, terms["hit"], shown)
 

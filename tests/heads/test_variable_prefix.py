@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from headstart.heads import build_head
-from headstart.heads.block import MIN_PREFIX, PREFIX_PRIOR_BASE
+from headstart.heads.block_training import MIN_PREFIX, PREFIX_PRIOR_BASE
 from tests.heads.test_dflash import block_batch, dflash_head
 from tests.helpers import chi_square_critical
 
