@@ -291,7 +291,7 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
         ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
     ]
     if options.own_embedding:
-        rows.append(("embedding", "the draft's own (`embed_tokens.weight`), which vLLM serves in place of the target's"))
+        rows.append(("embedding", "the draft's own (`embed_tokens.weight`), which vLLM serves for the target's"))
     norms = [name for name, on in norm_flags(config).items() if on]
     if norms:  # EAGLE-3.1's (fc_norm, norm_output), gpt-oss's norm_before_fc: config.json's flags say so to engines
         rows.append(("norms", ", ".join(f"`{name}`" for name in norms)))
