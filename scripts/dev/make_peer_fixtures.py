@@ -56,6 +56,25 @@ def save_target(out: Path) -> Path:
     return out
 
 
+REFERENCE = "reference.safetensors"
+EAGLE3_LAYERS = [2, 4, 5]  # the engines' default aux layers for 8 target layers: what each EAGLE-3 fixture reads
+
+
+def reference_inputs(target: LlamaForCausalLM) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(12 seeded token ids [1, 12], the target's hidden states over them): what each draft's logits are taken on."""
+    ids = torch.randint(0, TARGET["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(SEED))
+    with torch.no_grad():
+        return ids, target(ids, output_hidden_states=True).hidden_states
+
+
+def save_reference(out: Path, ids: torch.Tensor, features: torch.Tensor, logits: torch.Tensor) -> None:
+    """The peer's own step-0 draft logits at each position i (feature i paired with token i + 1), beside the inputs."""
+    from safetensors.torch import save_file
+
+    tensors = {"input_ids": ids, "features": features, "logits": logits}
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(out / REFERENCE))
+
+
 def eagle_repo(out: Path, work: Path) -> list[str]:
     """EAGLE-1/2 through eagle-llm 1.2.1: its ``EConfig`` and ``Model`` (eagle/model/cnets.py) as its training script
     builds them (``Model(config, load_emb=True, path=basepath)``: the embedding read from the target's files), saved
@@ -76,11 +95,17 @@ def eagle_repo(out: Path, work: Path) -> list[str]:
     weights = next(p for p in state.iterdir() if p.name.startswith(("model", "pytorch_model")))
     weights.rename(out / weights.name)
     config.save_pretrained(out)  # the config its training read (train_config["config_path"]), as EConfig writes it
+    target_model = tiny_target()
+    ids, states = reference_inputs(target_model)
+    with torch.no_grad():  # its Model pairs feature i with token i + 1 (Model.generate drops the first token)
+        logits = target_model.lm_head(model.eval()(hidden_states=states[-1][:, :-1], input_ids=ids[:, 1:]))
+    save_reference(out, ids, states[-1], logits)
     return [
         "eagle.model.configs.EConfig(**draft_config)",
         "eagle.model.cnets.Model(config, load_emb=True, path=target_dir)",
         "accelerate.Accelerator().prepare(model); accelerator.save_state(output_dir)",
         "EConfig.save_pretrained(out)",
+        "reference.safetensors: target.lm_head(Model(hidden_states=last_hidden[:, :-1], input_ids=ids[:, 1:]))",
     ]
 
 
@@ -104,10 +129,35 @@ def modelopt(out: Path, work: Path) -> list[str]:
     torch.manual_seed(SEED)
     mtsp.convert(target, [("eagle", config)])
     export_speculative_decoding(target, export_dir=out)
+    save_reference(out, *modelopt_logits(target, out))
     return [
         "modelopt.torch.speculative.convert(target, [('eagle', EAGLE3_DEFAULT_CFG['config'] + small layer shape)])",
         "modelopt.torch.export.export_speculative_decoding(target, export_dir=out)",
+        "reference.safetensors: target._eagle_forward(eagle_module.fc(aux[:, :-1]), embeddings of ids[:, 1:], "
+        "_prepare_decoder_attention_mask(...)), eagle_module.rotary_emb rebuilt from the exported config.json",
     ]
+
+
+def modelopt_logits(model: Any, exported: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, fused features, logits) of its converted model's draft, step 0, as its ``_prepare_eagle_inputs`` and
+    ``_eagle_forward`` (speculative/plugins/hf_eagle.py) run it; with the rotary its export declares (its
+    ``eagle_export_rope_scaling`` default adds YaRN to the config.json it writes, which vLLM applies), not the one
+    it trained with: the draft as it is served."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    declared = LlamaConfig(**json.loads((exported / "config.json").read_text()))
+    model.eagle_module.rotary_emb = LlamaRotaryEmbedding(config=declared)
+    ids, states = reference_inputs(tiny_target())  # the converted model's own forward runs the draft too
+    aux = torch.cat([states[i] for i in EAGLE3_LAYERS], dim=-1)
+    with torch.no_grad():
+        hidden = model.eagle_module.fc(aux[:, :-1])
+        length = hidden.shape[1]
+        mask = model._prepare_decoder_attention_mask(
+            torch.ones(1, length, dtype=torch.bool), (1, length), 0, hidden.device, hidden.dtype
+        )
+        embeds = model._base_model_embeddings(ids[:, 1:])
+        logits = model._eagle_forward(hidden, embeds, mask, torch.arange(length)[None])[2]
+    return ids, aux, logits
 
 
 def specforge(out: Path, work: Path) -> list[str]:
@@ -137,12 +187,36 @@ def specforge(out: Path, work: Path) -> list[str]:
     state = {k: v for k, v in model.state_dict().items() if "embed" not in k.lower()}
     model.save_pretrained(out, state_dict=_serving_state(state, {}))
     apply_legacy_rope_scaling(str(out))
+    ids, states = reference_inputs(tiny_target())
+    aux = torch.cat([states[i] for i in EAGLE3_LAYERS], dim=-1)
+    with torch.no_grad():  # one training-time-test step as its algorithms/eagle3/model.py runs it (sdpa)
+        hidden = model.project_hidden_states(aux[:, :-1])
+        length = hidden.shape[1]
+        mask = model.prepare_decoder_attention_mask(
+            attention_mask=torch.ones(1, length, dtype=torch.bool),
+            hidden_states=hidden,
+            batch_size=1,
+            seq_length=length,
+            past_key_values_length=0,
+        )
+        out_states = model.backbone(
+            input_embeds=model.embed_input_ids(ids[:, 1:]),
+            hidden_states=hidden,
+            cache_hidden=[[], []],
+            attention_mask=mask,
+            position_ids=torch.arange(length)[None],
+            past_key_values=None,
+            use_cache=True,
+        )
+        save_reference(out, ids, aux, model.compute_logits(out_states))
     return [
         "specforge.modeling.draft.llama3_eagle.LlamaForCausalLMEagle3(LlamaConfig(**draft_config))",
         "model.load_embedding(target_dir)",
         "specforge.data.preprocessing.process_token_dict_to_mappings(counts, 128, 256); model.load_vocab_mapping(path)",
         "model.save_pretrained(out, state_dict=specforge.export.to_sglang._serving_state(state without embed, {}))",
         "specforge.export.checkpoint_io.apply_legacy_rope_scaling(out)",
+        "reference.safetensors: compute_logits(backbone(embed_input_ids(ids[:, 1:]),"
+        " project_hidden_states(aux[:, :-1]), prepare_decoder_attention_mask(...)))",
     ]
 
 

@@ -21,6 +21,7 @@ from headstart.scripts.export.import_head import main as import_main
 from tests.helpers import REPO, greedy_reference
 
 FIXTURES = REPO / "tests" / "fixtures" / "peers"
+TOLERANCE = 1e-4  # max |logit difference| from the peer's own model: fp32 both, only summation order differs
 # peer -> (import_head --from, the layout it exports back to, what the import reads of its config: options)
 PEERS = {
     # The EAGLE repo's Model has an fc bias (vLLM's EAGLE-1 has none: SGLang serves it) and a copy of the target's
@@ -80,6 +81,15 @@ def test_a_draft_the_peers_own_code_wrote_imports_decodes_and_exports_back(targe
     same(ours, theirs)
     if "d2t" not in theirs and "d2t" in ours:  # a draft over the whole vocabulary: no offsets
         assert not ours["d2t"].any() and ours["t2d"].all()
+
+    # The peer's own model's step-0 logits (reference.safetensors, written beside the draft by its code) on the same
+    # inputs: position i pairs feature i with token i + 1.
+    reference = load_file(str(written / "reference.safetensors"))
+    with torch.no_grad():
+        features = reference["features"][:, :-1]
+        features = head.first_features(features) if kind == "eagle3" else features
+        logits = head(reference["input_ids"][:, 1:], features)[0]
+    assert logits.shape == reference["logits"].shape and (logits - reference["logits"]).abs().max() <= TOLERANCE
 
     proposer = head_proposer(head.config).served_chain(head, 3)
     prompt = torch.randint(0, TARGET["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(0))
