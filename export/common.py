@@ -93,6 +93,35 @@ def check_vllm_serves_family(config: HeadConfig, fmt: str, instead: str) -> None
         )
 
 
+# vLLM 0.32 keeps a draft's own embed_tokens only where it differs from the target's (``llm_base_proposer.py``
+# ``_maybe_share_embeddings``, for every EAGLE-style draft: it shares the target's table when the checkpoint has none,
+# or when the one it has is ``torch.equal`` to the target's as both are loaded, in the serving dtype). SGLang's EAGLE
+# workers always put the target's in (``eagle_worker.py``: ``set_embed`` for EAGLE-3, ``set_embed_and_head`` else).
+OWN_EMBEDDING = "embed_tokens.weight"
+
+
+def keep_own_embedding(options: dict[str, Any], state: dict[str, torch.Tensor], target_embedding: torch.Tensor) -> None:
+    """Apply vLLM's rule to an imported checkpoint's ``embed_tokens`` in place: a copy of the target's rows (compared
+    in the checkpoint's dtype, as vLLM compares them served in it) is dropped, the head reading the target's; a table
+    of its own stays, and the head drafts with it (option ``own_embedding``)."""
+    theirs = state.get(OWN_EMBEDDING)
+    if theirs is None:
+        return
+    if theirs.shape == target_embedding.shape and torch.equal(theirs, target_embedding.to(theirs.dtype)):
+        del state[OWN_EMBEDDING]
+    else:
+        options["own_embedding"] = True
+
+
+def check_sglang_embedding(config: HeadConfig, fmt: str) -> None:
+    """Refuse SGLang's layout for a head drafting with its own embedding: SGLang would draft with the target's."""
+    if fmt == "sglang" and config.options.own_embedding:
+        raise ValueError(
+            f"this {config.type} head drafts with its own embedding (own_embedding), which SGLang 0.5.23 replaces by "
+            "the target's (eagle_worker.py set_embed): export it with --format vllm, which keeps it"
+        )
+
+
 def dtype_name(state: dict[str, torch.Tensor]) -> str:
     """The floating dtype the weights are stored in, as config.json spells it ("bfloat16")."""
     dtype = next(t.dtype for t in state.values() if t.is_floating_point())

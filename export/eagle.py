@@ -28,7 +28,14 @@ from headstart.export.card import (
     sglang_command,
     vllm_command,
 )
-from headstart.export.common import arch_from_decoder, decoder_config, dtype_name, read_checkpoint, read_json
+from headstart.export.common import (
+    arch_from_decoder,
+    check_sglang_embedding,
+    decoder_config,
+    dtype_name,
+    read_checkpoint,
+    read_json,
+)
 from headstart.export.layouts import EngineFiles, Imported, layout_name, not_written
 from headstart.heads import WEIGHTS_NAME, HeadConfig
 
@@ -51,6 +58,7 @@ def export_files(
     config: HeadConfig, state: dict[str, torch.Tensor], fmt: str, target: str, target_config: PretrainedConfig
 ) -> EngineFiles:
     """config.json + tensors of an EAGLE-1/2 head for ``fmt`` ("vllm" or "sglang")."""
+    check_sglang_embedding(config, fmt)
     tensors = dict(state)
     if fmt == "vllm" and "fc.bias" in tensors:
         raise ValueError(
@@ -80,8 +88,9 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
         raise ValueError(
             "the draft's first layer has an input_layernorm, which vLLM and SGLang drop (EAGLE's first layer has none)"
         )
-    # The target's embedding and lm_head are used, as both engines do.
-    state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    # The target's lm_head is used, as both engines do; embed_tokens is for import_head to judge
+    # (common.keep_own_embedding: vLLM keeps a table of the draft's own).
+    state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     bias = state.get("fc.bias")
     if bias is not None and not bias.any():  # an all-zero bias (our SGLang export) is no bias
         del state["fc.bias"]

@@ -15,10 +15,11 @@ Matched against vllm 0.33.0, sglang 0.5.23 and speculators 0.9.0 (docs/EXPORT.md
   as [1, num_aux * target_hidden] (``llama_eagle3.py``, ``qwen3_eagle3.py``; it raises when parallel drafting
   is on and the key is missing); the mask token is the top-level ``mask_token_id`` (``pard_token`` and
   ``ptd_token_id`` are other names, ``llm_base_proposer.py``). Parallel drafting itself is a speculative-config
-  field (``"parallel_drafting": true``), not a draft-config one. The embedding stays the target's (shared by
-  vLLM, as the head trains it frozen). speculators' type ``peagle`` maps to method eagle3 with parallel
-  drafting and its ``mask_token_id`` to ``pard_token`` (``transformers_utils/configs/speculators/``
-  ``base.py``, ``algos.py``). SGLang 0.5.23 has no parallel drafting (sgl-project/sglang#23171).
+  field (``"parallel_drafting": true``), not a draft-config one. The embedding is the target's (shared by
+  vLLM, as the head trains it frozen), unless the head has its own (``own_embedding``: ``embed_tokens.weight``).
+  speculators' type ``peagle`` maps to method eagle3 with parallel drafting and its ``mask_token_id`` to
+  ``pard_token`` (``transformers_utils/configs/speculators/`` ``base.py``, ``algos.py``). SGLang 0.5.23 has no
+  parallel drafting (sgl-project/sglang#23171).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from headstart.export.card import (
 )
 from headstart.export.common import (
     arch_from_decoder,
+    check_sglang_embedding,
     check_vllm_serves_family,
     decoder_config,
     dtype_name,
@@ -113,6 +115,7 @@ def export_files(
 ) -> EngineFiles:
     """The EAGLE repo's layout (vllm, sglang) or the speculators format."""
     check_vllm_serves_family(config, fmt, "export it with --format sglang")
+    check_sglang_embedding(config, fmt)
     if fmt == "speculators":
         return EngineFiles(*speculators_layout(config, state, target, target_config))
     return EngineFiles(*repo_layout(config, state, fmt))
@@ -243,9 +246,9 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
         raise ValueError(f"the draft has {decoder['num_hidden_layers']} decoder layers; headstart's EAGLE-3 has one")
     layers = target_config.num_hidden_layers
     state = rename_prefixes(state, {"layers.0.": "midlayer."})
-    # The target's embedding is used (as vLLM does when the checkpoint has none); speculators' verifier_* copies
-    # of the target's norm and lm_head are training-only.
-    state = {k: v for k, v in state.items() if k != "embed_tokens.weight" and not k.startswith("verifier_")}
+    # speculators' verifier_* copies of the target's norm and lm_head are training-only; its embed_tokens (a copy of
+    # the target's, or trained) is for import_head to judge (common.keep_own_embedding).
+    state = {k: v for k, v in state.items() if not k.startswith("verifier_")}
     draft_vocab = engine_config.get("draft_vocab_size") or state["lm_head.weight"].shape[0]
     if "d2t" not in state:
         if draft_vocab != target_config.vocab_size:
@@ -287,6 +290,8 @@ def describe(config: HeadConfig) -> list[tuple[str, str]]:
         ("target layers fused", f"{options.layer_ids} (HF `hidden_states` indices = vLLM aux layer ids)"),
         ("draft vocabulary", f"{options.draft_vocab_size} of the target's {config.vocab_size} tokens"),
     ]
+    if options.own_embedding:
+        rows.append(("embedding", "the draft's own (`embed_tokens.weight`), which vLLM serves for the target's"))
     norms = [name for name, on in norm_flags(config).items() if on]
     if norms:  # EAGLE-3.1's (fc_norm, norm_output), gpt-oss's norm_before_fc: config.json's flags say so to engines
         rows.append(("norms", ", ".join(f"`{name}`" for name in norms)))

@@ -43,6 +43,7 @@ SHOWN_PROBLEMS = 6  # tensor problems named in an error; a wrong layer count can
 # "Long sequences"), and recomputing them costs one more forward of the draft layer per step.
 RECOMPUTE_FROM = 4096
 Head = TypeVar("Head", bound="DraftHead")
+Embedder = TypeVar("Embedder", bound="EmbeddingDrafter")
 
 
 def state_problems(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
@@ -295,3 +296,40 @@ class FeatureDrafter(DraftHead):
         the new features [B,n,H]); appends to ``cache``."""
         logits, features = self(input_ids, features, position_ids, tree_mask, cache)
         return self.to_target_vocab(logits.float().log_softmax(-1)), features
+
+
+class EmbeddingDrafter(FeatureDrafter):
+    """A feature drafter that embeds its tokens (EAGLE-1/2, EAGLE-3, P-EAGLE): with the target's embedding, frozen,
+    or with its own ``embed_tokens`` (option ``own_embedding``), which it saves, trains, and the engines serve in
+    place of the target's."""
+
+    fc: nn.Linear  # every EAGLE head's: its weight's dtype is the head's
+
+    def __init__(self, config: HeadConfig):  # its options a FeatureOptions
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.arch.hidden_size) if self.owns_embedding else None
+
+    @property
+    def owns_embedding(self) -> bool:
+        return bool(self.config.options.own_embedding)
+
+    @classmethod
+    def build(
+        cls: type[Embedder],
+        settings: HeadSettings,
+        target_model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> Embedder:
+        """``DraftHead.build``; an own embedding starts as the target's rows (the draft it was trained as starts
+        from the target's, speculators' copies them)."""
+        head = super().build(settings, target_model, tokenizer)
+        if head.embed_tokens is not None:
+            head.embed_tokens.weight.data.copy_(head.target.embed_tokens.weight.detach())
+        return head
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``input_ids`` in the head's dtype: its own table's, else the target's
+        (``TargetParts.embed``: the rows unscaled, as the engines embed a draft's tokens)."""
+        if self.embed_tokens is None:
+            return self.target.embed(input_ids).to(self.fc.weight.dtype)
+        return self.embed_tokens(input_ids)

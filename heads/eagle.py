@@ -22,8 +22,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from headstart.core.settings import NonNegativeFloat
-from headstart.heads.base import FeatureDrafter
-from headstart.heads.head_config import HeadConfig, HeadSettings, LayerOptions
+from headstart.heads.base import EmbeddingDrafter
+from headstart.heads.head_config import FeatureOptions, HeadConfig, HeadSettings
 from headstart.heads.layers import DecoderLayer, KVCache, RotaryEmbedding, default_positions
 from headstart.heads.losses import (
     acceptance_rate,
@@ -38,7 +38,7 @@ from headstart.heads.registry import Drafting, HeadType
 from headstart.heads.target import check_eagle_family
 
 
-class EagleOptions(LayerOptions):
+class EagleOptions(FeatureOptions):
     type: Literal["eagle"] = "eagle"
     # EAGLE-1's loss weights: 1.0 * feature regression (smooth L1) + 0.1 * token cross-entropy.
     vloss_weight: NonNegativeFloat = 1.0
@@ -46,10 +46,10 @@ class EagleOptions(LayerOptions):
     fc_bias: bool = False  # vLLM's fc has no bias (a bias in the checkpoint would be silently skipped there)
 
 
-class EagleHead(FeatureDrafter):
+class EagleHead(EmbeddingDrafter):
     head_type = "eagle"
     options_model = EagleOptions
-    shape_keys = (*FeatureDrafter.shape_keys, "arch.intermediate_size", "fc_bias")
+    shape_keys = (*EmbeddingDrafter.shape_keys, "arch.intermediate_size", "fc_bias")
     config: HeadConfig[EagleOptions]
 
     @classmethod
@@ -92,8 +92,7 @@ class EagleHead(FeatureDrafter):
         dtype = self.fc.weight.dtype
         if position_ids is None:
             position_ids = default_positions(input_ids, cache)
-        embeds = self.target.embed(input_ids).to(dtype)
-        x = self.fc(torch.cat((embeds, features.to(dtype)), dim=-1))
+        x = self.fc(torch.cat((self.embed(input_ids), features.to(dtype)), dim=-1))
         cos, sin = self.rotary(position_ids, dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)

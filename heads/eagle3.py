@@ -39,8 +39,8 @@ from transformers import PretrainedConfig
 
 from headstart.core.models import default_aux_layers
 from headstart.core.settings import Count, Decay, NonNegative, Section
-from headstart.heads.base import FeatureDrafter
-from headstart.heads.head_config import DraftArch, HeadConfig, HeadOptions, HeadSettings, LayerOptions, resolved
+from headstart.heads.base import EmbeddingDrafter
+from headstart.heads.head_config import DraftArch, FeatureOptions, HeadConfig, HeadOptions, HeadSettings, resolved
 from headstart.heads.layers import MLP, Attention, KVCache, RMSNorm, RotaryEmbedding, StepKVCache, default_positions
 from headstart.heads.losses import (
     acceptance_rate,
@@ -103,7 +103,7 @@ def _flag_as_section(value: Any) -> Any:
     return {} if value is True else None if value is False else value
 
 
-class Eagle3Options(LayerOptions):
+class Eagle3Options(FeatureOptions):
     type: Literal["eagle3"] = "eagle3"
     # null: core.models.default_aux_layers, (2, L//2, L-3); the capture must use the same.
     layer_ids: list[NonNegative] | None = None
@@ -168,11 +168,11 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Head(FeatureDrafter):
+class Eagle3Head(EmbeddingDrafter):
     head_type = "eagle3"
     options_model = Eagle3Options
     shape_keys = (
-        *FeatureDrafter.shape_keys,
+        *EmbeddingDrafter.shape_keys,
         "arch.intermediate_size",
         "layer_ids",
         "draft_vocab_size",
@@ -287,9 +287,6 @@ class Eagle3Head(FeatureDrafter):
         token = resolved(parallel.mask_token_id, "parallel_drafting.mask_token_id")
         ids = torch.full((batch, n), token, dtype=torch.long, device=self.mask_hidden.device)
         return ids, self.first_features(self.mask_hidden).expand(batch, n, -1)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.target.embed(input_ids).to(self.fc.weight.dtype)
 
     def forward(
         self,

@@ -62,6 +62,17 @@ class LayerOptions(HeadOptions):
     intermediate_size: Count | None = None
 
 
+class FeatureOptions(LayerOptions):
+    """The options of a head that drafts the target's next feature from a token embedding (EAGLE-1/2, EAGLE-3,
+    P-EAGLE): ``heads.base.EmbeddingDrafter``."""
+
+    # The head's own token embedding [V, H] (``embed_tokens.weight``), read in place of the target's and trained,
+    # started from the target's rows: what a published draft that trained its embedding holds (speculators'
+    # ``embed_requires_grad``, its P-EAGLE default), and what vLLM then serves (it keeps a draft's embedding that
+    # differs from the target's). null: the target's, frozen; not written, so older heads read the same.
+    own_embedding: bool | None = None
+
+
 # What builds a head: a config's validated head: section, or the options as a mapping ({"type": "eagle3", ...}).
 HeadSettings = HeadOptions | dict[str, Any]
 Options = TypeVar("Options", bound=HeadOptions)

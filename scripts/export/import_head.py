@@ -8,7 +8,9 @@ as vLLM and SGLang load it; with ``mask_hidden``, a P-EAGLE head), ``medusa`` (t
 SpecForge publish it, with its ``mask_embedding.pt`` when there is one); weights as ``model.safetensors``,
 ``pytorch_model.bin`` (or sharded) or the Medusa repo's ``medusa_lm_head.safetensors|.pt``. Our own exports
 import back to the same weights. The head is checked against the target (hidden size, vocab, layer ids)
-before it is written; the draft layer's shape (MLP width, attention heads, norms, rotary) is the draft's own.
+before it is written; the draft layer's shape (MLP width, attention heads, norms, rotary) is the draft's own. An EAGLE
+draft's ``embed_tokens`` is kept where vLLM would serve it, when it differs from the target's (``own_embedding``), and
+dropped where it is the target's copy (``export.common.keep_own_embedding``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from transformers import AutoConfig, PretrainedConfig
 from headstart.core.command_flags import CommandFlags, command_failed
 from headstart.core.config_files import run_command
 from headstart.core.settings import Folder, Registered
-from headstart.export.common import DRAFT_ARCH_KEYS, check_out
+from headstart.core.weights import checkpoint_folder, meta_model, read_borrowed
+from headstart.export.common import DRAFT_ARCH_KEYS, OWN_EMBEDDING, check_out, keep_own_embedding
 from headstart.export.layouts import Imported
 from headstart.export.registry import layouts_of, sources
 from headstart.heads import (
@@ -63,6 +66,11 @@ def read_source(kind: str, src: Path, target_config: PretrainedConfig) -> Import
     """(head options, draft arch, our tensors) of the checkpoint in ``src``, read by the head type that reads
     ``kind``."""
     return layouts_of(sources()[kind]).import_files(kind, src, target_config)
+
+
+def target_embedding(target: str, target_config: PretrainedConfig) -> torch.Tensor:
+    """The target's token embedding as stored (``core.weights``: read by name, no decoder layer loaded)."""
+    return read_borrowed(checkpoint_folder(target), meta_model(target_config))["embed"]
 
 
 def build_imported(
@@ -115,6 +123,8 @@ def import_head(kind: str, src: str | Path, out: str | Path, target: str, overwr
     except KeyError as err:
         raise ValueError(f"the {kind} checkpoint in {src} has no {err}: is it a {kind} checkpoint?") from err
     check_finite(state, f"the {kind} checkpoint in {src} (tensors as headstart names them)")
+    if OWN_EMBEDDING in state:  # only then is the target's table read
+        keep_own_embedding(options, state, target_embedding(target, target_config))
     head = build_imported(options, arch, state, target, target_config, str(src))
     head.save_pretrained(out)
     return out
