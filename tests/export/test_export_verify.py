@@ -126,7 +126,9 @@ def test_a_draft_vllm_cannot_run_here_is_named_with_both_runners_refusals_and_fa
     assert unserved["status"] == "UNSERVED" and "requires Triton" in unserved["detail"]
     passed = {"status": "PASS", "detail": ""}
     assert overall([entry("a", [passed]), entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "PASS"
-    assert overall([entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "FAIL"  # nothing checked at all
+    # Nothing the engine ran: not a pass (verify_engines exits 1), the engine's refusal is the report.
+    assert overall([entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "UNSERVED"
+    assert overall([entry("b", [], {"status": "N/A", "detail": ""})]) == "FAIL"  # nothing checked at all
 
 
 def test_a_draft_only_the_v2_runner_serves_is_run_there(tmp_path):
