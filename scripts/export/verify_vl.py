@@ -42,14 +42,20 @@ LAYER_IDS = [1, 2, 3]
 IMAGE_PROMPTS = "image_prompts.json"  # in the work folder: what vLLM is given, and the tokens it must expand it to
 
 
+def check_built(family: str) -> None:
+    """The served VL check builds the Llava only: our side reads Qwen2.5-VL's processor only with torchvision, which
+    vLLM's Qwen-VL files need as well."""
+    if family != "llava":
+        raise ValueError(f"{family}: the served VL check builds llava")
+
+
 def save_vl_target(family: str, out: Path) -> None:
     """The seeded tiny ``family`` target with peaked predictions, its processor and the demo generation config."""
     from transformers import GenerationConfig
 
     from headstart.scripts.dev.tiny_vl import DEMO_TOKENIZER, build_llava
 
-    if family != "llava":
-        raise ValueError(f"{family}: the served VL check builds llava (vLLM's Qwen-VL files need torchvision too)")
+    check_built(family)
     build_llava(out, text_shape=SERVED_TEXT, logit_scale=LOGIT_SCALE)
     GenerationConfig.from_pretrained(DEMO_TOKENIZER).save_pretrained(out)
 
@@ -146,6 +152,5 @@ def vl_vocab_size(family: str) -> int:
     """The tiny ``family`` target's vocabulary: the demo tokenizer's and the family's image tokens."""
     from headstart.scripts.dev.tiny_vl import demo_tokenizer
 
-    if family != "llava":
-        raise ValueError(f"{family}: the served VL check builds llava")
+    check_built(family)
     return len(demo_tokenizer(["<image>"], "<image>"))
