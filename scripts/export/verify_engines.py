@@ -8,7 +8,7 @@ speculators 0.9.0 (``make verify-engines``).
         [--engines-python .venv-engines/bin/python] [--k 3] [--prompts 8] [--max-tokens 96]
         [--prompt-format auto|chat|raw] [--max-gap 0.02] [--work runs/verify_engines]
         [--out runs/verify_engines/parity.json]
-    python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss,mimo_mtp,ernie_mtp [--work ...] [--k 3] ...
+    python -m scripts.export.verify_engines --families qwen3_moe,gpt_oss,mimo_mtp,ernie_mtp,llava [--work ...] ...
 
 The prompts are GSM8K questions, rendered as ``data_recipes.prompts.render`` renders them (``--prompt-format``;
 auto: raw text where the target's tokenizer has no chat template): through the chat template, as vLLM's
@@ -42,7 +42,9 @@ nothing, but greedy output must still be identical and vLLM must still draft.
 
 ``--families``: the same served check, instead of on ``--target``'s heads, on a tiny random target of each named
 family with a head trained on it here (an EAGLE-3 head for the MoE families, the target's own MTP layer for the
-MTP ones), its acceptance within 2% of ours either way (``verify_families``).
+MTP ones, an EAGLE-3 head on image prompts for the vision-language one), its acceptance within 2% of ours either way
+(``verify_families``, ``verify_vl``). A vision-language target's prompts are the bundled image questions, its
+images in our prefill and in vLLM's ``multi_modal_data``; a target vLLM cannot load is UNSERVED in vLLM's words.
 
 This module holds the command line, the prompts, our side and the report; the engine stages and how they are
 started are in ``verify_engines_side``, the PASS/FAIL verdicts in ``verify_engines_judge``.
@@ -54,6 +56,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -80,6 +83,7 @@ if TYPE_CHECKING:  # imported where used: the engine stages run this module in t
 
 
 DATA = "assets/data/gsm8k_test.jsonl"
+Prompt = tuple[torch.Tensor, dict[str, torch.Tensor] | None]  # (token ids [1, S], a VL target's vision inputs)
 
 
 class VerifyEngines(CommandFlags):
@@ -118,8 +122,8 @@ class VerifyEngines(CommandFlags):
     families: str = Field(
         "",
         description="instead of --target's heads: tiny random targets of these families (comma-separated: "
-        "qwen3_moe, gpt_oss with an EAGLE-3 head; mimo_mtp, ernie_mtp with their own MTP layer), each head trained "
-        "here, served within 2% of our acceptance",
+        "qwen3_moe, gpt_oss with an EAGLE-3 head; mimo_mtp, ernie_mtp with their own MTP layer; llava, an EAGLE-3 head "
+        "on image prompts), each head trained here, served within 2% of our acceptance",
     )
     work: str = Field("runs/verify_engines", description="exports, references and logs go here")
     out: str | None = Field(None, description="the JSON report, the Markdown table beside it; null: WORK/parity.json")
@@ -187,11 +191,12 @@ def prepare(
     path: str,
     settings: dict[str, Any],
     model: PreTrainedModel,
-    ids: list[list[int]],
+    prompts: Sequence[Prompt],
     work: Path,
     layouts: tuple[str, ...],
 ) -> dict[str, Any]:
-    """Export one head in ``layouts``, write our head's reference logits (EAGLE-3), run our own engine; its facts."""
+    """Export one head in ``layouts``, write our head's reference logits (EAGLE-3, for speculators), run our own
+    engine; its facts."""
     from headstart.heads import load_head
     from headstart.heads.eagle3 import Eagle3Head
     from headstart.scripts.export.command import export_head
@@ -206,8 +211,9 @@ def prepare(
     if head_type == "eagle3":
         assert isinstance(head, Eagle3Head)  # resolve_head checked the folder holds an eagle3 head
         facts["layer_ids"] = list(head.hidden_layers)
-        write_reference(model, head, ids[0], work)
-    facts["ours"] = our_acceptance(model, head, ids, settings)
+        if "speculators" in layouts:
+            write_reference(model, head, prompts[0][0], work)
+    facts["ours"] = our_acceptance(model, head, prompts, settings)
     (work / "facts.json").write_text(json.dumps(facts, indent=2))
     return facts
 
@@ -219,9 +225,13 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, n: int, prompt_format: str) -
     return [render(tokenizer, chat, prompt_format)[0].tolist() for chat in prompts(n)]
 
 
-def write_reference(model: PreTrainedModel, head: Eagle3Head, prompt: list[int], work: Path) -> None:
-    """Our EAGLE-3 head's step-0 draft logits on the first prompt, for speculators to reproduce."""
-    ids = torch.tensor([prompt])
+def text_prompts(ids: list[list[int]]) -> list[Prompt]:
+    """Prompts of token ids alone, as our engine reads them."""
+    return [(torch.tensor([prompt]), None) for prompt in ids]
+
+
+def write_reference(model: PreTrainedModel, head: Eagle3Head, ids: torch.Tensor, work: Path) -> None:
+    """Our EAGLE-3 head's step-0 draft logits on the first prompt (ids [1, S]), for speculators to reproduce."""
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         aux = torch.cat([states[i] for i in head.hidden_layers], dim=-1)
@@ -233,20 +243,21 @@ def write_reference(model: PreTrainedModel, head: Eagle3Head, prompt: list[int],
 
 
 def our_acceptance(
-    model: PreTrainedModel, head: DraftHead, prompts_ids: list[list[int]], settings: dict[str, Any]
+    model: PreTrainedModel, head: DraftHead, prompts: Sequence[Prompt], settings: dict[str, Any]
 ) -> dict:
-    """Our own engine on vLLM's prompts: greedy chains of k drafts, stopping where vLLM does (EOS or max tokens);
-    a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting does, and a DFlash head
-    drafts vLLM's block: the newest token and k masks."""
+    """Our own engine on vLLM's prompts (with their images in the prefill): greedy chains of k drafts, stopping
+    where vLLM does (EOS or max tokens); a P-EAGLE head drafts its chain in one forward, as vLLM's parallel drafting
+    does, and a DFlash head drafts vLLM's block: the newest token and k masks."""
     from headstart.decoding.head_proposers import head_proposer
     from headstart.decoding.verify import generate
 
     k = settings["k"]
     proposer = head_proposer(head.config).served_chain(head, k)
     forwards, accepted, tokens = 0, [0] * k, []
-    for prompt in prompts_ids:
-        ids = torch.tensor([prompt])
-        out, stats = generate(model, proposer, ids, settings["max_tokens"], eos_token_id=settings["eos_token_id"])
+    for ids, vision in prompts:
+        out, stats = generate(
+            model, proposer, ids, settings["max_tokens"], eos_token_id=settings["eos_token_id"], vision=vision
+        )
         tokens.append(out[0, ids.shape[1] :].tolist())
         forwards += stats.target_forwards
         accepted = [a + b for a, b in zip(accepted, stats.depth_accepts + [0] * k)]
@@ -318,14 +329,17 @@ def measure(
 
     from headstart.core.io import atomic_write_text
     from headstart.core.models import load_target
+    from headstart.core.weights import is_vision_language
     from headstart.data_recipes.prompts import resolve_prompt_format
+    from headstart.scripts.export.verify_vl import VL_DATA, image_prompts
 
     model, tokenizer = load_target(args.target, "cpu", "fp32")
     prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
+    images = is_vision_language(model.config)
     settings = {
-        "target": args.target, "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens, "data": DATA,
-        "prompt_format": prompt_format,
-        "dtype": "float32", "device": "CPU", "max_model_len": min(1024, model.config.max_position_embeddings),
+        "target": args.target, "k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens,
+        "data": VL_DATA if images else DATA, "prompt_format": prompt_format, "images": images, "dtype": "float32",
+        "device": "CPU", "max_model_len": min(1024, model.config.get_text_config().max_position_embeddings),
         "eos_token_id": GenerationConfig.from_pretrained(args.target).eos_token_id,
         "max_shortfall": MAX_SHORTFALL if max_gap is None else min(max_gap, MAX_SHORTFALL), "max_gap": max_gap,
     }  # fmt: skip
@@ -333,9 +347,14 @@ def measure(
         settings["schedule"] = read_schedule(args.schedule)
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_text(work / "settings.json", json.dumps(settings, indent=2))
-    ids = prompt_ids(tokenizer, args.prompts, prompt_format)
-    atomic_write_text(work / PROMPT_IDS, json.dumps(ids))
-    facts = {t: prepare(t, p, settings, model, ids, work / t, layouts[t]) for t, p in heads.items()}
+    prompts: Sequence[Prompt]
+    if images:
+        prompts = image_prompts(args.target, tokenizer, args.prompts, work)
+    else:
+        ids = prompt_ids(tokenizer, args.prompts, prompt_format)
+        atomic_write_text(work / PROMPT_IDS, json.dumps(ids))
+        prompts = text_prompts(ids)
+    facts = {t: prepare(t, p, settings, model, prompts, work / t, layouts[t]) for t, p in heads.items()}
     for f in facts.values():
         print(f"{f['type']} head: {f['head']}" + (" (UNTRAINED random init)" if f["random_init"] else ""))
     python = args.engines_python
@@ -348,10 +367,11 @@ def measure(
             engines.add(speculators.get("engine"))
         else:
             speculators = {"status": "N/A", "detail": NO_SPECULATORS.get(head_type, NOT_EXPORTED)}
-        runs = [
-            served(plain, spawn(python, "vllm-spec", work, head_type, lay), ours, lay, max_gap)
+        runs = [  # a target vLLM could not run alone: its drafts are not tried
+            served(plain, plain if "status" in plain else spawn(python, "vllm-spec", work, head_type, lay), ours, lay,
+                   max_gap)
             for lay in layouts[head_type]
-        ]
+        ]  # fmt: skip
         entries.append({**f, "ours": {k: v for k, v in ours.items() if k != "tokens"}, "speculators": speculators,
                         "served": runs})  # fmt: skip
         if head_type == "eagle3" and args.schedule:

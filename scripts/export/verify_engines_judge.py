@@ -115,8 +115,10 @@ def served(
 def overall(heads: list[dict[str, Any]]) -> str:
     statuses = [e["speculators"]["status"] for e in heads] + [r["status"] for e in heads for r in e["served"]]
     statuses += [e["schedule"]["status"] for e in heads if "schedule" in e]
-    statuses = [s for s in statuses if s not in ("N/A", "UNSERVED")]  # UNSERVED: named, the engine's own refusal
-    return "PASS" if statuses and all(s == "PASS" for s in statuses) else "FAIL"
+    judged = [s for s in statuses if s not in ("N/A", "UNSERVED")]  # UNSERVED: named, the engine's own refusal
+    if not judged and "UNSERVED" in statuses:
+        return "UNSERVED"  # nothing the engine could run: its refusals are the report
+    return "PASS" if judged and all(s == "PASS" for s in judged) else "FAIL"
 
 
 def acceptance(drafts: int, accepted_per_pos: list[int]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from headstart.scripts.export.verify_engines_judge import acceptance
+from headstart.scripts.export.verify_engines_judge import acceptance, differing
 
 TOLERANCE = 1e-4  # max |logit difference|, fp32 on CPU: only summation order differs
 STAGE_TIMEOUT = 1200  # seconds for one engine process; vLLM's start on 2 shared CPU cores takes minutes
@@ -134,7 +134,15 @@ def run_vllm(
         speculative_config=spec, disable_log_stats=False,
     )  # fmt: skip
     sampling = SamplingParams(temperature=0.0, max_tokens=settings["max_tokens"])
-    if settings["prompt_format"] == "raw":  # our side's token ids themselves: nothing re-tokenized, no BOS added
+    if settings.get("images"):  # our tokens with one marker per image, the images: vLLM's processor expands them
+        from headstart.scripts.export.verify_vl import vllm_image_prompts
+
+        inputs, expanded = vllm_image_prompts(work)
+        outputs = llm.generate(inputs, sampling, use_tqdm=False)
+        if (theirs := [list(o.prompt_token_ids or []) for o in outputs]) != expanded:
+            apart = differing(theirs, expanded)
+            raise ValueError(f"vLLM's prompts after its image expansion differ from ours in {apart} prompts")
+    elif settings["prompt_format"] == "raw":  # our side's token ids themselves: nothing re-tokenized, no BOS added
         ids = json.loads((work / PROMPT_IDS).read_text())
         outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in ids], sampling, use_tqdm=False)
     else:
@@ -154,6 +162,11 @@ RUNNER_REFUSAL = re.compile(r"Value error, (Model Runner (V[12]) [^\[\n]*?)\s*\[
 # vLLM (Domino's head: vLLM 0.32's DFlash loader predates it): only their refusal is UNSERVED, any other name a FAIL.
 LOADER_REFUSAL = re.compile(r"ValueError: (There is no module or parameter named '(\w+)[\w.]*' in \w+)")
 NEWER_TENSORS = {"domino": ("prefix_gru", "embed_proj")}
+# vLLM unable to load the target's model file at all (a VL one importing a package this venv lacks): its words, the
+# missing module, and the last line of vLLM's own model files on the way to it.
+UNINSPECTABLE = re.compile(r"Value error, (Model architectures \[[^\]]*\] failed to be inspected)")
+MISSING_MODULE = re.compile(r"ModuleNotFoundError: (No module named '[\w.]+')")
+MODEL_FILE_LINE = re.compile(r'File "[^"]*site-packages/(vllm/model_executor/models/\w+\.py)", line (\d+)')
 
 
 def result_path(work: Path, stage: str, head_type: str | None, layout: str | None) -> Path:
@@ -198,6 +211,8 @@ def spawn(python: str, stage: str, work: Path, head_type: str | None = None, lay
     result = run_stage(cmd, env, out, out.with_suffix(".log"))
     if result.get("unknown_tensor") in NEWER_TENSORS.get(head_type or "", ()):
         return {"status": "UNSERVED", "detail": f'this vLLM predates the draft\'s layout: "{result["refused"]}"'}
+    if result.get("uninspectable"):
+        return {"status": "UNSERVED", "detail": f'vLLM cannot load the target here: "{result["refused"]}"'}
     if result.get("runner") != "V1":
         return result
     retried = run_stage(cmd, {**env, "VLLM_USE_V2_MODEL_RUNNER": "1"}, out, out.with_name(out.name + "-v2.log"))
@@ -220,9 +235,19 @@ def run_stage(cmd: list[str], env: dict[str, str], out: Path, log: Path) -> dict
         return json.loads(out.with_suffix(".json").read_text())
     tail = output.strip().splitlines()[-6:]
     status = "NOT RUN" if "ModuleNotFoundError" in proc.stderr else "FAIL"
-    failed = {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
+    failed: dict[str, Any] = {"status": status, "detail": f"exit {proc.returncode}: " + " | ".join(tail)}
     if refusal := RUNNER_REFUSAL.search(output):
         failed["refused"], failed["runner"] = refusal.groups()
     elif refusal := LOADER_REFUSAL.search(output):
         failed["refused"], failed["unknown_tensor"] = refusal.groups()
+    elif refusal := UNINSPECTABLE.search(output):
+        failed["refused"], failed["uninspectable"] = uninspectable_words(refusal.group(1), output), True
     return failed
+
+
+def uninspectable_words(refusal: str, output: str) -> str:
+    """vLLM's refusal of a target it cannot inspect, with the import error its log gives for it and where."""
+    missing, lines = MISSING_MODULE.search(output), MODEL_FILE_LINE.findall(output)
+    cause = f": {missing.group(1)}" if missing else ""
+    where = f" (at {lines[-1][0]}:{lines[-1][1]})" if lines else ""
+    return refusal + cause + where

@@ -12,7 +12,7 @@ from headstart.export.parity import card_section, report_markdown, weights_diges
 from headstart.heads import build_head, drafting_of, load_head, read_head_config
 from headstart.scripts.export import verify_engines
 from headstart.scripts.export.command import export_head
-from headstart.scripts.export.verify_engines import our_acceptance, prompt_ids, prompts
+from headstart.scripts.export.verify_engines import our_acceptance, prompt_ids, prompts, text_prompts
 from headstart.scripts.export.verify_engines_judge import acceptance, judge_schedule, overall, served
 from headstart.scripts.export.verify_engines_side import METHODS, read_counters, spawn
 from tests.helpers import TARGET
@@ -126,7 +126,9 @@ def test_a_draft_vllm_cannot_run_here_is_named_with_both_runners_refusals_and_fa
     assert unserved["status"] == "UNSERVED" and "requires Triton" in unserved["detail"]
     passed = {"status": "PASS", "detail": ""}
     assert overall([entry("a", [passed]), entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "PASS"
-    assert overall([entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "FAIL"  # nothing checked at all
+    # Nothing the engine ran: not a pass (verify_engines exits 1), the engine's refusal is the report.
+    assert overall([entry("b", [unserved], {"status": "N/A", "detail": ""})]) == "UNSERVED"
+    assert overall([entry("b", [], {"status": "N/A", "detail": ""})]) == "FAIL"  # nothing checked at all
 
 
 def test_a_draft_only_the_v2_runner_serves_is_run_there(tmp_path):
@@ -222,7 +224,7 @@ def test_our_engine_runs_chains_of_k_on_the_prompts_vllm_gets(demo_target, one_t
     torch.manual_seed(0)
     head = build_head({"type": "eagle"}, model).eval()
     settings = {"k": 3, "prompts": 2, "max_tokens": 12, "eos_token_id": model.generation_config.eos_token_id}
-    ours = our_acceptance(model, head, prompt_ids(tokenizer, settings["prompts"], "chat"), settings)
+    ours = our_acceptance(model, head, text_prompts(prompt_ids(tokenizer, settings["prompts"], "chat")), settings)
     assert len(ours["tokens"]) == 2 and len(ours["accepted_per_pos"]) == 3
     # A chain commits accepted + 1 tokens per forward, the last forward's cut at max_tokens.
     new = sum(map(len, ours["tokens"]))
@@ -256,7 +258,7 @@ def test_a_peagle_head_is_served_with_parallel_drafting_and_drafts_its_chain_in_
     settings = {"k": 4, "prompts": 1, "max_tokens": 8, "eos_token_id": model.generation_config.eos_token_id}
     lengths = []
     head.register_forward_hook(lambda _module, args, _out: lengths.append(args[0].shape[1]))
-    ours = our_acceptance(model, head, prompt_ids(tokenizer, settings["prompts"], "chat"), settings)
+    ours = our_acceptance(model, head, text_prompts(prompt_ids(tokenizer, settings["prompts"], "chat")), settings)
     chat = tokenizer.apply_chat_template(
         prompts(1)[0], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )

@@ -91,7 +91,7 @@ def test_acceptance_more_than_two_percent_from_ours_either_way_fails():
 def test_families_flag_names_the_families_it_builds():
     assert parse_families("qwen3_moe, gpt_oss") == ["qwen3_moe", "gpt_oss"]
     assert parse_families("mimo_mtp,ernie_mtp") == ["mimo_mtp", "ernie_mtp"]
-    with pytest.raises(ValueError, match="choose from qwen3_moe, gpt_oss, mimo_mtp, ernie_mtp"):
+    with pytest.raises(ValueError, match="choose from qwen3_moe, gpt_oss, mimo_mtp, ernie_mtp, llava"):
         parse_families("qwen3_moe,mixtral")
 
 
