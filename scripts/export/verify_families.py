@@ -126,21 +126,25 @@ def save_target(family: str, out: Path, tokenizer_dir: str = DEMO_TOKENIZER) -> 
     GenerationConfig.from_pretrained(tokenizer_dir).save_pretrained(out)
 
 
-def train_config(target: Path, out: Path, steps: int, drafter: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+def train_config(
+    target: Path, out: Path, steps: int, drafter: dict[str, Any], data: dict[str, Any], shards: dict | None = None
+) -> dict[str, Any]:
     """train/eagle.py's config for the head options ``drafter`` on ``target`` and ``data``: the target runs in each step
-    (online capture: no shards for a model this small)."""
-    return {
+    (online capture: no shards for a model this small), or, given a ``capture`` section ``shards``, its shards are
+    read (a vision-language target, which online capture refuses)."""
+    config = {
         "target": {"path": str(target), "device": "cpu", "dtype": "fp32"},
         "data": {**data, "max_length": 160},
         "head": drafter,
         "train": {
             "out_dir": str(out), "seed": 0, "max_steps": steps, "batch_size": 8, "micro_batch_size": 8,
             "lr": 3.0e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "zero_stage": 2, "dtype": "fp32",
-            "online_capture": True, "heldout_samples": 16, "eval_every": steps, "save_every": steps,
+            "online_capture": shards is None, "heldout_samples": 16, "eval_every": steps, "save_every": steps,
             "keep_checkpoints": 1,
         },
         "wandb": {"mode": "disabled"},
     }  # fmt: skip
+    return config if shards is None else config | {"capture": shards}
 
 
 def regenerate_config(target: Path, out: Path) -> dict[str, Any]:

@@ -98,9 +98,7 @@ def train_vl_head(family: str, work: Path, run: Path, steps: int, drafter: dict[
     shutil.rmtree(shards, ignore_errors=True)  # an earlier target's states: capture would resume from them
     capture = capture_config(target, training_data(work, asked), shards, LAYER_IDS)
     run_module(family, "data_recipes.capture", capture, work, "capture")
-    config = train_config(target, run, steps, drafter | {"layer_ids": LAYER_IDS}, capture["data"])
-    config["capture"] = capture["capture"]
-    config["train"]["online_capture"] = False
+    config = train_config(target, run, steps, drafter | {"layer_ids": LAYER_IDS}, capture["data"], capture["capture"])
     run_module(family, "train.eagle", config, work, f"train-{drafter['type']}-{steps}-steps")
 
 
