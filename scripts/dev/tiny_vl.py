@@ -1,5 +1,6 @@
 """Tiny random vision-language targets, built offline from transformers' own config classes: a Qwen2.5-VL (its
-vision tower, mrope text model) and a Llava (a CLIP vision tower, a Llama text model), each saved with a processor
+vision tower, mrope text model), a Qwen3-VL (deepstack, interleaved mrope), a Llava (a CLIP vision tower, a Llama
+text model) and a Gemma-3 (a SigLIP vision tower), each saved with a processor
 made from its component classes (the image processor, the bundled demo tokenizer with the family's image tokens
 added, a chat template that renders image parts) so that ``AutoProcessor.from_pretrained`` reads it back.
 
@@ -20,6 +21,9 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
     CLIPImageProcessorPil,
+    Gemma3Config,
+    Gemma3ImageProcessorPil,
+    Gemma3Processor,
     LlavaConfig,
     LlavaProcessor,
     PreTrainedTokenizerBase,
@@ -143,6 +147,30 @@ def build_qwen3_vl(out: Path, seed: int = 0) -> Path:
     return _save(out, config, [image_processor, tokenizer], seed)
 
 
+def build_gemma3(out: Path, seed: int = 0) -> Path:
+    """Gemma-3 with its SigLIP vision tower (Gemma3ForConditionalGeneration): 14-pixel patches pooled to 4 image
+    tokens, each image written by its processor as ``\n\n<start_of_image>`` + 4 soft tokens + ``<end_of_image>\n\n``
+    (the chat template writes the start marker alone), its rows attending to each other both ways in the prefill."""
+    markers = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER, extra_special_tokens=markers)
+    tokenizer.chat_template = chat_template(markers["boi_token"])
+    text = dict(TEXT, vocab_size=len(tokenizer), max_position_embeddings=1024, head_dim=16, sliding_window=32)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIDE
+    )
+    config = Gemma3Config(
+        text_config=text | _special_ids(tokenizer),
+        vision_config=vision | {"patch_size": 14},
+        mm_tokens_per_image=4,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id,
+    )
+    image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
+    processor = Gemma3Processor(image_processor, tokenizer, tokenizer.chat_template, image_seq_length=4)
+    return _save(out, config, [processor], seed)
+
+
 def _special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     return {
         "bos_token_id": tokenizer.bos_token_id,
@@ -203,6 +231,7 @@ def _save(out: Path, config: object, processors: list[Any], seed: int) -> Path:
 BUILDERS: dict[str, Callable[[Path, int], Path]] = {
     "qwen2_5_vl": build_qwen2_5_vl,
     "qwen3_vl": build_qwen3_vl,
+    "gemma3": build_gemma3,
     "llava": build_llava,
 }
 
