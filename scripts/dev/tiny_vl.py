@@ -113,6 +113,55 @@ def build_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     return _save(out, config, [processor], seed)
 
 
+def build_llava(out: Path, seed: int = 0) -> Path:
+    tokenizer = demo_tokenizer(["<image>"], "<image>")
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIDE,
+        patch_size=28,
+        projection_dim=32,
+    )
+    text = dict(
+        TEXT,
+        model_type="llama",
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=int(tokenizer.convert_tokens_to_ids("<image>")),  # type: ignore[arg-type]
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    side = {"height": IMAGE_SIDE, "width": IMAGE_SIDE}
+    image_processor = CLIPImageProcessorPil(size=side, crop_size=side)
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=28,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops
+    )
+    return _save(out, config, [processor], seed)
+
+
+def _save(out: Path, config: object, processors: list[Any], seed: int) -> Path:
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(out)
+    for processor in processors:
+        processor.save_pretrained(out)
+    return out
+
+
 def build_qwen3_vl(out: Path, seed: int = 0) -> Path:
     """Qwen3-VL: 16-pixel patches merged 2 x 2 (the bundled 56-pixel images resized to 64: 4 image tokens), its
     vision tower's deepstack features added to the first text layer's states, interleaved mrope."""
@@ -177,55 +226,6 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-
-
-def build_llava(out: Path, seed: int = 0) -> Path:
-    tokenizer = demo_tokenizer(["<image>"], "<image>")
-    vision = dict(
-        model_type="clip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIDE,
-        patch_size=28,
-        projection_dim=32,
-    )
-    text = dict(
-        TEXT,
-        model_type="llama",
-        vocab_size=len(tokenizer),
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=int(tokenizer.convert_tokens_to_ids("<image>")),  # type: ignore[arg-type]
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
-    )
-    side = {"height": IMAGE_SIDE, "width": IMAGE_SIDE}
-    image_processor = CLIPImageProcessorPil(size=side, crop_size=side)
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=28,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops
-    )
-    return _save(out, config, [processor], seed)
-
-
-def _save(out: Path, config: object, processors: list[Any], seed: int) -> Path:
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(out)
-    for processor in processors:
-        processor.save_pretrained(out)
-    return out
 
 
 BUILDERS: dict[str, Callable[[Path, int], Path]] = {
