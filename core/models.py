@@ -22,6 +22,7 @@ from transformers import (
     ProcessorMixin,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import is_torchvision_available
 
 from headstart.core.memory import check_memory, decoding_memory
 from headstart.core.runtime import (
@@ -34,6 +35,7 @@ from headstart.core.runtime import (
     slow_dtype_warning,
 )
 from headstart.core.settings import AUTO_ATTENTION
+from headstart.core.vision import images_only_processor
 from headstart.core.weights import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -212,17 +214,18 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def load_processor(path: str) -> ProcessorMixin | None:
     """The processor of a vision-language target (its image processor and tokenizer: what turns images and their
-    markers into the target's inputs); None for a text target."""
-    if not is_vision_language(AutoConfig.from_pretrained(path)):
+    markers into the target's inputs); None for a text target. Where transformers cannot build the family's
+    processor for want of torchvision (the Qwen-VL families' video processor), the same class with images only
+    (``core.vision.images_only_processor``)."""
+    config = AutoConfig.from_pretrained(path)
+    if not is_vision_language(config):
         return None
     try:
         return AutoProcessor.from_pretrained(path)
-    except (ImportError, ValueError, AttributeError) as err:
-        # Qwen-VL processors hold a video processor, which transformers builds only with torchvision installed.
-        raise ValueError(
-            f"{path}: the vision-language target's processor cannot be built ({type(err).__name__}: {err}); the "
-            "Qwen-VL families' processors need torchvision (a build matching the installed torch)"
-        ) from err
+    except ImportError as err:
+        if is_torchvision_available():
+            raise
+        return images_only_processor(path, config, err)
 
 
 def load_target(

@@ -7,7 +7,10 @@ One JSON object per line, in any of these shapes (told apart by their keys, in t
   the model's own answer to the previous one;
 - GSM8K: ``{"question", "answer"}``, category ``gsm8k`` (the answer is the reference, never shown);
 - chat: ``{"messages": [{"role", "content"}, ...]}``; trailing assistant messages (reference answers)
-  are dropped and the conversation must then end with a user message;
+  are dropped and the conversation must then end with a user message. A content may be a list of text and image
+  parts, as training data write them (``data_recipes.images``: a path inside the bench file's folder, or inline
+  base64); a prompt with images is rendered by the target's processor into token ids and vision inputs
+  (``with_image_prompts``), one turn, the prompt format not applying (as token ids);
 - token ids: ``{"input_ids": [int, ...]}``: a prompt already tokenized, fed to the target as it is (one turn;
   the prompt format does not apply). Training writes its held-out prompts so (``<train.out_dir>/eval_prompts.jsonl``,
   category ``heldout``): ``eval.acceptance --bench`` on that file decodes exactly what training measured;
@@ -19,16 +22,20 @@ ids past the tokenizer's vocabulary are refused once it is known (``check_token_
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from headstart.core.errors import DataError
 from headstart.core.io import read_jsonl
+from headstart.data_recipes.images import content_parts, image_refs, load_images, text_of
 from headstart.data_recipes.prompts import RAW_TURN_SEPARATOR, render, resolve_prompt_format
+from headstart.data_recipes.recipes import image_prompt
 
 
 @dataclass
@@ -38,6 +45,9 @@ class BenchItem:
     turns: list[str]  # user messages, asked one after another (token ids: one turn, its text unused)
     history: list[dict[str, str]] = field(default_factory=list)  # earlier messages (system, past turns)
     input_ids: list[int] | None = None  # a prompt already tokenized: the target is fed these, as they are
+    image_messages: list[dict[str, Any]] | None = None  # a prompt with images: its messages, parts unread
+    root: Path | None = None  # the bench file's folder, where its images' paths lie
+    vision: dict[str, torch.Tensor] | None = None  # its processor's vision inputs (``with_image_prompts``)
 
 
 def turn_prompt(
@@ -48,6 +58,8 @@ def turn_prompt(
     far as one text, each turn a continuation of the answer before it)."""
     if item.input_ids is not None:
         return torch.tensor([item.input_ids])
+    if item.image_messages is not None:
+        raise ValueError(f"bench item {item.id} holds images: its prompt is the processor's (with_image_prompts)")
     messages = list(item.history)
     for turn, answer in zip(item.turns, answers):
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
@@ -69,22 +81,32 @@ def _text(record: dict, key: str, location: str) -> str:
     return value
 
 
-def _chat_item(record: dict, location: str, default_category: str) -> BenchItem:
+def _chat_item(record: dict, location: str, default_category: str, root: Path) -> BenchItem:
     messages = record["messages"]
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
     ):
-        raise DataError("'messages' must be a list of {'role': str, 'content': str}", location)
+        raise DataError("'messages' must be a list of {'role': str, 'content': str or parts}", location)
+    try:
+        messages = [
+            {"role": m["role"], "content": content_parts(m.get("content"), f"message {i}")}
+            for i, m in enumerate(messages)
+        ]
+    except DataError as err:
+        raise DataError(err.message, location) from None
     while messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]
     if not messages or messages[-1]["role"] != "user":
         raise DataError("'messages' must contain a user message after any system/assistant ones", location)
     # What the target is shown must say something, as a prompt must; the dropped reference answers may be empty.
-    empty = [i for i, m in enumerate(messages) if not m["content"].strip()]
+    empty = [i for i, m in enumerate(messages) if not (text_of(m["content"]).strip() or image_refs([m]))]
     if empty:
         raise DataError(f"message {empty[0]} ({messages[empty[0]]['role']}) has empty 'content'", location)
-    category = record.get("category", default_category)
-    return BenchItem(location, str(category), [messages[-1]["content"]], list(messages[:-1]))
+    category = str(record.get("category", default_category))
+    if image_refs(messages):
+        return BenchItem(location, category, [text_of(messages[-1]["content"])], image_messages=messages, root=root)
+    texts = [{"role": m["role"], "content": text_of(m["content"])} for m in messages]
+    return BenchItem(location, category, [texts[-1]["content"]], texts[:-1])
 
 
 def _ids_item(record: dict, location: str, default_category: str) -> BenchItem:
@@ -98,8 +120,8 @@ def _ids_item(record: dict, location: str, default_category: str) -> BenchItem:
     return BenchItem(location, category, [""], input_ids=ids)
 
 
-def parse_record(record: dict, location: str, default_category: str) -> BenchItem:
-    """One benchmark item from one JSONL record (any supported shape)."""
+def parse_record(record: dict, location: str, default_category: str, root: Path = Path(".")) -> BenchItem:
+    """One benchmark item from one JSONL record (any supported shape); ``root``: the folder its images lie in."""
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
@@ -110,7 +132,7 @@ def parse_record(record: dict, location: str, default_category: str) -> BenchIte
     if "question" in record:
         return BenchItem(location, "gsm8k", [_text(record, "question", location)])
     if "messages" in record:
-        return _chat_item(record, location, default_category)
+        return _chat_item(record, location, default_category, root)
     if "input_ids" in record:  # before text: where a record carries its ids, they are the prompt exactly
         return _ids_item(record, location, default_category)
     for key in ("prompt", "text"):
@@ -132,10 +154,33 @@ def load_bench(path: str | Path, limit: int | None = None) -> list[BenchItem]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file not found: {path}")
-    items = [parse_record(record, location, path.stem) for location, record in _records(path)]
+    items = [parse_record(record, location, path.stem, path.parent) for location, record in _records(path)]
     if not items:
         raise DataError("no benchmark records", str(path))
     return round_robin(items, limit)
+
+
+def with_image_prompts(
+    items: list[BenchItem], processor: ProcessorMixin | None, tokenizer: PreTrainedTokenizerBase
+) -> list[BenchItem]:
+    """``items``, each prompt with images read (a bad image refused naming the item and the image) and rendered by
+    the target's ``processor`` (``data_recipes.recipes.image_prompt``): its token ids and vision inputs, which the
+    prefill reads. A text target (no processor) refuses such prompts, naming the first."""
+    out = []
+    for item in items:
+        if item.image_messages is None:
+            out.append(item)
+            continue
+        if processor is None:
+            raise ValueError(f"bench item {item.id}: a prompt with images needs a vision-language target")
+        messages = copy.deepcopy(item.image_messages)
+        try:
+            load_images(messages, item.root, None)
+        except DataError as err:
+            raise DataError(err.message, item.id) from None
+        ids, vision = image_prompt(processor, tokenizer, messages)
+        out.append(replace(item, input_ids=ids[0].tolist(), vision=vision))
+    return out
 
 
 def round_robin(items: list[BenchItem], limit: int | None) -> list[BenchItem]:

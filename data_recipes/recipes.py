@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from difflib import SequenceMatcher
 from pathlib import Path
 from typing import Any, cast
 
@@ -143,28 +144,22 @@ def image_token_id(processor: ProcessorMixin) -> int:
 
 
 def expand_loss_mask(input_ids: list[int], loss_mask: list[int], expanded: list[int], image_token: int) -> list[int]:
-    """``loss_mask`` of ``input_ids`` (each image one ``image_token``) carried to ``expanded`` (each image a run of
-    them): 0 on every placeholder. DataError when the two differ anywhere else. Adjacent images' markers are one
-    run in both."""
-    mask: list[int] = []
-    j = 0
-    for k, (token, keep) in enumerate(zip(input_ids, loss_mask)):
-        if token == image_token:
-            if k and input_ids[k - 1] == image_token:
-                continue  # the run before took this image's placeholders too
-            start = j
-            while j < len(expanded) and expanded[j] == image_token:
-                j += 1
-            if j == start:
-                raise DataError(f"the processor wrote no image placeholders where the template put image {k}")
-            mask += [0] * (j - start)
-        elif j < len(expanded) and expanded[j] == token:
-            mask.append(keep)
-            j += 1
-        else:
-            raise DataError(f"the processor's tokens differ from the chat template's at token {k}, not an image's")
-    if j != len(expanded):
-        raise DataError(f"the processor wrote {len(expanded) - j} tokens past the chat template's")
+    """``loss_mask`` of ``input_ids`` (each image the template's one ``image_token``) carried to ``expanded`` (each
+    image as the processor writes it: a run of placeholders, and for some families text around them, Gemma-3's
+    ``\n\n`` and end marker): the tokens both hold keep their mask, what the processor wrote for an image is 0.
+    DataError where the processor dropped an image's marker, or where the two differ anywhere but next to a marker
+    or on a token in the loss."""
+    mask = [0] * len(expanded)
+    for tag, i1, i2, j1, j2 in SequenceMatcher(None, input_ids, expanded, autojunk=False).get_opcodes():
+        if tag == "equal":
+            mask[j1:j2] = loss_mask[i1:i2]
+            continue
+        dropped = [k for k in range(i1, i2) if input_ids[k] == image_token]
+        if dropped:
+            raise DataError(f"the processor wrote no image placeholders where the template put image {dropped[0]}")
+        beside_marker = image_token in input_ids[max(i1 - 1, 0) : i2 + 1] or image_token in expanded[j1:j2]
+        if not beside_marker or any(loss_mask[i1:i2]):
+            raise DataError(f"the processor's tokens differ from the chat template's at token {i1}, not an image's")
     return mask
 
 

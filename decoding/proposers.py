@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from headstart.core.vision import TEXT_POSITIONS, DraftPositions
 from headstart.decoding.tree import (
     Tree,
     additive_mask,
@@ -46,7 +47,7 @@ def draft_logq(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 class Vanilla:
     hidden_layers: tuple[int, ...] = ()
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         pass
 
     def propose(self, tokens: torch.Tensor) -> Tree:
@@ -105,11 +106,13 @@ class DraftModel:
         self.total_tokens = total_tokens or k * top_k
         self.choices = [list(c) for c in choices] if choices is not None else None
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         self.sampling, self.cache, self.read = sampling, new_cache(self.model), 0
+        self.positions = positions
 
     def propose(self, tokens: torch.Tensor) -> Tree:
-        out = self.model(tokens[None, self.read :], past_key_values=self.cache, use_cache=True)
+        new = self.positions.rows(self.read, len(tokens) - self.read, tokens.device)
+        out = self.model(tokens[None, self.read :], position_ids=new[None], past_key_values=self.cache, use_cache=True)
         self.read = len(tokens)
         root_logq, sample = draft_logq(out.logits[0, -1], self.sampling), not self.sampling.greedy
         if self.choices is not None:
@@ -123,8 +126,8 @@ class DraftModel:
         out = self.model(
             tokens[None],
             attention_mask=additive_mask(torch.cat((prefix, visible), 1), self.model.dtype),
-            # The pending root sits at position read - 1, a depth-d node at read - 1 + d.
-            position_ids=torch.full((1, len(tokens)), self.read - 1 + depth, device=tokens.device),
+            # The pending root sits at row read - 1, a depth-d node at row read - 1 + d.
+            position_ids=torch.full((1, len(tokens)), self.positions.at(self.read - 1 + depth), device=tokens.device),
             past_key_values=self.cache,
             use_cache=True,
         )
@@ -190,8 +193,8 @@ class ProposerWrapper:
         self.proposer = proposer
         self.hidden_layers = proposer.hidden_layers
 
-    def reset(self, sampling: Sampling) -> None:
-        self.proposer.reset(sampling)
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
+        self.proposer.reset(sampling, positions)
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         return self.proposer.propose(tokens)

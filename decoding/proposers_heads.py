@@ -21,6 +21,7 @@ from typing import Any, ClassVar, cast
 import torch
 from transformers import PreTrainedModel
 
+from headstart.core.vision import TEXT_POSITIONS, DraftPositions
 from headstart.decoding.head_proposers import head_proposer, head_types_of
 from headstart.decoding.proposers import DraftModel, draft_logq
 from headstart.decoding.tree import (
@@ -61,7 +62,7 @@ class HeadProposer:
     def __init__(self, head: DraftHead) -> None:
         raise NotImplementedError
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         raise NotImplementedError
 
     def propose(self, tokens: torch.Tensor) -> Tree:
@@ -153,8 +154,8 @@ class Eagle(HeadProposer):
         self.choices = [list(c) for c in choices] if choices is not None else None
         self.hidden_layers = head.hidden_layers
 
-    def reset(self, sampling: Sampling) -> None:
-        self.sampling, self.cache, self.committed = sampling, KVCache(), 0
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
+        self.sampling, self.cache, self.committed, self.positions = sampling, KVCache(), 0, positions
         self.root: tuple[torch.Tensor, torch.Tensor] | None = None  # (log-probs, feature) below the pending root
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
@@ -162,7 +163,7 @@ class Eagle(HeadProposer):
         if hidden is None or len(hidden) == 0:
             return
         m = len(hidden)
-        positions = torch.arange(self.committed, self.committed + m, device=tokens.device)[None]
+        positions = self.positions.rows(self.committed, m, tokens.device)[None]
         features = self.head.first_features(hidden)[None]
         logp, out = self.head.draft_step(tokens[None, -m:], features, positions, self.cache)
         self.committed += m
@@ -186,7 +187,7 @@ class Eagle(HeadProposer):
     ) -> torch.Tensor:
         prefix = torch.ones(len(tokens), self.committed, dtype=torch.bool, device=tokens.device)
         features = torch.cat(self.slot_features)[parent_slots + 1]
-        positions = torch.full((1, len(tokens)), self.committed - 1 + depth, device=tokens.device)
+        positions = torch.full((1, len(tokens)), self.positions.at(self.committed - 1 + depth), device=tokens.device)
         mask = torch.cat((prefix, visible), 1)[None, None]
         logp, out = self.head.draft_step(tokens[None], features[None], positions, self.cache, mask)
         self.slot_features.append(out[0])
@@ -248,8 +249,8 @@ class PEagle(HeadProposer):
         self.choices = [list(c) for c in choices] if choices is not None else chain_choices(depth)
         self.hidden_layers = head.hidden_layers
 
-    def reset(self, sampling: Sampling) -> None:
-        self.sampling, self.cache, self.committed = sampling, KVCache(), 0
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
+        self.sampling, self.cache, self.committed, self.positions = sampling, KVCache(), 0, positions
         self.logp: torch.Tensor | None = None  # per depth: the draft's log-probs
 
     def update(self, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
@@ -260,7 +261,7 @@ class PEagle(HeadProposer):
         mask_ids, mask_features = self.head.mask_slots(1, masks)
         ids = torch.cat((tokens[None, -m:], mask_ids), 1)
         features = torch.cat((self.head.first_features(hidden)[None], mask_features), 1)
-        positions = torch.arange(self.committed, self.committed + m + masks, device=tokens.device)[None]
+        positions = self.positions.rows(self.committed, m + masks, tokens.device)[None]
         logp, _ = self.head.draft_step(ids, features, positions, self.cache)
         self.committed += m
         self.logp = logp[0, m - 1 :]  # depth 1 (the pending root's pair), then the mask slots'
@@ -303,7 +304,7 @@ class Medusa(HeadProposer):
             raise ValueError(f"tree depth {self.depth} needs more than the head's {heads} heads")
         self.hidden_layers = head.hidden_layers
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         self.sampling = sampling
         self.last_hidden: torch.Tensor | None = None
 
@@ -358,8 +359,8 @@ class DFlash(HeadProposer):
             raise ValueError(f"tree depth {depth} needs more than the block's {self.drafts} drafting slots")
         self._choices = choices
 
-    def reset(self, sampling: Sampling) -> None:
-        self.sampling, self.committed = sampling, 0
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
+        self.sampling, self.committed, self.positions = sampling, 0, positions
         self.context = [KVCache() for _ in self.head.layers]
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # every layer's cached keys and values
 
@@ -367,7 +368,7 @@ class DFlash(HeadProposer):
         """The newly committed rows' features become context: their keys and values in every layer."""
         if hidden is None or len(hidden) == 0:
             return
-        positions = torch.arange(self.committed, self.committed + len(hidden), device=tokens.device)
+        positions = self.positions.rows(self.committed, len(hidden), tokens.device)
         new_kv = self.head.context_kv(hidden[None], positions[None])
         self.context_kv = [cache.append(k, v) for cache, (k, v) in zip(self.context, new_kv)]
         self.committed += len(hidden)
@@ -375,7 +376,7 @@ class DFlash(HeadProposer):
     def propose(self, tokens: torch.Tensor) -> Tree:
         if self.committed == 0:  # a one-token prompt: no target feature yet
             return empty_tree(tokens.device)
-        logits = self.head.draft_block(tokens[-1], self.committed, self.context_kv, self.drafts)
+        logits = self.head.draft_block(tokens[-1], self.positions.at(self.committed), self.context_kv, self.drafts)
         depth = max(len(c) for c in self.choices)
         width = max(c[-1] for c in self.choices) + 1
         logq = draft_logq(logits[:depth], self.sampling)
@@ -415,7 +416,8 @@ class BlockWalk(DFlash):
     def propose(self, tokens: torch.Tensor) -> Tree:
         if self.committed == 0:  # a one-token prompt: no target feature yet
             return empty_tree(tokens.device)
-        hidden = self.head.draft_hidden(tokens[-1], self.committed, self.context_kv, max(len(c) for c in self.choices))
+        root_at, depth = self.positions.at(self.committed), max(len(c) for c in self.choices)
+        hidden = self.head.draft_hidden(tokens[-1], root_at, self.context_kv, depth)
         first, after = self.walk(hidden, tokens[-1])
         sample = not (self.sampling.greedy or self.sampling.acceptance == "typical")
         tree = shaped_tree(

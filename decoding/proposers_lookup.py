@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from headstart.core.vision import TEXT_POSITIONS, DraftPositions
 from headstart.decoding.proposers import Vanilla
 from headstart.decoding.tree import Tree, empty_tree, tree_from_parents
 from headstart.decoding.verify import Sampling
@@ -78,7 +79,7 @@ class Suffix(Vanilla):
     def __init__(self, k: int = 5, max_match: int = 16, min_prob: float = 0.1, spec_factor: float = 1.0) -> None:
         self.k, self.max_match, self.min_prob, self.spec_factor = k, max_match, min_prob, spec_factor
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         self.index = SuffixIndex(self.max_match + self.k)
 
     def propose(self, tokens: torch.Tensor) -> Tree:
@@ -136,7 +137,7 @@ class Lookahead(Vanilla):
             raise ValueError(f"lookahead n-grams need at least 2 tokens, got ngram={ngram}")
         self.window, self.ngram, self.guesses = window, ngram, guesses
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         self.text: list[int] = []  # the committed tokens
         self.indexed = 0  # n-grams of ``text`` starting before this are in the pool
         self.pool: dict[int, dict[tuple[int, ...], None]] = {}  # first token -> tails, oldest first

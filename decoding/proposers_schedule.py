@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from headstart.core.vision import TEXT_POSITIONS, DraftPositions
 from headstart.decoding.tree import Tree, capped, empty_tree
 from headstart.decoding.tree_config import Schedule, scheduled_depth
 
@@ -34,8 +35,8 @@ class SpeculationByLoad:
     def depth(self) -> int:
         return scheduled_depth(self.schedule, self.batch_size())
 
-    def reset(self, sampling: Sampling) -> None:
-        self.proposer.reset(sampling)
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
+        self.proposer.reset(sampling, positions)
         self.unread = None
 
     def propose(self, tokens: torch.Tensor) -> Tree:

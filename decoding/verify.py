@@ -26,7 +26,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from headstart.core.vision import TOKEN_KEYS, on_model, rope_positions
+from headstart.core.vision import TEXT_POSITIONS, TOKEN_KEYS, DraftPositions, on_model, rope_positions
 from headstart.decoding.proposers_schedule import SpeculationByLoad
 from headstart.decoding.static_cache import StaticCache, StaticVerifyCache, static_decoding
 from headstart.decoding.target_cache import (
@@ -80,8 +80,9 @@ class Proposer(Protocol):
     # layer i, L the final normed state); () when it needs none, so the target skips returning them.
     hidden_layers: tuple[int, ...]
 
-    def reset(self, sampling: Sampling) -> None:
-        """Start a new sequence: drop caches, remember whether to draft greedily or by sampling."""
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
+        """Start a new sequence: drop caches, remember whether to draft greedily or by sampling and where a draft
+        model or head puts each row (``positions``: an image prompt's are not always the rows' indices)."""
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         """A tree below ``tokens[-1]`` (the pending root) given every committed token [T]."""
@@ -381,11 +382,12 @@ class BatchDecoding:
             for seq in sequences:
                 seq.proposer = SpeculationByLoad(seq.proposer, schedule, lambda: len(self.active))
         self.cache = _target_cache(target, len(sequences))
-        prefill, self.position_shift = prompt_vision(target, [seq.tokens for seq in sequences], vision)
+        prefill, positions = prompt_vision(target, [seq.tokens for seq in sequences], vision)
+        self.position_shift = positions.shift
         self.valid, hidden = _prefill(target, self.cache, [seq.tokens for seq in sequences], self.layers, prefill)
         self.active = sequences if max_new_tokens > 0 else []
         for seq, rows in zip(sequences, hidden):
-            seq.proposer.reset(sampling)
+            seq.proposer.reset(sampling, positions)
             seq.proposer.update(seq.tokens, rows)
 
     def step(self) -> None:
@@ -426,18 +428,19 @@ class BatchDecoding:
 
 def prompt_vision(
     target: PreTrainedModel, prompts: list[torch.Tensor], vision: dict[str, torch.Tensor] | None
-) -> tuple[dict[str, torch.Tensor] | None, int]:
+) -> tuple[dict[str, torch.Tensor] | None, DraftPositions]:
     """An image prompt's vision inputs for its prefill (every token but the last, the pending root; on the target's
-    device and dtype) and the rotary shift of the rows after them (``VisionRows.rope``: an mrope target's positions
-    past an image are not the rows' indices). One prompt at a time: each family batches images its own way."""
+    device and dtype) and where a text-only draft puts its rows (``core.vision.rope_positions``: an mrope target's
+    positions past an image are not the rows' indices, its ``shift`` where the target's own steps go too). One
+    prompt at a time: each family batches images its own way."""
     if not vision:
-        return None, 0
+        return None, TEXT_POSITIONS
     if len(prompts) != 1:
         raise ValueError(f"a prompt with images decodes alone, not in a batch of {len(prompts)}")
     head = prompts[0][:-1][None]
     prefill = {key: value[..., :-1] if key in TOKEN_KEYS else value for key, value in vision.items()}
-    _, shift = rope_positions(target, head, prefill)
-    return on_model(prefill, target), shift
+    positions, shift = rope_positions(target, head, prefill)
+    return on_model(prefill, target), DraftPositions(positions, shift)
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all: less host work per op than no_grad

@@ -33,7 +33,7 @@ from transformers import AutoConfig
 from headstart.core.command_flags import CommandFlags
 from headstart.core.config_files import run_command, save_config
 from headstart.core.io import check_writable
-from headstart.core.models import load_decoding_target, load_model, load_tokenizer
+from headstart.core.models import load_decoding_target, load_model, load_processor, load_tokenizer
 from headstart.core.runtime import Ranks, prepare_decoding, resolve_dtype
 from headstart.core.settings import (
     AUTO_ATTENTION,
@@ -54,6 +54,7 @@ from headstart.data_recipes.bench import (
     check_token_ids,
     load_bench,
     longest_context,
+    with_image_prompts,
 )
 from headstart.data_recipes.prompts import PROMPT_FORMAT_HELP, PromptFormat, resolve_prompt_format
 from headstart.decoding.methods import (
@@ -202,6 +203,7 @@ def load(args: Eval) -> Loaded:
         items = pick_per_group(items, args.per_group)
     dtype, tokenizer = resolve_dtype(args.dtype), load_tokenizer(args.target)
     prompt_format = resolve_prompt_format(tokenizer, args.prompt_format)  # chat without a template: refused here
+    items = with_image_prompts(items, load_processor(args.target), tokenizer)  # images read before the target loads
     check_token_ids(tokenizer, items)
     warn_prompt_formats(head_folders, prompt_format)
     drafters = sum(safetensors_bytes(d) for d in [*head_dirs.values(), *([args.draft] if args.draft else [])])

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from headstart.core.acceptance import chain_acceptance
 from headstart.core.runtime import seed_everything
+from headstart.core.vision import on_model, with_text_after
 from headstart.data_recipes.bench import BenchItem, turn_prompt
 from headstart.decoding.verify import Proposer, Sampling, Stats, generate
 from headstart.eval.results import CategoryResult, MethodResult
@@ -93,7 +94,7 @@ def decode_item(
     answers: list[str] = []
     for _ in item.turns:
         prompt = turn_prompt(tokenizer, item, answers, prompt_format).to(target.device)
-        out, stats = generate(target, proposer, prompt, max_new_tokens, sampling, tokenizer.eos_token_id)
+        out, stats = generate(target, proposer, prompt, max_new_tokens, sampling, tokenizer.eos_token_id, item.vision)
         new = out[0, prompt.shape[1] :]
         answers.append(cast(str, tokenizer.decode(new, skip_special_tokens=True)))
         yield new, stats
@@ -248,7 +249,8 @@ def divergence(
                 return entry | {"vanilla_token": None, "method_token": None, "logit_gap": None, "near_tie": False}
             prompt = turn_prompt(tokenizer, item, answers, prompt_format).to(target.device)[0]
             ids = torch.cat((prompt, torch.tensor(ref[:at], dtype=prompt.dtype, device=prompt.device)))
-            logits = target(ids[None]).logits[0, -1].float()
+            vision = on_model(with_text_after(item.vision, at), target) if item.vision else {}
+            logits = target(ids[None], **vision).logits[0, -1].float()
             gap = float(logits[ref[at]] - logits[out[at]])
             tolerance = NEAR_TIE_ULPS * torch.finfo(target.dtype).eps * float(logits.abs().max())
             return entry | {

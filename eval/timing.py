@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from headstart.core.timing import clock, timed
+from headstart.core.vision import TEXT_POSITIONS, DraftPositions
 from headstart.decoding.proposers import DepthRecorder
 from headstart.decoding.proposers_heads import Drafter, DraftSource, head_drafter
 from headstart.decoding.tree import Tree, chain
@@ -41,9 +42,9 @@ class TimedProposer(DepthRecorder):
         self.draft_s = self.target_s = 0.0
         self.target_calls, self.decoding, self._start = 0, False, 0.0
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         self.decoding = False
-        super().reset(sampling)
+        super().reset(sampling, positions)
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         self.decoding = True

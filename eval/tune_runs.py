@@ -14,6 +14,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from headstart.core.timing import timed
+from headstart.core.vision import TEXT_POSITIONS, DraftPositions
 from headstart.decoding.methods import proposer_for
 from headstart.decoding.proposers import ProposerWrapper
 from headstart.decoding.proposers_heads import Drafter, DraftSource, head_drafter
@@ -38,9 +39,9 @@ class CombRecorder(ProposerWrapper):
         self.steps: list[ConfidenceStep] = []
         self.tree: Tree | None = None
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions: DraftPositions = TEXT_POSITIONS) -> None:
         self.tree = None
-        super().reset(sampling)
+        super().reset(sampling, positions)
 
     def propose(self, tokens: torch.Tensor) -> Tree:
         tree = self.tree = self.proposer.propose(tokens)

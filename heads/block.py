@@ -62,6 +62,7 @@ from headstart.heads.losses import (
     soft_cross_entropy,
 )
 from headstart.heads.sparse_attention import chunked, query_chunk
+from headstart.heads.target import draft_target_config
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, head_dim]
 
@@ -218,7 +219,7 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
     ) -> Block:
         options = cast(BlockOptions, cls.options_of(settings))  # an instance of cls.options_model, a BlockOptions
         if options.mask_token_id is None:
-            options.mask_token_id = resolve_mask_token_id(target_model.config, tokenizer)
+            options.mask_token_id = resolve_mask_token_id(draft_target_config(target_model.config), tokenizer)
         head = super().build(options, target_model, tokenizer)
         if head.mask_embedding is not None:  # a learned vector starts from the row it replaces
             row = head.target.embed_tokens.weight[head.mask_token_id]

@@ -52,11 +52,6 @@ _GEMMA_DRAFT = (
 # Families refused by the EAGLE heads, with the reason. (Medusa reads only the last hidden state and the
 # target's lm_head, so it trains on any causal LM.)
 UNSERVED_FAMILIES = {family: _GEMMA_DRAFT.format(family=family) for family in ("gemma", "gemma2")}
-UNSERVED_FAMILIES["gemma3"] = (
-    "this is the multimodal Gemma-3 checkpoint (Gemma3ForConditionalGeneration); EAGLE-3 heads train on the "
-    "text model (model_type gemma3_text, Gemma3ForCausalLM, as the 1B checkpoint is), whose aux hidden states "
-    "SGLang captures"
-)
 # EAGLE-1 on Gemma-3: the draft concatenates the raw embedding with the target's last hidden state, and
 # neither engine has an EAGLE-1 draft tested for Gemma-3 targets (docs/EXPORT.md, "Gemma-3").
 UNSERVED_EAGLE1 = {
@@ -67,9 +62,9 @@ UNSERVED_EAGLE1 = {
 def draft_target_config(config: PretrainedConfig) -> PretrainedConfig:
     """The config a draft is built from and checked against: a vision-language target's text model (the draft is
     text-only, as vLLM's EAGLE-3 drafts for those targets are: it reads the text model's hidden states and token
-    embeddings, images included only as the placeholder rows' states), else the target's own. A family whose
-    multimodal checkpoint no head serves yet (``UNSERVED_FAMILIES``) keeps its config, to be refused by name."""
-    if getattr(config, "vision_config", None) is None or config.model_type in UNSERVED_FAMILIES:
+    embeddings, images included only as the placeholder rows' states), else the target's own. Gemma-3's multimodal
+    checkpoint so gives its ``gemma3_text`` model, whose heads the exports refuse where vLLM serves none."""
+    if getattr(config, "vision_config", None) is None:
         return config
     return config.get_text_config()
 

@@ -84,20 +84,21 @@ def tiny_llava_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_vl(tmp_path_factory):
-    """A tiny random Qwen2.5-VL (mrope) from scripts/dev/tiny_vl.py: (model, tokenizer, image processor). Its processor
-    class needs torchvision; ``tests.helpers.qwen_prompt`` does its work for one image."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    from headstart.core.models import load_model
+def tiny_qwen_vl_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL (its vision tower, an mrope text model) from scripts/dev/tiny_vl.py."""
     from headstart.scripts.dev.tiny_vl import build_qwen2_5_vl
 
-    path = build_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl") / "target")
-    return (
-        load_model(str(path), "cpu", "fp32"),
-        AutoTokenizer.from_pretrained(path),
-        AutoImageProcessor.from_pretrained(path),
-    )
+    return build_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2_5_vl") / "target")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vl(tiny_qwen_vl_dir):
+    """tiny_qwen_vl_dir loaded: (model, tokenizer, processor), the processor images-only where torchvision is
+    missing (``core.vision.images_only_processor``)."""
+    from headstart.core.models import load_model, load_processor, load_tokenizer
+
+    path = str(tiny_qwen_vl_dir)
+    return load_model(path, "cpu", "fp32"), load_tokenizer(path), load_processor(path)
 
 
 @pytest.fixture(scope="session")

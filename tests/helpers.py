@@ -417,20 +417,13 @@ def shards_with_a_nan(shards: Path, out: Path, order_index: int) -> Path:
 # ---- vision-language targets
 
 
-def qwen_prompt(tokenizer, image_processor, image_name: str, question: str):
-    """(ids [1, S], vision inputs) of a one-image question from assets/data/vl/images, as Qwen2_5_VLProcessor makes
-    them (that class needs torchvision, which the pinned venv lacks): the image processor's inputs, the image
-    marker repeated once per merged 2 x 2 patch, the token type flags (1 on the image rows)."""
+def one_image_prompt(processor, image_name: str, question: str):
+    """(ids [1, S], vision inputs) of a one-image question on assets/data/vl/images/``image_name``, through the
+    target's processor (``data_recipes.recipes.image_prompt``)."""
     from PIL import Image
 
+    from headstart.data_recipes.recipes import image_prompt
+
     image = Image.open(REPO / "assets" / "data" / "vl" / "images" / image_name).convert("RGB")
-    vision = dict(image_processor(images=[image], return_tensors="pt"))
-    placeholders = int(vision["image_grid_thw"].prod()) // image_processor.merge_size**2
     parts = [{"type": "image", "image": image}, {"type": "text", "text": question}]
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
-    )
-    text = text.replace("<|image_pad|>", "<|image_pad|>" * placeholders)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    vision["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
-    return ids, vision
+    return image_prompt(processor, processor.tokenizer, [{"role": "user", "content": parts}])

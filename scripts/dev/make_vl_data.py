@@ -6,7 +6,9 @@ question and its answer, under ``assets/data/vl/``.
 writes ``images/*.png`` and the same questions in two record layouts the data recipes read:
 ``chat.jsonl`` (``data.format: messages``, the user turn's content a list of HF/OpenAI parts with
 ``{"type": "image", "image": "images/....png"}``) and ``llava.jsonl`` (``data.format: sharegpt`` with LLaVA's
-``image`` field and the ``<image>`` marker in the human turn). Paths are relative to the JSONL file's folder.
+``image`` field and the ``<image>`` marker in the human turn), and ``bench.jsonl``, a bench of held-out images
+(``images/held-*.png``, none of them in the training records) for ``eval.acceptance --bench``: chat records with a
+category, the answer as the trailing assistant message the bench drops. Paths are relative to the JSONL file's folder.
 Deterministic: the same seed writes the same bytes. The images and questions are this project's own, generated
 by this script, under the repository's licence (Apache-2.0; ``assets/data/vl/LICENSE``).
 """
@@ -26,6 +28,7 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), 
 SHAPES = ("circle", "square", "triangle")
 WORDS = ("cat", "sun", "map", "box", "pen", "cup", "owl", "key", "jam", "fig", "hat", "ink")
 BACKGROUND = (255, 255, 255)
+BENCH_SIZE = 8  # held-out questions in bench.jsonl
 
 Question = tuple[Image.Image, str, str]  # (image, question, answer)
 
@@ -82,8 +85,8 @@ def llava_record(image: str, question: str, answer: str) -> dict:
 
 
 def make(out: Path, per_kind: int, seed: int = 0) -> list[str]:
-    """Draw ``per_kind`` images of each kind under ``out/images`` and write both record files; returns the images'
-    relative paths."""
+    """Draw ``per_kind`` images of each kind under ``out/images`` and write both record files, then the bench's
+    held-out images and records; returns the images' relative paths."""
     rng = random.Random(seed)
     (out / "images").mkdir(parents=True, exist_ok=True)
     chats, llavas, paths = [], [], []
@@ -95,9 +98,25 @@ def make(out: Path, per_kind: int, seed: int = 0) -> list[str]:
             chats.append(chat_record(path, question, answer))
             llavas.append(llava_record(path, question, answer))
             paths.append(path)
-    for name, rows in (("chat.jsonl", chats), ("llava.jsonl", llavas)):
+    bench, held = bench_records(out, rng, BENCH_SIZE, per_kind)
+    for name, rows in (("chat.jsonl", chats), ("llava.jsonl", llavas), ("bench.jsonl", bench)):
         (out / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return paths
+    return paths + held
+
+
+def bench_records(out: Path, rng: random.Random, count: int, first: int) -> tuple[list[dict], list[str]]:
+    """``count`` held-out questions, the kinds in turn, drawn past the training set's ``first`` of each kind: (the
+    bench's chat records, each with its kind as category, the images' relative paths)."""
+    kinds = list(KINDS.items())
+    records, paths = [], []
+    for k in range(count):
+        (kind, draw), index = kinds[k % len(kinds)], first + k // len(kinds)
+        image, question, answer = draw(rng, index)
+        path = f"images/held-{kind}-{index:02d}.png"
+        image.save(out / path, optimize=True)
+        records.append({"category": kind, **chat_record(path, question, answer)})
+        paths.append(path)
+    return records, paths
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     paths = make(Path(args.out), args.per_kind, args.seed)
-    print(f"{args.out}: {len(paths)} images, chat.jsonl and llava.jsonl")
+    print(f"{args.out}: {len(paths)} images, chat.jsonl, llava.jsonl and bench.jsonl")
 
 
 if __name__ == "__main__":

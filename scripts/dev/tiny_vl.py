@@ -1,5 +1,6 @@
 """Tiny random vision-language targets, built offline from transformers' own config classes: a Qwen2.5-VL (its
-vision tower, mrope text model) and a Llava (a CLIP vision tower, a Llama text model), each saved with a processor
+vision tower, mrope text model), a Qwen3-VL (deepstack, interleaved mrope), a Llava (a CLIP vision tower, a Llama
+text model) and a Gemma-3 (a SigLIP vision tower), each saved with a processor
 made from its component classes (the image processor, the bundled demo tokenizer with the family's image tokens
 added, a chat template that renders image parts) so that ``AutoProcessor.from_pretrained`` reads it back.
 
@@ -20,12 +21,16 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
     CLIPImageProcessorPil,
+    Gemma3Config,
+    Gemma3ImageProcessorPil,
+    Gemma3Processor,
     LlavaConfig,
     LlavaProcessor,
     PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
 )
 from transformers.utils import is_torchvision_available
 
@@ -101,7 +106,8 @@ def build_qwen2_5_vl(out: Path, seed: int = 0) -> Path:
     image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels})
     if not is_torchvision_available():
         # Qwen2_5_VLProcessor holds a video processor, which transformers builds only with torchvision: without it
-        # the folder gets the processor's parts (the image processor, the tokenizer), as a hub checkpoint has them.
+        # the folder gets the processor's parts (the image processor, the tokenizer), as a hub checkpoint has them,
+        # and core.models.load_processor builds the processor class from them with images only.
         return _save(out, config, [image_processor, tokenizer], seed)
     processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     return _save(out, config, [processor], seed)
@@ -159,7 +165,78 @@ def _save(out: Path, config: object, processors: list[Any], seed: int, logit_sca
     return out
 
 
-BUILDERS: dict[str, Callable[[Path, int], Path]] = {"qwen2_5_vl": build_qwen2_5_vl, "llava": build_llava}
+def build_qwen3_vl(out: Path, seed: int = 0) -> Path:
+    """Qwen3-VL: 16-pixel patches merged 2 x 2 (the bundled 56-pixel images resized to 64: 4 image tokens), its
+    vision tower's deepstack features added to the first text layer's states, interleaved mrope."""
+    names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer = demo_tokenizer(names, "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = {name: int(tokenizer.convert_tokens_to_ids(name)) for name in names}  # type: ignore[arg-type]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    text = dict(TEXT, vocab_size=len(tokenizer), max_position_embeddings=1024, head_dim=16, rope_parameters=rope)
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        out_hidden_size=TEXT["hidden_size"],
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    config = Qwen3VLConfig(
+        text_config=text | _special_ids(tokenizer),
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    pixels = 64 * 64
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": pixels, "longest_edge": pixels}, patch_size=16, merge_size=2
+    )
+    return _save(out, config, [image_processor, tokenizer], seed)
+
+
+def build_gemma3(out: Path, seed: int = 0) -> Path:
+    """Gemma-3 with its SigLIP vision tower (Gemma3ForConditionalGeneration): 14-pixel patches pooled to 4 image
+    tokens, each image written by its processor as ``\n\n<start_of_image>`` + 4 soft tokens + ``<end_of_image>\n\n``
+    (the chat template writes the start marker alone), its rows attending to each other both ways in the prefill."""
+    markers = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER, extra_special_tokens=markers)
+    tokenizer.chat_template = chat_template(markers["boi_token"])
+    text = dict(TEXT, vocab_size=len(tokenizer), max_position_embeddings=1024, head_dim=16, sliding_window=32)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=IMAGE_SIDE
+    )
+    config = Gemma3Config(
+        text_config=text | _special_ids(tokenizer),
+        vision_config=vision | {"patch_size": 14},
+        mm_tokens_per_image=4,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id,
+    )
+    image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
+    processor = Gemma3Processor(image_processor, tokenizer, tokenizer.chat_template, image_seq_length=4)
+    return _save(out, config, [processor], seed)
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+BUILDERS: dict[str, Callable[[Path, int], Path]] = {
+    "qwen2_5_vl": build_qwen2_5_vl,
+    "qwen3_vl": build_qwen3_vl,
+    "gemma3": build_gemma3,
+    "llava": build_llava,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

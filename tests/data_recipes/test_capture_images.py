@@ -18,7 +18,7 @@ from headstart.data_recipes.capture import capture_shard, run_capture, storage_e
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import ShardDataset, pack_collate, read_manifest
 from headstart.data_recipes.states import VisionRows, forward_states
-from tests.helpers import REPO, qwen_prompt, subprocess_env
+from tests.helpers import REPO, one_image_prompt, subprocess_env
 
 VL_CHAT = REPO / "assets" / "data" / "vl" / "chat.jsonl"
 
@@ -126,9 +126,9 @@ def test_a_vision_language_capture_killed_and_resumed_is_byte_identical(tiny_lla
 
 @torch.no_grad()
 def test_an_mrope_targets_shards_hold_each_rows_draft_position(tiny_qwen_vl, one_thread):
-    target, tokenizer, image_processor = tiny_qwen_vl
-    ids, vision = qwen_prompt(tokenizer, image_processor, "chart-02.png", "Which bar is the tallest?")
-    answer = tokenizer(" The red bar.<|im_end|>", add_special_tokens=False).input_ids
+    target, _, processor = tiny_qwen_vl
+    ids, vision = one_image_prompt(processor, "chart-02.png", "Which bar is the tallest?")
+    answer = processor.tokenizer(" The red bar.<|im_end|>", add_special_tokens=False).input_ids
     full = ids[0].tolist() + answer
     vision["mm_token_type_ids"] = torch.cat(
         (vision["mm_token_type_ids"], torch.zeros(1, len(answer), dtype=torch.int)), 1

@@ -55,7 +55,7 @@ class Oracle:
     def __init__(self, continuation: torch.Tensor, k: int):
         self.continuation, self.k = continuation.flatten(), k
 
-    def reset(self, sampling):
+    def reset(self, sampling, positions=None):
         pass
 
     def propose(self, tokens):

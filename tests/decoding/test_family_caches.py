@@ -112,7 +112,7 @@ class Oracle:
     def __init__(self, reference: torch.Tensor, trees: bool = False) -> None:
         self.reference, self.trees, self.step = reference.flatten(), trees, 0
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions=None) -> None:
         self.step = 0
 
     def propose(self, tokens: torch.Tensor) -> Tree:
@@ -182,7 +182,7 @@ class Sampled:
     def __init__(self, q: torch.Tensor) -> None:
         self.q = q
 
-    def reset(self, sampling: Sampling) -> None:
+    def reset(self, sampling: Sampling, positions=None) -> None:
         pass
 
     def propose(self, tokens: torch.Tensor) -> Tree:

@@ -10,9 +10,17 @@ from headstart.data_recipes.recipes import image_prompt, read_conversations
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_heads import Eagle
 from headstart.decoding.tree import empty_tree
-from headstart.decoding.verify import BatchDecoding, DecodeState, Sampling, generate, generate_batch, verify_batch
-from headstart.heads import build_head
-from tests.helpers import REPO, qwen_prompt
+from headstart.decoding.verify import (
+    BatchDecoding,
+    DecodeState,
+    Sampling,
+    generate,
+    generate_batch,
+    prompt_vision,
+    verify_batch,
+)
+from headstart.heads import KVCache, build_head
+from tests.helpers import REPO, one_image_prompt
 
 VL_CHAT = REPO / "assets" / "data" / "vl" / "chat.jsonl"
 
@@ -63,8 +71,8 @@ def test_a_prompt_with_images_decodes_alone(llava):
 
 @torch.no_grad()
 def test_an_mrope_targets_steps_sit_where_its_own_forward_puts_them(tiny_qwen_vl, one_thread):
-    target, tokenizer, image_processor = tiny_qwen_vl
-    ids, vision = qwen_prompt(tokenizer, image_processor, "chart-01.png", "Which bar is the tallest?")
+    target, _, processor = tiny_qwen_vl
+    ids, vision = one_image_prompt(processor, "chart-01.png", "Which bar is the tallest?")
     positions, shift = rope_positions(target, ids, vision)
     first = int((vision["mm_token_type_ids"][0] == 1).nonzero()[0])
     # A 56-pixel image: 4 x 4 patches merged 2 x 2, its 4 rows at one temporal position; text goes on 2 further.
@@ -85,11 +93,33 @@ def test_an_mrope_targets_steps_sit_where_its_own_forward_puts_them(tiny_qwen_vl
 
 @torch.no_grad()
 def test_image_prompts_of_an_mrope_target_decode_to_its_own_greedy_output(tiny_qwen_vl, one_thread):
-    target, tokenizer, image_processor = tiny_qwen_vl
+    target, _, processor = tiny_qwen_vl
     head = build_head({"type": "eagle3", "layer_ids": [1, 2, 3]}, target)
     for name, question in (("shape-02.png", "What shape is it?"), ("text-05.png", "What word is written?")):
-        ids, vision = qwen_prompt(tokenizer, image_processor, name, question)
+        ids, vision = one_image_prompt(processor, name, question)
         reference = target.generate(ids, **vision, do_sample=False, max_new_tokens=12, pad_token_id=0)
         for proposer in (Vanilla(), NGram(k=3), Eagle(head, top_k=3, depth=3, total_tokens=8)):
             out, _ = generate(target, proposer, ids, 12, vision=vision)
             assert torch.equal(out, reference), type(proposer).__name__
+
+
+@torch.no_grad()
+def test_an_mrope_targets_draft_reads_the_prompt_where_its_shards_put_it(tiny_qwen_vl, one_thread):
+    """The draft's positions as vLLM hands them (the temporal row) and as capture stores them (``position_ids``):
+    the proposer's first draft equals the head's forward at the shard's positions, not at the rows' indices."""
+    target, _, processor = tiny_qwen_vl
+    head = build_head({"type": "eagle3", "layer_ids": [1, 2, 3]}, target)
+    ids, vision = one_image_prompt(processor, "chart-01.png", "Which bar is the tallest?")
+    stored, shift = rope_positions(target, ids, vision)  # what capture writes as the shard's position_ids
+    proposer = Eagle(head, top_k=1, depth=1, total_tokens=1)
+    BatchDecoding(target, [DecodeState(proposer, ids[0], ids.shape[1])], 4, Sampling(), None, None, vision)
+    assert proposer.positions.rows(0, ids.shape[1] + 2, ids.device).tolist() == stored.tolist() + [
+        ids.shape[1] + shift,
+        ids.shape[1] + 1 + shift,
+    ]
+    states = target(ids[:, :-1], **prompt_vision(target, [ids[0]], vision)[0], output_hidden_states=True)
+    hidden = torch.cat([states.hidden_states[i] for i in head.hidden_layers], -1)
+    features = head.first_features(hidden)
+    for positions, same in ((stored[:-1], True), (torch.arange(ids.shape[1] - 1), False)):
+        logp, _ = head.draft_step(ids[:, 1:], features, positions[None], KVCache())
+        assert torch.allclose(logp[0, -1], proposer.root[0], atol=1e-5) == same

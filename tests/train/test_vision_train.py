@@ -20,10 +20,12 @@ VL_CHAT = REPO / "assets" / "data" / "vl" / "chat.jsonl"
 
 
 @pytest.mark.slow  # capture, DeepSpeed training and decoding in one: 30 s on idle cores, minutes on shared ones
-def test_a_head_trained_on_image_shards_decodes_image_prompts_losslessly(tiny_llava_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["tiny_llava_dir", "tiny_qwen_vl_dir"])  # Qwen2.5-VL: mrope, its processor
+def test_a_head_trained_on_image_shards_decodes_image_prompts_losslessly(family, request, tmp_path, monkeypatch):
     torch.set_num_threads(1)  # tiny matmuls (the one_thread fixture's setting, for the recipe run here too)
+    target_dir = request.getfixturevalue(family)
     config = {
-        "target": {"path": str(tiny_llava_dir), "device": "cpu", "dtype": "fp32"},
+        "target": {"path": str(target_dir), "device": "cpu", "dtype": "fp32"},
         "data": {"source": str(VL_CHAT), "format": "messages", "max_length": 64, "limit": 12},
         "capture": {"out_dir": str(tmp_path / "shards"), "aux_layers": [1, 2, 3], "store_dtype": "fp32"},
         "head": {"type": "eagle3", "ttt_steps": 2},
@@ -47,10 +49,11 @@ def test_a_head_trained_on_image_shards_decodes_image_prompts_losslessly(tiny_ll
     assert len(steps) == 4 and all(torch.isfinite(torch.tensor(row["loss"])) for row in steps)
     assert head_weights(tmp_path / "run")  # a head was saved, from the trained weights
 
-    target, tokenizer = load_model(str(tiny_llava_dir), "cpu", "fp32"), load_tokenizer(str(tiny_llava_dir))
-    processor = load_processor(str(tiny_llava_dir))
+    target, tokenizer = load_model(str(target_dir), "cpu", "fp32"), load_tokenizer(str(target_dir))
+    processor = load_processor(str(target_dir))
     head = load_head(tmp_path / "run" / "head", target, tokenizer)
-    assert head.config.arch.family == "llama" and head.config.target_hidden_size == 64  # the text model's
+    text_family = {"tiny_llava_dir": "llama", "tiny_qwen_vl_dir": "qwen2_5_vl_text"}[family]
+    assert head.config.arch.family == text_family and head.config.target_hidden_size == 64  # the text model's
     with torch.no_grad():
         for _, messages in read_conversations(str(VL_CHAT), "messages", limit=2):
             ids, vision = image_prompt(processor, tokenizer, messages[:1])
