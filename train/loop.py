@@ -79,7 +79,7 @@ from headstart.train.metrics import (
     predicted_tau,
     training_summary,
 )
-from headstart.train.optimizers import build_optimizer
+from headstart.train.optimizers import build_optimizer, gradient_clipping
 from headstart.train.train_config import Train, TrainConfig, measures_acceptance
 
 
@@ -261,7 +261,7 @@ def deepspeed_config(train: Train, world: int, load_universal: bool = False, tp_
         "train_batch_size": train.batch_size * tp_size,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": train.batch_size // (micro * groups),
-        "gradient_clipping": train.max_grad_norm,
+        "gradient_clipping": gradient_clipping(train),
         "zero_optimization": zero_config(train),
         "bf16": {"enabled": train.dtype == "bf16"},
         # The optimizer is torch's AdamW or DeepSpeed's Muon (train/optimizers.py), which ZeRO handles fine but does

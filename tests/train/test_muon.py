@@ -1,13 +1,18 @@
 """``train.optimizer: muon``: which parameters Muon takes, that its step is the orthogonalised one, and that a run
 through DeepSpeed resumes to the same head bit for bit, under ZeRO and in bf16."""
 
+import copy
+
 import pytest
 import torch
+from deepspeed.runtime.zero.muon.original_muon import muon_update
+from torch import nn
 
 from headstart.core.config_files import load_config
 from headstart.heads import build_head
 from headstart.train import eagle as trainer
-from headstart.train.optimizers import build_optimizer
+from headstart.train.loop import build_engine, init_distributed
+from headstart.train.optimizers import MUON_MOMENTUM, build_optimizer
 from headstart.train.train_config import Train
 from tests.helpers import LAYER_IDS, block_drafter_run, trains_then_resumes_identically, world_of_one, write_config
 
@@ -67,6 +72,38 @@ def test_a_muon_step_moves_each_matrix_by_an_orthogonalised_update(peaked_tiny_l
     # keeps the gradient's spread, AdamW's its elementwise-normalised one.
     assert update.max() / update.min() < gradient.max() / gradient.min() / 20
     assert update.median() / update.max() > 0.5 and update.max() == pytest.approx(0.05, rel=0.5)  # ~ muon_lr
+
+
+@pytest.fixture
+def eager_newton_schulz():
+    """DeepSpeed's Newton-Schulz uncompiled: torch.compile takes minutes per matrix shape on a shared CPU."""
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+@pytest.mark.usefixtures("eager_newton_schulz")
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_muon_under_deepspeed_steps_as_plain_muon_does(tmp_path, monkeypatch, zero_stage):
+    """One step of the training loop's engine, with a clip that binds, moves each matrix by ``muon_lr`` times
+    Muon's orthogonalised gradient, as a single-process Muon does. Under ZeRO DeepSpeed clipped the orthogonalised
+    update (train/optimizers.py's ``gradient_clipping``): these matrices moved ~10x too little."""
+    world_of_one(monkeypatch)
+    proc = init_distributed("cpu")
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32, bias=False))
+    reference = copy.deepcopy(model)
+    train = Train(
+        out_dir=str(tmp_path), optimizer="muon", muon_lr=0.05, batch_size=1, micro_batch_size=1,
+        max_grad_norm=0.5, zero_stage=zero_stage,
+    )  # fmt: skip
+    engine = build_engine(model, train, proc, total=4, vocab_size=1000)
+    inputs = torch.randn(4, 32)
+    engine.backward(100 * engine(inputs).square().mean())  # a raw gradient norm past the clip too
+    engine.step()
+    (100 * reference(inputs).square().mean()).backward()
+    for before, after in zip(reference.parameters(), model.parameters(), strict=True):
+        if before.ndim == 2:
+            update = muon_update(before.grad.clone(), torch.zeros_like(before), MUON_MOMENTUM)
+            torch.testing.assert_close(before.detach() - after.detach(), 0.05 * update, rtol=1e-4, atol=1e-6)
 
 
 # ZeRO-2 in fp32 is the recipes' default; the others each cost as much again (~80 s on 2 CPU cores).
