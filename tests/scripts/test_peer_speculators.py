@@ -63,3 +63,23 @@ def test_variants_are_named_from_the_table() -> None:
     assert bench.chosen("baseline,adamw") == ["baseline", "adamw"]
     with pytest.raises(SystemExit, match="unknown variants sgd"):
         bench.chosen("baseline,sgd")
+
+
+def test_held_out_figures_of_each_trainer(tmp_path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    records = [
+        '{"step": 20, "split": "train", "loss": 12.0}',
+        '{"step": 20, "split": "heldout", "acc_0": 0.42, "acc_1": 0.36, "predicted_tau": 1.57}',
+    ]
+    metrics.write_text("\n".join(records) + "\n")
+    assert bench.headstart_heldout(metrics) == {"heldout_top1": 0.42, "heldout_tau": 1.57}
+    # speculators' trainer logs through rich, wrapped as here (its last epoch's validation).
+    log = tmp_path / "train.log"
+    lines = ["[15:07:50] INFO     val/loss_0_epoch=4.235,                       trainer.py:671"]
+    lines += [
+        f"                    val/full_acc_{j}_epoch={a},  val/cond_acc_{j}_epoch=0.3,"
+        for j, a in enumerate(["0.151", "0.045", "2.00e-03"])
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    figures = bench.speculators_heldout(log)
+    assert figures["heldout_top1"] == 0.151 and figures["heldout_tau"] == pytest.approx(1.198)
