@@ -193,8 +193,9 @@ def headstart_head(args: argparse.Namespace, work: Path, name: str) -> dict[str,
     trained |= headstart_heldout(folder / "metrics.jsonl")
     if not variant.bf16_head:
         return trained
-    rounded = lambda out: trained | {"head": str(rounded_to_bf16(Path(trained["head"]), out / "head"))}  # noqa: E731
-    return cached(folder / "bf16", {"of": key}, rounded)
+    # Its held-out figures stay those of the head before rounding: they come from its training.
+    rounded = lambda out: {"head": str(rounded_to_bf16(Path(trained["head"]), out / "head"))}  # noqa: E731
+    return trained | cached(folder / "bf16", {"of": key}, rounded)
 
 
 def recipe() -> Any:
