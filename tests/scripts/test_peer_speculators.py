@@ -1,0 +1,85 @@
+"""scripts/bench/peer_speculators.py's pure parts: the pre-norm state it recovers, the cache that lets a rerun with
+one more variant retrain nothing else, and the bf16 rounding of headstart's head. The conversion read back by
+speculators' own dataset class is in tests/export/test_peer_checkpoints.py (engines group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from headstart.scripts.bench import peer_speculators as bench
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+
+def test_prenorm_state_is_the_state_the_final_norm_read() -> None:
+    torch.manual_seed(0)
+    weight = torch.rand(64) + 0.5
+    pre = torch.randn(6, 64) * torch.tensor([0.01, 0.03, 0.1, 0.3, 1.0, 3.0])[:, None]  # ms(x) against eps = 1e-4
+    recovered = bench.prenorm_state(rms_norm(pre, weight, 1e-4), weight, 1e-4)
+    # The scale is exact while eps is not lost against ms(x) in fp32; beyond, the norm no longer sees it.
+    torch.testing.assert_close(recovered[:4], pre[:4], rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(rms_norm(recovered, weight, 1e-4), rms_norm(pre, weight, 1e-4))
+
+
+def test_cache_reuses_a_matching_stamp_and_empties_any_other_folder(tmp_path) -> None:
+    made: list[int] = []
+
+    def make(folder):
+        made.append(len(made))
+        (folder / "checkpoint").write_text(str(len(made)))
+        return {"run": len(made)}
+
+    folder = tmp_path / "leg"
+    assert bench.cached(folder, {"steps": 4}, make) == {"run": 1}
+    assert bench.cached(folder, {"steps": 4}, make) == {"run": 1} and made == [0]  # reused: nothing made
+    assert bench.cached(folder, {"steps": 8}, make) == {"run": 2}  # another key: made again
+    (folder / bench.STAMP).unlink()  # an interrupted run: its checkpoints must not be resumed from
+    (folder / "stale").write_text("")
+    assert bench.cached(folder, {"steps": 8}, make) == {"run": 3}
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint", bench.STAMP]
+
+
+def test_rounded_head_keeps_its_files_metadata_and_integer_tensors(tmp_path) -> None:
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    weight = torch.tensor([1.0 + 2**-10, 3.0, -2.5 - 2**-12])
+    save_file({"w": weight, "d2t": torch.arange(3)}, str(head / "model.safetensors"), metadata={"format": "pt"})
+    out = bench.rounded_to_bf16(head, tmp_path / "bf16")
+    state = load_file(str(out / "model.safetensors"))
+    assert state["w"].dtype == torch.float32 and state["w"].tolist() == [1.0, 3.0, -2.5]
+    assert torch.equal(state["d2t"], torch.arange(3)) and (out / "config.json").is_file()
+    with safe_open(str(out / "model.safetensors"), "pt") as written:
+        assert written.metadata() == {"format": "pt"}
+
+
+def test_variants_are_named_from_the_table() -> None:
+    assert bench.chosen("all") == list(bench.VARIANTS)
+    assert bench.chosen("baseline,adamw") == ["baseline", "adamw"]
+    with pytest.raises(SystemExit, match="unknown variants sgd"):
+        bench.chosen("baseline,sgd")
+
+
+def test_held_out_figures_of_each_trainer(tmp_path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    records = [
+        '{"step": 20, "split": "train", "loss": 12.0}',
+        '{"step": 20, "split": "heldout", "acc_0": 0.42, "acc_1": 0.36, "predicted_tau": 1.57}',
+    ]
+    metrics.write_text("\n".join(records) + "\n")
+    assert bench.headstart_heldout(metrics) == {"heldout_top1": 0.42, "heldout_tau": 1.57}
+    # speculators' trainer logs through rich, wrapped as here (its last epoch's validation).
+    log = tmp_path / "train.log"
+    lines = ["[15:07:50] INFO     val/loss_0_epoch=4.235,                       trainer.py:671"]
+    lines += [
+        f"                    val/full_acc_{j}_epoch={a},  val/cond_acc_{j}_epoch=0.3,"
+        for j, a in enumerate(["0.151", "0.045", "2.00e-03"])
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    figures = bench.speculators_heldout(log)
+    assert figures["heldout_top1"] == 0.151 and figures["heldout_tau"] == pytest.approx(1.198)
