@@ -113,6 +113,7 @@ RESUMES = [
 ]
 
 
+@pytest.mark.usefixtures("eager_newton_schulz")
 @pytest.mark.parametrize(("zero_stage", "dtype"), RESUMES)
 def test_muon_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch, zero_stage, dtype):
     world_of_one(monkeypatch)
