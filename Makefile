@@ -33,14 +33,16 @@ matrix: install
 		--bench assets/data/spec_bench_question.jsonl --per-group 5 --max-new-tokens 32 \
 		--temperatures 0,0.7,1.0 --tree static --depth 4 --out runs/matrix
 
-# --durations: the 25 slowest tests, so a test that grew slow shows in every run.
+# --durations: the 25 slowest tests, so a test that grew slow shows in every run. Two workers (pytest-xdist), a test
+# file to each at a time: most tests are a single thread's Python, and a file's module fixtures are built once.
+PYTEST_WORKERS ?= 2
 test: install lint
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 # The suite without the tests marked slow (the end-to-end tests that train or run the bundled models).
 # A second -m replaces pyproject's, so this one keeps the engines tests out too.
 test-fast: install lint
-	$(PY) -m pytest -m "not slow and not engines" --durations=25
+	$(PY) -m pytest -m "not slow and not engines" -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 # On a CUDA machine, what CI cannot run: the CUDA evaluation path (fp32 identical, bf16 mismatches near-ties),
 # tensor-parallel capture and evaluation over 2 GPUs against one process, every demo recipe trained and evaluated
