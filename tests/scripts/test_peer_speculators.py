@@ -63,6 +63,16 @@ def test_variants_are_named_from_the_table() -> None:
     assert bench.chosen("baseline,adamw") == ["baseline", "adamw"]
     with pytest.raises(SystemExit, match="unknown variants sgd"):
         bench.chosen("baseline,sgd")
+    with pytest.raises(SystemExit, match="unknown variants sgd"):
+        bench.chosen("adamw+sgd")
+
+
+def test_variants_joined_by_plus_flip_together() -> None:
+    joined = bench.variant_of("adamw+cosine+flat-ttt+bf16-head")
+    assert joined.speculators_flags == "--optimizer adamw --scheduler-type cosine --scheduler-warmup-steps 10"
+    assert joined.headstart_overrides == ("head.ttt_decay=1.0",)
+    assert joined.bf16_head
+    assert bench.variant_of("adamw") == bench.VARIANTS["adamw"]
 
 
 def test_held_out_figures_of_each_trainer(tmp_path) -> None:
