@@ -5,8 +5,10 @@ it imports only ``core`` and ``heads``.
 """
 
 from headstart.decoding.head_proposers import register_proposer
+from headstart.decoding.proposers_block import DFlash, DFlash2, Domino
 from headstart.decoding.proposers_dspark import DSpark
-from headstart.decoding.proposers_heads import DFlash, DFlash2, Domino, Eagle, Medusa, PEagle
+from headstart.decoding.proposers_eagle import Eagle, PEagle
+from headstart.decoding.proposers_medusa import Medusa
 
 # The proposers of the package's head types, one line per drafting method (heads.register adds the method; a head
 # type from elsewhere: head_proposers.register_proposer).

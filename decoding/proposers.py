@@ -7,7 +7,9 @@
 - ``DraftModel``: a small LM with the target's tokenizer and its own KV cache; a chain of k by default,
   or an EAGLE-2-style dynamic tree (``top_k`` > 1) drafted with tree attention over that cache.
 - ``SelfSpec``: self-speculative decoding: the target's first layers, final norm and lm_head as the draft model.
-- ``Eagle``, ``PEagle``, ``Medusa``, ``DFlash`` (``decoding.proposers_heads``): the trained heads' drafters.
+- the trained heads' drafters, each a ``HeadProposer`` (``decoding.proposers_heads``): ``Eagle`` and ``PEagle``
+  (``decoding.proposers_eagle``), ``Medusa`` (``decoding.proposers_medusa``), ``DFlash``, ``DFlash2`` and ``Domino``
+  (``decoding.proposers_block``), ``DSpark`` (``decoding.proposers_dspark``).
 - ``Suffix`` and ``Lookahead`` (``decoding.proposers_lookup``): suffix decoding and lookahead decoding, no model.
 - ``ProposerWrapper``: any of them behind a wrapper that records what passes through (timings, ranks).
 

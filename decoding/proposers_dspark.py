@@ -11,7 +11,7 @@ from typing import cast
 
 import torch
 
-from headstart.decoding.proposers_heads import BlockWalk
+from headstart.decoding.proposers_block import BlockWalk
 from headstart.decoding.tree import Tree, confident_depth
 from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import Proposer

@@ -11,7 +11,7 @@ import torch
 from headstart.heads.losses import dpace_mean, lk_loss
 
 if TYPE_CHECKING:
-    from headstart.heads.block import BlockOptions
+    from headstart.heads.block_options import BlockOptions
 
 # Variable-prefix training (D2SD, arXiv 2606.04446): a block shows l real tokens with Pr(l) ~ base**l, the prior
 # NeMo AutoModel's prefix_weight_base defaults to (below 1: short prefixes, the common case after a rejection, weigh

@@ -13,7 +13,8 @@ from typing import Literal
 
 import torch
 
-from headstart.heads.block import BlockDrafter, BlockOptions
+from headstart.heads.block import BlockDrafter
+from headstart.heads.block_options import BlockOptions
 from headstart.heads.registry import Drafting, HeadType
 
 

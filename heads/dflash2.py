@@ -33,7 +33,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from headstart.core.settings import Count, Float
-from headstart.heads.block import BlockDrafter, BlockOptions, only
+from headstart.heads.block import BlockDrafter
+from headstart.heads.block_options import BlockOptions, only
 from headstart.heads.head_config import DraftArch, HeadConfig, HeadSettings
 from headstart.heads.layers import BlockLayer
 from headstart.heads.registry import Drafting, HeadType

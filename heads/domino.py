@@ -29,7 +29,8 @@ from pydantic import Field
 from torch import nn
 
 from headstart.core.settings import Count, Float
-from headstart.heads.block import BlockDrafter, BlockOptions, only
+from headstart.heads.block import BlockDrafter
+from headstart.heads.block_options import BlockOptions, only
 from headstart.heads.head_config import HeadConfig
 from headstart.heads.losses import soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType

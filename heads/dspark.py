@@ -31,7 +31,8 @@ from pydantic import Field
 from torch import nn
 
 from headstart.core.settings import Count, Float, Positive
-from headstart.heads.block import BlockDrafter, BlockOptions, only
+from headstart.heads.block import BlockDrafter
+from headstart.heads.block_options import BlockOptions, only
 from headstart.heads.block_training import slot_losses, weighted_slot_loss
 from headstart.heads.head_config import HeadConfig
 from headstart.heads.losses import chain_metrics

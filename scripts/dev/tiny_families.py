@@ -140,7 +140,7 @@ def check_family(family: str, device: torch.device, dtype: torch.dtype, new_toke
     """Whether n-gram and EAGLE-3 speculative decoding of a tiny ``family`` target on ``device`` give its own greedy
     output, token for token; with the steps, tau and replays of each."""
     from headstart.decoding.proposers import NGram
-    from headstart.decoding.proposers_heads import Eagle
+    from headstart.decoding.proposers_eagle import Eagle
     from headstart.decoding.verify import Proposer, generate
     from headstart.heads import build_head
 

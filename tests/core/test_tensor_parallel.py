@@ -133,11 +133,11 @@ def test_evaluation_at_tp_size_2_is_greedy_identical_with_the_one_process_tau(ti
 SAMPLING_WORKER = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {repo!r})
-    from tests.decoding.test_decoding_sampling import PROMPT, exact_two_tokens_of, sample_pairs
+    from tests.decoding.test_decoding_sampling import PROMPT, sample_pairs
     from headstart.core.models import load_decoding_target
     from headstart.decoding.proposers import DraftModel
     from headstart.decoding.verify import Sampling
-    from tests.helpers import tiny_llama
+    from tests.helpers import exact_two_tokens_of, tiny_llama
     target, ranks = load_decoding_target({target!r}, "cpu", "fp32", 2, 0, 16)
     draft = tiny_llama(7, vocab_size=4, num_hidden_layers=2)  # whole on every rank, the same weights
     draft.lm_head.weight.data *= 4
@@ -165,7 +165,8 @@ def test_sampling_at_tp_size_2_is_lossless(tmp_path):
     whole = load_model(str(tmp_path / "target"), "cpu")
     assert result["counts"].sum() == 1000
     from headstart.decoding.verify import Sampling
-    from tests.decoding.test_decoding_sampling import PROMPT, exact_two_tokens_of
+    from tests.decoding.test_decoding_sampling import PROMPT
+    from tests.helpers import exact_two_tokens_of
 
     # The split target's exact distribution is the whole one's (fp32 reduction order only).
     torch.testing.assert_close(result["exact"], exact_two_tokens_of(whole, PROMPT, Sampling(temperature=1.0)))

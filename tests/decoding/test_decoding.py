@@ -5,7 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from headstart.decoding.proposers import DraftModel, NGram, Vanilla
-from headstart.decoding.proposers_heads import Eagle, Medusa, PEagle
+from headstart.decoding.proposers_eagle import Eagle, PEagle
+from headstart.decoding.proposers_medusa import Medusa
 from headstart.decoding.target_cache import CPU_QUERY_MULTIPLE, verify_queries
 from headstart.decoding.tree import (
     MC_SIM_7B_63,

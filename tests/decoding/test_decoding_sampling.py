@@ -15,11 +15,11 @@ from torch import nn
 from transformers import LlamaConfig
 
 from headstart.decoding.proposers import DraftModel, NGram
-from headstart.decoding.proposers_heads import PEagle
+from headstart.decoding.proposers_eagle import PEagle
 from headstart.decoding.tree import pick_children, static_tree
 from headstart.decoding.verify import Sampling, accept, generate_batch, probabilities
 from headstart.heads import build_head
-from tests.helpers import assert_matches, tiny_llama
+from tests.helpers import assert_matches, exact_two_tokens_of, tiny_llama
 
 V = 4
 PROMPT = torch.tensor([[1, 2, 3, 2]])  # ends in 2; NGram finds "2" earlier and proposes [3, 2]
@@ -143,16 +143,6 @@ def peagle_setup():
     )
     head.lm_head.weight.data *= 8
     return target, head
-
-
-def exact_two_tokens_of(target: nn.Module, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """P(x1, x2) of an HF model as a [V * V] vector: p(x1 | prompt) * p(x2 | prompt, x1), V its vocabulary."""
-    with torch.no_grad():
-        first = probabilities(target(prompt).logits[0, -1], sampling)
-        vocab = first.numel()
-        nexts = torch.cat((prompt.expand(vocab, -1), torch.arange(vocab)[:, None]), 1)
-        second = probabilities(target(nexts).logits[:, -1], sampling)
-    return (first[:, None] * second).flatten()
 
 
 @pytest.mark.parametrize("choices", [[[0], [0, 0]], [[0], [1], [2], [0, 0], [0, 1], [1, 0]]])

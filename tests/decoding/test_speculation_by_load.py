@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from headstart.decoding.proposers import DraftModel, Vanilla
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.tree import Tree, capped
 from headstart.decoding.tree_config import (
     TreeSpec,

@@ -6,7 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from headstart.decoding.proposers import NGram, Vanilla
-from headstart.decoding.proposers_heads import DFlash, Eagle, Medusa
+from headstart.decoding.proposers_block import DFlash
+from headstart.decoding.proposers_eagle import Eagle
+from headstart.decoding.proposers_medusa import Medusa
 from headstart.decoding.static_cache import bucket, setup_static_cache, static_decoding
 from headstart.decoding.verify import Sampling, generate, generate_batch
 from headstart.heads import build_head

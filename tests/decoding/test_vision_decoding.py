@@ -8,7 +8,7 @@ from headstart.core.models import load_model, load_processor, load_tokenizer
 from headstart.core.vision import rope_positions
 from headstart.data_recipes.recipes import image_prompt, read_conversations
 from headstart.decoding.proposers import NGram, Vanilla
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.tree import empty_tree
 from headstart.decoding.verify import (
     BatchDecoding,

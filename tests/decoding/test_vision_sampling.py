@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import Sampling, generate, probabilities
 from headstart.heads import build_head
 from tests.helpers import assert_matches, one_image_prompt

@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 
 from headstart.core.acceptance import expected_tau
 from headstart.decoding.methods import TreeSettings, tuned_trees
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.tree_config import (
     TreeSpec,
     chain_choices,

@@ -10,7 +10,8 @@ from headstart.core.acceptance import chain_tau, expected_tau
 from headstart.core.timing import timed
 from headstart.decoding.methods import TreeSettings, build_proposer
 from headstart.decoding.proposers import DraftModel, NGram, Vanilla
-from headstart.decoding.proposers_heads import Eagle, Medusa, PEagle
+from headstart.decoding.proposers_eagle import Eagle, PEagle
+from headstart.decoding.proposers_medusa import Medusa
 from headstart.decoding.tree_config import TreeSpec, chain_choices
 from headstart.eval.speedup import predicted_speedup
 from headstart.heads import build_head

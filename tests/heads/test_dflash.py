@@ -16,29 +16,36 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from headstart.decoding.methods import TreeSettings, build_proposer
-from headstart.decoding.proposers_heads import DFlash
+from headstart.decoding.proposers_block import DFlash
 from headstart.decoding.tree_config import comb_choices
-from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.decoding.verify import Sampling, generate, probabilities
 from headstart.heads import build_head, load_head
-from headstart.heads.block import resolve_mask_token_id
+from headstart.heads.block_options import resolve_mask_token_id
 from headstart.heads.sparse_attention import block_attention
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.command import main as export_main
 from headstart.scripts.export.import_head import import_head
-from headstart.train import eagle as trainer
-from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.helpers import (
+    NEW,
+    SAMPLED_PROMPT,
     TARGET,
     WIDE,
-    assert_matches,
-    block_drafter_run,
+    V,
+    assert_decodes_as_target_greedy,
+    assert_same_head,
+    assert_samples_as_the_target,
+    block_batch,
+    block_drafter_resumes,
+    exported_for_vllm,
+    features,
+    first_tree,
+    five_token_target,
     greedy_reference,
+    prompts,
+    served_blocks,
     tiny_llama,
-    trains_then_resumes_identically,
-    world_of_one,
+    trained_on,
 )
-
-V, NEW = 300, 16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,12 +53,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def dflash_head(target, seed: int = 1, **options):
     torch.manual_seed(seed)
     return build_head({"type": "dflash", "layer_ids": [1, 3, 4], "block_size": 5, "num_layers": 2, **options}, target)
-
-
-def features(target, ids, layers):
-    with torch.no_grad():
-        states = target(ids, output_hidden_states=True).hidden_states
-    return torch.cat([states[i] for i in layers], dim=-1), states[-1]
 
 
 def test_block_attention_equals_dense_masked_attention():
@@ -124,33 +125,26 @@ def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(peaked_wide_llam
     # recomputed block by block through the drafting path.
     head = dflash_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0)
     batch = block_batch(peaked_wide_llama, head, gap=False)
-    ids, attention, loss_mask, aux, last = (
-        batch[k] for k in ("input_ids", "attention_mask", "loss_mask", "aux_hidden", "last_hidden")
-    )
+    loss_mask, last = batch["loss_mask"], batch["last_hidden"]
     # Fit these blocks a little, so that acceptance chains get long enough to count.
     _, (loss, metrics) = trained_on(head, batch, 150)
 
     size, weights = head.config.options.block_size, torch.exp(-torch.arange(4) / 2.0)
     ce_sum, counts, tried, hits = torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
     with torch.no_grad():
-        for b in range(2):
-            n = int(attention[b].sum())
-            for a in range(n - 1):
-                if not loss_mask[b, a + 1]:
-                    continue  # an anchor needs a label right after it
-                context = head.context_kv(aux[b : b + 1, :a], torch.arange(a)[None])
-                logp = head.draft_block(ids[b, a], a, context, size - 1).log_softmax(-1)
-                target_logp = peaked_wide_llama.lm_head(last[b, a : a + size - 1]).log_softmax(-1)
-                chain = True
-                for k in range(min(size - 1, n - 1 - a)):
-                    if not loss_mask[b, a + 1 + k]:
-                        break
-                    ce_sum[k] -= (target_logp[k].exp() * logp[k]).sum()
-                    counts[k] += 1
-                    if chain:
-                        tried[k] += 1
-                        chain = bool(logp[k].argmax() == target_logp[k].argmax())
-                        hits[k] += chain
+        for b, a, hidden in served_blocks(head, batch, size - 1):  # an anchor needs a label right after it
+            logp = head.logits(hidden).log_softmax(-1)
+            target_logp = peaked_wide_llama.lm_head(last[b, a : a + size - 1]).log_softmax(-1)
+            chain = True
+            for k in range(len(hidden)):
+                if not loss_mask[b, a + 1 + k]:
+                    break
+                ce_sum[k] -= (target_logp[k].exp() * logp[k]).sum()
+                counts[k] += 1
+                if chain:
+                    tried[k] += 1
+                    chain = bool(logp[k].argmax() == target_logp[k].argmax())
+                    hits[k] += chain
     expected = (weights * ce_sum / counts).sum() / weights.sum()
     torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
     assert hits.min() > 0, (tried, hits)  # the chains reach every slot
@@ -162,61 +156,6 @@ def test_loss_is_the_weighted_soft_cross_entropy_of_every_block(peaked_wide_llam
     )
     loss.backward()  # gradients reach the draft, never the frozen target
     assert head.fc.weight.grad is not None and peaked_wide_llama.lm_head.weight.grad is None
-
-
-def prompts():
-    gen = torch.Generator().manual_seed(1)
-    return [
-        torch.tensor([[7]]),
-        torch.randint(2, V, (1, 5), generator=gen),
-        torch.randint(2, V, (1, 12), generator=gen),
-    ]
-
-
-def first_tree(target, proposer):
-    """(the tree ``proposer`` drafts after prompts()[2]'s features are committed, those features [1, 11, n * H])."""
-    tokens = prompts()[2][0]
-    aux, _ = features(target, tokens[None, :-1], proposer.hidden_layers)
-    proposer.reset(Sampling())
-    with torch.no_grad():
-        proposer.update(tokens, aux[0])
-        return proposer.propose(tokens), aux
-
-
-def assert_same_head(imported, head):
-    """An imported block drafter is the exported one: the same tensors and options (the draft layer's width written
-    out)."""
-    mine = head.state_dict()
-    assert imported.state_dict().keys() == mine.keys()
-    assert all(torch.equal(imported.state_dict()[k], v) for k, v in mine.items())
-    assert imported.config.options == head.config.options.model_copy(update={"intermediate_size": 96})
-
-
-def block_batch(target, head, gap: bool = True):
-    """Two samples of 14 random tokens with the target's states: the second padded from 11, the first 4 of each
-    unlabelled and (``gap``) a gap at 9 in the first (a block stops being scored there, where its loss says so)."""
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(2, V, (2, 14), generator=gen)
-    attention = torch.ones_like(ids)
-    attention[1, 11:] = 0
-    loss_mask = attention.clone()
-    loss_mask[:, :4] = 0
-    loss_mask[0, 9] = 0 if gap else 1
-    aux, last = features(target, ids, head.hidden_layers)
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, "aux_hidden": aux} | {
-        "last_hidden": last
-    }
-
-
-def trained_on(head, batch, steps):
-    """((loss, metrics) before, (loss, metrics) after ``steps`` Adam steps at 1e-2 on ``batch``)."""
-    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
-    first = head.loss(batch)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        head.loss(batch)[0].backward()
-        optimizer.step()
-    return first, head.loss(batch)
 
 
 def test_the_tree_holds_each_depths_candidates_from_one_block(peaked_wide_llama):
@@ -235,16 +174,9 @@ def test_the_tree_holds_each_depths_candidates_from_one_block(peaked_wide_llama)
 
 @pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]], ids=["chain", "tree"])
 def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
-    proposer = DFlash(dflash_head(peaked_wide_llama), choices=choices)
-    for prompt in prompts():
-        out, stats = generate(
-            peaked_wide_llama, proposer, prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
-        )
-        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
-        assert stats.target_forwards == len(stats.accepted_lengths)
-    # Batched verification: each sequence keeps its own draft context.
-    outputs, _ = generate_batch(peaked_wide_llama, [DFlash(proposer.head, choices) for _ in prompts()], prompts(), NEW)
-    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
+    head = dflash_head(peaked_wide_llama)
+    runs = assert_decodes_as_target_greedy(peaked_wide_llama, DFlash(head, choices), lambda: DFlash(head, choices))
+    assert all(stats.target_forwards == len(stats.accepted_lengths) for stats in runs)
 
 
 def test_greedy_output_equals_the_bundled_targets_own():
@@ -265,43 +197,26 @@ def test_greedy_output_equals_the_bundled_targets_own():
 
 
 def test_sampled_block_tree_is_lossless():
-    # The first two generated tokens follow the target's exact distribution (a chi-square test at 0.001,
-    # as in test_decoding_sampling.py), drafting a tree whose depth-1 siblings are drawn without replacement
-    # from the first mask slot's q. A 5-token vocabulary keeps every one of the 25 cells populated.
-    target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
-    target.lm_head.weight.data *= 5  # the target's and the draft's distributions differ, but overlap
+    # A tree whose depth-1 siblings are drawn without replacement from the first mask slot's q.
+    target = five_token_target()
     head = dflash_head(target, seed=4)
     sampling = Sampling(temperature=1.0)
-    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
-    exact = exact_two_tokens_of(target, prompt, sampling)
+    prompt = SAMPLED_PROMPT
     with torch.no_grad():
         aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
         context = head.context_kv(aux, torch.arange(6)[None])
         q = probabilities(head.draft_block(prompt[0, -1], 6, context, 4), sampling)
-    torch.manual_seed(0)
-    counts, accepted = torch.zeros(25), 0
     choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
-    for _ in range(10):
-        outputs, stats = generate_batch(
-            target, [DFlash(head, choices) for _ in range(100)], [prompt] * 100, 2, sampling
-        )
-        for out, stat in zip(outputs, stats):
-            counts[out[0, -2] * 5 + out[0, -1]] += 1
-            accepted += stat.accepted_lengths[0] - 1
-    assert accepted > 300  # the drafts are often right: acceptance is exercised, not only the residual
-    # A sampler returning the draft's own tokens would fail by far (assert_matches checks that power).
-    assert_matches(counts, exact, (q[0][:, None] * q[1][None]).flatten())
+    assert_samples_as_the_target(
+        target, lambda: DFlash(head, choices), sampling, (q[0][:, None] * q[1][None]).flatten()
+    )
 
 
 def test_export_for_vllm_and_import_back(peaked_wide_llama, tmp_path):
-    target_dir = tmp_path / "target"
-    peaked_wide_llama.save_pretrained(target_dir)
     head = dflash_head(peaked_wide_llama, mask_embedding=True, causal=True)
     with torch.no_grad():
         head.mask_embedding.normal_()  # a learned vector, not the row it started from
-    head.save_pretrained(tmp_path / "head")
-    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
-    config = json.loads((out / "config.json").read_text())
+    out, config, target_dir = exported_for_vllm(peaked_wide_llama, head, tmp_path)
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 2, 3], "causal": True}
     assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config  # they would win
@@ -335,19 +250,11 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
     # straight, then the same run resumed from its step-2 checkpoint. The blocks of every step are drawn from the
     # generator the loop seeds per micro-batch, so the resumed run trains on the same blocks: the same head, bit for
     # bit.
-    world_of_one(monkeypatch)
-    path, out = block_drafter_run(
-        tmp_path,
-        tiny_target_dir,
-        gsm8k_file,
-        {"type": "dflash", "block_size": 4, "num_anchors": 8, "mask_embedding": True},
-    )
-    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
-    heldout = [r for r in lines if r["split"] == "heldout"]
-    assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
-    assert sorted(k for k in heldout[1] if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]
+    head = {"type": "dflash", "block_size": 4, "num_anchors": 8, "mask_embedding": True}
+    straight, heldout, out = block_drafter_resumes(monkeypatch, tmp_path, tiny_target_dir, gsm8k_file, head)
+    assert sorted(k for k in heldout if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]
     head_config = json.loads((out / "head" / "config.json").read_text())
-    assert head_config["training"]["predicted_tau"] == heldout[1]["predicted_tau"]
+    assert head_config["training"]["predicted_tau"] == heldout["predicted_tau"]
     assert head_config["layer_ids"] == [1, 3, 4]  # the capture's layers
     assert "mask_embedding" in straight
 

@@ -9,34 +9,29 @@ import torch
 from safetensors.torch import load_file
 
 from headstart.core.config_files import ConfigError, load_config
-from headstart.decoding.proposers_heads import DFlash, DFlash2
-from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.decoding.proposers_block import DFlash, DFlash2
+from headstart.decoding.verify import Sampling, probabilities
 from headstart.heads import build_head, load_head
 from headstart.heads.dflash2 import GroupedConv
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
-from headstart.train import eagle as trainer
 from headstart.train.train_config import resolve_config
-from tests.decoding.test_decoding_sampling import exact_two_tokens_of
-from tests.heads.test_dflash import (
-    NEW,
-    V,
-    assert_same_head,
-    block_batch,
-    features,
-    first_tree,
-    prompts,
-    trained_on,
-)
 from tests.helpers import (
     REPO,
-    WIDE,
-    assert_matches,
-    block_drafter_run,
-    greedy_reference,
-    tiny_llama,
-    trains_then_resumes_identically,
-    world_of_one,
+    SAMPLED_PROMPT,
+    V,
+    assert_decodes_as_target_greedy,
+    assert_same_head,
+    assert_samples_as_the_target,
+    block_batch,
+    block_drafter_resumes,
+    exported_for_vllm,
+    features,
+    first_tree,
+    five_token_target,
+    prompts,
+    served_blocks,
+    trained_on,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,32 +75,26 @@ def test_loss_is_the_block_loss_plus_the_selectors_over_every_block_recomputed_t
 ):
     head = dflash2_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0, selector_weight=0.5)
     batch = block_batch(peaked_wide_llama, head)
-    ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
     slot_sums, counts, inserted = torch.zeros(3), torch.zeros(3), 0
     selector = head.candidate_selector
     with torch.no_grad():
-        for b in range(2):
-            n = int(attention[b].sum())
-            for a in range(n - 1):
-                if not loss_mask[b, a + 1]:
-                    continue  # an anchor's next token is a label
-                context = head.context_kv(batch["aux_hidden"][b : b + 1, :a], torch.arange(a)[None])
-                hidden = head.draft_hidden(ids[b, a], a, context, 3)
-                for k in range(min(3, n - 1 - a)):
-                    if not loss_mask[b, a + 1 + k]:
-                        continue
-                    logits = peaked_wide_llama.lm_head(hidden[k])
-                    p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
-                    gold = int(p_target.argmax())
-                    unary, candidates = logits.topk(4)
-                    if gold not in candidates.tolist():  # the gold replaces the weakest candidate
-                        candidates[-1], unary[-1], inserted = gold, logits[gold], inserted + 1
-                    query = selector.predecessor_codebook[ids[b, a + k]] * selector.hidden_projection(hidden[k])
-                    scores = unary + selector.successor_codebook[candidates] @ query
-                    ce = -scores.log_softmax(-1)[candidates.tolist().index(gold)]
-                    slot_sums[k] += -(p_target * logits.log_softmax(-1)).sum() + 0.5 * ce
-                    counts[k] += 1
+        for b, a, hidden in served_blocks(head, batch, 3):
+            for k in range(len(hidden)):
+                if not loss_mask[b, a + 1 + k]:
+                    continue
+                logits = peaked_wide_llama.lm_head(hidden[k])
+                p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
+                gold = int(p_target.argmax())
+                unary, candidates = logits.topk(4)
+                if gold not in candidates.tolist():  # the gold replaces the weakest candidate
+                    candidates[-1], unary[-1], inserted = gold, logits[gold], inserted + 1
+                query = selector.predecessor_codebook[ids[b, a + k]] * selector.hidden_projection(hidden[k])
+                scores = unary + selector.successor_codebook[candidates] @ query
+                ce = -scores.log_softmax(-1)[candidates.tolist().index(gold)]
+                slot_sums[k] += -(p_target * logits.log_softmax(-1)).sum() + 0.5 * ce
+                counts[k] += 1
     weights = torch.exp(-torch.arange(3) / 2.0)
     torch.testing.assert_close(loss, (weights * slot_sums / counts).sum() / weights.sum(), atol=1e-4, rtol=1e-4)
     assert 0 < inserted < counts.sum() and 0 < metrics["candidate_recall"] < 1
@@ -147,38 +136,22 @@ def test_each_node_is_its_parents_best_candidate_under_the_selector(peaked_wide_
 @pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
 def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
     head = dflash2_head(peaked_wide_llama)
-    for prompt in prompts():
-        out, _ = generate(
-            peaked_wide_llama, DFlash2(head, choices), prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
-        )
-        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
-    outputs, _ = generate_batch(peaked_wide_llama, [DFlash2(head, choices) for _ in prompts()], prompts(), NEW)
-    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
+    assert_decodes_as_target_greedy(peaked_wide_llama, DFlash2(head, choices), lambda: DFlash2(head, choices))
 
 
 def test_sampled_selector_tree_is_lossless():
-    target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
-    target.lm_head.weight.data *= 5
+    target = five_token_target()
     head = dflash2_head(target, seed=4, selector_top_k=3, selector_rank=4)
     sampling = Sampling(temperature=1.0)
-    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
-    exact = exact_two_tokens_of(target, prompt, sampling)
+    prompt = SAMPLED_PROMPT
     with torch.no_grad():
         aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
         hidden = head.draft_hidden(prompt[0, -1], 6, head.context_kv(aux, torch.arange(6)[None]), 2)
         q0 = probabilities(head.walk_logits(hidden[0], prompt[0, -1:])[0], sampling)
         q1 = probabilities(head.walk_logits(hidden[1], torch.arange(5)), sampling)
     assert (q0 == 0).sum() == 2  # two of five tokens are never candidates: the draft cannot propose them
-    torch.manual_seed(0)
-    counts, accepted = torch.zeros(25), 0
-    for _ in range(10):
-        proposers = [DFlash2(head, [[0], [1], [0, 0], [0, 1], [1, 0]]) for _ in range(100)]
-        outputs, stats = generate_batch(target, proposers, [prompt] * 100, 2, sampling)
-        for out, stat in zip(outputs, stats):
-            counts[out[0, -2] * 5 + out[0, -1]] += 1
-            accepted += stat.accepted_lengths[0] - 1
-    assert accepted > 300
-    assert_matches(counts, exact, (q0[:, None] * q1).flatten())
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    assert_samples_as_the_target(target, lambda: DFlash2(head, choices), sampling, (q0[:, None] * q1).flatten())
 
 
 def test_refusals(peaked_wide_llama):
@@ -193,23 +166,15 @@ def test_refusals(peaked_wide_llama):
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
     # train/eagle.py (the config's dflash2 head) through DeepSpeed (a world of one, online capture), with D-PACE:
     # 4 steps straight, then resumed from the step-2 checkpoint, the same head bit for bit.
-    world_of_one(monkeypatch)
     head = {"type": "dflash2", "block_size": 3, "num_anchors": 8, "selector_rank": 8, "loss_weighting": "dpace"}
-    path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
-    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
-    heldout = [r for r in lines if r["split"] == "heldout"]
-    assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
-    assert {"selector_ce", "candidate_recall", "acc_0", "acc_1"} <= heldout[1].keys() and "acc_2" not in heldout[1]
+    straight, heldout, _ = block_drafter_resumes(monkeypatch, tmp_path, tiny_target_dir, gsm8k_file, head)
+    assert {"selector_ce", "candidate_recall", "acc_0", "acc_1"} <= heldout.keys() and "acc_2" not in heldout
     assert {"candidate_selector.successor_codebook", "layers.0.mlp_conv.base_kernel"} <= straight.keys()
 
 
 def test_export_for_vllm_and_import_back_to_the_same_drafts(peaked_wide_llama, tmp_path):
-    target_dir = tmp_path / "target"
-    peaked_wide_llama.save_pretrained(target_dir)
     head = dflash2_head(peaked_wide_llama, mask_embedding=True)
-    head.save_pretrained(tmp_path / "head")
-    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
-    config = json.loads((out / "config.json").read_text())
+    out, config, target_dir = exported_for_vllm(peaked_wide_llama, head, tmp_path)
     assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"] == {
         "mask_token_id": 0,

@@ -9,22 +9,26 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from headstart.decoding.proposers_heads import DFlash, Domino
-from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.decoding.proposers_block import DFlash, Domino
+from headstart.decoding.verify import Sampling, probabilities
 from headstart.heads import build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
-from headstart.train import eagle as trainer
-from tests.decoding.test_decoding_sampling import exact_two_tokens_of
-from tests.heads.test_dflash import NEW, V, assert_same_head, block_batch, features, first_tree, prompts, trained_on
 from tests.helpers import (
-    WIDE,
-    assert_matches,
-    block_drafter_run,
-    greedy_reference,
-    tiny_llama,
-    trains_then_resumes_identically,
-    world_of_one,
+    SAMPLED_PROMPT,
+    V,
+    assert_decodes_as_target_greedy,
+    assert_same_head,
+    assert_samples_as_the_target,
+    block_batch,
+    block_drafter_resumes,
+    exported_for_vllm,
+    features,
+    first_tree,
+    five_token_target,
+    prompts,
+    served_blocks,
+    trained_on,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,27 +65,21 @@ def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_ever
     head = domino_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0, lambda_base_start=0.8, lambda_base_decay=0.5)
     head.training_progress = 0.25  # lambda = 0.8 x (1 - 0.25 / 0.5)
     batch = block_batch(peaked_wide_llama, head)
-    ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
     slot_sums, counts, base_hits = torch.zeros(3), torch.zeros(3), 0
     with torch.no_grad():
-        for b in range(2):
-            n = int(attention[b].sum())
-            for a in range(n - 1):
-                if not loss_mask[b, a + 1]:
-                    continue  # an anchor's next token is a label
-                context = head.context_kv(batch["aux_hidden"][b : b + 1, :a], torch.arange(a)[None])
-                hidden = head.draft_hidden(ids[b, a], a, context, 3)
-                for k in range(min(3, n - 1 - a)):
-                    if not loss_mask[b, a + 1 + k]:
-                        continue
-                    base = peaked_wide_llama.lm_head(hidden[k])
-                    final = corrected_by_hand(head, hidden[k], gru_by_hand(head, ids[b, a : a + k + 1]))
-                    p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
-                    ce_base = -(p_target * base.log_softmax(-1)).sum()
-                    slot_sums[k] += 0.6 * -(p_target * final.log_softmax(-1)).sum() + 0.4 * ce_base
-                    counts[k] += 1
-                    base_hits += int(base.argmax() == p_target.argmax())
+        for b, a, hidden in served_blocks(head, batch, 3):
+            for k in range(len(hidden)):
+                if not loss_mask[b, a + 1 + k]:
+                    continue
+                base = peaked_wide_llama.lm_head(hidden[k])
+                final = corrected_by_hand(head, hidden[k], gru_by_hand(head, ids[b, a : a + k + 1]))
+                p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
+                ce_base = -(p_target * base.log_softmax(-1)).sum()
+                slot_sums[k] += 0.6 * -(p_target * final.log_softmax(-1)).sum() + 0.4 * ce_base
+                counts[k] += 1
+                base_hits += int(base.argmax() == p_target.argmax())
     weights = torch.exp(-torch.arange(3) / 2.0)
     torch.testing.assert_close(loss, (weights * slot_sums / counts).sum() / weights.sum(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(metrics["base_hit"], torch.tensor(base_hits / counts.sum().item()))
@@ -131,22 +129,14 @@ def test_each_node_is_its_parents_best_under_the_gru_of_its_path(peaked_wide_lla
 @pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
 def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
     head = domino_head(peaked_wide_llama)
-    for prompt in prompts():
-        out, _ = generate(
-            peaked_wide_llama, Domino(head, choices), prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
-        )
-        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
-    outputs, _ = generate_batch(peaked_wide_llama, [Domino(head, choices) for _ in prompts()], prompts(), NEW)
-    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
+    assert_decodes_as_target_greedy(peaked_wide_llama, Domino(head, choices), lambda: Domino(head, choices))
 
 
 def test_sampled_tree_is_lossless():
-    target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
-    target.lm_head.weight.data *= 5
+    target = five_token_target()
     head = domino_head(target, seed=4, emb_dim=4)
     sampling = Sampling(temperature=1.0)
-    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
-    exact = exact_two_tokens_of(target, prompt, sampling)
+    prompt = SAMPLED_PROMPT
     root = prompt[0, -1:]
     with torch.no_grad():
         aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
@@ -156,16 +146,8 @@ def test_sampled_tree_is_lossless():
             [probabilities(corrected_by_hand(head, hidden[1], gru_by_hand(head, torch.tensor([root[0], t]))), sampling)
              for t in range(5)]
         )  # fmt: skip
-    torch.manual_seed(0)
-    counts, accepted = torch.zeros(25), 0
-    for _ in range(10):
-        proposers = [Domino(head, [[0], [1], [0, 0], [0, 1], [1, 0]]) for _ in range(100)]
-        outputs, stats = generate_batch(target, proposers, [prompt] * 100, 2, sampling)
-        for out, stat in zip(outputs, stats):
-            counts[out[0, -2] * 5 + out[0, -1]] += 1
-            accepted += stat.accepted_lengths[0] - 1
-    assert accepted > 300
-    assert_matches(counts, exact, (q0[:, None] * q1).flatten())
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    assert_samples_as_the_target(target, lambda: Domino(head, choices), sampling, (q0[:, None] * q1).flatten())
 
 
 def test_refusals(peaked_wide_llama):
@@ -178,23 +160,15 @@ def test_refusals(peaked_wide_llama):
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
     # train/eagle.py (the config's domino head) through DeepSpeed (a world of one, online capture), the backbone's
     # share falling over the 4 steps: 4 steps straight, then resumed from the step-2 checkpoint, the same head.
-    world_of_one(monkeypatch)
     head = {"type": "domino", "block_size": 3, "num_anchors": 8, "gru_hidden_dim": 8, "emb_dim": 8}
-    path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
-    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
-    heldout = [r for r in lines if r["split"] == "heldout"]
-    assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
-    assert {"final_ce", "base_ce", "base_hit", "acc_0", "acc_1"} <= heldout[1].keys()
+    straight, heldout, _ = block_drafter_resumes(monkeypatch, tmp_path, tiny_target_dir, gsm8k_file, head)
+    assert {"final_ce", "base_ce", "base_hit", "acc_0", "acc_1"} <= heldout.keys()
     assert straight["embed_proj.2.weight"].abs().sum() > 0  # the correction learned once the share fell
 
 
 def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peaked_wide_llama, tmp_path):
-    target_dir = tmp_path / "target"
-    peaked_wide_llama.save_pretrained(target_dir)
     head = domino_head(peaked_wide_llama, mask_embedding=True)
-    head.save_pretrained(tmp_path / "head")
-    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
-    config = json.loads((out / "config.json").read_text())
+    out, config, target_dir = exported_for_vllm(peaked_wide_llama, head, tmp_path)
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"] == {
         "mask_token_id": 0,

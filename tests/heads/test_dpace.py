@@ -8,8 +8,8 @@ import torch
 
 from headstart.heads.losses import dpace_mean, dpace_weights
 from headstart.train import eagle as trainer
-from tests.heads.test_dflash import dflash_head, features
-from tests.helpers import block_drafter_run, metrics_lines, world_of_one
+from tests.heads.test_dflash import dflash_head
+from tests.helpers import block_drafter_run, features, metrics_lines, world_of_one
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

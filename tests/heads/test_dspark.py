@@ -9,33 +9,30 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from headstart.decoding.proposers_block import DFlash
 from headstart.decoding.proposers_dspark import DSpark
-from headstart.decoding.proposers_heads import DFlash
 from headstart.decoding.tree_config import TreeSpec
-from headstart.decoding.verify import Sampling, generate, generate_batch, probabilities
+from headstart.decoding.verify import Sampling, generate, probabilities
 from headstart.heads import NonFiniteWeights, build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
-from headstart.train import eagle as trainer
-from tests.decoding.test_decoding_sampling import exact_two_tokens_of
-from tests.heads.test_dflash import (
+from tests.helpers import (
     NEW,
+    SAMPLED_PROMPT,
     V,
+    assert_decodes_as_target_greedy,
     assert_same_head,
+    assert_samples_as_the_target,
     block_batch,
+    block_drafter_resumes,
+    exported_for_vllm,
     features,
     first_tree,
-    prompts,
-    trained_on,
-)
-from tests.helpers import (
-    WIDE,
-    assert_matches,
-    block_drafter_run,
+    five_token_target,
     greedy_reference,
-    tiny_llama,
-    trains_then_resumes_identically,
-    world_of_one,
+    prompts,
+    served_blocks,
+    trained_on,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,36 +56,27 @@ def test_loss_is_deepspecs_over_every_block_recomputed_through_the_served_block(
     if draft_vocab_size:
         head.set_vocab_mapping(torch.arange(V).flip(0).float())  # the draft vocabulary: the ids 0..149
     batch = block_batch(peaked_wide_llama, head)
-    ids, attention, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
-    size, total, weight = 4, torch.tensor(0.0), torch.tensor(0.0)
+    total, weight = torch.tensor(0.0), torch.tensor(0.0)
     draft_ids = head.draft_ids()
     with torch.no_grad():
-        for b in range(2):
-            n = int(attention[b].sum())
-            for a in range(n - 1):
-                if not loss_mask[b, a + 1]:
-                    continue
-                context = head.context_kv(batch["aux_hidden"][b : b + 1, :a], torch.arange(a)[None])
-                hidden = head.draft_hidden(ids[b, a], a, context, size)
-                for k in range(min(size, n - 1 - a)):
-                    if not loss_mask[b, a + 1 + k]:
-                        break  # scored up to the first unlabelled slot
-                    logits = head.draft_logits(hidden[k]) + head.markov_head.markov_w2(
-                        head.markov_head.markov_w1(ids[b, a + k])
-                    )
-                    p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k])[draft_ids].softmax(-1)
-                    l1 = (logits.softmax(-1) - p_target).abs().sum()
-                    token = int(ids[b, a + k + 1])
-                    in_vocab = bool((draft_ids == token).any())
-                    ce = -logits.log_softmax(-1)[(draft_ids == token).nonzero()[0, 0]] if in_vocab else 0.0
-                    conf = head.confidence_head.proj(torch.cat((hidden[k], head.markov_head.markov_w1(ids[b, a + k]))))[
-                        0
-                    ]
-                    bce = F.binary_cross_entropy_with_logits(conf, (1 - l1 / 2).clamp(0, 1))
-                    w = torch.exp(torch.tensor(-k / 2.0))
-                    total += w * (0.1 * ce + 0.9 * l1 + bce)
-                    weight += w
+        for b, a, hidden in served_blocks(head, batch, 4):
+            for k in range(len(hidden)):
+                if not loss_mask[b, a + 1 + k]:
+                    break  # scored up to the first unlabelled slot
+                previous = head.markov_head.markov_w1(ids[b, a + k])
+                logits = head.draft_logits(hidden[k]) + head.markov_head.markov_w2(previous)
+                p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k])[draft_ids].softmax(-1)
+                l1 = (logits.softmax(-1) - p_target).abs().sum()
+                token = int(ids[b, a + k + 1])
+                in_vocab = bool((draft_ids == token).any())
+                ce = -logits.log_softmax(-1)[(draft_ids == token).nonzero()[0, 0]] if in_vocab else 0.0
+                conf = head.confidence_head.proj(torch.cat((hidden[k], previous)))[0]
+                bce = F.binary_cross_entropy_with_logits(conf, (1 - l1 / 2).clamp(0, 1))
+                w = torch.exp(torch.tensor(-k / 2.0))
+                total += w * (0.1 * ce + 0.9 * l1 + bce)
+                weight += w
     torch.testing.assert_close(loss, total / weight, atol=1e-4, rtol=1e-4)
     assert {"confidence_bce", "confidence_gap", "acc_3", "loss_3"} <= set(metrics)
     loss.backward()  # DeepSpec's gradient paths: the backbone, both Markov tables and the confidence head
@@ -125,15 +113,7 @@ def test_greedy_output_equals_target_greedy_at_every_confidence_cut(peaked_wide_
     head = dspark_head(peaked_wide_llama)
     tree = TreeSpec.static(choices or [[0] * d for d in range(1, 5)])
     proposer = DSpark.for_tree(head, TreeSpec(**{**tree.__dict__, "min_confidence": min_confidence}))
-    depths = []
-    for prompt in prompts():
-        out, stats = generate(
-            peaked_wide_llama, proposer, prompt, NEW, eos_token_id=peaked_wide_llama.config.eos_token_id
-        )
-        assert torch.equal(out, greedy_reference(peaked_wide_llama, prompt))
-        depths.append(stats.target_forwards)
-    outputs, _ = generate_batch(peaked_wide_llama, [DSpark(head, choices) for _ in prompts()], prompts(), NEW)
-    assert all(torch.equal(out, greedy_reference(peaked_wide_llama, p)) for out, p in zip(outputs, prompts()))
+    assert_decodes_as_target_greedy(peaked_wide_llama, proposer, lambda: DSpark(head, choices))
 
 
 def test_a_bf16_head_and_target_score_confidence_and_decode_as_the_bf16_target(peaked_wide_llama):
@@ -171,28 +151,17 @@ def test_the_confidence_cut_drafts_less_where_the_head_doubts(peaked_wide_llama)
 
 
 def test_sampled_markov_tree_with_a_confidence_cut_is_lossless():
-    target = tiny_llama(**WIDE | {"vocab_size": 5, "eos_token_id": None}).requires_grad_(False)
-    target.lm_head.weight.data *= 5
+    target = five_token_target()
     head = dspark_head(target, seed=4, markov_rank=4)
     sampling = Sampling(temperature=1.0)
-    prompt = torch.tensor([[1, 2, 3, 4, 2, 1, 3]])
-    exact = exact_two_tokens_of(target, prompt, sampling)
+    prompt = SAMPLED_PROMPT
     with torch.no_grad():
         aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
         hidden = head.draft_hidden(prompt[0, -1], 6, head.context_kv(aux, torch.arange(6)[None]), 2)
         q0 = probabilities(head.markov_logits(hidden[0], prompt[0, -1]), sampling)
         q1 = probabilities(head.markov_logits(hidden[1].expand(5, -1), torch.arange(5)), sampling)
-    torch.manual_seed(0)
-    counts, accepted = torch.zeros(25), 0
-    choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
-    for _ in range(10):
-        proposers = [DSpark(head, choices, min_confidence=0.2) for _ in range(100)]
-        outputs, stats = generate_batch(target, proposers, [prompt] * 100, 2, sampling)
-        for out, stat in zip(outputs, stats):
-            counts[out[0, -2] * 5 + out[0, -1]] += 1
-            accepted += stat.accepted_lengths[0] - 1
-    assert accepted > 300
-    assert_matches(counts, exact, (q0[:, None] * q1).flatten())
+    choices, wrong = [[0], [1], [0, 0], [0, 1], [1, 0]], (q0[:, None] * q1).flatten()
+    assert_samples_as_the_target(target, lambda: DSpark(head, choices, min_confidence=0.2), sampling, wrong)
 
 
 def test_a_dflash_proposer_refuses_a_dspark_head_and_a_mask_embedding_is_refused(peaked_wide_llama):
@@ -209,30 +178,18 @@ def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path
     # train/eagle.py (the config's dspark head) through DeepSpeed (a world of one, online capture): 4 steps
     # straight, then resumed from the step-2 checkpoint: the same blocks from the loop's per-micro-batch seeds, the
     # same head bit for bit.
-    world_of_one(monkeypatch)
-    path, out = block_drafter_run(
-        tmp_path,
-        tiny_target_dir,
-        gsm8k_file,
-        {"type": "dspark", "block_size": 3, "num_anchors": 8, "markov_rank": 8, "loss_weighting": "dpace"},
-    )
-    straight, lines = trains_then_resumes_identically(trainer.main, path, out)
-    heldout = [r for r in lines if r["split"] == "heldout"]
-    assert [r["step"] for r in heldout] == [2, 4] and heldout[1]["loss"] < heldout[0]["loss"]
-    assert sorted(k for k in heldout[1] if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]  # 3 slots, 3 drafts
-    assert "confidence_bce" in heldout[1]
+    head = {"type": "dspark", "block_size": 3, "num_anchors": 8, "markov_rank": 8, "loss_weighting": "dpace"}
+    straight, heldout, _ = block_drafter_resumes(monkeypatch, tmp_path, tiny_target_dir, gsm8k_file, head)
+    assert sorted(k for k in heldout if k.startswith("acc_")) == ["acc_0", "acc_1", "acc_2"]  # 3 slots, 3 drafts
+    assert "confidence_bce" in heldout
     assert {"markov_head.markov_w1.weight", "confidence_head.proj.bias"} <= straight.keys()
 
 
 @pytest.mark.parametrize("confidence_head", [True, False])
 def test_export_for_vllm_and_import_back_to_the_same_logits(peaked_wide_llama, tmp_path, confidence_head):
-    target_dir = tmp_path / "target"
-    peaked_wide_llama.save_pretrained(target_dir)
     head = dspark_head(peaked_wide_llama, draft_vocab_size=120, confidence_head=confidence_head)
     head.set_vocab_mapping(torch.arange(V).float())  # the 120 highest ids
-    head.save_pretrained(tmp_path / "head")
-    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
-    config = json.loads((out / "config.json").read_text())
+    out, config, target_dir = exported_for_vllm(peaked_wide_llama, head, tmp_path)
     assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
     assert config["sample_from_anchor"] is True and "sample_from_anchor" not in config["dflash_config"]
     assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 2, 3], "causal": False}
@@ -273,10 +230,7 @@ def test_export_for_vllm_and_import_back_to_the_same_logits(peaked_wide_llama, t
 
 def test_a_dspark_checkpoint_with_a_nan_is_refused_on_import_naming_the_tensor(peaked_wide_llama, tmp_path):
     # Unchecked, it would evaluate at tau 1.000, "greedy identical" (NaN scores argmax to one token), and export.
-    target_dir = tmp_path / "target"
-    peaked_wide_llama.save_pretrained(target_dir)
-    dspark_head(peaked_wide_llama).save_pretrained(tmp_path / "head")
-    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
+    out, _, target_dir = exported_for_vllm(peaked_wide_llama, dspark_head(peaked_wide_llama), tmp_path)
     tensors = load_file(str(out / "model.safetensors"))
     tensors["markov_head.markov_w2.weight"][0, :2] = float("nan")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -288,11 +242,8 @@ def test_a_dspark_checkpoint_with_a_nan_is_refused_on_import_naming_the_tensor(p
 def test_confidence_tensors_a_checkpoint_says_it_has_none_of_are_refused_like_any_extra_tensor(
     peaked_wide_llama, tmp_path
 ):
-    target_dir = tmp_path / "target"
-    peaked_wide_llama.save_pretrained(target_dir)
-    dspark_head(peaked_wide_llama).save_pretrained(tmp_path / "head")  # with a confidence head
-    out = export_head(tmp_path / "head", "vllm", tmp_path / "export", str(target_dir))
-    config = json.loads((out / "config.json").read_text())
+    head = dspark_head(peaked_wide_llama)  # with a confidence head
+    out, config, target_dir = exported_for_vllm(peaked_wide_llama, head, tmp_path)
     (out / "config.json").write_text(json.dumps(config | {"enable_confidence_head": False}))
     with pytest.raises(ValueError, match=r"unexpected .*confidence_head\.proj\.weight"):
         import_head("dspark", out, tmp_path / "imported", str(target_dir))

@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from headstart.decoding.proposers_heads import Eagle, PEagle
+from headstart.decoding.proposers_eagle import Eagle, PEagle
 from headstart.decoding.verify import generate
 from headstart.heads import WEIGHTS_NAME, build_head, load_head
 from headstart.heads.layers import RMSNorm

@@ -24,7 +24,8 @@ from transformers import (
 )
 
 from headstart.data_recipes.capture import run_capture
-from headstart.decoding.proposers_heads import Eagle, Medusa
+from headstart.decoding.proposers_eagle import Eagle
+from headstart.decoding.proposers_medusa import Medusa
 from headstart.decoding.verify import generate
 from headstart.export.common import VLLM_UNSERVED_FAMILIES, captures_natively
 from headstart.export.registry import layouts_of

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Gemm
 
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.states import capture_hidden_states
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import generate
 from headstart.heads import WEIGHTS_NAME, build_head, load_head, read_head_config
 from headstart.heads.target import draft_target_config

@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 
 from headstart.core.config_files import ConfigError
 from headstart.decoding.head_proposers import PROPOSERS, register_proposer
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.eval import acceptance, autotune
 from headstart.export.common import arch_from_decoder, decoder_config, read_checkpoint, read_json
 from headstart.export.layouts import EngineFiles, Imported, not_written

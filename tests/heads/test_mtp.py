@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import Sampling, generate
 from headstart.heads import build_head
 from headstart.heads.mtp import MTP_FAMILIES
 from headstart.scripts.dev.tiny_mtp_targets import save_tiny_mtp_target
-from tests.decoding.test_decoding_sampling import exact_two_tokens_of, sample_pairs
-from tests.helpers import assert_matches
+from tests.decoding.test_decoding_sampling import sample_pairs
+from tests.helpers import assert_matches, exact_two_tokens_of
 
 FAMILIES = sorted(MTP_FAMILIES)
 

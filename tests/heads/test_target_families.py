@@ -19,7 +19,8 @@ from headstart.core.memory import GB, TargetSizes, kv_cache_bytes
 from headstart.core.models import load_model
 from headstart.data_recipes.capture import run_capture, storage_estimate
 from headstart.decoding.proposers import NGram, Vanilla
-from headstart.decoding.proposers_heads import DFlash, Eagle
+from headstart.decoding.proposers_block import DFlash
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import Sampling, generate, generate_batch, new_cache
 from headstart.eval import acceptance, autotune
 from headstart.export.card import vllm_command
@@ -40,9 +41,8 @@ from headstart.train import eagle
 from headstart.train.loop import Process, training_memory
 from headstart.train.train_config import resolve_config
 from tests.core.test_tensor_parallel import torchrun
-from tests.decoding.test_decoding_sampling import exact_two_tokens_of
 from tests.heads.test_families import check_export
-from tests.helpers import REPO, assert_matches, base_config, records, run_here
+from tests.helpers import REPO, assert_matches, base_config, exact_two_tokens_of, records, run_here
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

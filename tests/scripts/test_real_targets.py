@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.recipes import tokenize_messages
 from headstart.data_recipes.shards import read_manifest
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import generate
 from headstart.heads import load_head
 from headstart.scripts import fetch_target

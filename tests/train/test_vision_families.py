@@ -13,7 +13,7 @@ from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.recipes import image_prompt, read_conversations
 from headstart.data_recipes.shards import ShardDataset, pad_collate
 from headstart.decoding.proposers import NGram, Vanilla
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import generate
 from headstart.heads import build_head
 from headstart.scripts.dev.tiny_vl import BUILDERS

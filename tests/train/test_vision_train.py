@@ -10,7 +10,7 @@ import torch
 from headstart.core.models import load_model, load_processor, load_tokenizer
 from headstart.data_recipes.capture import run_capture
 from headstart.data_recipes.recipes import image_prompt, read_conversations
-from headstart.decoding.proposers_heads import Eagle
+from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import generate
 from headstart.heads import load_head
 from headstart.train import eagle
