@@ -46,7 +46,7 @@ from headstart.core.models import default_aux_layers
 from headstart.heads.base import DraftHead
 from headstart.heads.block_options import BlockOptions, resolve_mask_token_id
 from headstart.heads.block_training import draw_prefix_lengths, slot_losses, weighted_slot_loss
-from headstart.heads.eagle3 import build_vocab_mapping
+from headstart.heads.eagle3 import build_vocab_mapping, draft_vocab_rows
 from headstart.heads.head_config import HeadConfig, HeadSettings, resolved
 from headstart.heads.layers import BlockLayer, RMSNorm, RotaryEmbedding
 from headstart.heads.losses import (
@@ -225,8 +225,7 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         d2t, t2d = build_vocab_mapping(token_counts, self.lm_head.out_features)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
-        target_rows = self.target.lm_head.weight.detach()[self.draft_ids().to(self.target.lm_head.weight.device)]
-        self.lm_head.weight.data.copy_(target_rows)
+        self.lm_head.weight.data.copy_(draft_vocab_rows(self.target.lm_head.weight, self.draft_ids()))
 
     def draft_ids(self) -> torch.Tensor:
         """The target ids of the draft vocabulary (every id without a reduced one)."""
