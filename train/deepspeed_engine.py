@@ -95,9 +95,9 @@ def build_engine(
 # memory all-reduce, ``deepspeed_shm_comm``; none on CUDA), the way ``deepspeed.comm.torch.build_shm_op`` asks.
 SHM_COMM_BUILDER = "ShareMemCommBuilder"
 # torch's JIT build holds ``<extensions dir>/<op>/lock`` from its start to its end and never touches it, so the
-# file's age is the build's. Building deepspeed_shm_comm took 22 s on 2 idle CPU cores and up to 356 s (~6 min)
-# with the cores shared by other jobs (its .ninja_log, 2026-11-28): a lock older than 10 minutes outlived any live
-# build seen, while waiting that long costs a start only what a live build might still need.
+# file's age is the build's. Building deepspeed_shm_comm took 22 s to 356 s (median 122 s) on 2 CPU cores shared
+# with other jobs (its .ninja_log, 29 builds, 2026-11-28): a lock older than 10 minutes outlived any live build
+# seen, and a start that finds a killed build's lock waits at most that long before it is told.
 STALE_LOCK_SECONDS = 600.0
 
 
@@ -122,7 +122,10 @@ def wait_for_op_build(stale_after: float = STALE_LOCK_SECONDS, poll_seconds: flo
                 f"on it forever. If no build is running (no ninja or c++ process), remove it: rm {lock}"
             )
         if not announced:
-            print(f"waiting for another process's build of DeepSpeed's {builder.NAME} op to release {lock}")
+            print(
+                f"waiting for another process's build of DeepSpeed's {builder.NAME} op to release {lock} "
+                f"(taken for a killed build's once {stale_after / 60:.0f} min old)"
+            )
             announced = True
         time.sleep(poll_seconds)
 
