@@ -36,7 +36,7 @@ NO_ROOM = {
 
 class OutOfSpaceError(OSError):
     """Out of room: a write that ran out (the message names the file, what ran out and the free space), or
-    a free-space check before a long write (``data_recipes.capture.check_free_disk``) that says it would."""
+    a free-space check before a long write (``data_recipes.capture_plan.check_free_disk``) that says it would."""
 
 
 def _umask() -> int:

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.runtime import mix_seed, resolve_dtype
 from headstart.core.weights import is_vision_language
-from headstart.data_recipes.capture import check_max_length, samples_hash
+from headstart.data_recipes.capture_plan import check_max_length, samples_hash
 from headstart.data_recipes.recipes import Sample, load_samples, require_samples
 from headstart.data_recipes.shards import ShardDataset, check_manifest, pack_collate, pad_collate
 from headstart.data_recipes.states import EngineCapture, OnlineCapture, resolve_aux_layers

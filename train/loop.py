@@ -1,9 +1,9 @@
-"""The training loop every recipe shares: processes, the DeepSpeed engine, steps, evaluation, checkpoints.
+"""The training loop every recipe shares: processes, steps, evaluation, checkpoints.
 
-A recipe builds a module whose ``forward(batch, step)`` returns ``(loss, metrics)`` and hands it to
-``build_engine`` and ``train``. Only that module is wrapped by DeepSpeed: the frozen target is
-reached through plain attributes (``head.target``, ``OnlineCapture``), so ZeRO never partitions it,
-the optimizer never sees it and checkpoints never store it.
+A recipe builds a module whose ``forward(batch, step)`` returns ``(loss, metrics)`` and hands it to ``fit``,
+which wraps it in the DeepSpeed engine (``train.deepspeed_engine``) and runs ``train``. Only that module is
+wrapped: the frozen target is reached through plain attributes (``head.target``, ``OnlineCapture``), so ZeRO never
+partitions it, the optimizer never sees it and checkpoints never store it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from headstart.core.models import load_target
 from headstart.core.runtime import (
     Ranks,
     collective_device,
-    cosine_with_warmup,
     leave_process_group,
     mix_seed,
     rank_device,
@@ -59,8 +58,9 @@ from headstart.heads import (
     meta_head,
     read_head_config,
 )
-from headstart.train.checkpoint import all_finite, last_good, loads_universal, newest_marker, resume, save_checkpoint
+from headstart.train.checkpoint import all_finite, last_good, resume, save_checkpoint
 from headstart.train.data import TrainData, data_fingerprint, fuses_layers, head_settings, heldout_batches, step_batches
+from headstart.train.deepspeed_engine import build_engine, wait_for_op_build
 from headstart.train.measured import (
     MeasuredAcceptance,
     check_eval_bench,
@@ -79,7 +79,6 @@ from headstart.train.metrics import (
     predicted_tau,
     training_summary,
 )
-from headstart.train.optimizers import build_optimizer, gradient_clipping
 from headstart.train.train_config import Train, TrainConfig, measures_acceptance
 
 
@@ -122,6 +121,7 @@ def init_distributed(device_name: str, tp_size: int = 1) -> Process:
     device = rank_device(device_name)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines would drown the progress bar
     if not dist.is_initialized():
+        wait_for_op_build()  # DeepSpeed's backend builds its op here, behind a lock a killed build may have left
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
         # Destroyed at exit, not when main() returns: DeepSpeed caches groups made from this one, so a
         # second main() in the same process (the tests) must find the same group.
@@ -242,57 +242,6 @@ class HeadLoss(nn.Module):
 def total_steps(train: Train, data: TrainData) -> int:
     per_epoch = len(data.train_ids) // train.batch_size
     return train.max_steps if train.max_steps is not None else train.epochs * per_epoch
-
-
-def deepspeed_config(train: Train, world: int, load_universal: bool = False, tp_size: int = 1) -> dict[str, Any]:
-    """The engine's config. ``batch_size`` is the global batch, fixed for the run: the process count only
-    changes how many micro-batches each rank accumulates (so a run may resume on another count).
-
-    With a split target the ``tp_size`` ranks of a group see the same micro-batches and so compute the same
-    gradients: DeepSpeed's mean over all ranks is the mean over the groups, and it counts each sample once per
-    rank of its group (``train_batch_size``)."""
-    micro, groups = train.micro_batch_size, world // tp_size
-    if train.batch_size % (micro * groups):
-        raise ValueError(
-            f"train.batch_size={train.batch_size} is not a multiple of micro_batch_size x data-parallel "
-            f"groups = {micro} x {groups}: pick a process count (or micro_batch_size) that divides it"
-        )
-    return {
-        "train_batch_size": train.batch_size * tp_size,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": train.batch_size // (micro * groups),
-        "gradient_clipping": gradient_clipping(train),
-        "zero_optimization": zero_config(train),
-        "bf16": {"enabled": train.dtype == "bf16"},
-        # The optimizer is torch's AdamW or DeepSpeed's Muon (train/optimizers.py), which ZeRO handles fine but does
-        # not list as tested when handed over built.
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-        "checkpoint": {"load_universal": load_universal},
-    }
-
-
-def zero_config(train: Train) -> dict[str, Any]:
-    """DeepSpeed's ``zero_optimization`` section: the stage; with Muon at ZeRO-3, no reduce-scatter of gradients
-    (that stage gathers each Muon matrix's whole gradient itself, and refuses the two together)."""
-    if train.optimizer == "muon" and train.zero_stage == 3:
-        return {"stage": 3, "reduce_scatter": False}
-    return {"stage": train.zero_stage}
-
-
-def build_engine(
-    module: nn.Module, train: Train, proc: Process, total: int, vocab_size: int
-) -> deepspeed.DeepSpeedEngine:
-    """DeepSpeed over ``module``'s trainable parameters: AdamW or Muon (``train.optimizers``), cosine schedule with
-    warm-up, clipping, ZeRO."""
-    optimizer = build_optimizer(module, train, vocab_size)
-    multiplier = partial(cosine_with_warmup, warmup=train.warmup_steps, total=total, min_ratio=train.min_lr_ratio)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
-    # A checkpoint from another process count is read in DeepSpeed's universal layout (train/checkpoint.py).
-    universal = loads_universal(newest_marker(Path(train.out_dir)), proc.world, train.zero_stage)
-    config = deepspeed_config(train, proc.world, universal, proc.tp_size)
-    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=schedule, config=config)
-    return engine
 
 
 def data_order(train: Train, data: TrainData) -> dict[str, int | str]:

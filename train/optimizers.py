@@ -12,9 +12,8 @@ this optimizer and parameters tagged ``use_muon``, gathers each matrix's whole g
 the step (``stage_1_and_2.py``, ``stage3.py``; with no ZeRO partitioning the optimizer does it itself). Its AdamW
 half is torch's AdamW with the AdamW path's settings, so only the matrices train differently.
 
-Under ZeRO that gathered update is what DeepSpeed then measures and clips as "the gradient", so its
-``gradient_clipping`` would divide every Muon step by the norm of all the orthogonalised updates, a size of the model
-rather than of the gradient (DeepSpeed issue #8439): ``gradient_clipping`` is off for Muon there.
+Under ZeRO that gathered update is what DeepSpeed then measures and clips as "the gradient", so DeepSpeed's clipping
+is off for Muon there (``train.deepspeed_engine.gradient_clipping``).
 """
 
 from __future__ import annotations
@@ -41,17 +40,6 @@ def takes_muon(name: str, param: torch.Tensor, vocab_size: int) -> bool:
         and vocab_size not in param.shape
         and not any(hint in name for hint in ADAMW_NAME_HINTS)
     )
-
-
-def gradient_clipping(train: Train) -> float:
-    """DeepSpeed's ``gradient_clipping``: ``train.max_grad_norm``, but 0 for Muon under ZeRO-1/2/3, which clip the
-    orthogonalised update instead of the gradient: at ``max_grad_norm`` 0.5 that shrank the demo DFlash-2's Muon
-    steps up to ~170x (its updates' joint norm is ~84 for full-rank gradients). Muon needs no clip (Newton-Schulz
-    drops the gradient's scale); its AdamW half goes unclipped with it. Without ZeRO, DeepSpeed clips the raw
-    gradients before the optimizer, as plain Muon does."""
-    if train.optimizer == "muon" and train.zero_stage > 0:
-        return 0.0
-    return train.max_grad_norm
 
 
 def build_optimizer(module: nn.Module, train: Train, vocab_size: int) -> torch.optim.Optimizer:

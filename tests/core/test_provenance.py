@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from headstart.core.fingerprint import tokenizer_hash, weights_hash
 from headstart.core.io import FolderLockedError, NotWritableError, OutOfSpaceError, output_lock
-from headstart.data_recipes.capture import check_free_disk, run_capture
+from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.capture_plan import check_free_disk
 from headstart.data_recipes.errors import DataError
 from headstart.data_recipes.regenerate import run_regenerate
 from headstart.data_recipes.shards import (
@@ -377,7 +378,7 @@ def test_an_immutable_folder_is_not_writable_not_full(tmp_path):
 READ_ONLY_CHECK = """
 import sys
 from pathlib import Path
-from headstart.data_recipes.capture import check_free_disk
+from headstart.data_recipes.capture_plan import check_free_disk
 try:
     check_free_disk(Path(sys.argv[1]) / "shards", 10**12)
 except Exception as err:

@@ -13,9 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from headstart.core.fingerprint import tokenizer_hash
 from headstart.core.io import OutOfSpaceError
 from headstart.core.models import default_aux_layers
-from headstart.data_recipes.capture import check_free_disk, run_capture, storage_estimate, tokenizer_hash
+from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.capture_plan import check_free_disk, storage_estimate
 from headstart.data_recipes.recipes import load_samples
 from headstart.data_recipes.shards import (
     ManifestMismatch,
@@ -294,7 +296,8 @@ def test_each_format_captures_the_fresh_forward(fmt, tiny_target_dir, tmp_path):
 def test_a_shard_holds_the_bytes_the_per_sample_copies_wrote(tiny_target_dir, gsm8k_file, tmp_path):
     # capture_shard fills one host buffer per tensor and checks finiteness once per shard: the shard file must be
     # the one the plain recipe writes (each sample's states stored, copied to the host, concatenated).
-    from headstart.data_recipes.capture import capture_shard, token_tensors
+    from headstart.data_recipes.capture import capture_shard
+    from headstart.data_recipes.capture_plan import token_tensors
     from headstart.data_recipes.shards import store_hidden, write_shard
     from headstart.data_recipes.states import forward_states
 

@@ -14,7 +14,8 @@ from safetensors import safe_open
 from transformers import AutoModelForImageTextToText
 
 from headstart.core.models import load_processor, load_tokenizer
-from headstart.data_recipes.capture import capture_shard, run_capture, storage_estimate
+from headstart.data_recipes.capture import capture_shard, run_capture
+from headstart.data_recipes.capture_plan import storage_estimate
 from headstart.data_recipes.recipes import Sample, load_samples
 from headstart.data_recipes.shards import ShardDataset, pack_collate, read_manifest
 from headstart.data_recipes.states import VisionRows, forward_states

@@ -17,7 +17,8 @@ from transformers import models as hf
 from headstart.core.config_files import load_config
 from headstart.core.memory import GB, TargetSizes, kv_cache_bytes
 from headstart.core.models import load_model
-from headstart.data_recipes.capture import run_capture, storage_estimate
+from headstart.data_recipes.capture import run_capture
+from headstart.data_recipes.capture_plan import storage_estimate
 from headstart.decoding.proposers import NGram, Vanilla
 from headstart.decoding.proposers_block import DFlash
 from headstart.decoding.proposers_eagle import Eagle

@@ -11,7 +11,8 @@ from torch import nn
 from headstart.core.config_files import load_config
 from headstart.heads import build_head
 from headstart.train import eagle as trainer
-from headstart.train.loop import build_engine, init_distributed
+from headstart.train.deepspeed_engine import build_engine
+from headstart.train.loop import init_distributed
 from headstart.train.optimizers import MUON_MOMENTUM, build_optimizer
 from headstart.train.train_config import Train
 from tests.helpers import LAYER_IDS, block_drafter_run, trains_then_resumes_identically, world_of_one, write_config
@@ -86,7 +87,7 @@ def eager_newton_schulz():
 def test_muon_under_deepspeed_steps_as_plain_muon_does(tmp_path, monkeypatch, zero_stage):
     """One step of the training loop's engine, with a clip that binds, moves each matrix by ``muon_lr`` times
     Muon's orthogonalised gradient, as a single-process Muon does. Under ZeRO DeepSpeed clipped the orthogonalised
-    update (train/optimizers.py's ``gradient_clipping``): these matrices moved ~10x too little."""
+    update (train/deepspeed_engine.py's ``gradient_clipping``): these matrices moved ~10x too little."""
     world_of_one(monkeypatch)
     proc = init_distributed("cpu")
     model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32, bias=False))

@@ -4,10 +4,10 @@ import pytest
 import yaml
 
 from headstart.core.config_files import ConfigError, load_config
+from headstart.core.runtime import cosine_with_warmup
 from headstart.heads.eagle3 import Eagle3Options
 from headstart.train import eagle, medusa
 from headstart.train.data import rank_micro_batches
-from headstart.train.loop import cosine_with_warmup
 from headstart.train.train_config import resolve_config
 from tests.helpers import REPO
 
