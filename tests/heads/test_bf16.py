@@ -11,7 +11,8 @@ from headstart.decoding.methods import proposer_for
 from headstart.decoding.tree_config import TreeSpec
 from headstart.decoding.verify import generate
 from headstart.heads import build_head
-from tests.helpers import LAYER_IDS, WIDE, block_batch, greedy_reference, prompts, tiny_llama
+from tests.block_drafters import block_batch, prompts
+from tests.helpers import LAYER_IDS, WIDE, greedy_reference, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,11 +25,9 @@ from headstart.heads.sparse_attention import block_attention
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.command import main as export_main
 from headstart.scripts.export.import_head import import_head
-from tests.helpers import (
+from tests.block_drafters import (
     NEW,
     SAMPLED_PROMPT,
-    TARGET,
-    WIDE,
     V,
     assert_decodes_as_target_greedy,
     assert_same_head,
@@ -40,12 +38,11 @@ from tests.helpers import (
     features,
     first_tree,
     five_token_target,
-    greedy_reference,
     prompts,
     served_blocks,
-    tiny_llama,
     trained_on,
 )
+from tests.helpers import TARGET, WIDE, greedy_reference, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

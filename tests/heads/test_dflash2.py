@@ -16,8 +16,7 @@ from headstart.heads.dflash2 import GroupedConv
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
 from headstart.train.train_config import resolve_config
-from tests.helpers import (
-    REPO,
+from tests.block_drafters import (
     SAMPLED_PROMPT,
     V,
     assert_decodes_as_target_greedy,
@@ -33,6 +32,7 @@ from tests.helpers import (
     served_blocks,
     trained_on,
 )
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = {"type": "dflash2", "layer_ids": [1, 3, 4], "block_size": 4, "num_layers": 2, "selector_rank": 8}

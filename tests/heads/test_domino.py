@@ -14,7 +14,7 @@ from headstart.decoding.verify import Sampling, probabilities
 from headstart.heads import build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
-from tests.helpers import (
+from tests.block_drafters import (
     SAMPLED_PROMPT,
     V,
     assert_decodes_as_target_greedy,

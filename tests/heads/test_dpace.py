@@ -8,8 +8,9 @@ import torch
 
 from headstart.heads.losses import dpace_mean, dpace_weights
 from headstart.train import eagle as trainer
+from tests.block_drafters import block_drafter_run, features, metrics_lines
 from tests.heads.test_dflash import dflash_head
-from tests.helpers import block_drafter_run, features, metrics_lines, world_of_one
+from tests.helpers import world_of_one
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

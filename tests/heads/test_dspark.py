@@ -16,7 +16,7 @@ from headstart.decoding.verify import Sampling, generate, probabilities
 from headstart.heads import NonFiniteWeights, build_head, load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import import_head
-from tests.helpers import (
+from tests.block_drafters import (
     NEW,
     SAMPLED_PROMPT,
     V,
@@ -29,11 +29,11 @@ from tests.helpers import (
     features,
     first_tree,
     five_token_target,
-    greedy_reference,
     prompts,
     served_blocks,
     trained_on,
 )
+from tests.helpers import greedy_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

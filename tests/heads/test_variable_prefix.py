@@ -6,8 +6,9 @@ import torch
 
 from headstart.heads import build_head
 from headstart.heads.block_training import MIN_PREFIX, PREFIX_PRIOR_BASE
+from tests.block_drafters import block_batch
 from tests.heads.test_dflash import dflash_head
-from tests.helpers import block_batch, chi_square_critical
+from tests.helpers import chi_square_critical
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS = [1, 3, 4]

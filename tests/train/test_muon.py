@@ -15,7 +15,8 @@ from headstart.train.deepspeed_engine import build_engine
 from headstart.train.loop import init_distributed
 from headstart.train.optimizers import MUON_MOMENTUM, build_optimizer
 from headstart.train.train_config import Train
-from tests.helpers import LAYER_IDS, block_drafter_run, trains_then_resumes_identically, world_of_one, write_config
+from tests.block_drafters import block_drafter_run, trains_then_resumes_identically
+from tests.helpers import LAYER_IDS, world_of_one, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
