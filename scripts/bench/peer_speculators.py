@@ -101,6 +101,13 @@ def variant_of(name: str) -> Variant:
     )
 
 
+def trainer_folder(trainer: str, name: str, changes: Callable[[Variant], Any]) -> str:
+    """The cache folder of ``trainer``'s head for variant ``name``: named after the parts that change that trainer's
+    run (``changes``), so ``adamw+seed-1`` reuses ``seed-1``'s headstart head; the baseline's without any."""
+    parts = [part for part in name.split("+") if changes(VARIANTS[part])]
+    return "-".join([trainer, "+".join(parts)]) if parts else trainer
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser("python -m scripts.bench.peer_speculators", description=__doc__.split("\n")[0])
     parser.add_argument("--capture", default="runs/demo/capture-eagle3", help="a headstart capture with aux layers")
@@ -209,7 +216,7 @@ def headstart_head(args: argparse.Namespace, work: Path, name: str) -> dict[str,
     """headstart's head for variant ``name``: the baseline's unless it overrides headstart's recipe."""
     variant = variant_of(name)
     overrides = list(variant.headstart_overrides)
-    folder = work / ("headstart-" + name if overrides else "headstart")
+    folder = work / trainer_folder("headstart", name, lambda part: part.headstart_overrides)
     key = {"capture": fingerprint(args.capture), "steps": args.steps, "overrides": overrides}
     trained = cached(folder, key, lambda out: train_headstart(args, out, overrides))
     trained |= headstart_heldout(folder / "metrics.jsonl")
@@ -342,7 +349,7 @@ def speculators_head(args: argparse.Namespace, work: Path, name: str) -> dict[st
         head = import_head("speculators", checkpoint, folder / "head", TARGET, overwrite=True)
         return {"head": str(head), "checkpoint": str(checkpoint), "train_s": train_s}
 
-    folder = work / ("speculators-" + name if flags else "speculators")
+    folder = work / trainer_folder("speculators", name, lambda part: part.speculators_flags)
     return cached(folder, key, train) | speculators_heldout(folder / "train.log")
 
 

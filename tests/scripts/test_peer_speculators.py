@@ -75,6 +75,18 @@ def test_variants_joined_by_plus_flip_together() -> None:
     assert bench.variant_of("adamw") == bench.VARIANTS["adamw"]
 
 
+def test_each_trainers_head_is_cached_by_the_parts_that_change_its_run() -> None:
+    def headstart(name: str) -> str:
+        return bench.trainer_folder("headstart", name, lambda part: part.headstart_overrides)
+
+    def speculators(name: str) -> str:
+        return bench.trainer_folder("speculators", name, lambda part: part.speculators_flags)
+
+    assert headstart("adamw+seed-1") == headstart("seed-1") == "headstart-seed-1"
+    assert headstart("adamw+cosine") == "headstart" and speculators("flat-ttt") == "speculators"
+    assert speculators("adamw+flat-ttt+ttt-decay") == "speculators-adamw+ttt-decay"
+
+
 def test_held_out_figures_of_each_trainer(tmp_path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     records = [
