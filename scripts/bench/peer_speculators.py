@@ -442,16 +442,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         train_speculators_on_cpu(args.side_args)
         return None
     names, work = chosen(args.variants), Path(args.work)
-    # The rows of earlier runs at the same steps stay: a rerun of some variants updates theirs only.
-    path = work / "report.json"
+    report: dict[str, Any] = {}
+    for name in names:
+        row = compare(args, work, name) | {"prompts": args.prompts, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        report = recorded(work / "report.json", args, name, row)  # each row as soon as it is measured
+        print(f"{name:10} " + row_line(row, args.steps), flush=True)
+    return report
+
+
+def recorded(path: Path, args: argparse.Namespace, name: str, row: dict[str, Any]) -> dict[str, Any]:
+    """The report at ``path`` with variant ``name``'s ``row`` in it, written atomically. It is read again for each
+    row, so the rows other runs wrote meanwhile at the same steps stay (a run of one variant beside another's);
+    a report of other steps is replaced."""
+    from headstart.core.io import atomic_write_text
+
     report = json.loads(path.read_text()) if path.is_file() else {}
     if report.get("steps") != args.steps:
         report = {"steps": args.steps, "capture": args.capture, "variants": {}}
-    for name in names:
-        row = compare(args, work, name) | {"prompts": args.prompts, "date": time.strftime("%Y-%m-%d", time.gmtime())}
-        report["variants"][name] = row
-        path.write_text(json.dumps(report, indent=2) + "\n")  # each row as soon as it is measured
-        print(f"{name:10} " + row_line(row, args.steps), flush=True)
+    report["variants"][name] = row
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -4,6 +4,9 @@ speculators' own dataset class is in tests/export/test_peer_checkpoints.py (engi
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -105,3 +108,13 @@ def test_held_out_figures_of_each_trainer(tmp_path) -> None:
     log.write_text("\n".join(lines) + "\n")
     figures = bench.speculators_heldout(log)
     assert figures["heldout_top1"] == 0.151 and figures["heldout_tau"] == pytest.approx(1.198)
+
+
+def test_each_row_is_recorded_beside_the_rows_other_runs_wrote(tmp_path) -> None:
+    path = tmp_path / "report.json"
+    at_80 = argparse.Namespace(steps=80, capture="runs/demo/capture-eagle3")
+    bench.recorded(path, at_80, "baseline", {"tau": 1.0})
+    bench.recorded(path, at_80, "adamw", {"tau": 2.0})  # as another run would, between two of the first one's rows
+    assert json.loads(path.read_text())["variants"] == {"baseline": {"tau": 1.0}, "adamw": {"tau": 2.0}}
+    bench.recorded(path, argparse.Namespace(steps=20, capture="c"), "adamw", {"tau": 3.0})
+    assert json.loads(path.read_text()) == {"steps": 20, "capture": "c", "variants": {"adamw": {"tau": 3.0}}}
