@@ -102,6 +102,19 @@ def greedy_reference(target, prompt: torch.Tensor, new: int = 16) -> torch.Tenso
     return target.generate(prompt, do_sample=False, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
 
 
+def adam_losses(head, batch: dict, steps: int, lr: float = 3e-3) -> list[float]:
+    """``head``'s loss on ``batch`` before each of ``steps`` Adam steps over its trainable parameters."""
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss, _ = head.loss(batch)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
 def make_batch(target, batch: int = 2, seq: int = 16, seed: int = 0) -> dict:
     """A training batch of random ids with ``target``'s hidden states (aux layers LAYER_IDS), as capture stores it."""
     gen = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ from headstart.data_recipes.shards import ShardDataset, pad_collate
 from headstart.decoding.proposers_heads import head_drafter
 from headstart.decoding.verify import generate
 from headstart.heads import build_head
-from tests.helpers import REPO
+from tests.helpers import REPO, adam_losses
 
 VL_CHAT = REPO / "assets" / "data" / "vl" / "chat.jsonl"
 STEPS = 12
@@ -48,14 +48,7 @@ def test_a_block_head_fits_image_shards_and_decodes_image_prompts_losslessly(
     assert (vl_batch["position_ids"][:, -1] < vl_batch["attention_mask"].sum(1) - 1).all()
     torch.manual_seed(0)
     head = build_head({"type": head_type, "layer_ids": [1, 2, 3], "block_size": 4, "num_anchors": 16}, target)
-    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(STEPS):
-        loss, _ = head.loss(vl_batch)
-        losses.append(loss.item())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    losses = adam_losses(head, vl_batch, STEPS)
     assert losses[-1] < 0.8 * losses[0], losses
     head.eval()
     with torch.no_grad():

@@ -17,7 +17,7 @@ from headstart.decoding.proposers_eagle import Eagle
 from headstart.decoding.verify import generate
 from headstart.heads import build_head
 from headstart.scripts.dev.tiny_vl import BUILDERS
-from tests.helpers import REPO
+from tests.helpers import REPO, adam_losses
 
 VL_CHAT = REPO / "assets" / "data" / "vl" / "chat.jsonl"
 
@@ -41,14 +41,7 @@ def test_a_family_captures_trains_and_decodes_image_prompts_identically(family, 
     sharp.lm_head.weight.data *= 30
     torch.manual_seed(0)
     head = build_head({"type": "eagle3", "layer_ids": [1, 2, 3], "ttt_steps": 2}, sharp)
-    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss, _ = head.loss(batch)
-        losses.append(loss.item())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    losses = adam_losses(head, batch, 8)
     assert losses[-1] < 0.9 * losses[0], losses
 
     head.eval()
