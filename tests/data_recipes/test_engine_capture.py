@@ -36,9 +36,8 @@ from headstart.data_recipes.shards import read_manifest, shard_name
 from headstart.data_recipes.states import capture_hidden_states
 from headstart.train import eagle
 from headstart.train.train_config import resolve_config
-from tests.helpers import REPO, TARGET, records, resolve, run_here, subprocess_env, tiny_llama, wait_for
+from tests.helpers import ENGINES_PYTHON, REPO, TARGET, records, resolve, run_here, subprocess_env, tiny_llama, wait_for
 
-ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"
 BF16_STEP = 2.0**-7
 
 

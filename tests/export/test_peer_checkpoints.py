@@ -31,11 +31,10 @@ from headstart.heads import load_head
 from headstart.scripts.export.command import export_head
 from headstart.scripts.export.import_head import main as import_main
 from headstart.scripts.export.verify_engines_side import side_import_path
-from tests.helpers import LAYER_IDS, REPO, SAMPLES, TINY_LLAMA, greedy_reference
+from tests.helpers import ENGINES_PYTHON, LAYER_IDS, SAMPLES, TINY_LLAMA, greedy_reference
 
 pytestmark = pytest.mark.engines
 
-ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"
 DRAFT_VOCAB = 200
 MASK_TOKEN = 5
 TOLERANCE = 1e-4  # max |logit difference|: the same bf16 weights in fp32, only summation order differs

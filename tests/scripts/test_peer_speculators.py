@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,16 @@ def test_each_row_is_recorded_beside_the_rows_other_runs_wrote(tmp_path) -> None
     assert json.loads(path.read_text())["variants"] == {"baseline": {"tau": 1.0}, "adamw": {"tau": 2.0}}
     bench.recorded(path, argparse.Namespace(steps=20, capture="c"), "adamw", {"tau": 3.0})
     assert json.loads(path.read_text()) == {"steps": 20, "capture": "c", "variants": {"adamw": {"tau": 3.0}}}
+
+
+def test_a_recipe_change_is_a_new_cache_key_and_headstart_trains_the_studied_optimizer(tmp_path, monkeypatch) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((Path(bench.HEAD_CONFIG)).read_text())
+    monkeypatch.setattr(bench, "HEAD_CONFIG", str(recipe))
+    before = bench.recipe_digest()
+    assert bench.recipe_digest() == before  # the same recipe: its heads are reused
+    recipe.write_text(recipe.read_text().replace("lr: 1.0e-3", "lr: 2.0e-3", 1))
+    assert bench.recipe_digest() != before
+    # The attribution study's figures are AdamW's on headstart's side; the "muon" variant overrides it after.
+    assert bench.STUDIED_OPTIMIZER == "train.optimizer=adamw"
+    assert bench.variant_of("muon").headstart_overrides == ("train.optimizer=muon",)
