@@ -1,7 +1,8 @@
 """What test modules share, imported from here (``from tests.helpers import ...``): the bundled model paths; the one
 tiny random Llama builder and what tests build on it (batches, heads); the JSONL and YAML files a test writes; the tiny
-training config, its runs and process env; the chi-square check of the sampling tests; waiting on a process and
-killing its tree; exported decoder layers; a test server's JSON handler.
+training config, its runs and process env; served parity through the engines venv (``verify_families``); the
+chi-square check of the sampling tests; waiting on a process and killing its tree; exported decoder layers; a test
+server's JSON handler.
 The block drafters' own set-up is in block_drafters.py, the fixtures built on these in conftest.py."""
 
 import contextlib
