@@ -12,7 +12,7 @@ tensors beside the backbone's:
   drafted ones when drafting), what the parallel slots cannot see of each other.
 - ``embed_proj``: Linear [H + gru_hidden_dim -> ``emb_dim``], SiLU, Linear [emb_dim -> V], no biases, on
   [the slot's normed output, its GRU state]: a correction added to the slot's logits through the target's lm_head.
-  Its last layer starts at zero, so an untrained Domino drafts as the DFlash under it.
+  Both layers start as the public trainers' do, normal with std 0.02.
 
 The loss is the public trainers' (SpecForge, Model-Optimizer, NeMo), with DFlash's soft cross-entropy to the target's
 distribution in place of their hard labels: (1 - lambda) x that of the corrected logits + lambda x that of the
@@ -34,6 +34,8 @@ from headstart.heads.block_options import BlockOptions, only
 from headstart.heads.head_config import HeadConfig
 from headstart.heads.losses import soft_cross_entropy
 from headstart.heads.registry import Drafting, HeadType
+
+CORRECTION_INIT_STD = 0.02  # the correction layers' initial weights, as the public drafts' trainers draw them
 
 
 class DominoOptions(BlockOptions):
@@ -59,11 +61,13 @@ class DominoHead(BlockDrafter[DominoOptions]):
         super().__init__(config)
         hidden, options = config.arch.hidden_size, config.options
         self.prefix_gru = nn.GRU(hidden, options.gru_hidden_dim, batch_first=True, bias=False)
+        bottleneck = nn.Linear(hidden + options.gru_hidden_dim, options.emb_dim, bias=False)
         correction = nn.Linear(options.emb_dim, config.vocab_size, bias=False)
-        nn.init.zeros_(correction.weight)
-        self.embed_proj = nn.Sequential(
-            nn.Linear(hidden + options.gru_hidden_dim, options.emb_dim, bias=False), nn.SiLU(), correction
-        )
+        # The public trainers' initialisation (SpecForge, Model-Optimizer): small and random, not zero; a zero last
+        # layer leaves the GRU and the bottleneck without a gradient until it has grown.
+        for layer in (bottleneck, correction):
+            nn.init.normal_(layer.weight, std=CORRECTION_INIT_STD)
+        self.embed_proj = nn.Sequential(bottleneck, nn.SiLU(), correction)
 
     def lambda_base(self) -> float:
         """The backbone's own loss share at this point of training (``training_progress``)."""

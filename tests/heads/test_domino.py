@@ -38,7 +38,7 @@ SETTINGS = {"type": "domino", "layer_ids": [1, 3, 4], "block_size": 4, "num_laye
 def domino_head(target, seed: int = 1, **options):
     torch.manual_seed(seed)
     head = build_head(SETTINGS | {"emb_dim": 8} | options, target)
-    with torch.no_grad():  # a correction that matters, as after training (it starts at zero)
+    with torch.no_grad():  # a correction that matters, as after training (it starts at std 0.02)
         head.embed_proj[2].weight.normal_(0, 1.0)
     return head
 
@@ -90,16 +90,26 @@ def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_ever
     assert peaked_wide_llama.lm_head.weight.grad is None
 
 
-def test_the_backbones_share_falls_linearly_to_zero_and_an_untrained_correction_is_zero(peaked_wide_llama):
-    torch.manual_seed(0)
+def test_the_backbones_share_falls_linearly_to_zero(peaked_wide_llama):
     head = build_head(SETTINGS | {"lambda_base_start": 0.8, "lambda_base_decay": 0.5}, peaked_wide_llama)
     shares = []
     for progress in (0.0, 0.25, 0.5, 0.9):
         head.training_progress = progress
         shares.append(head.lambda_base())
     assert shares == pytest.approx([0.8, 0.4, 0.0, 0.0])
+
+
+def test_an_untrained_correction_is_small_and_its_gru_learns_from_the_first_step(peaked_wide_llama):
+    torch.manual_seed(0)
+    head = build_head(SETTINGS | {"num_anchors": 64, "emb_dim": 32}, peaked_wide_llama)
+    for layer in (head.embed_proj[0], head.embed_proj[2]):  # the public trainers' normal(0, 0.02)
+        assert layer.weight.std().item() == pytest.approx(0.02, rel=0.1) and abs(layer.weight.mean().item()) < 2e-3
     hidden, state = torch.randn(3, 64), torch.randn(3, 12)
-    assert torch.equal(head.corrected_logits(hidden, state), head.logits(hidden))  # it drafts as its DFlash
+    shift = head.corrected_logits(hidden, state) - head.logits(hidden)
+    assert 0 < shift.abs().max() < 0.1  # it drafts nearly as its DFlash
+    head.training_progress = 0.1  # the backbone's share still 0.9: a zero last layer would leave the GRU no gradient
+    head.loss(block_batch(peaked_wide_llama, head))[0].backward()
+    assert head.prefix_gru.weight_ih_l0.grad.abs().sum() > 0 and head.embed_proj[0].weight.grad.abs().sum() > 0
 
 
 def test_training_raises_the_corrected_chain_accuracy_above_the_backbones(peaked_wide_llama):
