@@ -97,6 +97,20 @@ def stage_paths(stage: DemoStage, field: Literal["inputs", "outputs"], settings:
     return [Path(fill(stage, field, name, settings)) for name in getattr(stage, field)]
 
 
+def command_settings(cfg: DemoConfig) -> dict[str, Any]:
+    """The config keys a stage's command, inputs and outputs may name as ``{key}``."""
+    return {k: v for k, v in as_dict(cfg).items() if k != "stages"}
+
+
+def training_plots(cfg: DemoConfig) -> list[Path]:
+    """Training's predicted-against-measured tau plot of each head a stage writes (``RUN/head/...`` beside
+    ``RUN/acceptance.png``), not of other runs that share the output folder."""
+    settings = command_settings(cfg)
+    outputs = [path for stage in cfg.stages for path in stage_paths(stage, "outputs", settings)]
+    runs = {path.parent.parent for path in outputs if path.parent.name == "head"}
+    return sorted(plot for run in runs if (plot := run / ACCEPTANCE_PLOT).is_file())
+
+
 def expand(stage: DemoStage, settings: dict[str, Any]) -> list[str]:
     """The stage's command line, with ``{python}``, ``{bin}`` (this interpreter's folder) and config keys filled in."""
     fields = {"python": sys.executable, "bin": str(Path(sys.executable).parent), **settings}
@@ -165,7 +179,7 @@ def run_stages(cfg: DemoConfig, only: set[str] | None = None) -> dict[str, Any]:
     stages after it, so they run again too."""
     out_dir = Path(cfg.out_dir)
     stamps = out_dir / "stages"
-    settings = {k: v for k, v in as_dict(cfg).items() if k != "stages"}  # the {key}s a command may name
+    settings = command_settings(cfg)
     stages = cfg.stages
     timings: dict[str, Any] = {"stages": {}, "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()}
     start = time.perf_counter()
@@ -240,7 +254,7 @@ def summary(cfg: DemoConfig, timings: dict[str, Any]) -> str:
         lines += [f"plot: {p}" for p in sorted(report.parent.glob("*.png"))]
         lines.append(f"report: {report.with_suffix('.json')}")
     # Training's predicted against measured tau (train.eval_prompts), one plot per trained head.
-    lines += [f"training acceptance: {p}" for p in sorted(Path(cfg.out_dir).glob(f"*/{ACCEPTANCE_PLOT}"))]
+    lines += [f"training acceptance: {p}" for p in training_plots(cfg)]
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from headstart.core.config_files import ConfigError, load_config
 from headstart.core.settings import parse
-from headstart.scripts.demo import DemoConfig, main, run_stages
+from headstart.scripts.demo import DemoConfig, main, run_stages, summary
 from tests.helpers import REPO
 
 # Writes its name to the file argv[2] and appends it to the log argv[3].
@@ -106,6 +106,18 @@ def test_stage_paths_take_config_keys_as_commands_do(tmp_path):
     cfg["stages"][1]["inputs"] = ["{nowhere}/x"]
     with pytest.raises(ConfigError, match=r"stage second: \{nowhere\} in its inputs is not a config key"):
         run(cfg)
+
+
+def test_the_summary_shows_the_training_plots_of_the_heads_its_stages_write(tmp_path):
+    """Another run in the same output folder (an experiment beside the demo's heads) is not the demo's."""
+    cfg = pipeline(tmp_path)
+    cfg["stages"][1]["outputs"] = [str(tmp_path / "run" / "mine" / "head" / "model.safetensors")]
+    for run_dir in ("mine", "experiment"):
+        (tmp_path / "run" / run_dir).mkdir(parents=True)
+        (tmp_path / "run" / run_dir / "acceptance.png").write_bytes(b"png")
+    text = summary(parse(cfg, DemoConfig), {"stages": {}, "total_s": 0.0, "all_stages_when_run_s": 0.0})
+    plots = [line for line in text.splitlines() if line.startswith("training acceptance:")]
+    assert plots == [f"training acceptance: {tmp_path / 'run' / 'mine' / 'acceptance.png'}"]
 
 
 def test_a_failed_stage_stops_the_run_and_says_how_to_resume(tmp_path):
