@@ -109,6 +109,9 @@ class DraftHead(nn.Module):
     options_model: ClassVar[type[HeadOptions]]
     # The config.json keys the tensors' shapes follow from ("arch.<key>" under arch), named when weights do not fit.
     shape_keys: ClassVar[tuple[str, ...]] = ("target_hidden_size", "vocab_size")
+    # Parameters (by a part of their names) that stay with AdamW when training with Muon (train/optimizers.py), beside
+    # the embedding-like and vocabulary matrices that always do: the default of ``train.muon_exclude``.
+    adamw_under_muon: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: HeadConfig):
         super().__init__()

@@ -56,6 +56,9 @@ class DominoHead(BlockDrafter[DominoOptions]):
     options_model = DominoOptions
     shape_keys = (*BlockDrafter.shape_keys, "gru_hidden_dim", "emb_dim")
     first_drafting_slot = 1  # DFlash's block: the newest token's slot drafts nothing
+    # The correction learns with AdamW while Muon trains the backbone: with Muon on the GRU and the bottleneck too,
+    # it barely moves the loss in 160 steps (docs/BENCHMARKS.md, "Domino against DFlash-2").
+    adamw_under_muon = ("prefix_gru", "embed_proj")
 
     def __init__(self, config: HeadConfig[DominoOptions]):
         super().__init__(config)

@@ -77,11 +77,11 @@ def gradient_clipping(train: Train) -> float:
 
 
 def build_engine(
-    module: nn.Module, train: Train, proc: Process, total: int, vocab_size: int
+    module: nn.Module, train: Train, proc: Process, total: int, vocab_size: int, head_exclude: tuple[str, ...] = ()
 ) -> deepspeed.DeepSpeedEngine:
-    """DeepSpeed over ``module``'s trainable parameters: AdamW or Muon (``train.optimizers``), cosine schedule with
-    warm-up, clipping, ZeRO."""
-    optimizer = build_optimizer(module, train, vocab_size)
+    """DeepSpeed over ``module``'s trainable parameters: AdamW or Muon (``train.optimizers``; ``vocab_size`` and
+    ``head_exclude`` as ``build_optimizer`` reads them), cosine schedule with warm-up, clipping, ZeRO."""
+    optimizer = build_optimizer(module, train, vocab_size, head_exclude)
     multiplier = partial(cosine_with_warmup, warmup=train.warmup_steps, total=total, min_ratio=train.min_lr_ratio)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
     # A checkpoint from another process count is read in DeepSpeed's universal layout (train/checkpoint.py).

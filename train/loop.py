@@ -341,7 +341,9 @@ def fit(
     if measures_acceptance(cfg.train):
         prompts = data_prompt_format(cfg.data.format)
         measured = MeasuredAcceptance(cfg, target, tokenizer, data, prompts, proc.rank, proc.tp_size)
-    engine = build_engine(module, cfg.train, proc, total_steps(cfg.train, data), head.config.vocab_size)
+    engine = build_engine(
+        module, cfg.train, proc, total_steps(cfg.train, data), head.config.vocab_size, head.adamw_under_muon
+    )
     train(engine, head, data, cfg, proc, save_artifacts, measured)
 
 

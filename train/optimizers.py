@@ -31,20 +31,24 @@ ADAMW_NAME_HINTS = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_
 MUON_MOMENTUM = 0.95  # Muon's, DeepSpeed's and speculators' default
 
 
-def takes_muon(name: str, param: torch.Tensor, vocab_size: int) -> bool:
-    """Whether Muon trains ``param``: a matrix with both sides above 1, not embedding-like by its name, and not a
-    projection to or from the target's ``vocab_size`` tokens (a Medusa head's lm_head)."""
+def takes_muon(name: str, param: torch.Tensor, vocab_size: int, exclude: tuple[str, ...] = ()) -> bool:
+    """Whether Muon trains ``param``: a matrix with both sides above 1, not embedding-like by its name, not a
+    projection to or from the target's ``vocab_size`` tokens (a Medusa head's lm_head), and not named by
+    ``exclude`` (``train.muon_exclude``)."""
     return (
         param.ndim == 2
         and min(param.shape) > 1
         and vocab_size not in param.shape
-        and not any(hint in name for hint in ADAMW_NAME_HINTS)
+        and not any(hint in name for hint in (*ADAMW_NAME_HINTS, *exclude))
     )
 
 
-def build_optimizer(module: nn.Module, train: Train, vocab_size: int) -> torch.optim.Optimizer:
+def build_optimizer(
+    module: nn.Module, train: Train, vocab_size: int, head_exclude: tuple[str, ...] = ()
+) -> torch.optim.Optimizer:
     """The optimizer of ``module``'s trainable parameters that ``train.optimizer`` names (the module docstring);
-    ``vocab_size``: the target's, whose matrices stay with AdamW."""
+    ``vocab_size``: the target's, whose matrices stay with AdamW; ``head_exclude``: the head type's names that stay
+    with AdamW under Muon (``DraftHead.adamw_under_muon``) unless ``train.muon_exclude`` names others."""
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     betas = (train.betas[0], train.betas[1])
     adamw: dict[str, Any] = {"lr": train.lr, "betas": betas, "weight_decay": train.weight_decay}
@@ -53,8 +57,9 @@ def build_optimizer(module: nn.Module, train: Train, vocab_size: int) -> torch.o
     # Imported here: importing DeepSpeed's Muon compiles its kernels.
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+    exclude = head_exclude if train.muon_exclude is None else tuple(train.muon_exclude)
     for name, p in named:
-        p.use_muon = takes_muon(name, p, vocab_size)  # type: ignore[attr-defined]  # what ZeRO reads
+        p.use_muon = takes_muon(name, p, vocab_size, exclude)  # type: ignore[attr-defined]  # what ZeRO reads
     matrices = [p for _, p in named if p.use_muon]  # type: ignore[attr-defined]
     rest = [p for _, p in named if not p.use_muon]  # type: ignore[attr-defined]
     muon = {"lr": train.muon_lr, "momentum": MUON_MOMENTUM, "weight_decay": train.weight_decay}

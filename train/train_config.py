@@ -55,6 +55,9 @@ class Train(Section):
     # and vocabulary matrices (train/optimizers.py); speculators' default for drafts.
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: Positive = 0.02
+    # Parameters whose names contain one of these stay with AdamW under muon, beside the embedding-like and vocabulary
+    # matrices that always do (train/optimizers.py). null: the head type's own list (Domino's correction); []: none.
+    muon_exclude: list[str] | None = None
     zero_stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(not_a_flag)] = 2
     dtype: TrainDtype = "fp32"  # the head's training precision
     # Recompute the head's drafting steps (EAGLE-3's training-time-test steps) in backward instead of keeping their

@@ -58,6 +58,23 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(peaked_tiny_llama, se
     assert {g["use_muon"]: g["lr"] for g in optimizer.param_groups} == {True: 0.05, False: 1e-3}
 
 
+def test_domino_keeps_its_correction_with_adamw_unless_muon_exclude_says_otherwise(peaked_tiny_llama):
+    head = build_head({"type": "domino", "layer_ids": LAYER_IDS, "block_size": 3, "emb_dim": 8}, peaked_tiny_llama)
+    correction = {"prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight"}
+    names = {id(p): name for name, p in head.named_parameters()}
+
+    def muon_names(**settings) -> set[str]:
+        optimizer = build_optimizer(
+            head, muon_train(**settings), peaked_tiny_llama.config.vocab_size, head.adamw_under_muon
+        )
+        return {names[id(p)] for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+
+    by_default, none_excluded = muon_names(), muon_names(muon_exclude=[])
+    assert not correction & by_default and "fc.weight" in by_default
+    assert none_excluded - by_default == correction
+    assert muon_names(muon_exclude=["prefix_gru"]) - by_default == {"embed_proj.0.weight"}
+
+
 def test_a_muon_step_moves_each_matrix_by_an_orthogonalised_update(peaked_tiny_llama):
     head = build_head({"type": "medusa", "num_heads": 1}, peaked_tiny_llama)
     optimizer = build_optimizer(head, muon_train(), peaked_tiny_llama.config.vocab_size)
