@@ -4,7 +4,8 @@ weight matrices beside AdamW on the rest.
 Muon (momentum, then the update orthogonalised by Newton-Schulz iterations) is defined on matrices, so it takes the
 2-D weights and AdamW keeps the norms, biases, and the embedding-like and vocabulary matrices, whose rows are tokens
 rather than directions of one linear map (speculators' split: ``embed_tokens``, ``lm_head``, ``codebook``,
-``markov_w1``/``markov_w2``, and matrices with a side of 1).
+``markov_w1``/``markov_w2``, and matrices with a side of 1), and so do the parts a head type names
+(``DraftHead.adamw_under_muon``: Domino's correction), or those ``train.muon_exclude`` names in their place.
 
 It is DeepSpeed's ``MuonWithAuxAdam``, not ``torch.optim.Muon``: ZeRO-1/2/3 hand the optimizer flat fp32 partitions,
 on which torch's Muon cannot orthogonalise anything (it refuses 1-D parameters), while DeepSpeed's ZeRO recognises
@@ -34,7 +35,7 @@ MUON_MOMENTUM = 0.95  # Muon's, DeepSpeed's and speculators' default
 def takes_muon(name: str, param: torch.Tensor, vocab_size: int, exclude: tuple[str, ...] = ()) -> bool:
     """Whether Muon trains ``param``: a matrix with both sides above 1, not embedding-like by its name, not a
     projection to or from the target's ``vocab_size`` tokens (a Medusa head's lm_head), and not named by
-    ``exclude`` (``train.muon_exclude``)."""
+    ``exclude`` (``build_optimizer``'s list)."""
     return (
         param.ndim == 2
         and min(param.shape) > 1
@@ -58,6 +59,12 @@ def build_optimizer(
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     exclude = head_exclude if train.muon_exclude is None else tuple(train.muon_exclude)
+    unmatched = [hint for hint in exclude if not any(hint in name for name, _ in named)]
+    if unmatched:  # a misspelt name would silently train its matrices with Muon
+        raise ValueError(
+            f"train.muon_exclude: {unmatched} is part of no trained parameter's name (they start with "
+            f"{sorted({name.split('.')[0] for name, _ in named})})"
+        )
     for name, p in named:
         p.use_muon = takes_muon(name, p, vocab_size, exclude)  # type: ignore[attr-defined]  # what ZeRO reads
     matrices = [p for _, p in named if p.use_muon]  # type: ignore[attr-defined]

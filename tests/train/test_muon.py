@@ -73,6 +73,8 @@ def test_domino_keeps_its_correction_with_adamw_unless_muon_exclude_says_otherwi
     assert not correction & by_default and "fc.weight" in by_default
     assert none_excluded - by_default == correction
     assert muon_names(muon_exclude=["prefix_gru"]) - by_default == {"embed_proj.0.weight"}
+    with pytest.raises(ValueError, match=r"train.muon_exclude: \['prefix_rgu'\] is part of no trained parameter"):
+        muon_names(muon_exclude=["prefix_gru", "prefix_rgu"])
 
 
 def test_a_muon_step_moves_each_matrix_by_an_orthogonalised_update(peaked_tiny_llama):
