@@ -22,11 +22,11 @@ verify (truncated, altered, a file missing or added, an unreadable marker) is ne
 moves it aside to ``corrupt-<tag>`` and falls back to the newest one that verifies. The marker is
 the root of trust: whoever can write it can write anything (docs/RELIABILITY.md).
 
-Another process count. ``COMPLETE`` records the world size, ZeRO stage and data-order settings the
-checkpoint was written under. ZeRO-0 keeps the whole optimizer state in ``mp_rank_00_model_states.pt``,
-so any world size loads it as is. ZeRO-1/2 split the optimizer state into one file per rank (ZeRO-3
-the weights too), which DeepSpeed 0.19.8 refuses to load under another data-parallel size ("Automatic
-adjustment of ZeRO's optimizer state partitioning ... is not currently supported"); resume then
+Another process count. ``COMPLETE`` records the world size, ZeRO stage, data-order settings and the parameters
+on Muon (``check_optimizer_layout``) the checkpoint was written under. ZeRO-0 keeps the whole optimizer state in
+``mp_rank_00_model_states.pt``, so any world size loads it as is. ZeRO-1/2 split the optimizer state into one
+file per rank (ZeRO-3 the weights too), which DeepSpeed 0.19.8 refuses to load under another data-parallel size
+("Automatic adjustment of ZeRO's optimizer state partitioning ... is not currently supported"); resume then
 converts the tag with DeepSpeed's own ``ds_to_universal`` (the per-parameter "universal" layout,
 ``universal-<tag>``) and the engine is built with ``checkpoint.load_universal`` to read it.
 """
@@ -48,6 +48,7 @@ from deepspeed.checkpoint import ds_to_universal
 from headstart.core.io import OutOfSpaceError, atomic_dir, atomic_write_text, free_space_problem, out_of_space_named
 from headstart.core.runtime import collective_device
 from headstart.data_recipes.shards import file_sha256
+from headstart.train.optimizers import muon_parameters
 
 MARKER = "COMPLETE"
 MARKER_KEYS = ("step", "world", "zero_stage", "files")
@@ -181,6 +182,23 @@ def check_data_order(marker: dict[str, Any] | None, order: dict[str, int | str])
         )
 
 
+def check_optimizer_layout(marker: dict[str, Any], muon_now: list[str]) -> None:
+    """The optimizer state of a checkpoint holds one set of moments per parameter group: it fits only the optimizer
+    that wrote it, with the same matrices on Muon (``train.optimizer``, ``train.muon_exclude``). DeepSpeed would fail
+    mid-load with an unrelated message ("parameter-alignment layout", an IndexError). A marker written before the
+    layout was recorded is left to DeepSpeed."""
+    if "muon_parameters" not in marker or marker["muon_parameters"] == muon_now:
+        return
+    before, now = set(marker["muon_parameters"]), set(muon_now)
+    changes = ((before - now, "Muon -> AdamW"), (now - before, "AdamW -> Muon"))
+    moved = "; ".join(f"{sorted(names)} {way}" for names, way in changes if names)
+    raise ValueError(
+        f"cannot resume from step {marker['step']}: its optimizer state was written with other parameters on Muon "
+        f"({moved}, checkpoint -> now); keep train.optimizer and train.muon_exclude as they were, or train into "
+        "another train.out_dir"
+    )
+
+
 def has_frozen_parameters(engine: deepspeed.DeepSpeedEngine) -> bool:
     # Medusa-2's module holds the LoRA-wrapped target: its frozen base weights stay out of checkpoints.
     return any(not p.requires_grad for p in engine.module.parameters())
@@ -235,7 +253,8 @@ def save_checkpoint(
     order: dict[str, int | str],
 ) -> Path:
     """DeepSpeed's checkpoint of ``step`` (all ranks), then the head alone, then the completion marker
-    (which records the world size, ZeRO stage, the data-order settings ``order`` and every file's sha256).
+    (which records the world size, ZeRO stage, the data-order settings ``order``, the parameters on Muon and every
+    file's sha256).
 
     Out of room (free space checked first, ``check_room``; a save that still runs out): OutOfSpaceError naming the
     folder, and the last complete checkpoint stays what resume loads."""
@@ -251,6 +270,7 @@ def save_checkpoint(
     save_head_files(engine, out_dir, save_artifacts)
     if dist.get_rank() == 0:
         marker = {"step": step, "world": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(), **order}
+        marker["muon_parameters"] = muon_parameters(engine.module)
         marker["files"] = file_digests(ckpt_dir / tag)  # every rank's files: on shared storage, all written
         atomic_write_text(ckpt_dir / tag / MARKER, json.dumps(marker) + "\n")
         _prune(ckpt_dir, keep)
@@ -300,6 +320,7 @@ def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, o
     if problems and dist.get_rank() == 0:
         _set_aside(ckpt_dir, problems, fallback=marker["step"])
     check_data_order(marker, order)
+    check_optimizer_layout(marker, muon_parameters(engine.module))
     universal = loads_universal(marker, dist.get_world_size(), engine.zero_optimization_stage())
     if universal != engine.load_universal_checkpoint():
         # build_engine read the newest marker; the fall-back step was written under another process count.

@@ -44,6 +44,12 @@ def takes_muon(name: str, param: torch.Tensor, vocab_size: int, exclude: tuple[s
     )
 
 
+def muon_parameters(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that Muon trains (tagged by ``build_optimizer``; none under AdamW): what a
+    checkpoint's optimizer state was laid out for."""
+    return sorted(name for name, p in module.named_parameters() if getattr(p, "use_muon", False))
+
+
 def build_optimizer(
     module: nn.Module, train: Train, vocab_size: int, head_exclude: tuple[str, ...] = ()
 ) -> torch.optim.Optimizer:

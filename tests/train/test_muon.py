@@ -2,6 +2,7 @@
 through DeepSpeed resumes to the same head bit for bit, under ZeRO and in bf16."""
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -146,3 +147,30 @@ def test_muon_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp
     _, lines = trains_then_resumes_identically(trainer.main, path, out)
     heldout = [r for r in lines if r["split"] == "heldout"]
     assert heldout[1]["loss"] < heldout[0]["loss"]
+
+
+@pytest.mark.usefixtures("eager_newton_schulz")
+def test_a_resume_that_moves_parameters_between_muon_and_adamw_is_refused_by_name(
+    tiny_target_dir, gsm8k_file, tmp_path, monkeypatch
+):
+    """The optimizer state fits only the grouping that wrote it; DeepSpeed itself failed mid-load with an
+    unrelated "parameter-alignment layout" message. Put back as it was, the run resumes."""
+    world_of_one(monkeypatch)
+    head = {"type": "dflash", "block_size": 4, "num_anchors": 8, "num_layers": 1}
+    path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
+    config = load_config(path)
+    config["train"] |= {"optimizer": "muon", "muon_lr": 0.05}
+    write_config(path, config)
+    trainer.main(["--config", str(path)])
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    write_config(path, config | {"train": config["train"] | {"muon_exclude": ["fc"]}})
+    moved = r"cannot resume from step 2: .*\['head.fc.weight'\] Muon -> AdamW, checkpoint -> now"
+    with pytest.raises(ValueError, match=moved):
+        trainer.main(["--config", str(path)])
+    write_config(path, config | {"train": config["train"] | {"optimizer": "adamw"}})
+    all_moved = r"\['head.fc.weight', 'head.layers.0.mlp.down_proj.weight', .*\] Muon -> AdamW"
+    with pytest.raises(ValueError, match=all_moved):
+        trainer.main(["--config", str(path)])
+    write_config(path, config)
+    trainer.main(["--config", str(path)])
+    assert (out / "checkpoints" / "step-00000004" / "COMPLETE").is_file()
