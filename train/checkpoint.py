@@ -22,12 +22,12 @@ verify (truncated, altered, a file missing or added, an unreadable marker) is ne
 moves it aside to ``corrupt-<tag>`` and falls back to the newest one that verifies. The marker is
 the root of trust: whoever can write it can write anything (docs/RELIABILITY.md).
 
-Another process count. ``COMPLETE`` records the world size, ZeRO stage, data-order settings and the parameters
-on Muon (``check_optimizer_layout``) the checkpoint was written under. ZeRO-0 keeps the whole optimizer state in
-``mp_rank_00_model_states.pt``, so any world size loads it as is. ZeRO-1/2 split the optimizer state into one
-file per rank (ZeRO-3 the weights too), which DeepSpeed 0.19.8 refuses to load under another data-parallel size
-("Automatic adjustment of ZeRO's optimizer state partitioning ... is not currently supported"); resume then
-converts the tag with DeepSpeed's own ``ds_to_universal`` (the per-parameter "universal" layout,
+Another process count. ``COMPLETE`` records the world size, ZeRO stage, data-order settings, and the parameters
+on Muon and the learning rates (``check_optimizer``) the checkpoint was written under. ZeRO-0 keeps the whole
+optimizer state in ``mp_rank_00_model_states.pt``, so any world size loads it as is. ZeRO-1/2 split the optimizer
+state into one file per rank (ZeRO-3 the weights too), which DeepSpeed 0.19.8 refuses to load under another
+data-parallel size ("Automatic adjustment of ZeRO's optimizer state partitioning ... is not currently supported");
+resume then converts the tag with DeepSpeed's own ``ds_to_universal`` (the per-parameter "universal" layout,
 ``universal-<tag>``) and the engine is built with ``checkpoint.load_universal`` to read it.
 """
 
@@ -182,21 +182,27 @@ def check_data_order(marker: dict[str, Any] | None, order: dict[str, int | str])
         )
 
 
-def check_optimizer_layout(marker: dict[str, Any], muon_now: list[str]) -> None:
-    """The optimizer state of a checkpoint holds one set of moments per parameter group: it fits only the optimizer
-    that wrote it, with the same matrices on Muon (``train.optimizer``, ``train.muon_exclude``). DeepSpeed would fail
-    mid-load with an unrelated message ("parameter-alignment layout", an IndexError). A marker written before the
-    layout was recorded is left to DeepSpeed."""
-    if "muon_parameters" not in marker or marker["muon_parameters"] == muon_now:
-        return
-    before, now = set(marker["muon_parameters"]), set(muon_now)
-    changes = ((before - now, "Muon -> AdamW"), (now - before, "AdamW -> Muon"))
-    moved = "; ".join(f"{sorted(names)} {way}" for names, way in changes if names)
-    raise ValueError(
-        f"cannot resume from step {marker['step']}: its optimizer state was written with other parameters on Muon "
-        f"({moved}, checkpoint -> now); keep train.optimizer and train.muon_exclude as they were, or train into "
-        "another train.out_dir"
-    )
+def check_optimizer(marker: dict[str, Any], muon_now: list[str], rates: dict[str, float]) -> None:
+    """The optimizer state of a checkpoint holds one set of moments per parameter group: it fits only the grouping
+    that wrote it, the same matrices on Muon (``train.optimizer``, ``train.muon_exclude``; DeepSpeed would fail
+    mid-load with an unrelated message, "parameter-alignment layout" or an IndexError). Its schedule restores the base
+    rates it was written with (``learning_rates``): another rate in the config would be silently ignored. A marker
+    written before these were recorded is not checked for them."""
+    problems = []
+    if "muon_parameters" in marker and marker["muon_parameters"] != muon_now:
+        before, now = set(marker["muon_parameters"]), set(muon_now)
+        changes = ((before - now, "Muon -> AdamW"), (now - before, "AdamW -> Muon"))
+        moved = "; ".join(f"{sorted(names)} {way}" for names, way in changes if names)
+        problems.append(f"its optimizer state was written with other parameters on Muon ({moved})")
+    recorded = marker.get("learning_rates", rates)
+    problems += [f"train.{k} {recorded.get(k, 'unused')} -> {rates.get(k, 'unused')}" for k in recorded | rates
+                 if recorded.get(k) != rates.get(k)]  # fmt: skip
+    if problems:
+        raise ValueError(
+            f"cannot resume from step {marker['step']}: {'; '.join(problems)} (checkpoint -> now). A resume continues "
+            "the checkpoint's optimizer and schedule: keep train.optimizer, train.muon_exclude and the rates as they "
+            "were, or train into another train.out_dir"
+        )
 
 
 def has_frozen_parameters(engine: deepspeed.DeepSpeedEngine) -> bool:
@@ -251,10 +257,11 @@ def save_checkpoint(
     save_artifacts: Callable[[Path], None],
     keep: int,
     order: dict[str, int | str],
+    rates: dict[str, float],
 ) -> Path:
     """DeepSpeed's checkpoint of ``step`` (all ranks), then the head alone, then the completion marker
-    (which records the world size, ZeRO stage, the data-order settings ``order``, the parameters on Muon and every
-    file's sha256).
+    (which records the world size, ZeRO stage, the data-order settings ``order``, the parameters on Muon, the base
+    learning ``rates`` and every file's sha256).
 
     Out of room (free space checked first, ``check_room``; a save that still runs out): OutOfSpaceError naming the
     folder, and the last complete checkpoint stays what resume loads."""
@@ -270,7 +277,7 @@ def save_checkpoint(
     save_head_files(engine, out_dir, save_artifacts)
     if dist.get_rank() == 0:
         marker = {"step": step, "world": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(), **order}
-        marker["muon_parameters"] = muon_parameters(engine.module)
+        marker |= {"muon_parameters": muon_parameters(engine.module), "learning_rates": rates}
         marker["files"] = file_digests(ckpt_dir / tag)  # every rank's files: on shared storage, all written
         atomic_write_text(ckpt_dir / tag / MARKER, json.dumps(marker) + "\n")
         _prune(ckpt_dir, keep)
@@ -285,7 +292,13 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(path)
 
 
-def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, order: dict[str, int | str]) -> int:
+def resume(
+    engine: deepspeed.DeepSpeedEngine,
+    out_dir: Path,
+    mode: str | bool,
+    order: dict[str, int | str],
+    rates: dict[str, float],
+) -> int:
     """Load the newest complete checkpoint whose files verify (``mode`` auto/true) and return its step; 0 for
     a fresh run. Newer ones that do not verify are named, moved aside to ``corrupt-<tag>`` and never read.
 
@@ -320,7 +333,7 @@ def resume(engine: deepspeed.DeepSpeedEngine, out_dir: Path, mode: str | bool, o
     if problems and dist.get_rank() == 0:
         _set_aside(ckpt_dir, problems, fallback=marker["step"])
     check_data_order(marker, order)
-    check_optimizer_layout(marker, muon_parameters(engine.module))
+    check_optimizer(marker, muon_parameters(engine.module), rates)
     universal = loads_universal(marker, dist.get_world_size(), engine.zero_optimization_stage())
     if universal != engine.load_universal_checkpoint():
         # build_engine read the newest marker; the fall-back step was written under another process count.

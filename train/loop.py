@@ -79,6 +79,7 @@ from headstart.train.metrics import (
     predicted_tau,
     training_summary,
 )
+from headstart.train.optimizers import learning_rates
 from headstart.train.train_config import Train, TrainConfig, measures_acceptance
 
 
@@ -365,10 +366,10 @@ def train(
     train_cfg = cfg.train
     out_dir = Path(train_cfg.out_dir)
     total = total_steps(train_cfg, data)
-    order = data_order(train_cfg, data)
+    order, rates = data_order(train_cfg, data), learning_rates(train_cfg)
     head.config.prompt_format = data_prompt_format(cfg.data.format)
     save_artifacts = partial(_save_with_readme, save_artifacts, head, measured)
-    start = resume(engine, out_dir, train_cfg.resume, order)
+    start = resume(engine, out_dir, train_cfg.resume, order, rates)
     keeps_best = train_cfg.keep_best == "measured_tau"
     # Checked now, before any step: a tampered record or a missing head would otherwise surface at the export.
     best = forget_best_after(out_dir, start, head.config.trained_depth) if keeps_best else None
@@ -385,7 +386,13 @@ def train(
             print(f"{out_dir}: resumed from step {start} of {total}")
     log = MetricsLog(cfg, proc.rank, start, total)
     save = partial(
-        save_checkpoint, engine, out_dir, save_artifacts=save_artifacts, keep=train_cfg.keep_checkpoints, order=order
+        save_checkpoint,
+        engine,
+        out_dir,
+        save_artifacts=save_artifacts,
+        keep=train_cfg.keep_checkpoints,
+        order=order,
+        rates=rates,
     )
     done = start
     # Online states from a server: it runs (or is reached) while the steps run.

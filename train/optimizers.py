@@ -50,6 +50,12 @@ def muon_parameters(module: nn.Module) -> list[str]:
     return sorted(name for name, p in module.named_parameters() if getattr(p, "use_muon", False))
 
 
+def learning_rates(train: Train) -> dict[str, float]:
+    """The base rates the schedule scales: ``lr``, and ``muon_lr`` for Muon's matrices. A checkpoint's scheduler state
+    restores its own over the config's on resume (``LambdaLR.base_lrs``), so a resume checks them."""
+    return {"lr": train.lr} | ({"muon_lr": train.muon_lr} if train.optimizer == "muon" else {})
+
+
 def build_optimizer(
     module: nn.Module, train: Train, vocab_size: int, head_exclude: tuple[str, ...] = ()
 ) -> torch.optim.Optimizer:

@@ -150,11 +150,12 @@ def test_muon_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp
 
 
 @pytest.mark.usefixtures("eager_newton_schulz")
-def test_a_resume_that_moves_parameters_between_muon_and_adamw_is_refused_by_name(
+def test_a_resume_under_another_optimizer_grouping_or_rate_is_refused_by_name(
     tiny_target_dir, gsm8k_file, tmp_path, monkeypatch
 ):
-    """The optimizer state fits only the grouping that wrote it; DeepSpeed itself failed mid-load with an
-    unrelated "parameter-alignment layout" message. Put back as it was, the run resumes."""
+    """The optimizer state fits only the grouping that wrote it (DeepSpeed itself failed mid-load with an unrelated
+    "parameter-alignment layout" message), and its schedule restores its own rates over the config's. Put back as
+    it was, the run resumes."""
     world_of_one(monkeypatch)
     head = {"type": "dflash", "block_size": 4, "num_anchors": 8, "num_layers": 1}
     path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
@@ -164,12 +165,15 @@ def test_a_resume_that_moves_parameters_between_muon_and_adamw_is_refused_by_nam
     trainer.main(["--config", str(path)])
     shutil.rmtree(out / "checkpoints" / "step-00000004")
     write_config(path, config | {"train": config["train"] | {"muon_exclude": ["fc"]}})
-    moved = r"cannot resume from step 2: .*\['head.fc.weight'\] Muon -> AdamW, checkpoint -> now"
+    moved = r"cannot resume from step 2: .*\(\['head.fc.weight'\] Muon -> AdamW\) \(checkpoint -> now\)"
     with pytest.raises(ValueError, match=moved):
         trainer.main(["--config", str(path)])
     write_config(path, config | {"train": config["train"] | {"optimizer": "adamw"}})
     all_moved = r"\['head.fc.weight', 'head.layers.0.mlp.down_proj.weight', .*\] Muon -> AdamW"
     with pytest.raises(ValueError, match=all_moved):
+        trainer.main(["--config", str(path)])
+    write_config(path, config | {"train": config["train"] | {"muon_lr": 0.1}})
+    with pytest.raises(ValueError, match=r"cannot resume from step 2: train.muon_lr 0.05 -> 0.1 \(checkpoint -> now\)"):
         trainer.main(["--config", str(path)])
     write_config(path, config)
     trainer.main(["--config", str(path)])
