@@ -23,7 +23,7 @@ moves it aside to ``corrupt-<tag>`` and falls back to the newest one that verifi
 the root of trust: whoever can write it can write anything (docs/RELIABILITY.md).
 
 Another process count. ``COMPLETE`` records the world size, ZeRO stage, data-order settings, and the parameters
-on Muon and the learning rates (``check_optimizer``) the checkpoint was written under. ZeRO-0 keeps the whole
+on Muon and the optimizer's settings (``check_optimizer``) the checkpoint was written under. ZeRO-0 keeps the whole
 optimizer state in ``mp_rank_00_model_states.pt``, so any world size loads it as is. ZeRO-1/2 split the optimizer
 state into one file per rank (ZeRO-3 the weights too), which DeepSpeed 0.19.8 refuses to load under another
 data-parallel size ("Automatic adjustment of ZeRO's optimizer state partitioning ... is not currently supported");
@@ -182,26 +182,28 @@ def check_data_order(marker: dict[str, Any] | None, order: dict[str, int | str])
         )
 
 
-def check_optimizer(marker: dict[str, Any], muon_now: list[str], rates: dict[str, float]) -> None:
+def check_optimizer(marker: dict[str, Any], muon_now: list[str], settings: dict[str, Any]) -> None:
     """The optimizer state of a checkpoint holds one set of moments per parameter group: it fits only the grouping
     that wrote it, the same matrices on Muon (``train.optimizer``, ``train.muon_exclude``; DeepSpeed would fail
-    mid-load with an unrelated message, "parameter-alignment layout" or an IndexError). Its schedule restores the base
-    rates it was written with (``learning_rates``): another rate in the config would be silently ignored. A marker
-    written before these were recorded is not checked for them."""
+    mid-load with an unrelated message, "parameter-alignment layout" or an IndexError). Its schedule and parameter
+    groups restore the rates, weight decay and betas it was written with (``optimizer_settings``): another value in
+    the config would be silently ignored. A marker records what was checked when it was written: the rates alone
+    (``learning_rates``) or nothing, and only that is checked."""
     problems = []
     if "muon_parameters" in marker and marker["muon_parameters"] != muon_now:
         before, now = set(marker["muon_parameters"]), set(muon_now)
         changes = ((before - now, "Muon -> AdamW"), (now - before, "AdamW -> Muon"))
         moved = "; ".join(f"{sorted(names)} {way}" for names, way in changes if names)
         problems.append(f"its optimizer state was written with other parameters on Muon ({moved})")
-    recorded = marker.get("learning_rates", rates)
-    problems += [f"train.{k} {recorded.get(k, 'unused')} -> {rates.get(k, 'unused')}" for k in recorded | rates
-                 if recorded.get(k) != rates.get(k)]  # fmt: skip
+    recorded = marker.get("optimizer_settings", marker.get("learning_rates", {}))
+    keys = recorded | settings if "optimizer_settings" in marker else recorded
+    problems += [f"train.{k} {recorded.get(k, 'unused')} -> {settings.get(k, 'unused')}" for k in keys
+                 if recorded.get(k) != settings.get(k)]  # fmt: skip
     if problems:
         raise ValueError(
             f"cannot resume from step {marker['step']}: {'; '.join(problems)} (checkpoint -> now). A resume continues "
-            "the checkpoint's optimizer and schedule: keep train.optimizer, train.muon_exclude and the rates as they "
-            "were, or train into another train.out_dir"
+            "the checkpoint's optimizer and schedule: keep train.optimizer, train.muon_exclude, the rates, "
+            "weight_decay and betas as they were, or train into another train.out_dir"
         )
 
 
@@ -257,11 +259,11 @@ def save_checkpoint(
     save_artifacts: Callable[[Path], None],
     keep: int,
     order: dict[str, int | str],
-    rates: dict[str, float],
+    settings: dict[str, Any],
 ) -> Path:
     """DeepSpeed's checkpoint of ``step`` (all ranks), then the head alone, then the completion marker
-    (which records the world size, ZeRO stage, the data-order settings ``order``, the parameters on Muon, the base
-    learning ``rates`` and every file's sha256).
+    (which records the world size, ZeRO stage, the data-order settings ``order``, the parameters on Muon, the
+    optimizer's ``settings`` and every file's sha256).
 
     Out of room (free space checked first, ``check_room``; a save that still runs out): OutOfSpaceError naming the
     folder, and the last complete checkpoint stays what resume loads."""
@@ -277,7 +279,7 @@ def save_checkpoint(
     save_head_files(engine, out_dir, save_artifacts)
     if dist.get_rank() == 0:
         marker = {"step": step, "world": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage(), **order}
-        marker |= {"muon_parameters": muon_parameters(engine.module), "learning_rates": rates}
+        marker |= {"muon_parameters": muon_parameters(engine.module), "optimizer_settings": settings}
         marker["files"] = file_digests(ckpt_dir / tag)  # every rank's files: on shared storage, all written
         atomic_write_text(ckpt_dir / tag / MARKER, json.dumps(marker) + "\n")
         _prune(ckpt_dir, keep)
@@ -297,7 +299,7 @@ def resume(
     out_dir: Path,
     mode: str | bool,
     order: dict[str, int | str],
-    rates: dict[str, float],
+    settings: dict[str, Any],
 ) -> int:
     """Load the newest complete checkpoint whose files verify (``mode`` auto/true) and return its step; 0 for
     a fresh run. Newer ones that do not verify are named, moved aside to ``corrupt-<tag>`` and never read.
@@ -333,7 +335,7 @@ def resume(
     if problems and dist.get_rank() == 0:
         _set_aside(ckpt_dir, problems, fallback=marker["step"])
     check_data_order(marker, order)
-    check_optimizer(marker, muon_parameters(engine.module), rates)
+    check_optimizer(marker, muon_parameters(engine.module), settings)
     universal = loads_universal(marker, dist.get_world_size(), engine.zero_optimization_stage())
     if universal != engine.load_universal_checkpoint():
         # build_engine read the newest marker; the fall-back step was written under another process count.

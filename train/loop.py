@@ -79,7 +79,7 @@ from headstart.train.metrics import (
     predicted_tau,
     training_summary,
 )
-from headstart.train.optimizers import learning_rates
+from headstart.train.optimizers import optimizer_settings
 from headstart.train.train_config import Train, TrainConfig, measures_acceptance
 
 
@@ -366,10 +366,10 @@ def train(
     train_cfg = cfg.train
     out_dir = Path(train_cfg.out_dir)
     total = total_steps(train_cfg, data)
-    order, rates = data_order(train_cfg, data), learning_rates(train_cfg)
+    order, settings = data_order(train_cfg, data), optimizer_settings(train_cfg)
     head.config.prompt_format = data_prompt_format(cfg.data.format)
     save_artifacts = partial(_save_with_readme, save_artifacts, head, measured)
-    start = resume(engine, out_dir, train_cfg.resume, order, rates)
+    start = resume(engine, out_dir, train_cfg.resume, order, settings)
     keeps_best = train_cfg.keep_best == "measured_tau"
     # Checked now, before any step: a tampered record or a missing head would otherwise surface at the export.
     best = forget_best_after(out_dir, start, head.config.trained_depth) if keeps_best else None
@@ -392,7 +392,7 @@ def train(
         save_artifacts=save_artifacts,
         keep=train_cfg.keep_checkpoints,
         order=order,
-        rates=rates,
+        settings=settings,
     )
     done = start
     # Online states from a server: it runs (or is reached) while the steps run.

@@ -50,10 +50,12 @@ def muon_parameters(module: nn.Module) -> list[str]:
     return sorted(name for name, p in module.named_parameters() if getattr(p, "use_muon", False))
 
 
-def learning_rates(train: Train) -> dict[str, float]:
-    """The base rates the schedule scales: ``lr``, and ``muon_lr`` for Muon's matrices. A checkpoint's scheduler state
-    restores its own over the config's on resume (``LambdaLR.base_lrs``), so a resume checks them."""
-    return {"lr": train.lr} | ({"muon_lr": train.muon_lr} if train.optimizer == "muon" else {})
+def optimizer_settings(train: Train) -> dict[str, Any]:
+    """What the optimizer's parameter groups hold of the config: ``lr`` (and ``muon_lr`` under Muon), ``weight_decay``
+    and ``betas``. A resume restores the checkpoint's over the config's (the scheduler's ``LambdaLR.base_lrs``, the
+    optimizer state's param_groups), so it checks them."""
+    rates = {"lr": train.lr} | ({"muon_lr": train.muon_lr} if train.optimizer == "muon" else {})
+    return rates | {"weight_decay": train.weight_decay, "betas": list(train.betas)}
 
 
 def build_optimizer(

@@ -22,6 +22,7 @@ from headstart.train import eagle, loop
 from headstart.train.checkpoint import (
     MARKER,
     CorruptCheckpoint,
+    check_optimizer,
     complete_steps,
     file_digests,
     tag_for,
@@ -272,3 +273,15 @@ def test_a_full_disk_at_a_checkpoint_is_named_and_the_last_complete_one_resumes(
     assert "resumed from step 6 of 9" in capsys.readouterr().out
     assert complete_steps(ckpt_dir)[-1] == 9
     verify_checkpoint(ckpt_dir / tag_for(9))
+
+
+def test_a_marker_is_checked_for_the_optimizer_settings_it_recorded_and_no_others():
+    """A marker written before weight decay and betas were recorded holds the rates alone (``learning_rates``), one
+    written before that nothing: each is checked for what it holds, never refused for what it could not know."""
+    now = {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95]}
+    check_optimizer({"step": 4, "learning_rates": {"lr": 1e-3}}, [], now)
+    check_optimizer({"step": 4}, [], now)
+    with pytest.raises(ValueError, match=r"step 4: train.lr 0.002 -> 0.001 \(checkpoint -> now\)"):
+        check_optimizer({"step": 4, "learning_rates": {"lr": 2e-3}}, [], now)
+    with pytest.raises(ValueError, match=r"step 4: train.weight_decay unused -> 0.1 \(checkpoint"):
+        check_optimizer({"step": 4, "optimizer_settings": {"lr": 1e-3, "betas": [0.9, 0.95]}}, [], now)

@@ -150,12 +150,12 @@ def test_muon_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp
 
 
 @pytest.mark.usefixtures("eager_newton_schulz")
-def test_a_resume_under_another_optimizer_grouping_or_rate_is_refused_by_name(
+def test_a_resume_under_another_optimizer_grouping_or_setting_is_refused_by_name(
     tiny_target_dir, gsm8k_file, tmp_path, monkeypatch
 ):
     """The optimizer state fits only the grouping that wrote it (DeepSpeed itself failed mid-load with an unrelated
-    "parameter-alignment layout" message), and its schedule restores its own rates over the config's. Put back as
-    it was, the run resumes."""
+    "parameter-alignment layout" message), and its schedule and parameter groups restore their own rates, weight
+    decay and betas over the config's. Put back as it was, the run resumes."""
     world_of_one(monkeypatch)
     head = {"type": "dflash", "block_size": 4, "num_anchors": 8, "num_layers": 1}
     path, out = block_drafter_run(tmp_path, tiny_target_dir, gsm8k_file, head)
@@ -174,6 +174,11 @@ def test_a_resume_under_another_optimizer_grouping_or_rate_is_refused_by_name(
         trainer.main(["--config", str(path)])
     write_config(path, config | {"train": config["train"] | {"muon_lr": 0.1}})
     with pytest.raises(ValueError, match=r"cannot resume from step 2: train.muon_lr 0.05 -> 0.1 \(checkpoint -> now\)"):
+        trainer.main(["--config", str(path)])
+    # The optimizer state's param_groups restored these over the config's without a word.
+    write_config(path, config | {"train": config["train"] | {"weight_decay": 0.1, "betas": [0.8, 0.95]}})
+    changed = r"train.weight_decay 0.0 -> 0.1; train.betas \[0.9, 0.95\] -> \[0.8, 0.95\] \(checkpoint -> now\)"
+    with pytest.raises(ValueError, match=changed):
         trainer.main(["--config", str(path)])
     write_config(path, config)
     trainer.main(["--config", str(path)])
