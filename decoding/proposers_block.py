@@ -157,8 +157,9 @@ class DFlash2(BlockWalk):
 
 class Domino(BlockWalk):
     """A Domino head (``heads/domino.py``): depth d's logits are its slot's plus the correction from the GRU state
-    of the path to it, the block's newest token then each drafted ancestor in turn (vLLM drafts the greedy walk).
-    Each expanded node's state is its parent's advanced by its own token, kept in expansion order."""
+    of the path to it, the block's newest token then each drafted ancestor in turn (vLLM drafts the greedy walk);
+    the first ``pure_draft_prefix_len`` depths take the slot's alone. Each expanded node's state is its parent's
+    advanced by its own token, kept in expansion order."""
 
     title = "Domino"
 
@@ -170,6 +171,6 @@ class Domino(BlockWalk):
             nonlocal states
             own = head.prefix_states(parents[:, None], states[parent_slots + 1])[:, 0]
             states = torch.cat((states, own))
-            return head.corrected_logits(hidden[level].expand(len(parents), -1), own)
+            return head.draft_logits_at(level, hidden[level].expand(len(parents), -1), own)
 
-        return head.corrected_logits(hidden[0], states[0]), after
+        return head.draft_logits_at(0, hidden[0], states[0]), after

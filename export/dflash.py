@@ -45,6 +45,8 @@ from headstart.heads import WEIGHTS_NAME, HeadConfig
 LAYOUTS: tuple[str, ...] = ("vllm",)
 SOURCES: tuple[str, ...] = ("dflash",)
 ARCHITECTURE = "DFlashDraftModel"
+# Other names that drafts in this layout carry, per head type: the Domino authors' checkpoints say DominoDraftModel.
+ALSO_NAMED: dict[str, tuple[str, ...]] = {"domino": ("DominoDraftModel",)}
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 FILES: tuple[str, ...] = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)
 SERVED = True
@@ -165,7 +167,7 @@ def import_files(kind: str, src: Path, target_config: PretrainedConfig) -> Impor
     ``mask_embedding.pt`` when it has one (read only inside the checkpoint's folder)."""
     engine_config, state = read_json(src / "config.json"), read_checkpoint(src)
     architectures = engine_config.get("architectures") or []
-    if not any(a.startswith("DFlash") or a.endswith("DFlash") for a in architectures):
+    if not any(a.startswith("DFlash") or a.endswith("DFlash") or a in ALSO_NAMED.get(kind, ()) for a in architectures):
         raise ValueError(f"architectures {architectures} name no DFlash draft (vLLM serves {ARCHITECTURE})")
     if kind == "dflash" and "DFlash2DraftModel" in architectures:
         raise ValueError("this is a DFlash-2 draft (DFlash2DraftModel): import it --from dflash2")

@@ -36,7 +36,7 @@ shrinks in proportion.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import torch
 from torch import nn
@@ -103,7 +103,11 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
     # The first block slot that drafts. DFlash's slot 0 holds the newest token and drafts nothing, slot k >= 1
     # the token at its own position; a head whose anchor slot drafts too (DSpark) says 0, slot k then drafting
     # the token after its position. Either way the drafting slots' tokens are at anchor + 1, anchor + 2, ...
-    first_drafting_slot: ClassVar[int]
+    first_drafting_slot: int
+    # Slots at the block's end that no served chain drafts from: in the block (they shape the others' outputs
+    # through its bidirectional attention), never scored. Domino with shifted labels serves k drafts from k + 1
+    # slots, as it trains (vLLM's and SGLang's Domino drafting).
+    spare_slots: int = 0
     lm_head: nn.Linear | None  # the draft vocabulary's rows of the target's lm_head (draft_vocab_size), else None
     d2t: torch.Tensor  # buffers with lm_head, as EAGLE-3's
     t2d: torch.Tensor
@@ -263,11 +267,13 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
     def draft_hidden(self, root: torch.Tensor, position: int, context_kv: ContextKV, drafts: int) -> torch.Tensor:
         """Normed outputs [drafts, H] of the slots drafting the ``drafts`` tokens after ``root`` (the newest token, at
         ``position``): one block [root, mask, ...] over the context before it, as vLLM drafts with ``drafts``
-        speculative tokens (DFlash: root + ``drafts`` masks; DSpark: root + ``drafts`` - 1 masks)."""
+        speculative tokens (DFlash: root + ``drafts`` masks; DSpark: root + ``drafts`` - 1 masks; plus the
+        ``spare_slots``)."""
         first = self.first_drafting_slot
-        block = torch.cat((root.view(1), root.new_full((drafts + first - 1,), self.mask_token_id)))
+        masks = drafts + first - 1 + self.spare_slots
+        block = torch.cat((root.view(1), root.new_full((masks,), self.mask_token_id)))
         positions = torch.arange(position, position + len(block), device=root.device)
-        return self(block[None], positions[None], context_kv)[0, first:]
+        return self(block[None], positions[None], context_kv)[0, first : first + drafts]
 
     def draft_block(self, root: torch.Tensor, position: int, context_kv: ContextKV, masks: int) -> torch.Tensor:
         """Target-vocab logits [masks, V] of the tokens after ``root`` from one block (``draft_hidden``)."""
@@ -297,7 +303,8 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         anchors, real = sample_anchors(label_mask(batch, 1), count, not self.training)
         offsets = torch.arange(self.config.options.block_size, device=ids.device)
         slots = anchors[..., None] + offsets  # [B, N, S]: the row's positions the block stands for
-        prefix = self.shown_prefix(anchors, self.config.options.block_size - first)
+        drafting = slice(first, self.config.options.block_size - self.spare_slots)
+        prefix = self.shown_prefix(anchors, drafting.stop - first)
         within = slots.clamp(max=seq - 1)
         shown = (offsets < prefix[..., None]) & (slots < seq) & same_sample(batch, anchors, within)
         block_ids = torch.where(shown, ids.gather(1, within.flatten(1)).view_as(slots), self.mask_token_id)
@@ -308,8 +315,8 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         visible &= same_sample(batch, anchors, rows.expand(len(ids), 1, seq))  # a packed row: its anchor's sample
         block_positions = positions.gather(1, anchors)[..., None] + offsets
         hidden = self(block_ids.flatten(1), block_positions.flatten(1), context_kv, visible)
-        hidden = hidden.view(*slots.shape, -1)[:, :, first:]  # the drafting slots
-        label_at = slots[..., first:] + 1 - first  # [B, N, K]: where each slot's token is
+        hidden = hidden.view(*slots.shape, -1)[:, :, drafting]
+        label_at = slots[..., drafting] + 1 - first  # [B, N, K]: where each slot's token is
         step = label_at - anchors[..., None] - prefix[..., None]
         with torch.no_grad():
             inside = label_at.clamp(max=seq - 1)

@@ -1,15 +1,21 @@
 """Domino: the DFlash block drafter plus a causal correction head, a GRU over the block's earlier tokens whose state
-shifts each slot's logits (Domino, arXiv 2605.29707).
+shifts each draft's logits (Domino, arXiv 2605.29707).
 
-The backbone is DFlash's (``heads/block.py``: the block [x_a, mask, ...] over the context strictly before a; slot
-k >= 1 drafts the token at a + k), and so is its layout: vLLM serves the head as a DFlash draft whose
-``dflash_config.projector_type`` is ``domino`` (its ``qwen3_dflash.py`` after 0.32, ``DominoHead``), with its own
-tensors beside the backbone's:
+The backbone is DFlash's (``heads/block.py``: the block [x_a, mask, ...] over the context strictly before a), and
+so is its layout: a DFlash draft whose ``dflash_config.projector_type`` is ``domino``, with its own tensors beside the
+backbone's, as the Domino-capable vLLM code reads it (``DominoHead``, a pull request after 0.32, not in a vLLM release;
+docs/EXPORT.md, "Domino").
+
+The block, as the public drafts set it (``shift_label: true``, ``pure_draft_prefix_len: 1``): the anchor's slot
+drafts the token at a + 1 and slot k the one at a + k + 1; k drafts come from a block of k + 1 slots, as vLLM and
+SGLang serve it, so the last slot is trained on nothing (``spare_slots``). With ``shift_label: false`` it is
+DFlash's block, slot k >= 1 drafting the token at a + k. Either way the block's draft j (the token at a + 1 + j)
+is corrected when j >= ``pure_draft_prefix_len``, and drafted from the backbone's logits alone before that.
 
 - ``prefix_gru``: a one-layer GRU without biases, input the target's embedding [H] of each token, state
   [``gru_hidden_dim``]. It starts from zeros at the block's first token (the newest committed one) and reads the
-  block's tokens in order: slot k's state has read the tokens at a .. a + k - 1 (the data's in training, the
-  drafted ones when drafting), what the parallel slots cannot see of each other.
+  block's tokens in order: draft j's state has read the tokens at a .. a + j (the data's in training, the drafted
+  ones when drafting), what the parallel slots cannot see of each other.
 - ``embed_proj``: Linear [H + gru_hidden_dim -> ``emb_dim``], SiLU, Linear [emb_dim -> V], no biases, on
   [the slot's normed output, its GRU state]: a correction added to the slot's logits through the target's lm_head.
   Both layers start as the public trainers' do, normal with std 0.02.
@@ -17,15 +23,17 @@ tensors beside the backbone's:
 The loss is the public trainers' (SpecForge, Model-Optimizer, NeMo), with DFlash's soft cross-entropy to the target's
 distribution in place of their hard labels: (1 - lambda) x that of the corrected logits + lambda x that of the
 backbone's own, with lambda falling linearly from ``lambda_base_start`` to 0 over the first ``lambda_base_decay``
-of training (their base-anchored curriculum: the parallel backbone learns first, then the correction).
+of training (their base-anchored curriculum: the parallel backbone learns first, then the correction). An
+uncorrected draft's two terms are both the backbone's.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 from torch import nn
 
 from headstart.core.settings import Count, Float
@@ -49,13 +57,29 @@ class DominoOptions(BlockOptions):
     emb_dim: Count = 256  # the correction's bottleneck (the public drafts': 256)
     lambda_base_start: Annotated[Float, Field(ge=0, le=1)] = 1.0  # the backbone's own loss share at step 0
     lambda_base_decay: Annotated[Float, Field(gt=0, le=1)] = 1.0  # the share of training over which it falls to 0
+    # vLLM's dflash_config keys, the public drafts' values. shift_label: the anchor's slot drafts the next token and
+    # slot k the token after its own position (false: DFlash's block, slot k drafting the token at its position).
+    # pure_draft_prefix_len: the first drafts, taken from the backbone's logits alone (false / 0: every draft
+    # corrected, the heads saved before these keys).
+    shift_label: bool = True
+    pure_draft_prefix_len: Annotated[int, Field(ge=0)] = 1
+    saved_before: ClassVar[dict[str, Any]] = {"shift_label": False, "pure_draft_prefix_len": 0}
+
+    @model_validator(mode="after")
+    def _a_corrected_draft(self) -> DominoOptions:
+        if self.pure_draft_prefix_len >= self.trained_depth():
+            raise PydanticCustomError(
+                "domino_prefix",
+                "pure_draft_prefix_len {p} leaves none of the block's {k} drafts corrected: it must be below {k}",
+                {"p": self.pure_draft_prefix_len, "k": self.trained_depth()},
+            )
+        return self
 
 
 class DominoHead(BlockDrafter[DominoOptions]):
     head_type = "domino"
     options_model = DominoOptions
     shape_keys = (*BlockDrafter.shape_keys, "gru_hidden_dim", "emb_dim")
-    first_drafting_slot = 1  # DFlash's block: the newest token's slot drafts nothing
     # The correction learns with AdamW while Muon trains the backbone: with Muon on the GRU and the bottleneck too,
     # it barely moves the loss in 160 steps (docs/BENCHMARKS.md, "Domino against DFlash-2").
     adamw_under_muon = ("prefix_gru", "embed_proj")
@@ -63,6 +87,9 @@ class DominoHead(BlockDrafter[DominoOptions]):
     def __init__(self, config: HeadConfig[DominoOptions]):
         super().__init__(config)
         hidden, options = config.arch.hidden_size, config.options
+        # Shifted labels: the anchor's slot drafts, and k drafts come from a block of k + 1 slots, as vLLM and
+        # SGLang serve it (the last slot drafts the token no served chain reaches). Else DFlash's block.
+        self.first_drafting_slot, self.spare_slots = (0, 1) if options.shift_label else (1, 0)
         self.prefix_gru = nn.GRU(hidden, options.gru_hidden_dim, batch_first=True, bias=False)
         bottleneck = nn.Linear(hidden + options.gru_hidden_dim, options.emb_dim, bias=False)
         correction = nn.Linear(options.emb_dim, config.vocab_size, bias=False)
@@ -86,6 +113,13 @@ class DominoHead(BlockDrafter[DominoOptions]):
         out, _ = self.prefix_gru(rows, initial)
         return out.view(*previous.shape, -1)
 
+    def draft_logits_at(self, index: int, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Target-vocab logits [.., V] of the block's draft ``index`` (0: the first), from its normed output ``hidden``
+        and GRU state ``state``: the backbone's alone for the first ``pure_draft_prefix_len``, else corrected."""
+        if index < self.config.options.pure_draft_prefix_len:
+            return self.logits(hidden)
+        return self.corrected_logits(hidden, state)
+
     def corrected_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Target-vocab logits [.., V] of slots with normed outputs ``hidden`` [.., H] and GRU states ``state``
         [.., G]: the backbone's through the target's lm_head plus the correction."""
@@ -93,15 +127,17 @@ class DominoHead(BlockDrafter[DominoOptions]):
         return self.logits(hidden) + correction.to(hidden.dtype)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``BlockDrafter.loss`` with each drafting slot's teacher-forced GRU state beside its output: slot k of
-        the block at a has read the data's tokens at a .. a + k - 1 (``slot_terms`` splits them again)."""
+        """``BlockDrafter.loss`` with each drafting slot's teacher-forced GRU state beside its output, and whether
+        its logits are corrected: the block's draft j (the token at a + 1 + j) has read the data's tokens at a .. a + j
+        (``slot_terms`` splits them again)."""
         slots = self.block_states(batch)
         ids, label_at = batch["input_ids"], slots.label_at
         previous = ids.gather(1, (label_at - 1).clamp(max=ids.shape[1] - 1).flatten(1)).view_as(label_at)
         states = self.prefix_states(previous)  # a slot past the sample's end reads garbage, never scored
-        return self.block_loss(
-            batch, slots._replace(hidden=torch.cat((slots.hidden, states.to(slots.hidden.dtype)), -1))
-        )
+        drafts = torch.arange(label_at.shape[-1], device=label_at.device)
+        corrected = (drafts >= self.config.options.pure_draft_prefix_len).expand_as(label_at)[..., None]
+        extra = torch.cat((states, corrected), -1).to(slots.hidden.dtype)
+        return self.block_loss(batch, slots._replace(hidden=torch.cat((slots.hidden, extra), -1)))
 
     def slot_terms(
         self,
@@ -116,10 +152,11 @@ class DominoHead(BlockDrafter[DominoOptions]):
         LK term replaces the first. ``hit`` and ``confidence`` (D-PACE's) are the corrected logits', what drafting
         draws from when the slots before were right. Metrics: ``final_ce``, ``base_ce``, ``base_hit`` (the
         backbone's argmax is the target's greedy token)."""
-        hidden, prefix = states.split((self.config.arch.hidden_size, self.config.options.gru_hidden_dim), -1)
+        sizes = (self.config.arch.hidden_size, self.config.options.gru_hidden_dim, 1)
+        hidden, prefix, corrected = states.split(sizes, -1)
         target_probs = self.target_probs(batch, sample, positions)
         base = self.draft_logits(hidden)
-        final = self.corrected_logits(hidden, prefix)
+        final = torch.where(corrected.bool(), self.corrected_logits(hidden, prefix), base)
         terms = self.distribution_terms(batch, final, sample, positions, target_probs)
         base_ce = soft_cross_entropy(base, target_probs)
         share = self.lambda_base()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 from headstart.core.settings import Count, Section, check
 from headstart.heads.registry import head_options_models
@@ -35,6 +35,10 @@ class HeadOptions(Section):
         loss: str | None
     else:
         loss: Literal["lk"] | None = None
+
+    # The values of options that a head saved before they existed was trained with, where today's defaults differ:
+    # such a head's config.json lacks the key and reads as it was trained (``HeadConfig.from_json``).
+    saved_before: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
@@ -169,7 +173,9 @@ class HeadConfig(Generic[Options]):
         if head_type not in known:
             raise ValueError(f"{where}: unknown head type {head_type!r}; known: {sorted(known)}")
         own = {f.name for f in fields(cls)} - {"options"}
-        options = parse_section(known[head_type], {k: v for k, v in data.items() if k not in own}, where)
+        options_model = known[head_type]
+        saved = options_model.saved_before | {k: v for k, v in data.items() if k not in own}
+        options = parse_section(options_model, saved, where)
         try:
             arch = DraftArch(**data["arch"])
             return HeadConfig(options=options, arch=arch, **{k: data[k] for k in own - {"arch"} if k in data})

@@ -33,7 +33,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "dflash2": {"method": "dflash"},  # the architecture, DFlash2DraftModel, picks its speculator
     "dspark": {"method": "dspark"},
     "mtp": {"method": "mtp"},  # the target's own MTP model, picked by its config (hf_config_override)
-    "domino": {"method": "dflash"},  # dflash_config.projector_type: domino builds the GRU head (vLLM after 0.32)
+    "domino": {"method": "dflash"},  # projector_type domino builds the GRU head (a vLLM pull request after 0.32)
 }
 METHODS["peagle"] = {"method": "eagle3", "parallel_drafting": True}
 

@@ -33,6 +33,14 @@ from tests.block_drafters import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SETTINGS = {"type": "domino", "layer_ids": [1, 3, 4], "block_size": 4, "num_layers": 2, "gru_hidden_dim": 12}
+# The public drafts' block (the anchor's slot drafts, the first draft uncorrected), DFlash's block with every draft
+# corrected (the heads saved before these keys), and the shifted block with every draft corrected.
+LAYOUTS = {
+    "shifted": {"shift_label": True, "pure_draft_prefix_len": 1},
+    "dflash-block": {"shift_label": False, "pure_draft_prefix_len": 0},
+    "shifted-all-corrected": {"shift_label": True, "pure_draft_prefix_len": 0},
+}
+layouts = pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 
 
 def domino_head(target, seed: int = 1, **options):
@@ -55,14 +63,20 @@ def gru_by_hand(head, tokens):
     return state
 
 
-def corrected_by_hand(head, hidden, state):
-    """The slot's logits: the target lm_head's plus embed_proj's two layers on [output, state]."""
+def corrected_by_hand(head, hidden, state, draft: int = 1):
+    """The logits of the block's draft ``draft`` (0: the first): the target lm_head's, plus embed_proj's two layers on
+    [output, state] past the first pure_draft_prefix_len drafts."""
+    base = head.target.lm_head(hidden)
+    if draft < head.config.options.pure_draft_prefix_len:
+        return base
     first, last = head.embed_proj[0].weight, head.embed_proj[2].weight
-    return head.target.lm_head(hidden) + last @ F.silu(first @ torch.cat((hidden, state)))
+    return base + last @ F.silu(first @ torch.cat((hidden, state)))
 
 
-def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_every_block(peaked_wide_llama):
-    head = domino_head(peaked_wide_llama, num_anchors=64, loss_gamma=2.0, lambda_base_start=0.8, lambda_base_decay=0.5)
+@layouts
+def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_every_block(peaked_wide_llama, layout):
+    settings = {"num_anchors": 64, "loss_gamma": 2.0, "lambda_base_start": 0.8, "lambda_base_decay": 0.5} | layout
+    head = domino_head(peaked_wide_llama, **settings)
     head.training_progress = 0.25  # lambda = 0.8 x (1 - 0.25 / 0.5)
     batch = block_batch(peaked_wide_llama, head)
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
@@ -74,7 +88,7 @@ def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_ever
                 if not loss_mask[b, a + 1 + k]:
                     continue
                 base = peaked_wide_llama.lm_head(hidden[k])
-                final = corrected_by_hand(head, hidden[k], gru_by_hand(head, ids[b, a : a + k + 1]))
+                final = corrected_by_hand(head, hidden[k], gru_by_hand(head, ids[b, a : a + k + 1]), k)
                 p_target = peaked_wide_llama.lm_head(batch["last_hidden"][b, a + k]).softmax(-1)
                 ce_base = -(p_target * base.log_softmax(-1)).sum()
                 slot_sums[k] += 0.6 * -(p_target * final.log_softmax(-1)).sum() + 0.4 * ce_base
@@ -121,37 +135,40 @@ def test_training_raises_the_corrected_chain_accuracy_above_the_backbones(peaked
     assert metrics["final_ce"] < metrics["base_ce"]
 
 
-def test_each_node_is_its_parents_best_under_the_gru_of_its_path(peaked_wide_llama):
-    head = domino_head(peaked_wide_llama)
+@layouts
+def test_each_node_is_its_parents_best_under_the_gru_of_its_path(peaked_wide_llama, layout):
+    head = domino_head(peaked_wide_llama, **layout)
     proposer = Domino(head, choices=[[0], [1], [0, 0], [1, 0], [1, 1], [1, 1, 0]])
     tokens = prompts()[2][0]
     tree, aux = first_tree(peaked_wide_llama, proposer)
     with torch.no_grad():
         hidden = head.draft_hidden(tokens[-1], 11, head.context_kv(aux, torch.arange(11)[None]), 3)
-        first = corrected_by_hand(head, hidden[0], gru_by_hand(head, tokens[-1:])).topk(2).indices
+        first = corrected_by_hand(head, hidden[0], gru_by_hand(head, tokens[-1:]), 0).topk(2).indices
         path = torch.cat((tokens[-1:], first[1:]))
-        second = corrected_by_hand(head, hidden[1], gru_by_hand(head, path)).topk(2).indices
-        third = corrected_by_hand(head, hidden[2], gru_by_hand(head, torch.cat((path, second[1:])))).argmax()
+        second = corrected_by_hand(head, hidden[1], gru_by_hand(head, path), 1).topk(2).indices
+        third = corrected_by_hand(head, hidden[2], gru_by_hand(head, torch.cat((path, second[1:]))), 2).argmax()
     assert tree.parents.tolist() == [-1, -1, 0, 1, 1, 4] and tree.tokens[:2].tolist() == first.tolist()
     assert tree.tokens[3:5].tolist() == second.tolist() and int(tree.tokens[5]) == int(third)
 
 
+@layouts
 @pytest.mark.parametrize("choices", [None, [[0], [1], [0, 0], [1, 0], [0, 0, 0]]], ids=["chain", "tree"])
-def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices):
-    head = domino_head(peaked_wide_llama)
+def test_greedy_output_equals_target_greedy(peaked_wide_llama, choices, layout):
+    head = domino_head(peaked_wide_llama, **layout)
     assert_decodes_as_target_greedy(peaked_wide_llama, Domino(head, choices), lambda: Domino(head, choices))
 
 
-def test_sampled_tree_is_lossless():
+@pytest.mark.parametrize("layout", [LAYOUTS["shifted"], LAYOUTS["dflash-block"]], ids=["shifted", "dflash-block"])
+def test_sampled_tree_is_lossless(layout):
     target = five_token_target()
-    head = domino_head(target, seed=4, emb_dim=4)
+    head = domino_head(target, seed=4, emb_dim=4, **layout)
     sampling = Sampling(temperature=1.0)
     prompt = SAMPLED_PROMPT
     root = prompt[0, -1:]
     with torch.no_grad():
         aux, _ = features(target, prompt[:, :-1], head.hidden_layers)
         hidden = head.draft_hidden(root[0], 6, head.context_kv(aux, torch.arange(6)[None]), 2)
-        q0 = probabilities(corrected_by_hand(head, hidden[0], gru_by_hand(head, root)), sampling)
+        q0 = probabilities(corrected_by_hand(head, hidden[0], gru_by_hand(head, root), 0), sampling)
         q1 = torch.stack(
             [probabilities(corrected_by_hand(head, hidden[1], gru_by_hand(head, torch.tensor([root[0], t]))), sampling)
              for t in range(5)]
@@ -187,8 +204,8 @@ def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peak
         "projector_type": "domino",
         "gru_hidden_dim": 12,
         "emb_dim": 8,
-        "pure_draft_prefix_len": 0,
-        "shift_label": False,
+        "shift_label": True,
+        "pure_draft_prefix_len": 1,
     }
     tensors = load_file(str(out / "model.safetensors"))
     assert set(tensors) == set(head.state_dict()) - {"mask_embedding"} and (out / "mask_embedding.pt").exists()
@@ -210,10 +227,37 @@ def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peak
 
     with pytest.raises(ValueError, match="a DFlash draft with a domino projector: import it --from domino"):
         import_head("dflash", out, tmp_path / "as-dflash", str(target_dir))
-    for change, why in (({"pure_draft_prefix_len": 1}, "uses uncorrected leading slots"), ({"emb_dim": None}, "")):
+
+    def imported_as(name: str, change: dict, architecture: str = "DFlashDraftModel"):
         settings = {k: v for k, v in (config["dflash_config"] | change).items() if v is not None}
-        (out / "config.json").write_text(json.dumps(config | {"dflash_config": settings}))
-        with pytest.raises(ValueError, match=why or r"lacks \['emb_dim'\]"):
-            import_head("domino", out, tmp_path / "refused", str(target_dir))
+        edited = config | {"architectures": [architecture], "dflash_config": settings}
+        (out / "config.json").write_text(json.dumps(edited))
+        return import_head("domino", out, tmp_path / name, str(target_dir))
+
+    # The authors' architecture name; a config without the block's keys reads as its readers default: DFlash's block.
+    no_keys = LAYOUTS["dflash-block"] | {"shift_label": None}
+    unshifted = load_head(imported_as("readers-defaults", no_keys), peaked_wide_llama)
+    assert unshifted.config.options.shift_label is False and unshifted.config.options.pure_draft_prefix_len == 0
+    assert load_head(imported_as("authors", {}, "DominoDraftModel"), peaked_wide_llama).config.options.shift_label
+    for change, why in (({"pure_draft_prefix_len": 3}, "pure_draft_prefix_len 3 leaves none of the block's 3 drafts"),
+                        ({"emb_dim": None}, r"lacks \['emb_dim'\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            imported_as("refused", change)
     with pytest.raises(ValueError, match="cannot export a domino head as 'sglang': SGLang 0.5.23 has no Domino"):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
+
+
+def test_a_head_saved_before_the_block_keys_reads_as_it_was_trained(peaked_wide_llama, tmp_path):
+    """Heads saved before shift_label and pure_draft_prefix_len existed trained DFlash's block, every draft corrected:
+    their config.json lacks both keys, and they load as that, not as today's defaults."""
+    head = domino_head(peaked_wide_llama, **LAYOUTS["dflash-block"])
+    head.save_pretrained(tmp_path / "head")
+    saved = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert saved["shift_label"] is False and saved["pure_draft_prefix_len"] == 0
+    old = {k: v for k, v in saved.items() if k not in LAYOUTS["dflash-block"]}
+    (tmp_path / "head" / "config.json").write_text(json.dumps(old))
+    loaded = load_head(tmp_path / "head", peaked_wide_llama)
+    assert (loaded.first_drafting_slot, loaded.spare_slots) == (1, 0)
+    trees = [first_tree(peaked_wide_llama, Domino(one, [[0], [0, 0], [0, 0, 0]]))[0] for one in (head, loaded)]
+    assert torch.equal(trees[0].tokens, trees[1].tokens)
+    assert build_head(SETTINGS, peaked_wide_llama).config.options.shift_label  # a new head: the public block
