@@ -45,7 +45,7 @@ from headstart.heads import WEIGHTS_NAME, HeadConfig
 LAYOUTS: tuple[str, ...] = ("vllm",)
 SOURCES: tuple[str, ...] = ("dflash",)
 ARCHITECTURE = "DFlashDraftModel"
-# Other names that drafts in this layout carry, per head type: the Domino authors' checkpoints say DominoDraftModel.
+# Other names that drafts in this layout carry, per head type (speculators' Domino converter reads DominoDraftModel).
 ALSO_NAMED: dict[str, tuple[str, ...]] = {"domino": ("DominoDraftModel",)}
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 FILES: tuple[str, ...] = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)

@@ -8,7 +8,7 @@ merged; docs/EXPORT.md, "Domino"), on top of the DFlash layout (``export/dflash.
   ``projector_type: domino`` (which builds the head), ``gru_hidden_dim`` and ``emb_dim`` (required: vLLM indexes
   them), ``shift_label`` and ``pure_draft_prefix_len`` (the head's block: the anchor's slot drafts, and the first
   drafts are uncorrected), written so no reader guesses; a checkpoint without them reads as its readers default,
-  false and 0. The authors' checkpoints name their architecture ``DominoDraftModel``: the same layout, imported.
+  false and 0. Some public Domino configs name the architecture ``DominoDraftModel``: the same layout, imported.
 - ``prefix_gru.weight_ih_l0`` [3 G, H], ``prefix_gru.weight_hh_l0`` [3 G, G] (``nn.GRU`` without biases),
   ``embed_proj.0.weight`` [E, H + G] and ``embed_proj.2.weight`` [V, E]: vLLM routes the ``prefix_gru.`` and
   ``embed_proj.`` names to its ``domino_head`` and refuses a checkpoint that lacks any of them. Our module names,

@@ -234,11 +234,12 @@ def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peak
         (out / "config.json").write_text(json.dumps(edited))
         return import_head("domino", out, tmp_path / name, str(target_dir))
 
-    # The authors' architecture name; a config without the block's keys reads as its readers default: DFlash's block.
+    # A config without the block's keys reads as its readers default them: DFlash's block. Then the architecture
+    # name some public configs carry.
     no_keys = LAYOUTS["dflash-block"] | {"shift_label": None}
     unshifted = load_head(imported_as("readers-defaults", no_keys), peaked_wide_llama)
     assert unshifted.config.options.shift_label is False and unshifted.config.options.pure_draft_prefix_len == 0
-    assert load_head(imported_as("authors", {}, "DominoDraftModel"), peaked_wide_llama).config.options.shift_label
+    assert load_head(imported_as("named-domino", {}, "DominoDraftModel"), peaked_wide_llama).config.options.shift_label
     for change, why in (({"pure_draft_prefix_len": 3}, "pure_draft_prefix_len 3 leaves none of the block's 3 drafts"),
                         ({"emb_dim": None}, r"lacks \['emb_dim'\]")):  # fmt: skip
         with pytest.raises(ValueError, match=why):
