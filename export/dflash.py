@@ -200,7 +200,8 @@ def read_block_drafter(
     backbone's options (layers, mask token, causality, draft vocabulary), its arch and its tensors."""
     dflash = dict(engine_config.get("eagle_config") or {}) | (engine_config.get("dflash_config") or {})
     _check_supported(engine_config, dflash, target_config, name)
-    state = rename_prefixes(state, {"model.": "", "midlayer.": "layers.0."})
+    # Early Domino and DSpark checkpoints (SpecForge's) hold their own heads under a logit_head container.
+    state = rename_prefixes(state, {"model.": "", "midlayer.": "layers.0.", "logit_head.": ""})
     state.pop("t2d", None)  # rebuilt from d2t; vLLM skips it
     draft_vocab = engine_config.get("draft_vocab_size") or target_config.vocab_size
     reduced = draft_vocab < target_config.vocab_size

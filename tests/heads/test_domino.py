@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from headstart.decoding.proposers_block import DFlash, Domino
 from headstart.decoding.verify import Sampling, probabilities
@@ -240,6 +240,11 @@ def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peak
     unshifted = load_head(imported_as("readers-defaults", no_keys), peaked_wide_llama)
     assert unshifted.config.options.shift_label is False and unshifted.config.options.pure_draft_prefix_len == 0
     assert load_head(imported_as("named-domino", {}, "DominoDraftModel"), peaked_wide_llama).config.options.shift_label
+    # Early SpecForge checkpoints: the GRU and the correction under a logit_head container.
+    tensors = load_file(str(out / "model.safetensors"))
+    nested = {("logit_head." if k.startswith(("prefix_gru.", "embed_proj.")) else "") + k: v for k, v in tensors.items()}
+    save_file(nested, str(out / "model.safetensors"))
+    assert_same_head(load_head(imported_as("logit-head", {}), peaked_wide_llama), head)
     for change, why in (({"pure_draft_prefix_len": 3}, "pure_draft_prefix_len 3 leaves none of the block's 3 drafts"),
                         ({"emb_dim": None}, r"lacks \['emb_dim'\]")):  # fmt: skip
         with pytest.raises(ValueError, match=why):
