@@ -242,7 +242,9 @@ def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peak
     assert load_head(imported_as("named-domino", {}, "DominoDraftModel"), peaked_wide_llama).config.options.shift_label
     # Early SpecForge checkpoints: the GRU and the correction under a logit_head container.
     tensors = load_file(str(out / "model.safetensors"))
-    nested = {("logit_head." if k.startswith(("prefix_gru.", "embed_proj.")) else "") + k: v for k, v in tensors.items()}
+    nested = {
+        ("logit_head." if k.startswith(("prefix_gru.", "embed_proj.")) else "") + k: v for k, v in tensors.items()
+    }
     save_file(nested, str(out / "model.safetensors"))
     assert_same_head(load_head(imported_as("logit-head", {}), peaked_wide_llama), head)
     for change, why in (({"pure_draft_prefix_len": 3}, "pure_draft_prefix_len 3 leaves none of the block's 3 drafts"),
