@@ -59,8 +59,8 @@ class DominoOptions(BlockOptions):
     lambda_base_decay: Annotated[Float, Field(gt=0, le=1)] = 1.0  # the share of training over which it falls to 0
     # vLLM's dflash_config keys, the public drafts' values. shift_label: the anchor's slot drafts the next token and
     # slot k the token after its own position (false: DFlash's block, slot k drafting the token at its position).
-    # pure_draft_prefix_len: the first drafts, taken from the backbone's logits alone (false / 0: every draft
-    # corrected, the heads saved before these keys).
+    # pure_draft_prefix_len: how many first drafts take the backbone's logits alone. Heads saved before these keys
+    # trained false and 0 (DFlash's block, every draft corrected).
     shift_label: bool = True
     pure_draft_prefix_len: Annotated[int, Field(ge=0)] = 1
     saved_before: ClassVar[dict[str, Any]] = {"shift_label": False, "pure_draft_prefix_len": 0}
