@@ -48,6 +48,14 @@ ARCHITECTURE = "DFlashDraftModel"
 # Other names that drafts in this layout carry, per head type (speculators' Domino converter reads DominoDraftModel).
 ALSO_NAMED: dict[str, tuple[str, ...]] = {"domino": ("DominoDraftModel",)}
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
+# SGLang 0.5.23 serves DFlash, DFlash-2 and Domino drafts (--speculative-algorithm DFLASH, srt/models/dflash.py) from
+# nearly this layout, but its reader differs where a head may rely on it, and it runs on CUDA only, so no parity was
+# measured here (docs/EXPORT.md, "DFlash").
+SGLANG_REFUSAL = (
+    "SGLang 0.5.23 serves DFlash-family drafts (--speculative-algorithm DFLASH) but headstart writes no SGLang layout "
+    "for them yet: its reader ignores dflash_config.causal and draft_vocab_size, writes a learned mask vector into "
+    "the target's own embedding, and runs on CUDA only, so no served parity was measured here"
+)
 FILES: tuple[str, ...] = (WEIGHTS_NAME, MASK_EMBEDDING_FILE)
 SERVED = True
 # Settings of published DFlash drafts that the head does not implement, and why each one matters.
@@ -63,7 +71,7 @@ def refusal(fmt: str) -> str:
     reasons = {
         # docs/EXPORT.md, "DFlash"
         "speculators": "vLLM 0.32 would serve a speculators DFlash folder causal; export vLLM's own DFlash layout",
-        "sglang": "SGLang 0.5.23 has no DFlash draft",
+        "sglang": SGLANG_REFUSAL,
     }
     return not_written("dflash", fmt, LAYOUTS, reasons)
 
@@ -265,5 +273,5 @@ def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) 
     )
     return (
         "vLLM (one forward drafts the whole block; `method` must be given, vLLM does not sniff it from the "
-        "config):\n\n" + code_block(command) + "\n\nSGLang 0.5.23 has no DFlash draft."
+        "config):\n\n" + code_block(command) + f"\n\nNot for SGLang: {SGLANG_REFUSAL}."
     )

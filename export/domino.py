@@ -50,7 +50,7 @@ PINNED_REFUSAL = (
 def refusal(fmt: str) -> str:
     reasons = {
         "speculators": "headstart writes vLLM's own DFlash layout (projector_type domino), which vLLM reads as it is",
-        "sglang": "SGLang 0.5.23 has no Domino draft",
+        "sglang": dflash.SGLANG_REFUSAL,
     }
     return not_written("domino", fmt, LAYOUTS, reasons)
 
@@ -121,5 +121,5 @@ def serve(config: HeadConfig, fmt: str, target: str, draft: str, head_dir: str) 
         "A vLLM with Domino support (a pull request after 0.32, in no release yet; one forward drafts the block, the "
         "GRU then corrects each slot along the chain; `method` stays `dflash`):\n\n"
         + code_block(command)
-        + f"\n\nNot on the pinned vLLM: {PINNED_REFUSAL}. SGLang 0.5.23 has no Domino draft."
+        + f"\n\nNot on the pinned vLLM: {PINNED_REFUSAL}. Not for SGLang: {dflash.SGLANG_REFUSAL}."
     )

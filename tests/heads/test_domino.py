@@ -251,7 +251,7 @@ def test_export_in_vllms_dflash_layout_with_the_domino_head_and_import_back(peak
                         ({"emb_dim": None}, r"lacks \['emb_dim'\]")):  # fmt: skip
         with pytest.raises(ValueError, match=why):
             imported_as("refused", change)
-    with pytest.raises(ValueError, match="cannot export a domino head as 'sglang': SGLang 0.5.23 has no Domino"):
+    with pytest.raises(ValueError, match="cannot export a domino head as 'sglang': SGLang 0.5.23 serves DFlash-family"):
         export_head(tmp_path / "head", "sglang", tmp_path / "sglang", str(target_dir))
 
 
