@@ -106,8 +106,10 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
     first_drafting_slot: int
     # Slots at the block's end that no served chain drafts from: in the block (they shape the others' outputs
     # through its bidirectional attention), never scored. Domino with shifted labels serves k drafts from k + 1
-    # slots, as it trains (vLLM's and SGLang's Domino drafting).
+    # slots (vLLM's and SGLang's Domino drafting). ``trains_spare_slots``: training scores them too, as the public
+    # Domino trainers do (a draft no chain serves, trained for what it adds to the others' through the attention).
     spare_slots: int = 0
+    trains_spare_slots: bool = False
     lm_head: nn.Linear | None  # the draft vocabulary's rows of the target's lm_head (draft_vocab_size), else None
     d2t: torch.Tensor  # buffers with lm_head, as EAGLE-3's
     t2d: torch.Tensor
@@ -303,7 +305,8 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
         anchors, real = sample_anchors(label_mask(batch, 1), count, not self.training)
         offsets = torch.arange(self.config.options.block_size, device=ids.device)
         slots = anchors[..., None] + offsets  # [B, N, S]: the row's positions the block stands for
-        drafting = slice(first, self.config.options.block_size - self.spare_slots)
+        spare = 0 if self.training and self.trains_spare_slots else self.spare_slots
+        drafting = slice(first, self.config.options.block_size - spare)
         prefix = self.shown_prefix(anchors, drafting.stop - first)
         within = slots.clamp(max=seq - 1)
         shown = (offsets < prefix[..., None]) & (slots < seq) & same_sample(batch, anchors, within)

@@ -8,7 +8,8 @@ docs/EXPORT.md, "Domino").
 
 The block, as the public drafts set it (``shift_label: true``, ``pure_draft_prefix_len: 1``): the anchor's slot
 drafts the token at a + 1 and slot k the one at a + k + 1; k drafts come from a block of k + 1 slots, as vLLM and
-SGLang serve it, so the last slot is trained on nothing (``spare_slots``). With ``shift_label: false`` it is
+SGLang serve it, so the last slot drafts nothing served (``spare_slots``): training scores it only with
+``train_last_slot``, as the public trainers do. With ``shift_label: false`` it is
 DFlash's block, slot k >= 1 drafting the token at a + k. Either way the block's draft j (the token at a + 1 + j)
 is corrected when j >= ``pure_draft_prefix_len``, and drafted from the backbone's logits alone before that.
 
@@ -63,6 +64,9 @@ class DominoOptions(BlockOptions):
     # trained false and 0 (DFlash's block, every draft corrected).
     shift_label: bool = True
     pure_draft_prefix_len: Annotated[int, Field(ge=0)] = 1
+    # Training scores the shifted block's last slot too (the token after the served chain), as the public trainers
+    # do: off, as it lowers GSM8K tau here (0.985x over two seeds; docs/BENCHMARKS.md, "Domino against DFlash-2").
+    train_last_slot: bool = False
     saved_before: ClassVar[dict[str, Any]] = {"shift_label": False, "pure_draft_prefix_len": 0}
 
     @model_validator(mode="after")
@@ -90,6 +94,7 @@ class DominoHead(BlockDrafter[DominoOptions]):
         # Shifted labels: the anchor's slot drafts, and k drafts come from a block of k + 1 slots, as vLLM and
         # SGLang serve it (the last slot drafts the token no served chain reaches). Else DFlash's block.
         self.first_drafting_slot, self.spare_slots = (0, 1) if options.shift_label else (1, 0)
+        self.trains_spare_slots = options.train_last_slot
         self.prefix_gru = nn.GRU(hidden, options.gru_hidden_dim, batch_first=True, bias=False)
         bottleneck = nn.Linear(hidden + options.gru_hidden_dim, options.emb_dim, bias=False)
         correction = nn.Linear(options.emb_dim, config.vocab_size, bias=False)

@@ -73,7 +73,11 @@ def corrected_by_hand(head, hidden, state, draft: int = 1):
     return base + last @ F.silu(first @ torch.cat((hidden, state)))
 
 
-@layouts
+# Training scores the shifted block's last slot too (the public trainers' loss); drafting is unchanged.
+LOSS_LAYOUTS = LAYOUTS | {"shifted-last-slot-trained": LAYOUTS["shifted"] | {"train_last_slot": True}}
+
+
+@pytest.mark.parametrize("layout", LOSS_LAYOUTS.values(), ids=LOSS_LAYOUTS.keys())
 def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_every_block(peaked_wide_llama, layout):
     settings = {"num_anchors": 64, "loss_gamma": 2.0, "lambda_base_start": 0.8, "lambda_base_decay": 0.5} | layout
     head = domino_head(peaked_wide_llama, **settings)
@@ -81,9 +85,13 @@ def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_ever
     batch = block_batch(peaked_wide_llama, head)
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     loss, metrics = head.loss(batch)
-    slot_sums, counts, base_hits = torch.zeros(3), torch.zeros(3), 0
+    assert head.eval().block_states(batch).label_at.shape[-1] == 3  # held out: the served chain's 3 drafts
+    drafts = 3  # a block of 4: the shifted one's last slot is scored in training only with train_last_slot
+    if layout.get("train_last_slot"):
+        drafts, head.spare_slots = 4, 0  # the training block: [anchor, 3 masks], every slot drafting
+    slot_sums, counts, base_hits = torch.zeros(drafts), torch.zeros(drafts), 0
     with torch.no_grad():
-        for b, a, hidden in served_blocks(head, batch, 3):
+        for b, a, hidden in served_blocks(head, batch, drafts):
             for k in range(len(hidden)):
                 if not loss_mask[b, a + 1 + k]:
                     continue
@@ -94,7 +102,7 @@ def test_loss_mixes_the_corrected_and_the_backbones_soft_cross_entropy_over_ever
                 slot_sums[k] += 0.6 * -(p_target * final.log_softmax(-1)).sum() + 0.4 * ce_base
                 counts[k] += 1
                 base_hits += int(base.argmax() == p_target.argmax())
-    weights = torch.exp(-torch.arange(3) / 2.0)
+    weights = torch.exp(-torch.arange(drafts) / 2.0)
     torch.testing.assert_close(loss, (weights * slot_sums / counts).sum() / weights.sum(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(metrics["base_hit"], torch.tensor(base_hits / counts.sum().item()))
     assert metrics["final_ce"] != metrics["base_ce"]
