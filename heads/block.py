@@ -105,9 +105,9 @@ class BlockDrafter(DraftHead, ABC, Generic[BlockOpts]):
     # the token after its position. Either way the drafting slots' tokens are at anchor + 1, anchor + 2, ...
     first_drafting_slot: int
     # Slots at the block's end that no served chain drafts from: in the block (they shape the others' outputs
-    # through its bidirectional attention), never scored. Domino with shifted labels serves k drafts from k + 1
-    # slots (vLLM's and SGLang's Domino drafting). ``trains_spare_slots``: training scores them too, as the public
-    # Domino trainers do (a draft no chain serves, trained for what it adds to the others' through the attention).
+    # through its bidirectional attention), scored in training only with ``trains_spare_slots`` (as the public
+    # Domino trainers do) and never held out. Domino with shifted labels serves k drafts from k + 1 slots (vLLM's
+    # and SGLang's Domino drafting).
     spare_slots: int = 0
     trains_spare_slots: bool = False
     lm_head: nn.Linear | None  # the draft vocabulary's rows of the target's lm_head (draft_vocab_size), else None

@@ -79,6 +79,15 @@ class DominoOptions(BlockOptions):
             )
         return self
 
+    @model_validator(mode="after")
+    def _a_last_slot_to_train(self) -> DominoOptions:
+        if self.train_last_slot and not self.shift_label:
+            raise PydanticCustomError(
+                "domino_last_slot",
+                "train_last_slot needs shift_label: true (DFlash's block has no slot past the served drafts to train)",
+            )
+        return self
+
 
 class DominoHead(BlockDrafter[DominoOptions]):
     head_type = "domino"

@@ -190,6 +190,8 @@ def test_refusals(peaked_wide_llama):
         DFlash(domino_head(peaked_wide_llama))
     with pytest.raises(ValueError, match="Domino's correction covers the target's whole vocabulary"):
         build_head(SETTINGS | {"draft_vocab_size": 100}, peaked_wide_llama)
+    with pytest.raises(ValueError, match="train_last_slot needs shift_label: true"):
+        build_head(SETTINGS | LAYOUTS["dflash-block"] | {"train_last_slot": True}, peaked_wide_llama)
 
 
 def test_training_resumes_to_the_same_head(tiny_target_dir, gsm8k_file, tmp_path, monkeypatch):
