@@ -137,8 +137,12 @@ class DominoHead(BlockDrafter[DominoOptions]):
     def corrected_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Target-vocab logits [.., V] of slots with normed outputs ``hidden`` [.., H] and GRU states ``state``
         [.., G]: the backbone's through the target's lm_head plus the correction."""
-        correction = self.embed_proj(torch.cat((hidden, state.to(hidden.dtype)), -1).to(self.fc.weight.dtype))
-        return self.logits(hidden) + correction.to(hidden.dtype)
+        return self.logits(hidden) + self.correction(hidden, state)
+
+    def correction(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The shift [.., V] that ``embed_proj`` adds to the backbone's logits of the same slots."""
+        shift = self.embed_proj(torch.cat((hidden, state.to(hidden.dtype)), -1).to(self.fc.weight.dtype))
+        return shift.to(hidden.dtype)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``BlockDrafter.loss`` with each drafting slot's teacher-forced GRU state beside its output, and whether
@@ -170,7 +174,7 @@ class DominoHead(BlockDrafter[DominoOptions]):
         hidden, prefix, corrected = states.split(sizes, -1)
         target_probs = self.target_probs(batch, sample, positions)
         base = self.draft_logits(hidden)
-        final = torch.where(corrected.bool(), self.corrected_logits(hidden, prefix), base)
+        final = torch.where(corrected.bool(), base + self.correction(hidden, prefix), base)  # one lm_head pass
         terms = self.distribution_terms(batch, final, sample, positions, target_probs)
         base_ce = soft_cross_entropy(base, target_probs)
         share = self.lambda_base()
